@@ -1,0 +1,100 @@
+"""Loading models and tokenizers the safe way, for every part of the kit.
+
+- ``model="tiny"`` (or :data:`lora_kit.DEFAULT_MODEL`) resolves to the embedded model shipped
+  inside the package; a local directory is used as is; anything else is treated as a hub id
+  (needs network access and, for gated models, the user's own login -- never stored by the kit).
+- Weights are loaded with safetensors only (``use_safetensors=True``): pickled ``.bin`` weights are
+  refused, never unpickled. ``trust_remote_code`` stays off unless the caller sets it.
+- QLoRA on CPU: bitsandbytes 0.50 on AVX512-BF16 CPUs repacks ``Linear4bit`` weights after any
+  no-grad forward and later training forwards silently cut the gradient to the layer input.
+  :func:`fix_bnb_cpu_repack` turns that path off on every 4-bit layer; :func:`load_model` always
+  applies it (it is a no-op on CUDA).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+TINY_ALIASES = ("tiny", "lora_kit:tiny", "embedded")
+EMBEDDED_DIR = Path(__file__).parent / "embedded" / "tiny"
+DTYPE_MAP = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model(model: str | os.PathLike) -> str:
+    """Path or hub id for ``model``; "tiny" -> the embedded model directory."""
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if model in TINY_ALIASES:
+        if not (EMBEDDED_DIR / "config.json").is_file():
+            raise ValueError(f"The embedded model is missing at {EMBEDDED_DIR}; rebuild it with "
+                             "`python scripts/build_tiny_model.py` or reinstall lora_kit.")
+        return str(EMBEDDED_DIR)
+    p = Path(model).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise ValueError(f"{str(p)!r} has no config.json: pass a folder written by save_pretrained.")
+        return str(p)
+    return model
+
+
+def check_weights(path: str) -> None:
+    """Refuse a local model folder without safetensors weights (clear message, nothing unpickled)."""
+    p = Path(path)
+    if not p.is_dir():
+        return
+    if not any(p.glob("*.safetensors")):
+        other = sorted(x.name for x in p.iterdir() if x.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        hint = (f" It has {other}: convert them to safetensors first (the kit never unpickles weights)."
+                if other else "")
+        raise ValueError(f"model folder {str(p)!r} holds no *.safetensors weights.{hint}")
+
+
+def load_tokenizer(model: str, trust_remote_code: bool = False, padding_side: str = "left"):
+    """Tokenizer with a pad token (EOS is reused if the tokenizer has none) and explicit padding side."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(resolve_model(model), trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError("tokenizer has neither a pad nor an eos token; set tokenizer.pad_token.")
+        tok.pad_token = tok.eos_token
+    tok.padding_side = padding_side
+    return tok
+
+
+def bnb_config(dtype: str = "float32", double_quant: bool = True):
+    from transformers import BitsAndBytesConfig
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                              bnb_4bit_use_double_quant=double_quant,
+                              bnb_4bit_compute_dtype=DTYPE_MAP[dtype],
+                              bnb_4bit_quant_storage=torch.uint8)
+
+
+def fix_bnb_cpu_repack(model) -> int:
+    """Disable bitsandbytes' AVX512-BF16 CPU repacking on every Linear4bit; returns layers fixed."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
+def load_model(model: str, method: str = "lora", dtype: str = "float32", double_quant: bool = True,
+               attn_implementation: str = "sdpa", trust_remote_code: bool = False, device: str | None = None):
+    """Base model for ``method`` ("full" / "lora": weights in ``dtype``; "qlora": NF4 4-bit)."""
+    from transformers import AutoModelForCausalLM
+    path = resolve_model(model)
+    check_weights(path)
+    kwargs = dict(dtype=DTYPE_MAP[dtype], attn_implementation=attn_implementation,
+                  trust_remote_code=trust_remote_code, use_safetensors=True)
+    if method == "qlora":
+        kwargs["quantization_config"] = bnb_config(dtype, double_quant)
+        if device is not None:
+            kwargs["device_map"] = {"": device}
+    m = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if method != "qlora" and device is not None:
+        m = m.to(device)
+    fix_bnb_cpu_repack(m)
+    return m
