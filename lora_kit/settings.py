@@ -66,6 +66,7 @@ class Settings:
     max_new_tokens: int = 16  # generation budget, same for base and adapter
     # --- output --------------------------------------------------------------------------
     run_dir: str = "runs/default"  # where results, adapter, notebooks and the run card are written
+    interactive: bool = True  # show ipywidgets panels (headless papermill runs set this to false)
 
     def __post_init__(self) -> None:
         validate(self)
