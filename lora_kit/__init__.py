@@ -42,6 +42,8 @@ __all__ = sorted(_LAZY) + ["DEFAULT_MODEL", "__version__"]
 def __getattr__(name: str):
     if name in _LAZY:
         mod = importlib.import_module(_LAZY[name])
+        if _LAZY[name] == f"lora_kit.{name}":  # a module exposed by name, e.g. lora_kit.stack
+            return getattr(mod, name, mod)
         return getattr(mod, name)
     raise AttributeError(f"module 'lora_kit' has no attribute {name!r}")
 
