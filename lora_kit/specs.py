@@ -1,0 +1,242 @@
+"""Model specs: the architecture facts the memory estimator needs, read from a transformers config.
+
+``model_spec(model)`` accepts
+
+- a catalog name from ``lora_kit/data/models.json`` (``"llama-3.1-8b"``; the hub id of a catalog
+  entry works too) -- offline, no download;
+- ``"tiny"`` -- the embedded model shipped with the package;
+- a local directory holding ``config.json``, or the path of a ``config.json`` file;
+- a ``transformers.PretrainedConfig``;
+- a hub id (only when online: ``HF_HUB_OFFLINE`` unset; ``trust_remote_code`` stays off).
+
+Trade-offs: known families (llama, mistral, qwen2, gemma / gemma2, phi3, gpt_neox) are described in
+closed form, so a spec costs a dict lookup and no torch import. Any other causal-LM architecture is
+built once on the meta device (no memory, ~0.1-1 s, torch import) and its layers read from the module
+tree; the activation model then assumes a Llama-like block and is less exact. Specs are cached.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+CATALOG_PATH = Path(__file__).parent / "data" / "models.json"
+GATED_MLP_TYPES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "qwen3", "olmo2", "granite")
+KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear layer of a decoder block (LoRA target candidate)."""
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool
+    kind: str  # "attn_in" (q/k/v or fused qkv), "attn_out", "mlp_in", "mlp_out"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture facts of a decoder-only causal LM (one block described, ``num_layers`` of them)."""
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tied_embeddings: bool
+    gated_mlp: bool  # SwiGLU/GeGLU (gate, up, down) vs plain (up, down)
+    linears: tuple  # tuple[Linear, ...] of one block
+    norms_per_layer: int  # normalisation layers per block
+    norm_bias: bool  # LayerNorm with bias (gpt_neox) vs RMSNorm
+    parallel_residual: bool = False  # gpt_neox: attention and MLP read the same input
+    attn_softcap: bool = False  # gemma2: tanh soft-capping of attention scores (eager only)
+    final_softcap: bool = False  # gemma2: tanh soft-capping of the logits
+    embed_scale: bool = False  # gemma: embeddings multiplied by sqrt(hidden)
+    exact: bool = True  # False: layers read from a meta-device build, activations assume Llama-like
+    extra_params: tuple = ()  # (numel, count) of parameter tensors outside the scheme above (generic only)
+    config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def param_tensors(self) -> list[tuple[str, int, int]]:
+        """(group, numel, count) for every parameter tensor; groups: embed, lm_head, linear, bias, norm.
+
+        Used for exact byte counts (each storage is rounded up to 512 bytes) and to know which
+        tensors QLoRA quantizes (``linear`` only).
+        """
+        h, n = self.hidden_size, self.num_layers
+        out = [("embed", self.vocab_size * h, 1)]
+        if not self.tied_embeddings:
+            out.append(("lm_head", self.vocab_size * h, 1))
+        for lin in self.linears:
+            out.append(("linear", lin.in_features * lin.out_features, n))
+            if lin.bias:
+                out.append(("bias", lin.out_features, n))
+        if self.exact:  # generic specs carry every non-linear tensor in extra_params
+            out.append(("norm", h, (self.norms_per_layer * n + 1) * (2 if self.norm_bias else 1)))
+        out.extend(("norm", numel, count) for numel, count in self.extra_params)
+        return out
+
+    @property
+    def num_params(self) -> int:
+        return sum(numel * count for _, numel, count in self.param_tensors())
+
+
+def catalog() -> dict[str, dict]:
+    """Catalog name -> config facts (offline), as shipped in ``lora_kit/data/models.json``."""
+    return _catalog()
+
+
+@lru_cache(maxsize=1)
+def _catalog() -> dict:
+    return json.loads(CATALOG_PATH.read_text())["models"]
+
+
+def _config_dict(model) -> tuple[str, dict]:
+    """(display name, config dict) for any accepted ``model`` form."""
+    if hasattr(model, "to_dict") and hasattr(model, "model_type"):  # PretrainedConfig
+        return getattr(model, "name_or_path", "") or model.model_type, model.to_dict()
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a catalog name, a local path, a hub id or a PretrainedConfig; got {model!r}.")
+    cat = _catalog()
+    key = model.lower()
+    for name, facts in cat.items():
+        if key == name or key == facts["hub_id"].lower():
+            return name, {k: v for k, v in facts.items() if k not in ("hub_id", "params")}
+    from .loading import TINY_ALIASES, resolve_model
+    p = Path(model).expanduser()
+    if model in TINY_ALIASES or p.exists():
+        path = Path(resolve_model(model)) if not p.is_file() else p
+        cfg_file = path if path.is_file() else path / "config.json"
+        return model, json.loads(cfg_file.read_text())
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        raise ValueError(
+            f"Unknown model {model!r} and the hub is offline (HF_HUB_OFFLINE is set). Pass a "
+            f"transformers PretrainedConfig, a local folder holding config.json (or the config.json path), "
+            f"or a catalog name such as {', '.join(sorted(cat)[:6])} (all: lora_kit.specs.catalog()).")
+    from transformers import AutoConfig
+    try:
+        cfg = AutoConfig.from_pretrained(model, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - the hub raises many kinds; the message says what to do
+        raise ValueError(f"Could not read a config for {model!r} from the hub ({type(e).__name__}: {e}). Pass a "
+                         "PretrainedConfig, a local folder with config.json, or a catalog name.") from None
+    return model, cfg.to_dict()
+
+
+def _family_linears(c: dict, mt: str, h: int, i: int, H: int, kv: int, d: int) -> tuple:
+    if mt == "gpt_neox":
+        return (Linear("query_key_value", h, 3 * H * d, True, "attn_in"), Linear("dense", H * d, h, True, "attn_out"),
+                Linear("dense_h_to_4h", h, i, True, "mlp_in"), Linear("dense_4h_to_h", i, h, True, "mlp_out"))
+    mlp_bias = bool(c.get("mlp_bias", False))
+    if mt == "phi3":
+        return (Linear("qkv_proj", h, (H + 2 * kv) * d, False, "attn_in"), Linear("o_proj", H * d, h, False, "attn_out"),
+                Linear("gate_up_proj", h, 2 * i, False, "mlp_in"), Linear("down_proj", i, h, False, "mlp_out"))
+    qkv_bias = True if mt == "qwen2" else bool(c.get("attention_bias", False))
+    o_bias = False if mt == "qwen2" else bool(c.get("attention_bias", False))
+    return (Linear("q_proj", h, H * d, qkv_bias, "attn_in"), Linear("k_proj", h, kv * d, qkv_bias, "attn_in"),
+            Linear("v_proj", h, kv * d, qkv_bias, "attn_in"), Linear("o_proj", H * d, h, o_bias, "attn_out"),
+            Linear("gate_proj", h, i, mlp_bias, "mlp_in"), Linear("up_proj", h, i, mlp_bias, "mlp_in"),
+            Linear("down_proj", i, h, mlp_bias, "mlp_out"))
+
+
+def spec_from_config(c: dict, name: str = "") -> ModelSpec:
+    """ModelSpec from a config dict (``config.json`` contents or ``PretrainedConfig.to_dict()``)."""
+    if "text_config" in c and "hidden_size" not in c:
+        c = {**c["text_config"], "tie_word_embeddings": c.get("tie_word_embeddings", False)}
+    mt = c.get("model_type", "")
+    if mt not in KNOWN_TYPES:
+        return _generic_spec(c, name)
+    h, n, H = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["num_attention_heads"])
+    kv = int(c.get("num_key_value_heads") or H) if mt != "gpt_neox" else H
+    d = int(c.get("head_dim") or h // H)
+    i = int(c["intermediate_size"])
+    tied = bool(c.get("tie_word_embeddings", mt in ("gemma", "gemma2")))
+    return ModelSpec(
+        name=name or mt, model_type=mt, vocab_size=int(c["vocab_size"]), hidden_size=h, intermediate_size=i,
+        num_layers=n, num_heads=H, num_kv_heads=kv, head_dim=d, tied_embeddings=tied,
+        gated_mlp=mt != "gpt_neox", linears=_family_linears(c, mt, h, i, H, kv, d),
+        norms_per_layer=4 if mt == "gemma2" else 2, norm_bias=mt == "gpt_neox",
+        parallel_residual=mt == "gpt_neox" and bool(c.get("use_parallel_residual", True)),
+        attn_softcap=mt == "gemma2" and c.get("attn_logit_softcapping") is not None,
+        final_softcap=mt == "gemma2" and c.get("final_logit_softcapping") is not None,
+        embed_scale=mt in ("gemma", "gemma2"), config=dict(c))
+
+
+def _generic_spec(c: dict, name: str) -> ModelSpec:
+    """Any other causal LM: build it once on the meta device and read one block's linears."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg_kwargs = {k: v for k, v in c.items() if k not in ("model_type", "transformers_version", "architectures")}
+    try:
+        cfg = AutoConfig.for_model(c.get("model_type", ""), **cfg_kwargs)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"Cannot build model_type={c.get('model_type')!r} with transformers ({e}). Pass a config "
+                         "of a causal LM transformers knows, or a catalog name.") from None
+    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+    block = layers[0]
+    linears = []
+    for lname, mod in block.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            short = lname.rsplit(".", 1)[-1]
+            kind = ("attn_out" if short in ("o_proj", "dense", "out_proj", "c_proj") and "attn" in lname
+                    else "attn_in" if "attn" in lname or "attention" in lname
+                    else "mlp_out" if short in ("down_proj", "fc2", "dense_4h_to_h", "c_proj", "w2") else "mlp_in")
+            linears.append(Linear(short, mod.in_features, mod.out_features, mod.bias is not None, kind))
+    seen, extra = set(), {}
+    h = int(cfg.hidden_size)
+    V = int(cfg.vocab_size)
+    emb = model.get_input_embeddings().weight
+    out_emb = model.get_output_embeddings().weight if model.get_output_embeddings() is not None else emb
+    tied = out_emb is emb
+    skip = {id(emb), id(out_emb)} | {id(p) for blk in layers for m in blk.modules()
+                                     if isinstance(m, torch.nn.Linear) for p in m.parameters()}
+    for p in model.parameters():
+        if id(p) in skip or id(p) in seen:
+            continue
+        seen.add(id(p))
+        extra[p.numel()] = extra.get(p.numel(), 0) + 1
+    H = int(getattr(cfg, "num_attention_heads", 1))
+    ffn = max((lin.out_features for lin in linears if lin.kind == "mlp_in"), default=4 * h)
+    return ModelSpec(
+        name=name or c.get("model_type", "model"), model_type=c.get("model_type", ""), vocab_size=V, hidden_size=h,
+        intermediate_size=ffn, num_layers=len(layers), num_heads=H,
+        num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or H),
+        head_dim=int(getattr(cfg, "head_dim", None) or h // H), tied_embeddings=tied,
+        gated_mlp=any(lin.name in ("gate_proj", "w1", "gate_up_proj") for lin in linears),
+        linears=tuple(linears), norms_per_layer=2, norm_bias=False, exact=False,
+        extra_params=tuple(sorted(extra.items())), config=dict(c))
+
+
+@lru_cache(maxsize=256)
+def _cached_spec(key: str) -> ModelSpec:
+    name, c = _config_dict(key)
+    return spec_from_config(c, name)
+
+
+def model_spec(model) -> ModelSpec:
+    """The :class:`ModelSpec` of ``model`` (catalog name, "tiny", local path, hub id or PretrainedConfig).
+
+    Strings are cached (one config read per process); configs are re-read each call (they are mutable).
+    """
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        key = os.fspath(model)
+        p = Path(key).expanduser()
+        return _cached_spec(str(p.resolve()) if p.exists() else key)
+    name, c = _config_dict(model)
+    return spec_from_config(c, name)
+
+
+def valid_targets(spec) -> list[str]:
+    """LoRA target module names of one block (what ``lora_targets`` accepts besides "all-linear")."""
+    spec = model_spec(spec)
+    return [lin.name for lin in spec.linears]
