@@ -1,0 +1,186 @@
+"""Live-bytes tracking: the peak memory of a step, measured from the tensors themselves.
+
+:class:`LiveBytesTracker` is a ``TorchDispatchMode``: every tensor an operator returns has its
+storage counted once (views share a storage), each storage rounded up to 512 bytes as the CUDA
+caching allocator rounds its blocks, and a ``weakref.finalize`` subtracts it when the storage dies.
+It works the same on real CPU tensors and under ``FakeTensorMode`` (where nothing is allocated),
+which is what makes ``lora_kit.simulate`` possible without a GPU.
+
+Trade-offs, stated:
+
+- Tensors created *before* the tracker was entered (weights, optimizer state, ...) are invisible to
+  the dispatch mode; register them with :meth:`LiveBytesTracker.track` (``label`` does it too) so
+  that "counting everything already live" holds.
+- Only storages that pass through the dispatcher are seen. Memory a kernel allocates internally
+  (cuBLAS workspaces, bitsandbytes' paged buffers) is not -- neither does
+  ``torch.cuda.max_memory_allocated`` see paged (managed) memory.
+- The breakdown at the peak is kept as a snapshot of live storage ids, taken lazily at the first
+  free after a new peak (when the live set is still exactly the peak's), so it costs one dict copy
+  per new maximum, not one per operator.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+
+BLOCK = 512  # bytes: CUDA caching allocator block rounding
+OTHER = "other"
+
+
+def round_bytes(nbytes: int, block: int = BLOCK) -> int:
+    """``nbytes`` rounded up to the allocator block (0 stays 0: empty tensors allocate nothing)."""
+    return 0 if nbytes <= 0 else -(-nbytes // block) * block
+
+
+class LiveBytesTracker(TorchDispatchMode):
+    """Count live storage bytes while active; keep the peak and what was live at the peak.
+
+    ``block``: rounding of each storage (512 like the CUDA caching allocator; 1 = exact bytes).
+    ``limit_bytes``: raise ``torch.OutOfMemoryError`` when an allocation takes the live bytes
+    above it (a CPU stand-in for a GPU running out of memory). ``phase``: a free-form label
+    (e.g. "forward") that the caller sets; the phase current at the peak is kept in
+    :attr:`peak_phase`.
+
+    Usage::
+
+        tr = LiveBytesTracker()
+        tr.label(model.parameters(), "params")           # already-live tensors
+        with tr:
+            loss = model(**batch).loss; loss.backward()
+        tr.label((p.grad for p in model.parameters()), "grads")
+        tr.peak_bytes, tr.peak_breakdown()               # {"params": ..., "grads": ..., "other": ...}
+    """
+
+    def __init__(self, limit_bytes: int | None = None, block: int = BLOCK):
+        super().__init__()
+        if block < 1:
+            raise ValueError(f"block must be a positive number of bytes (512 = CUDA rounding, 1 = exact), got {block!r}.")
+        self.block = block
+        if limit_bytes is not None and limit_bytes <= 0:
+            raise ValueError(f"limit_bytes must be a positive number of bytes, got {limit_bytes!r}.")
+        self.limit_bytes = limit_bytes
+        self.phase = ""
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self.peak_phase = ""
+        self._serial = itertools.count()
+        self._ids = WeakIdKeyDictionary()  # storage -> serial
+        self._live: dict[int, int] = {}  # serial -> rounded bytes
+        self._labels: dict[int, str] = {}  # serial -> category
+        self._snapshot: dict[int, int] = {}  # live set at the peak
+        self._pending = False  # a new peak was reached and not yet snapshotted
+
+    # -- counting -----------------------------------------------------------------------------
+    def _free(self, serial: int) -> None:
+        if self._pending:
+            self._snapshot = dict(self._live)
+            self._pending = False
+        self.current_bytes -= self._live.pop(serial, 0)
+
+    def _add(self, t: torch.Tensor) -> int | None:
+        if t.layout != torch.strided:
+            return None
+        try:
+            st = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # e.g. sparse or functional wrappers
+            return None
+        serial = self._ids.get(st)
+        nbytes = round_bytes(st.nbytes(), self.block)
+        if serial is not None:
+            old = self._live.get(serial)
+            if old is None or old == nbytes:
+                return serial
+            self.current_bytes += nbytes - old  # storage was resized in place
+            self._live[serial] = nbytes
+        else:
+            serial = next(self._serial)
+            self._ids[st] = serial
+            self._live[serial] = nbytes
+            self.current_bytes += nbytes
+            weakref.finalize(st, self._free, serial)
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            self.peak_phase = self.phase
+            self._pending = True
+        if self.limit_bytes is not None and self.current_bytes > self.limit_bytes:
+            raise torch.OutOfMemoryError(
+                f"LiveBytesTracker: {self.current_bytes} live bytes exceed limit_bytes={self.limit_bytes} "
+                f"(phase {self.phase!r}); lower batch_size or seq_len, or enable gradient_checkpointing.")
+        return serial
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self._add, out)
+        return out
+
+    # -- already-live tensors and categories --------------------------------------------------
+    def track(self, tensors) -> int:
+        """Count tensors that exist already (created outside the tracker); returns bytes added."""
+        before = self.current_bytes
+        for t in _tensors(tensors):
+            self._add(t)
+        return self.current_bytes - before
+
+    def label(self, tensors, category: str) -> None:
+        """Put the storages of ``tensors`` in ``category`` (tracking them first if needed).
+
+        A storage keeps its first label; unlabelled storages count as ``"other"``.
+        """
+        for t in _tensors(tensors):
+            serial = self._add(t)
+            if serial is not None:
+                self._labels.setdefault(serial, category)
+
+    def label_module(self, model: torch.nn.Module, optimizer=None) -> None:
+        """Generic categories: "params", "grads", "optimizer_state" (call again after backward)."""
+        self.label(model.parameters(), "params")
+        self.label(model.buffers(), "params")
+        self.label((p.grad for p in model.parameters() if p.grad is not None), "grads")
+        if optimizer is not None:
+            self.label(optimizer_state_tensors(optimizer), "optimizer_state")
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now (everything already live still counts)."""
+        self.peak_bytes = self.current_bytes
+        self.peak_phase = self.phase
+        self._snapshot = dict(self._live)
+        self._pending = False
+
+    def peak_breakdown(self) -> dict[str, int]:
+        """Bytes live at the peak, by category; sums to :attr:`peak_bytes`."""
+        snap = dict(self._live) if self._pending else self._snapshot
+        out: dict[str, int] = defaultdict(int)
+        for serial, nbytes in snap.items():
+            out[self._labels.get(serial, OTHER)] += nbytes
+        return dict(out)
+
+    def current_breakdown(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for serial, nbytes in self._live.items():
+            out[self._labels.get(serial, OTHER)] += nbytes
+        return dict(out)
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+        return
+    for t in x:
+        if isinstance(t, torch.Tensor):
+            yield t
+        elif isinstance(t, (list, tuple)):
+            yield from _tensors(t)
+
+
+def optimizer_state_tensors(optimizer):
+    """Every tensor held in ``optimizer.state`` (nested one level for bitsandbytes' layouts)."""
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                yield v
