@@ -49,6 +49,7 @@ class Settings:
     num_gpus: int = 1  # GPUs in the job (memory is per GPU)
     sharding: str = "none"  # none | ddp | zero1 | zero2 | zero3 | fsdp
     cpu_offload: bool = False  # offload sharded optimizer states (and zero3/fsdp params) to CPU
+    plan_model: str = "llama-3.1-8b"  # model the planning notebooks size GPUs for ("same" = model); the tiny model fits anywhere
     gpu: str = "A100-80GB"  # GPU the plan targets (see lora_kit.gpus.gpu_table())
     gpus: list = field(default_factory=lambda: ["T4", "L4", "A10G", "RTX-4090", "L40S", "A100-80GB", "H100-SXM"])  # GPUs to compare
     margin: float = 0.10  # safety margin: a plan "fits" when it uses at most (1 - margin) of the GPU
@@ -76,6 +77,10 @@ class Settings:
 
     def replace(self, **changes) -> "Settings":
         return from_dict({**self.to_dict(), **changes})
+
+    def planning_model(self) -> str:
+        """The model the planning notebooks size GPUs for (``plan_model``, or ``model`` if "same")."""
+        return self.model if self.plan_model == "same" else self.plan_model
 
     def estimate_kwargs(self) -> dict:
         """The subset of settings that ``lora_kit.estimate`` / ``simulate`` accept."""

@@ -1,0 +1,177 @@
+"""The run card: ``runs/<name>/report.md`` and ``report.json`` — the request a user sends when
+renting a GPU, built from the results the notebooks wrote (missing parts are marked, never guessed).
+
+Sources in the run directory: ``settings.json`` (pipeline), ``stack.json`` (00), ``plan.json`` (01),
+``sweeps.json`` (02), ``smoke/smoke.json`` (03, written by ``smoke_run``), ``eval/eval.json`` (04).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .results import write_json_atomic, write_text_atomic
+
+GiB = 1024 ** 3
+
+
+def _load(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _gib(b) -> str:
+    return "—" if b is None else f"{b / GiB:.2f} GiB"
+
+
+def _pct(x) -> str:
+    return "—" if x is None else f"{x:+.1f} %"
+
+
+def collect(run_dir: str | Path) -> dict:
+    """Everything the run card needs, from the files present (None where a part did not run)."""
+    d = Path(run_dir)
+    return {
+        "settings": _load(d / "settings.json"),
+        "pipeline": _load(d / "pipeline.json"),
+        "stack": _load(d / "stack.json"),
+        "plan": _load(d / "plan.json"),
+        "sweeps": _load(d / "sweeps.json"),
+        "smoke": _load(d / "smoke" / "smoke.json"),
+        "eval": _load(d / "eval" / "eval.json"),
+    }
+
+
+def next_checks(card: dict) -> list[str]:
+    """Plain-language things to check next, derived from what was measured."""
+    out = []
+    smoke, ev, plan, stack = card["smoke"], card["eval"], card["plan"], card["stack"]
+    if stack:
+        failed = [p.get("name") for p in stack.get("probes", []) if p.get("status") == "fail"]
+        if failed:
+            out.append(f"Fix the failing stack probes before renting: {', '.join(map(str, failed))}.")
+    if smoke is None:
+        out.append("Run the smoke run (03) with the planned settings before renting for longer.")
+    elif smoke.get("status") != "complete":
+        out.append(f"The smoke run stopped ({smoke.get('status')}): see smoke/smoke.json and the suggested changes.")
+    if ev is None:
+        out.append("Evaluate base vs adapter (04) on held-out examples: training loss is not quality.")
+    else:
+        ctrl = ev.get("control") or {}
+        changed = ctrl.get("changed_fraction")
+        if changed is not None and changed > 0.1:
+            out.append(f"{changed:.0%} of control outputs changed: mix base-task data into training "
+                       "(`base_mix`) or lower the learning rate, then re-check the control set.")
+    if plan and not any(r.get("fits") for r in plan.get("rows", [])):
+        out.append("No listed GPU fits the planned settings: see 02 for the largest seq_len / batch that fits.")
+    out.append("On the rented GPU, run `lora-kit check` first, then the smoke run with the same params file; "
+               "compare its measured peak and step time with this card before starting the long run.")
+    return out
+
+
+def _md_table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
+    head = "| " + " | ".join(h for _, h in cols) + " |\n|" + "---|" * len(cols) + "\n"
+    return head + "".join("| " + " | ".join(str(r.get(k, "—")) for k, _ in cols) + " |\n" for r in rows)
+
+
+def render_markdown(card: dict) -> str:
+    s = card["settings"] or {}
+    lines = [f"# Run card: {s.get('model', '?')} · {s.get('method', '?')}", ""]
+    pipe = card["pipeline"] or {}
+    if pipe:
+        lines += [f"Pipeline status: **{pipe.get('status')}**"
+                  + (f" in {pipe['seconds']:.0f} s" if pipe.get("seconds") else ""), ""]
+    # --- the request --------------------------------------------------------------------------
+    lines += ["## The request", ""]
+    plan = card["plan"]
+    if plan and plan.get("rows"):
+        lines.append(f"Planned for **{plan.get('model')}** at seq_len {plan.get('seq_len')}, "
+                     f"micro-batch {plan.get('batch_size')} (prices are the user's or labelled examples).")
+        lines.append("")
+        rows = [r for r in plan["rows"] if r.get("fits")]
+        rows = sorted(rows, key=lambda r: (r.get("cost_per_epoch") is None, r.get("cost_per_epoch") or 0))[:8]
+        fmt = [{**r, "memory": _gib(r.get("device_total_bytes")),
+                "headroom": _gib(r.get("headroom_bytes")),
+                "time": "—" if r.get("hours_per_epoch") is None else f"{r['hours_per_epoch']:.2f} h",
+                "cost": "—" if r.get("cost_per_epoch") is None else f"{r['cost_per_epoch']:.2f}"} for r in rows]
+        lines.append(_md_table(fmt, [("method", "method"), ("gpu", "GPU"), ("memory", "memory"),
+                                     ("headroom", "headroom"), ("time", "time / epoch"),
+                                     ("cost", "cost / epoch")]) if fmt else "No listed GPU fits.")
+        if plan.get("recommendation"):
+            lines += ["", f"**Recommendation:** {plan['recommendation']}"]
+    else:
+        lines.append("_No plan in this run (notebook 01 did not run)._")
+    lines.append("")
+    # --- settings ----------------------------------------------------------------------------
+    lines += ["## Settings", "", "| setting | value |", "|---|---|"]
+    lines += [f"| {k} | `{v}` |" for k, v in s.items()]
+    lines.append("")
+    # --- memory ------------------------------------------------------------------------------
+    lines += ["## Memory: estimated, simulated, measured", ""]
+    smoke = card["smoke"]
+    mem = (smoke or {}).get("memory") or {}
+    if mem:
+        lines.append(_md_table([{
+            "est": _gib(mem.get("estimate_peak_bytes")), "sim": _gib(mem.get("simulate_peak_bytes")),
+            "meas": _gib(mem.get("measured_peak_bytes")), "e_err": _pct(mem.get("estimate_error_pct")),
+            "s_err": _pct(mem.get("simulate_error_pct")), "where": mem.get("device", "—")}],
+            [("est", "estimate"), ("sim", "simulate"), ("meas", "measured"), ("e_err", "estimate error"),
+             ("s_err", "simulate error"), ("where", "measured on")]))
+    else:
+        lines.append("_No measured peak (the smoke run did not run or did not reach training)._")
+    lines.append("")
+    # --- stack -------------------------------------------------------------------------------
+    lines += ["## Software stack", ""]
+    st = card["stack"]
+    if st:
+        vers = st.get("versions", {})
+        lines.append(", ".join(f"{k} {v}" for k, v in vers.items()))
+        hw = st.get("hardware", {})
+        if hw:
+            lines += ["", ", ".join(f"{k}: {v}" for k, v in hw.items())]
+        probes = st.get("probes", [])
+        if probes:
+            lines += ["", _md_table(probes, [("name", "probe"), ("status", "status"), ("detail", "detail")])]
+    else:
+        lines.append("_No stack check in this run._")
+    lines.append("")
+    # --- smoke -------------------------------------------------------------------------------
+    lines += ["## Smoke run", ""]
+    if smoke:
+        lines.append(f"Status: **{smoke.get('status')}**")
+        summ = smoke.get("summary") or {}
+        for k, v in summ.items():
+            lines.append(f"- {k}: {v}")
+        ver = smoke.get("verify") or {}
+        if ver:
+            lines.append("- verify: " + ", ".join(f"{k}={v}" for k, v in ver.items() if not isinstance(v, (dict, list))))
+        if smoke.get("suggestions"):
+            lines += ["", "Changes that would fit (largest estimated saving first):"]
+            lines += [f"1. {x.get('change', x) if isinstance(x, dict) else x}" for x in smoke["suggestions"]]
+    else:
+        lines.append("_No smoke run in this run._")
+    lines.append("")
+    # --- evaluation --------------------------------------------------------------------------
+    lines += ["## Evaluation: base vs adapter", ""]
+    ev = card["eval"]
+    if ev:
+        if ev.get("summary_sentence"):
+            lines.append(ev["summary_sentence"])
+        ctrl = ev.get("control") or {}
+        if ctrl.get("summary_sentence"):
+            lines += ["", ctrl["summary_sentence"]]
+    else:
+        lines.append("_No evaluation in this run._")
+    lines += ["", "## What to check next", ""] + [f"- {x}" for x in next_checks(card)]
+    return "\n".join(lines) + "\n"
+
+
+def build_report(run_dir: str | Path) -> dict:
+    """Write ``report.md`` and ``report.json`` into ``run_dir``; returns their paths."""
+    d = Path(run_dir)
+    card = collect(d)
+    card["next_checks"] = next_checks(card)
+    write_json_atomic(d / "report.json", card)
+    write_text_atomic(d / "report.md", render_markdown(card))
+    return {"md": str(d / "report.md"), "json": str(d / "report.json")}
