@@ -1,0 +1,142 @@
+"""The GPU catalog: memory, bandwidth, dense tensor-core TFLOP/s, architecture, host CPU, interconnect.
+
+The data lives in ``lora_kit/data/gpus.csv`` (one row per GPU, the vendor datasheet named in
+``source``). Users extend it with their own CSV (``gpu_table(extra_csv=...)``) or one row at a time
+(:func:`add_gpu`); a user row with a known name replaces the shipped one.
+
+Capacity, honestly: vendors write "80 GB" but CUDA sees a different number (an A100 80GB reports
+81,920 MiB = 80 GiB; an H100 80GB 81,559 MiB; an L4 "24 GB" 23,034 MiB). ``capacity_bytes`` is the
+CUDA-reported total (``cuda_total_mib`` * 2**20) where a public report is named in the row, else
+``memory_gb`` * 1e9 (the smaller reading of the vendor's GB). The planner compares a plan's
+``device_total_bytes`` (allocator peak plus CUDA context) with ``(1 - margin) * capacity_bytes``.
+
+Prices: ``example_price_per_hour`` is an example to show how cost is computed, never a quote; the
+planner takes the user's own ``prices={"H100-SXM": ...}``.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pandas as pd
+
+CATALOG_CSV = Path(__file__).parent / "data" / "gpus.csv"
+COLUMNS = ("name", "memory_gb", "memory_type", "cuda_total_mib", "cuda_total_source", "memory_bandwidth_gbs",
+           "bf16_tflops", "fp16_tflops", "architecture", "compute_capability", "cpu_arch", "interconnect",
+           "source", "example_price_per_hour", "notes")
+REQUIRED = ("name", "memory_gb", "memory_bandwidth_gbs")
+NUMERIC = ("memory_gb", "cuda_total_mib", "memory_bandwidth_gbs", "bf16_tflops", "fp16_tflops",
+           "example_price_per_hour")
+_USER_ROWS: dict[str, dict] = {}  # key -> row added with add_gpu (this Python session only)
+_CACHE: dict = {}
+
+
+def _key(name: str) -> str:
+    """Lookup key: case and punctuation insensitive ("a100 80gb" == "A100-80GB")."""
+    return re.sub(r"[^a-z0-9]", "", str(name).lower())
+
+
+def _read_csv(path) -> pd.DataFrame:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"GPU catalog file {str(p)!r} does not exist.")
+    try:
+        df = pd.read_csv(p, comment="#", skipinitialspace=True)
+    except Exception as e:  # pandas raises several parser errors
+        raise ValueError(f"GPU catalog file {str(p)!r} is not a readable CSV: {e}") from None
+    missing = [c for c in REQUIRED if c not in df.columns]
+    if missing:
+        raise ValueError(f"GPU catalog file {str(p)!r} lacks column(s) {missing}; it has {list(df.columns)}. "
+                         f"Columns understood: {', '.join(COLUMNS)}.")
+    return df
+
+
+def _finish(df: pd.DataFrame) -> pd.DataFrame:
+    df = df.reindex(columns=list(COLUMNS) + [c for c in df.columns if c not in COLUMNS])
+    for c in NUMERIC:
+        df[c] = pd.to_numeric(df[c], errors="coerce").astype(float)
+    for c in ("memory_gb", "memory_bandwidth_gbs"):
+        bad = df.loc[~(df[c] > 0), "name"].tolist()
+        if bad:
+            raise ValueError(f"GPU(s) {bad}: {c} must be a positive number.")
+    neg = df.loc[df["example_price_per_hour"] < 0, "name"].tolist()
+    if neg:
+        raise ValueError(f"GPU(s) {neg}: example_price_per_hour must be >= 0 (leave it empty if unknown).")
+    df["capacity_bytes"] = df["cuda_total_mib"].mul(2 ** 20).fillna(df["memory_gb"] * 1e9).astype("int64")
+    df["capacity_gib"] = df["capacity_bytes"] / 2 ** 30
+    df["key"] = df["name"].map(_key)
+    return df.drop_duplicates("key", keep="last").set_index("name", drop=False)
+
+
+def gpu_table(extra_csv: str | Path | None = None) -> pd.DataFrame:
+    """The catalog as a DataFrame indexed by GPU name (shipped rows, then ``extra_csv``, then add_gpu rows).
+
+    Adds ``capacity_bytes`` / ``capacity_gib`` (what the planner compares against, see module doc).
+    """
+    ck = str(extra_csv)
+    if ck not in _CACHE:
+        frames = [_read_csv(CATALOG_CSV)]
+        if extra_csv is not None:
+            frames.append(_read_csv(extra_csv))
+        if _USER_ROWS:
+            frames.append(pd.DataFrame(list(_USER_ROWS.values())))
+        _CACHE.clear()
+        _CACHE[ck] = _finish(pd.concat(frames, ignore_index=True))
+    return _CACHE[ck].copy()
+
+
+def add_gpu(name: str, memory_gb: float, memory_bandwidth_gbs: float, bf16_tflops: float | None = None,
+            **fields) -> dict:
+    """Add (or replace) a GPU for this Python session; returns the row as the planner will see it.
+
+    Example: ``add_gpu("RTX-5090", memory_gb=32, memory_bandwidth_gbs=1792, bf16_tflops=209.5,
+    source="NVIDIA RTX Blackwell whitepaper", cpu_arch="x86-64")``. Unknown field names raise.
+    """
+    unknown = sorted(set(fields) - set(COLUMNS))
+    if unknown:
+        raise ValueError(f"add_gpu: unknown field(s) {unknown}; known fields: {', '.join(COLUMNS)}.")
+    row = {"name": name, "memory_gb": memory_gb, "memory_bandwidth_gbs": memory_bandwidth_gbs,
+           "bf16_tflops": bf16_tflops, **fields}
+    _finish(pd.DataFrame([row]))  # validate before registering
+    _USER_ROWS[_key(name)] = row
+    _CACHE.clear()
+    return get_gpu(name)
+
+
+def remove_user_gpus() -> None:
+    """Forget every add_gpu row (tests use it; the shipped catalog is untouched)."""
+    _USER_ROWS.clear()
+    _CACHE.clear()
+
+
+def known_gpus(extra_csv=None) -> list[str]:
+    return gpu_table(extra_csv)["name"].tolist()
+
+
+def get_gpu(name: str, extra_csv=None) -> dict:
+    """One catalog row as a dict; an unknown name raises ValueError listing the known ones."""
+    df = gpu_table(extra_csv)
+    hit = df[df["key"] == _key(name)]
+    if hit.empty:
+        raise ValueError(f"Unknown GPU {name!r}. Known GPUs: {', '.join(df['name'])}. "
+                         "Add yours with lora_kit.gpus.add_gpu(...) or gpu_table(extra_csv=...).")
+    return hit.iloc[0].to_dict()
+
+
+def resolve_prices(names, prices: dict | None = None, extra_csv=None) -> dict[str, float]:
+    """Price per hour for each GPU: the user's ``prices`` where given, else the catalog's example (NaN if none).
+
+    Negative prices raise. Keys of ``prices`` are matched like GPU names; an unknown key raises.
+    """
+    prices = prices or {}
+    user = {}
+    for k, v in prices.items():
+        g = get_gpu(k, extra_csv)["name"]
+        if v is None or not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or v != v:
+            raise ValueError(f"price for {k!r} must be a non-negative number (per GPU-hour), got {v!r}.")
+        user[g] = float(v)
+    out = {}
+    for n in names:
+        g = get_gpu(n, extra_csv)
+        out[g["name"]] = user.get(g["name"], g["example_price_per_hour"])
+    return out

@@ -1,0 +1,196 @@
+"""Step time from FLOPs: an assumed utilization the user sees, replaced by a measured one (calibration).
+
+Model of one training step (forward + backward + optimizer step), ``T = batch_size * seq_len`` tokens
+per GPU, ``P`` = weights of every matmul the tokens pass through (the block linears plus the LM head;
+the embedding is a lookup, not a matmul), ``s`` = seq_len, ``a`` = attention width (heads * head_dim),
+``L`` = layers, ``r`` = LoRA rank:
+
+- forward: ``2 T P`` (one multiply-add per weight per token) + attention ``4 T s a L * c`` (QK^T and
+  AV; ``c`` = 0.5 with ``attn_implementation="sdpa"`` because flash/efficient kernels skip the masked
+  half of a causal matrix, 1.0 with "eager");
+- backward, full fine-tuning: ``2 x forward`` (input gradients + weight gradients), the usual ``6 T P``;
+- backward, LoRA / QLoRA: the frozen weights still need *input* gradients (``2 T P``) but no weight
+  gradients; attention backward is ``2 x`` its forward (it has no weights); the adapters cost
+  ``6 T r (in + out)`` per adapted linear (small: r << width);
+- gradient checkpointing: the decoder blocks' forward runs a second time during backward (the LM head
+  is not recomputed);
+- QLoRA dequantization: every pass through a 4-bit linear (forward, backward, and the recomputed
+  forward) first expands its NF4 weights to the compute dtype: ``2.5 bytes`` moved per weight
+  (0.5 read + 2 written), a memory-bound cost ``passes * P_lin * 2.5 / bandwidth``. It does not
+  shrink with the batch, which is why QLoRA is much slower per token at small batches;
+- optimizer step: memory-bound, ``16 bytes`` moved per trainable fp32 parameter for AdamW (read
+  param, grad, two moments; write param and moments), ``/ bandwidth``;
+- compute runs at ``mfu`` (model FLOPs utilization) of the GPU's dense tensor-core peak for the
+  compute dtype; memory-bound parts at ``bandwidth_efficiency`` of the datasheet bandwidth.
+
+Assumptions (each one shown to the user in :meth:`TimeModel.describe`):
+
+- ``mfu = 0.35`` until calibrated: LoRA fine-tuning of 1-10B models with HF Trainer typically
+  reaches 25-50 % of the dense bf16 peak; smaller models and short sequences reach less.
+- compute rate by dtype: bfloat16 / autocast -> ``bf16_tflops`` (fp16 figure if bf16 is missing);
+  float16 -> ``fp16_tflops``; float32 without autocast -> TF32 tensor cores at half the bf16 rate
+  (true of the A100 / H100 / Ada datasheets).
+- ``bandwidth_efficiency = 0.7`` of the datasheet memory bandwidth for the memory-bound parts.
+- data parallel (num_gpus > 1): each GPU runs the same step on its own micro-batch; gradient
+  all-reduce, ZeRO-3 / FSDP parameter gathers and CPU offload traffic are NOT modelled (they overlap
+  with compute on NVLink machines, they do not over PCIe): treat multi-GPU times as a lower bound.
+- padding: ``seq_len`` is the padded length, so tokens/s counts pad tokens as work; packing removes them.
+
+Calibration: :func:`calibrate` takes a measured step time (e.g. a smoke run's median) and the
+settings it ran with, and returns a :class:`TimeModel` whose ``mfu`` reproduces it exactly; the
+memory-bound terms are kept and the remainder is attributed to compute. Predictions for other
+settings on the same device then reuse that utilization. The error of that extrapolation on this
+repository's CPU is measured by ``benchmarks/time_model_accuracy.py``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+DEQUANT_BYTES_PER_WEIGHT = 2.5  # NF4 read (0.5 B) + compute-dtype write (2 B)
+ADAMW_BYTES_PER_PARAM = 16  # fp32 param, grad, exp_avg, exp_avg_sq read; param and two moments written
+OPTIMIZER_BYTES = {"adamw": 16, "paged_adamw_32bit": 16, "adamw_8bit": 10, "paged_adamw_8bit": 10,
+                   "sgd": 8, "adafactor": 12}  # bytes moved per trainable parameter in optimizer.step()
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Utilization assumptions; ``source`` says whether they are assumed or measured."""
+    mfu: float = 0.35  # fraction of the dense tensor-core peak the matmuls reach
+    bandwidth_efficiency: float = 0.7  # fraction of datasheet memory bandwidth for memory-bound parts
+    source: str = "assumed (typical LoRA fine-tuning on a datacenter GPU); calibrate with a measured step"
+
+    def __post_init__(self):
+        for name in ("mfu", "bandwidth_efficiency"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 < v and math.isfinite(v)):
+                raise ValueError(f"TimeModel.{name} must be a positive number, got {v!r}.")
+
+    def describe(self) -> str:
+        return (f"step-time model: {self.mfu:.1%} of peak FLOP/s for matmuls, "
+                f"{self.bandwidth_efficiency:.0%} of datasheet bandwidth for memory-bound parts ({self.source})")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _targets(spec, lora_targets) -> list:
+    if lora_targets == "all-linear":
+        return list(spec.linears)
+    names = [lora_targets] if isinstance(lora_targets, str) else list(lora_targets)
+    known = {lin.name for lin in spec.linears}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ValueError(f"lora_targets {unknown} are not linears of this model; choose from {sorted(known)} "
+                         "or 'all-linear'.")
+    return [lin for lin in spec.linears if lin.name in names]
+
+
+def flops_per_step(spec, method: str = "lora", seq_len: int = 2048, batch_size: int = 1, lora_rank: int = 16,
+                   lora_targets="all-linear", gradient_checkpointing: bool = False,
+                   attn_implementation: str = "sdpa") -> dict:
+    """FLOPs of one step on one GPU, by part (see the module docstring for each formula)."""
+    from .specs import model_spec
+    spec = model_spec(spec)
+    if method not in ("full", "lora", "qlora"):
+        raise ValueError(f"method={method!r}; choose 'full', 'lora' or 'qlora'.")
+    T = batch_size * seq_len
+    p_lin = sum(lin.in_features * lin.out_features for lin in spec.linears) * spec.num_layers
+    p_head = spec.vocab_size * spec.hidden_size
+    causal = 0.5 if attn_implementation == "sdpa" else 1.0
+    attn = 4.0 * T * seq_len * spec.num_heads * spec.head_dim * spec.num_layers * causal
+    fwd_blocks = 2.0 * T * p_lin + attn
+    fwd_head = 2.0 * T * p_head
+    if method == "full":
+        adapters = 0.0
+        bwd = 2 * (fwd_blocks + fwd_head)
+        recompute_adapters = 0.0
+    else:
+        ad = sum(lora_rank * (lin.in_features + lin.out_features) for lin in _targets(spec, lora_targets))
+        adapters = 6.0 * T * ad * spec.num_layers
+        recompute_adapters = 2.0 * T * ad * spec.num_layers
+        bwd = 2.0 * T * (p_lin + p_head) + 2 * attn
+    parts = {"forward": fwd_blocks + fwd_head, "backward": bwd, "adapters": adapters,
+             "recompute": (fwd_blocks + recompute_adapters) if gradient_checkpointing else 0.0}
+    parts["total"] = sum(parts.values())
+    parts["attention"] = attn * (3 + (1 if gradient_checkpointing else 0))  # included above; shown for reference
+    parts["tokens"] = T
+    return parts
+
+
+def trainable_params(spec, method: str, lora_rank: int, lora_targets) -> int:
+    from .specs import model_spec
+    spec = model_spec(spec)
+    if method == "full":
+        return spec.num_params
+    return sum(lora_rank * (lin.in_features + lin.out_features) for lin in _targets(spec, lora_targets)) * spec.num_layers
+
+
+def peak_flops(gpu: dict, dtype: str = "bfloat16", autocast: bool = False) -> float:
+    """Dense FLOP/s the matmuls run at on ``gpu`` (a catalog row) for the compute dtype (see assumptions)."""
+    bf16, fp16 = gpu.get("bf16_tflops"), gpu.get("fp16_tflops")
+    bf16 = bf16 if bf16 == bf16 and bf16 else fp16  # NaN / missing -> fp16 figure
+    fp16 = fp16 if fp16 == fp16 and fp16 else bf16
+    tf = {"bfloat16": bf16, "float16": fp16}.get(dtype, bf16 if autocast else (bf16 or 0) / 2)
+    if not tf or tf != tf:
+        raise ValueError(f"GPU {gpu.get('name')!r} has no tensor-core TFLOP/s in the catalog; add bf16_tflops.")
+    return float(tf) * 1e12
+
+
+def step_time(spec, gpu: dict, method: str = "lora", dtype: str = "bfloat16", autocast: bool = False,
+              seq_len: int = 2048, batch_size: int = 1, lora_rank: int = 16, lora_targets="all-linear",
+              gradient_checkpointing: bool = False, attn_implementation: str = "sdpa", optimizer: str = "adamw",
+              num_gpus: int = 1, time_model: TimeModel | None = None, **_ignored) -> dict:
+    """Predicted seconds per optimizer step (micro-batch per GPU) and tokens/s over all GPUs.
+
+    ``gpu`` is a catalog row (``lora_kit.gpus.get_gpu(name)``) or any dict with ``bf16_tflops`` /
+    ``fp16_tflops`` and ``memory_bandwidth_gbs`` (e.g. a CPU described by the user). Extra keyword
+    arguments (``lora_alpha``, ``sharding``...) are accepted and do not change the time.
+    """
+    tm = time_model or TimeModel()
+    f = flops_per_step(spec, method, seq_len, batch_size, lora_rank, lora_targets, gradient_checkpointing,
+                       attn_implementation)
+    compute_s = f["total"] / (peak_flops(gpu, dtype, autocast) * tm.mfu)
+    bw = float(gpu["memory_bandwidth_gbs"]) * 1e9 * tm.bandwidth_efficiency
+    memory_s = _memory_bound_seconds(spec, method, lora_rank, lora_targets, gradient_checkpointing, optimizer, bw)
+    total = compute_s + memory_s["dequant"] + memory_s["optimizer"]
+    return {"step_seconds": total, "compute_seconds": compute_s, "dequant_seconds": memory_s["dequant"],
+            "optimizer_seconds": memory_s["optimizer"], "flops": f["total"],
+            "tokens_per_step": f["tokens"] * num_gpus, "tokens_per_second": f["tokens"] * num_gpus / total,
+            "mfu": tm.mfu, "time_model": tm.describe()}
+
+
+def _memory_bound_seconds(spec, method, lora_rank, lora_targets, gradient_checkpointing, optimizer, bw) -> dict:
+    from .specs import model_spec
+    spec = model_spec(spec)
+    dequant = 0.0
+    if method == "qlora":
+        p_lin = sum(lin.in_features * lin.out_features for lin in spec.linears) * spec.num_layers
+        passes = 3 if gradient_checkpointing else 2
+        dequant = passes * p_lin * DEQUANT_BYTES_PER_WEIGHT / bw
+    opt = trainable_params(spec, method, lora_rank, lora_targets) * OPTIMIZER_BYTES.get(optimizer, 16) / bw
+    return {"dequant": dequant, "optimizer": opt}
+
+
+def calibrate(measured_step_seconds: float, settings, gpu: dict, time_model: TimeModel | None = None,
+              spec=None) -> TimeModel:
+    """A TimeModel whose ``mfu`` reproduces ``measured_step_seconds`` for ``settings`` on ``gpu``.
+
+    ``settings``: a :class:`lora_kit.settings.Settings` or a dict of estimate arguments. The
+    memory-bound terms (dequantization, optimizer) keep ``bandwidth_efficiency``; the rest of the
+    measured time is attributed to the matmuls. Raises if the memory-bound terms alone exceed it.
+    """
+    if not (isinstance(measured_step_seconds, (int, float)) and measured_step_seconds > 0):
+        raise ValueError(f"measured_step_seconds must be a positive number, got {measured_step_seconds!r}.")
+    kw = settings.estimate_kwargs() if hasattr(settings, "estimate_kwargs") else dict(settings)
+    tm = time_model or TimeModel()
+    model = spec if spec is not None else kw.pop("model")
+    kw.pop("model", None)
+    pred = step_time(model, gpu, time_model=tm, **kw)
+    compute_budget = measured_step_seconds - pred["dequant_seconds"] - pred["optimizer_seconds"]
+    if compute_budget <= 0:
+        raise ValueError(f"measured {measured_step_seconds:.4g} s is less than the memory-bound part alone "
+                         f"({measured_step_seconds - compute_budget:.4g} s); check the GPU's memory_bandwidth_gbs.")
+    mfu = pred["compute_seconds"] * tm.mfu / compute_budget
+    return replace(tm, mfu=mfu, source=f"calibrated on a measured step of {measured_step_seconds:.4g} s "
+                                       f"({kw.get('method')}, seq_len {kw.get('seq_len')}, batch {kw.get('batch_size')})")
