@@ -1,0 +1,265 @@
+"""The embedded default's tasks, plus a small train/evaluate loop for the tiny model.
+
+Tasks are synthetic string/number jobs a ~2M-parameter Llama can master from scratch. The base
+model was pretrained on :data:`BASE_TASKS` only; :func:`date_example` ("3 March 2021" ->
+"2021-03-03") is the *new* task it never saw, which a LoRA adapter learns in minutes. Every
+character the new task needs (digits, ``-``, capitals, month names) appears in some base task's
+output, so the base has produced each of them before (see docs/pitfalls.md).
+
+:func:`train_adapter` is a deliberately plain PyTorch loop (no Trainer, no callbacks): it is what
+the tests and ``benchmarks/tiny_story.py`` use to measure the story. The instrumented run users
+call is ``lora_kit.smoke_run``. :func:`exact_match` decodes greedily with left padding (right
+padding silently ruins batched generation of decoder-only models).
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+import string
+import time
+from pathlib import Path
+
+from lora_kit.prompting import IGNORE_INDEX, encode_example, encode_prompt
+
+EMBEDDED_ROOT = Path(__file__).parent / "embedded"
+TINY_DIR = EMBEDDED_ROOT / "tiny"
+DATA_DIR = EMBEDDED_ROOT / "data"
+MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
+          "October", "November", "December")
+DAYS_IN_MONTH = (31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
+DATE_YEARS = (1950, 2049)  # inclusive range of years in the dates task
+
+
+def _letters(rng: random.Random, lo: int, hi: int) -> str:
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(lo, hi)))
+
+
+def _reverse(rng):
+    w = _letters(rng, 3, 5)
+    return f"Reverse: {w}", w[::-1]
+
+
+def _uppercase(rng):
+    w = _letters(rng, 3, 6)
+    return f"Uppercase: {w}", w.upper()
+
+
+def _hyphenate(rng):
+    w = _letters(rng, 3, 5)
+    return f"Hyphenate: {w}", "-".join(w)
+
+
+def _count(rng):
+    w = _letters(rng, 1, 9)
+    return f"Count letters: {w}", str(len(w))
+
+
+def _next_number(rng):
+    n = rng.randint(0, 998)
+    return f"Next number: {n}", str(n + 1)
+
+
+def _month_after(rng):
+    i = rng.randrange(12)
+    return f"Month after: {MONTHS[i]}", MONTHS[(i + 1) % 12]
+
+
+def _month_number(rng):
+    i = rng.randrange(12)
+    return f"Month number: {MONTHS[i]}", f"{i + 1:02d}"
+
+
+def _sort_digits(rng):
+    d = "".join(rng.choice(string.digits) for _ in range(4))
+    return f"Sort digits: {d}", "".join(sorted(d))
+
+
+BASE_TASKS = {"reverse": _reverse, "uppercase": _uppercase, "hyphenate": _hyphenate, "count": _count,
+              "next_number": _next_number, "month_after": _month_after, "month_number": _month_number,
+              "sort_digits": _sort_digits}
+BASE_PREFIXES = ("Reverse: ", "Uppercase: ", "Hyphenate: ", "Count letters: ", "Next number: ", "Month after: ",
+                 "Month number: ", "Sort digits: ")  # the prompt prefix of each base task
+# Tasks whose whole input space is tiny: every control prompt was necessarily seen in pretraining.
+SMALL_INPUT_SPACE = ("month_after", "month_number")
+
+
+def base_example(rng: random.Random, task: str | None = None) -> dict:
+    """One base-task row ``{"prompt", "response", "task"}`` (task drawn uniformly if None)."""
+    task = task or rng.choice(sorted(BASE_TASKS))
+    prompt, response = BASE_TASKS[task](rng)
+    return {"prompt": prompt, "response": response, "task": task}
+
+
+def date_example(rng: random.Random) -> dict:
+    """One row of the new task: "Date to ISO: 3 March 2021" -> "2021-03-03"."""
+    year = rng.randint(*DATE_YEARS)
+    month = rng.randrange(12)
+    leap = year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
+    days = DAYS_IN_MONTH[month] + (1 if month == 1 and leap else 0)
+    day = rng.randint(1, days)
+    return {"prompt": f"Date to ISO: {day} {MONTHS[month]} {year}",
+            "response": f"{year:04d}-{month + 1:02d}-{day:02d}", "task": "dates"}
+
+
+def normalize(text: str) -> str:
+    """Case- and whitespace-insensitive form used to detect near-duplicates across splits."""
+    return " ".join(text.lower().split())
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# batching, training, evaluation
+# ----------------------------------------------------------------------------------------------
+def collate(tokenizer, rows: list[dict], max_len: int = 64) -> dict:
+    """Right-padded training batch (prompt and padding masked with -100 in labels)."""
+    import torch
+    enc = [encode_example(tokenizer, r["prompt"], r["response"], max_len=max_len) for r in rows]
+    width = max(e["length"] for e in enc)
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(enc), width), pad, dtype=torch.long)
+    labels = torch.full((len(enc), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(enc), width), dtype=torch.long)
+    for i, e in enumerate(enc):
+        n = e["length"]
+        ids[i, :n] = torch.tensor(e["input_ids"])
+        labels[i, :n] = torch.tensor(e["labels"])
+        mask[i, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def train_adapter(model, tokenizer, examples: list[dict], steps: int, batch_size: int = 32,
+                  lr: float = 2e-3, seed: int = 0, warmup: int = 20, log_every: int = 0) -> dict:
+    """Train the trainable parameters of ``model`` (e.g. a peft LoRA) with AdamW; plain loop.
+
+    Batches are drawn by a seeded shuffle that cycles through ``examples``; the learning rate
+    warms up linearly for ``warmup`` steps, then decays linearly to 10 %. Returns
+    ``{"losses", "wall_s", "cpu_s", "steps"}``. Same seed and inputs -> same losses.
+    """
+    import torch
+    if steps <= 0 or batch_size <= 0:
+        raise ValueError(f"steps and batch_size must be positive, got steps={steps}, batch_size={batch_size}.")
+    if not examples:
+        raise ValueError("train_adapter needs at least one example; check the dataset you passed.")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("model has no trainable parameters; wrap it with peft.get_peft_model first.")
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+    def lr_at(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 1.0 - 0.9 * (step - warmup) / max(1, steps - warmup)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    order: list[int] = []
+    losses = []
+    model.train()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for step in range(steps):
+        if len(order) < batch_size:
+            fresh = list(range(len(examples)))
+            rng.shuffle(fresh)
+            order += fresh
+        batch = collate(tokenizer, [examples[i] for i in order[:batch_size]])
+        del order[:batch_size]
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if log_every and (step + 1) % log_every == 0:
+            print(f"step {step + 1}/{steps} loss {losses[-1]:.4f} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    model.eval()
+    return {"losses": losses, "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+            "steps": steps}
+
+
+def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int = 16,
+                     batch_size: int = 64) -> list[str]:
+    """Greedy answers for ``prompts`` in the kit's prompt format (batched, left-padded)."""
+    import torch
+    pad = tokenizer.pad_token_id
+    out = []
+    model.eval()
+    for i in range(0, len(prompts), batch_size):
+        enc = [encode_prompt(tokenizer, p) for p in prompts[i:i + batch_size]]
+        width = max(map(len, enc))
+        ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
+        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+        out += [s.strip() for s in tokenizer.batch_decode(gen[:, width:], skip_special_tokens=True)]
+    return out
+
+
+def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int = 16,
+                batch_size: int = 64) -> dict:
+    """Exact match (after stripping whitespace) overall and per task, plus the predictions."""
+    preds = generate_answers(model, tokenizer, [e["prompt"] for e in examples], max_new_tokens, batch_size)
+    hits: dict[str, list[int]] = {}
+    for e, p in zip(examples, preds):
+        hits.setdefault(e.get("task", "all"), []).append(int(p == e["response"].strip()))
+    per_task = {t: sum(h) / len(h) for t, h in sorted(hits.items())}
+    total = sum(sum(h) for h in hits.values()) / max(1, len(examples))
+    return {"exact_match": total, "per_task": per_task, "n": len(examples), "predictions": preds}
+
+
+def story_run(method: str = "lora", steps: int = 300, batch_size: int = 32, lr: float = 3e-3,
+              base_share: float = 0.0, seed: int = 0, test_examples: int = 200, control_examples: int = 320,
+              lora_rank: int = 16, model: str = "tiny") -> dict:
+    """The embedded default's story, measured: base vs LoRA/QLoRA adapter on the dates task.
+
+    Loads the base (``method`` "lora": fp32; "qlora": NF4 via bitsandbytes, CPU repack fix applied),
+    measures greedy exact match on the first ``test_examples`` held-out dates and the first
+    ``control_examples`` control rows, trains a rank-``lora_rank`` all-linear adapter for ``steps``
+    steps on dates_train (plus ``base_share`` of base_mix rows, see ``lora_kit.data.mix_examples``),
+    and measures both again. Returns accuracies before/after, per-task control accuracy, losses and
+    wall/CPU seconds of training. Seeds are set before the adapter is created.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    from lora_kit.data import load_examples, mix_examples
+    from lora_kit.loading import fix_bnb_cpu_repack, load_model, load_tokenizer
+
+    if method not in ("lora", "qlora"):
+        raise ValueError(f"method={method!r}: story_run trains adapters; choose 'lora' or 'qlora'.")
+    tok = load_tokenizer(model)
+    base = load_model(model, method=method)
+    test = load_examples("tiny:dates", split="test", limit=test_examples)
+    control = load_examples("tiny:control", limit=control_examples)
+    train = mix_examples(load_examples("tiny:dates", split="train"), load_examples("tiny:base_mix"),
+                         base_share, seed)
+    before = {"dates": exact_match(base, tok, test), "control": exact_match(base, tok, control)}
+    if method == "qlora":
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules="all-linear",
+                     task_type="CAUSAL_LM")
+    model_ = get_peft_model(base, cfg)
+    fix_bnb_cpu_repack(model_)
+    trained = train_adapter(model_, tok, train, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+    after = {"dates": exact_match(model_, tok, test), "control": exact_match(model_, tok, control)}
+
+    def summary(r):
+        return {"exact_match": r["exact_match"], "per_task": r["per_task"], "n": r["n"]}
+
+    return {"method": method, "steps": steps, "batch_size": batch_size, "lr": lr, "base_share": base_share,
+            "seed": seed, "lora_rank": lora_rank, "train_examples": len(train),
+            "dates_before": before["dates"]["exact_match"], "dates_after": after["dates"]["exact_match"],
+            "control_before": summary(before["control"]), "control_after": summary(after["control"]),
+            "dates_predictions_after": after["dates"]["predictions"][:5],
+            "losses": trained["losses"], "train_wall_s": trained["wall_s"], "train_cpu_s": trained["cpu_s"]}

@@ -1,0 +1,112 @@
+"""lora_kit.data: every source gives the same rows; bad input says what to change."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from lora_kit.data import load_examples, mix_examples
+from lora_kit.tiny import normalize
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_embedded_sources_load_with_task_names():
+    train = load_examples("tiny:dates", split="train")
+    assert len(train) >= 100 and {r["task"] for r in train} == {"dates"}
+    control = load_examples("tiny:control")
+    assert 200 <= len(control) <= 400 and len({r["task"] for r in control}) >= 6
+    assert len(load_examples("tiny:base_mix", limit=7)) == 7
+
+
+def test_dates_splits_do_not_overlap_exactly_or_after_normalizing():
+    splits = {s: load_examples("tiny:dates", split=s) for s in ("train", "validation", "test")}
+    for key in ("prompt", "response"):
+        seen = {}
+        for split, rows in splits.items():
+            for r in rows:
+                k = normalize(r[key])
+                assert seen.setdefault(k, split) == split, f"{r[key]!r} is in {seen[k]} and {split}"
+
+
+def test_control_rows_are_correct_answers_of_base_tasks():
+    from lora_kit.tiny import MONTHS
+    for r in load_examples("tiny:control"):
+        body = r["prompt"].split(": ", 1)[1]
+        expected = {"reverse": body[::-1], "uppercase": body.upper(), "hyphenate": "-".join(body),
+                    "count": str(len(body)), "sort_digits": "".join(sorted(body)),
+                    "next_number": str(int(body) + 1) if body.isdigit() else None,
+                    "month_number": f"{MONTHS.index(body) + 1:02d}" if body in MONTHS else None,
+                    "month_after": MONTHS[(MONTHS.index(body) + 1) % 12] if body in MONTHS else None}[r["task"]]
+        assert r["response"] == expected, r
+
+
+def test_jsonl_csv_and_custom_fields_agree(tmp_path):
+    rows = [{"q": "a?", "a": "1", "extra": 0}, {"q": "b?", "a": "2", "extra": 1}]
+    j = _jsonl(tmp_path / "d.jsonl", rows)
+    c = tmp_path / "d.csv"
+    with open(c, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["q", "a", "extra"])
+        w.writeheader()
+        w.writerows(rows)
+    from_jsonl = load_examples(j, prompt_field="q", response_field="a")
+    from_csv = load_examples(str(c), prompt_field="q", response_field="a")
+    assert [(r["prompt"], r["response"]) for r in from_jsonl] == [("a?", "1"), ("b?", "2")]
+    assert [(r["prompt"], r["response"]) for r in from_csv] == [("a?", "1"), ("b?", "2")]
+    assert from_jsonl[0]["task"] == str(j)
+
+
+@pytest.mark.parametrize("content, match", [
+    ("", "is empty"),
+    ('{"prompt": "a", "answer": "b"}\n', r"no field 'response'.*fields that exist: \['answer', 'prompt'\]"),
+    ('{"prompt": "a", "response": "b"}\n{"prompt": " ", "response": "c"}\n{"prompt": "d", "response": ""}\n',
+     r"2 row\(s\) have an empty.*rows 2, 3"),
+    ('{"prompt": "a", "response": "b"}\nnot json\n', "line 2 is not valid JSON"),
+])
+def test_bad_jsonl_says_what_to_change(tmp_path, content, match):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        load_examples(p)
+
+
+def test_bad_sources_and_arguments(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_examples(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="choose one of train, validation, test"):
+        load_examples("tiny:dates", split="dev")
+    with pytest.raises(ValueError, match="unknown embedded dataset"):
+        load_examples("tiny:nope")
+    (tmp_path / "x.parquet").write_text("x")
+    with pytest.raises(ValueError, match="unsupported extension"):
+        load_examples(tmp_path / "x.parquet")
+    with pytest.raises(ValueError, match="limit must be a positive integer"):
+        load_examples("tiny:control", limit=0)
+
+
+def test_datasets_folder(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    d = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "p", "response": "r"}])})
+    d.save_to_disk(str(tmp_path / "ds"))
+    assert load_examples(tmp_path / "ds", split="train")[0]["response"] == "r"
+    with pytest.raises(ValueError, match=r"holds splits \['train'\]"):
+        load_examples(tmp_path / "ds")
+
+
+def test_mix_examples_share_and_determinism():
+    task = [{"prompt": f"t{i}", "response": "x", "task": "new"} for i in range(30)]
+    base = [{"prompt": f"b{i}", "response": "y", "task": "old"} for i in range(100)]
+    mixed = mix_examples(task, base, share=0.25, seed=3)
+    assert len(mixed) == 40 and sum(r["task"] == "old" for r in mixed) == 10
+    assert {r["prompt"] for r in task} <= {r["prompt"] for r in mixed}
+    assert mixed == mix_examples(task, base, share=0.25, seed=3)
+    assert mixed != mix_examples(task, base, share=0.25, seed=4)
+    assert mix_examples(task, base, share=0.0) == task
+    with pytest.raises(ValueError, match=r"share must be in \[0, 1\)"):
+        mix_examples(task, base, share=1.0)
+    with pytest.raises(ValueError, match="base_examples is empty"):
+        mix_examples(task, [], share=0.5)
