@@ -1,0 +1,439 @@
+"""Base model vs adapter(s) on held-out and control examples: :func:`evaluate`.
+
+A falling training loss does not show that the model got better at the task, so this compares
+the base model and each adapter on the *same* examples with the *same* decoding (left-padded
+batches, greedy unless ``do_sample``, same ``max_new_tokens``, same stop rules -- EOS or a
+newline -- and the same seed before each system), then reports:
+
+- per example and overall: exact match, chrF, and the teacher-forced reference loss (mean NLL
+  per response token, prompt masked; perplexity = exp of the token-weighted mean);
+- the paired difference adapter - base with a bootstrap interval, better/worse/same counts and a
+  sentence that says "no clear difference" when the interval contains 0;
+- behaviour change on the control set (tasks the fine-tune was not about): outputs changed, metric
+  change per task, the examples that changed most (regressions first);
+- held-out hygiene: prompts shared with the training data (exact or normalized) make the call
+  fail unless ``allow_overlap=True``, which marks the result as not held-out.
+
+Trade-offs: the base is loaded once and each adapter is switched on/off on it (peft
+``disable_adapter``), so several adapters cost one base in memory, but they must all fit that base.
+Greedy decoding is deterministic and what exact match wants; sampling (``do_sample=True``)
+measures what users see at temperature > 0 but needs more examples for the same interval width.
+Batched generation with left padding is fast but can differ in the last bit from unbatched
+generation; base and adapter see identical batches, so the comparison stays fair.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from lora_kit import eval_compare as C
+from lora_kit.hygiene import check_heldout, overlap_report
+from lora_kit.prompting import IGNORE_INDEX, encode_example, encode_prompt
+from lora_kit.results import write_json_atomic, write_text_atomic
+
+EVAL_DIR = "eval"
+SMOKE_ADAPTER = Path("smoke") / "adapter"
+
+
+@dataclass
+class EvalResult:
+    """What :func:`evaluate` returns: ``summary`` (the JSON written to ``eval/eval.json``),
+    ``per_example`` (one row per example, written to ``eval/per_example.csv``), ``summary_sentence``
+    and figure helpers (plotly figures; nothing is shown)."""
+    summary: dict
+    per_example: pd.DataFrame
+    summary_sentence: str
+    paths: dict = field(default_factory=dict)
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self.summary["adapters"])
+
+    def metric_bars(self, split: str = "heldout"):
+        from lora_kit.eval_figures import metric_bars
+        return metric_bars(self, split)
+
+    def diff_histogram(self, adapter: str | None = None, metric: str = "chrf", split: str = "heldout"):
+        from lora_kit.eval_figures import diff_histogram
+        return diff_histogram(self, adapter, metric, split)
+
+    def control_changes(self, adapter: str | None = None):
+        from lora_kit.eval_figures import control_changes
+        return control_changes(self, adapter)
+
+    def examples_table(self, adapter: str | None = None, split: str | None = None, changed_only: bool = False):
+        from lora_kit.eval_figures import examples_table
+        return examples_table(self, adapter, split, changed_only)
+
+    def figures(self) -> dict:
+        from lora_kit.eval_figures import all_figures
+        return all_figures(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+# ----------------------------------------------------------------------------------------------
+def _rows(source, split: str | None = None, name: str = "heldout", prompt_field: str = "prompt",
+          response_field: str = "response", n: int | None = None) -> list[dict]:
+    """The first ``n`` examples (0/None = all) as ``[{"prompt", "response", "task"}]``.
+
+    ``source``: a list of dicts, a DataFrame, a ``(source, split)`` tuple or a source name/path for
+    :func:`lora_kit.data.load_examples`. The split's own order decides which n; it is not resampled.
+    """
+    if isinstance(source, tuple) and len(source) == 2 and isinstance(source[0], (str, os.PathLike)):
+        source, split = source
+    if isinstance(source, (str, os.PathLike)):
+        from lora_kit.data import load_examples
+        rows = load_examples(os.fspath(source), split=split, prompt_field=prompt_field, response_field=response_field)
+        prompt_field, response_field = "prompt", "response"
+    else:
+        rows = source.to_dict("records") if isinstance(source, pd.DataFrame) else [dict(r) for r in source]
+    rows = rows[:n] if n else rows
+    if not rows:
+        raise ValueError(f"the {name} set is empty; pass a source with examples (or a larger n_{name}).")
+    for i, r in enumerate(rows):
+        p, ref = r.get(prompt_field), r.get(response_field)
+        if not isinstance(p, str) or not p.strip():
+            raise ValueError(f"{name} example {i} has no prompt in field {prompt_field!r}; "
+                             "pass prompt_field=... naming the prompt column.")
+        if ref is None or (isinstance(ref, float) and math.isnan(ref)) or not str(ref).strip():
+            raise ValueError(f"{name} example {i} has no reference answer in field {response_field!r}: "
+                             "evaluation needs a reference for every example; fill it in, drop the example, "
+                             "or pass response_field=... naming the answer column.")
+    return [{"prompt": r[prompt_field], "response": str(r[response_field]).strip(),
+             "task": str(r.get("task") or name)} for r in rows]
+
+
+def _adapters(adapters, run_dir) -> dict[str, str]:
+    if adapters is None:
+        if run_dir is not None and (Path(run_dir) / SMOKE_ADAPTER / "adapter_config.json").is_file():
+            return {"adapter": str(Path(run_dir) / SMOKE_ADAPTER)}
+        return {}
+    if isinstance(adapters, (str, os.PathLike)):
+        adapters = {"adapter": os.fspath(adapters)}
+    if not isinstance(adapters, dict):
+        raise ValueError("adapters must be a path or a dict {name: path}, e.g. {'r16': 'runs/x/smoke/adapter'}.")
+    if C.BASE in adapters:
+        raise ValueError(f"{C.BASE!r} names the base model; give the adapter another name.")
+    return {str(k): os.fspath(v) for k, v in adapters.items()}
+
+
+def _same_base(recorded: str | None, base: str, resolved: str) -> bool:
+    if not recorded:
+        return True
+    if recorded in (base, resolved):
+        return True
+    try:
+        from lora_kit.loading import resolve_model
+        r = resolve_model(recorded)
+        if os.path.exists(r) and os.path.exists(resolved) and os.path.realpath(r) == os.path.realpath(resolved):
+            return True
+    except ValueError:
+        pass
+    # a hub id vs a local copy of it ("org/name" vs ".../name"): same last path component
+    return Path(recorded.rstrip("/")).name == Path(resolved.rstrip("/")).name
+
+
+def check_adapter(path: str, model, base_model: str, resolved: str, check_base_name: bool = True) -> dict:
+    """Refuse an adapter that does not belong to this base; returns its adapter_config.
+
+    Checks: the folder has ``adapter_config.json`` and safetensors weights (``.bin`` is refused, never
+    unpickled); every LoRA matrix names a module the base has, with matching in/out features; and the
+    recorded ``base_model_name_or_path`` names this base (``check_base_name=False`` skips only that).
+    """
+    p = Path(path)
+    cfg_file = p / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{str(p)!r} is not an adapter folder (no adapter_config.json); pass the folder "
+                         "written by save_pretrained, e.g. <run_dir>/smoke/adapter.")
+    weights = p / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"adapter {str(p)!r} has no adapter_model.safetensors; the kit loads safetensors only "
+                         "(re-save it with safe_serialization=True).")
+    cfg = json.loads(cfg_file.read_text())
+    recorded = cfg.get("base_model_name_or_path")
+    from safetensors import safe_open
+    with safe_open(str(weights), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    modules = dict(model.named_modules())
+    for key, shape in shapes.items():
+        for part, dim in ((".lora_A.", 1), (".lora_B.", 0)):
+            if part not in key:
+                continue
+            name = key.split(part)[0].removeprefix("base_model.model.")
+            mod = modules.get(name)
+            want = None if mod is None else getattr(mod, "in_features" if dim == 1 else "out_features", None)
+            if mod is None or (want is not None and want != shape[dim]):
+                what = "has no module" if mod is None else f"has {want} {'inputs' if dim == 1 else 'outputs'} in"
+                raise ValueError(
+                    f"adapter {str(p)!r} does not fit base {base_model!r}: the base {what} {name!r} "
+                    f"(adapter tensor {key} has shape {list(shape)}); it was trained on {recorded!r}. "
+                    "Pass base_model= the model the adapter was trained on.")
+    if check_base_name and not _same_base(recorded, base_model, resolved):
+        raise ValueError(f"adapter {str(p)!r} was trained on {recorded!r}, not on {base_model!r}; pass "
+                         f"base_model={recorded!r}, or check_base_name=False if it is the same model saved elsewhere.")
+    return cfg
+
+
+def _check_lengths(tokenizer, rows, name, max_new_tokens, context) -> None:
+    if not context:
+        return
+    for i, r in enumerate(rows):
+        n_prompt = len(encode_prompt(tokenizer, r["prompt"]))
+        n_ref = len(encode_example(tokenizer, r["prompt"], r["response"])["input_ids"])
+        need = max(n_prompt + max_new_tokens, n_ref)
+        if need > context:
+            raise ValueError(
+                f"{name} example {i} needs {need} tokens (prompt {n_prompt} + max_new_tokens {max_new_tokens}, "
+                f"or {n_ref} with its reference) but the model's context is {context} tokens; shorten or drop "
+                f"the example, or lower max_new_tokens.")
+
+
+# ----------------------------------------------------------------------------------------------
+# running the model
+# ----------------------------------------------------------------------------------------------
+def _stop_at_newline(tokenizer, start: int):
+    import torch
+    from transformers import StoppingCriteria
+
+    class StopAtNewline(StoppingCriteria):
+        """Per-sequence stop once the generated text holds a newline (works for any tokenizer)."""
+
+        def __call__(self, input_ids, scores, **kwargs):
+            texts = tokenizer.batch_decode(input_ids[:, start:], skip_special_tokens=True)
+            return torch.tensor(["\n" in t for t in texts], dtype=torch.bool, device=input_ids.device)
+
+    return StopAtNewline()
+
+
+def _left_pad(seqs: list[list[int]], pad: int):
+    import torch
+    width = max(map(len, seqs))
+    ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
+    return ids, mask
+
+
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 16, batch_size: int = 32,
+             do_sample: bool = False, temperature: float = 1.0, seed: int = 0, bar=None) -> list[str]:
+    """Answers in the kit's prompt format: left-padded batches, stop at EOS or newline, text before
+    the first newline, stripped. ``torch.manual_seed(seed)`` is set first (matters when sampling)."""
+    import torch
+    from transformers import GenerationConfig, StoppingCriteriaList
+    torch.manual_seed(seed)
+    pad = tokenizer.pad_token_id
+    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample,
+                               temperature=temperature if do_sample else None, top_p=None, top_k=None,
+                               pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        ids, mask = _left_pad([encode_prompt(tokenizer, p) for p in prompts[i:i + batch_size]], pad)
+        dev = next(model.parameters()).device
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=gen_cfg,
+                                 stopping_criteria=StoppingCriteriaList([_stop_at_newline(tokenizer, ids.shape[1])]))
+        texts = tokenizer.batch_decode(gen[:, ids.shape[1]:], skip_special_tokens=True)
+        out += [t.split("\n", 1)[0].strip() for t in texts]
+        if bar is not None:
+            bar.update(1)
+    return out
+
+
+def reference_nll(model, tokenizer, prompts: list[str], references: list[str], batch_size: int = 32,
+                  bar=None) -> tuple[list[float], list[int]]:
+    """Teacher-forced negative log-likelihood of each reference (+ EOS) after its prompt.
+
+    Returns (summed NLL in nats, number of scored tokens) per example; the prompt is masked, so
+    this is the loss the fine-tune optimises, measured on examples it did not train on.
+    """
+    import torch
+    import torch.nn.functional as F
+    pad = tokenizer.pad_token_id
+    nll, ntok = [], []
+    dev = next(model.parameters()).device
+    for i in range(0, len(prompts), batch_size):
+        enc = [encode_example(tokenizer, p, r) for p, r in zip(prompts[i:i + batch_size], references[i:i + batch_size])]
+        width = max(e["length"] for e in enc)
+        ids = torch.tensor([e["input_ids"] + [pad] * (width - e["length"]) for e in enc], device=dev)
+        labels = torch.tensor([e["labels"] + [IGNORE_INDEX] * (width - e["length"]) for e in enc], device=dev)
+        mask = torch.tensor([[1] * e["length"] + [0] * (width - e["length"]) for e in enc], device=dev)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        tgt = labels[:, 1:]
+        tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                              ignore_index=IGNORE_INDEX, reduction="none").view(tgt.shape)
+        nll += tok.sum(1).tolist()
+        ntok += (tgt != IGNORE_INDEX).sum(1).tolist()
+        if bar is not None:
+            bar.update(1)
+    return nll, ntok
+
+
+@contextlib.contextmanager
+def _active(model, system: str):
+    """Run ``model`` as the base (adapters disabled) or with one adapter switched on."""
+    if not hasattr(model, "disable_adapter"):
+        yield
+    elif system == C.BASE:
+        with model.disable_adapter():
+            yield
+    else:
+        model.set_adapter(system)
+        yield
+
+
+# ----------------------------------------------------------------------------------------------
+# the entry point
+# ----------------------------------------------------------------------------------------------
+def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = None,
+             heldout="tiny:dates", heldout_split: str | None = "test", control="tiny:control",
+             run_dir: str | os.PathLike | None = None, n_heldout: int | None = 200, n_control: int | None = 200,
+             max_new_tokens: int = 16, batch_size: int = 32, seed: int = 0, method: str = "lora",
+             dtype: str = "float32", train_examples=None, allow_overlap: bool = False,
+             prompt_field: str = "prompt", response_field: str = "response", do_sample: bool = False,
+             temperature: float = 1.0, confidence: float = 0.95, n_resamples: int = 2000,
+             check_base_name: bool = True, trust_remote_code: bool = False, progress: bool = True,
+             device: str | None = None) -> EvalResult:
+    """Compare ``base_model`` with each adapter on held-out and control examples.
+
+    Parameters (the rest mirror :class:`lora_kit.Settings`):
+        adapters: an adapter folder, ``{name: folder}`` for several, or None (= ``<run_dir>/smoke/adapter``
+            if it exists, else the base model alone).
+        heldout / control: a source name or path for ``lora_kit.data.load_examples``, a
+            ``(source, split)`` tuple, a list of ``{"prompt", "response"[, "task"]}`` dicts or a
+            DataFrame. ``control=None`` skips the control set. Control rows are grouped by ``task``.
+        n_heldout / n_control: first n examples of each (0 or None = all).
+        train_examples: the training data, for the overlap check; None = the ``"train"`` split of
+            ``heldout`` when ``heldout`` is a source name (not checked when that does not exist).
+        allow_overlap: evaluate even when held-out prompts occur in training; the result is then
+            marked ``summary["heldout"]["is_heldout"] = False`` and the sentence says so.
+        method: "lora" (base in ``dtype``) or "qlora" (4-bit NF4 base, as it was trained).
+    Writes ``<run_dir>/eval/eval.json`` (atomic) and ``per_example.csv`` when ``run_dir`` is set.
+    """
+    for name, v in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("n_resamples", n_resamples)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+    if method not in ("lora", "qlora"):
+        raise ValueError(f"method={method!r}: evaluate compares adapters on a base loaded for 'lora' (weights in "
+                         "dtype) or 'qlora' (4-bit); for a full fine-tune pass its folder as base_model and adapters=None.")
+    t0, c0 = time.perf_counter(), time.process_time()
+    adapter_paths = _adapters(adapters, run_dir)
+    systems = [C.BASE] + list(adapter_paths)
+
+    fields = dict(prompt_field=prompt_field, response_field=response_field)
+    ho_rows = _rows(heldout, heldout_split, "heldout", n=n_heldout, **fields)
+    ctl_rows = _rows(control, None, "control", n=n_control, **fields) if control is not None else []
+    hygiene = _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fields)
+
+    from lora_kit.loading import load_model, load_tokenizer, resolve_model, fix_bnb_cpu_repack
+    resolved = resolve_model(base_model)
+    tokenizer = load_tokenizer(base_model, trust_remote_code=trust_remote_code, padding_side="left")
+    model = load_model(base_model, method=method, dtype=dtype, trust_remote_code=trust_remote_code, device=device)
+    context = getattr(model.config, "max_position_embeddings", None)
+    _check_lengths(tokenizer, ho_rows, "heldout", max_new_tokens, context)
+    _check_lengths(tokenizer, ctl_rows, "control", max_new_tokens, context)
+    adapter_cfgs = {}
+    for name, path in adapter_paths.items():
+        adapter_cfgs[name] = check_adapter(path, model, base_model, resolved, check_base_name)
+    if adapter_paths:
+        from peft import PeftModel
+        first, *rest = adapter_paths.items()
+        model = PeftModel.from_pretrained(model, first[1], adapter_name=first[0], is_trainable=False)
+        for name, path in rest:
+            model.load_adapter(path, adapter_name=name, is_trainable=False)
+        fix_bnb_cpu_repack(model)
+    model.eval()
+
+    splits = {"heldout": ho_rows, "control": ctl_rows}
+    n_batches = sum(math.ceil(len(r) / batch_size) for r in splits.values()) * 2 * len(systems)
+    bar = _progress(n_batches, progress)
+    frames, timing = [], {}
+    for split, rows in splits.items():
+        if not rows:
+            continue
+        df = pd.DataFrame({"split": split, "task": [r["task"] for r in rows], "index": range(len(rows)),
+                           "prompt": [r["prompt"] for r in rows], "reference": [r["response"] for r in rows]})
+        for s in systems:
+            ts = time.perf_counter()
+            if bar is not None:
+                bar.set_description(f"{split}: {s}")
+            with _active(model, s):
+                df[f"pred:{s}"] = generate(model, tokenizer, df["prompt"].tolist(), max_new_tokens, batch_size,
+                                           do_sample, temperature, seed, bar)
+                nll, ntok = reference_nll(model, tokenizer, df["prompt"].tolist(), df["reference"].tolist(),
+                                          batch_size, bar)
+            df[f"ref_nll:{s}"], df["ref_tokens"] = nll, ntok
+            df[f"ref_loss:{s}"] = [a / max(b, 1) for a, b in zip(nll, ntok)]
+            timing[f"{split}:{s}_wall_s"] = time.perf_counter() - ts
+        frames.append(C.score_frame(df, systems))
+    if bar is not None:
+        bar.close()
+    per_example = pd.concat(frames, ignore_index=True)
+
+    stats = dict(confidence=confidence, n_resamples=n_resamples, seed=seed)
+    summary = {
+        "base_model": base_model, "adapters": adapter_paths, "method": method, "dtype": dtype,
+        "adapter_base_models": {k: v.get("base_model_name_or_path") for k, v in adapter_cfgs.items()},
+        "decoding": {"do_sample": do_sample, "temperature": temperature if do_sample else None,
+                     "max_new_tokens": max_new_tokens, "batch_size": batch_size, "padding": "left",
+                     "stop": ["eos", "newline"], "seed": seed},
+        "statistics": {"confidence": confidence, "n_resamples": n_resamples, "seed": seed,
+                       "interval": "percentile bootstrap over examples (paired for differences)"},
+        "heldout": {"source": _describe(heldout), "split": heldout_split, "n": len(ho_rows),
+                    "hygiene": hygiene, "is_heldout": bool(hygiene.get("heldout", True))},
+        "control": {"source": _describe(control), "n": len(ctl_rows)},
+    }
+    summary.update(C.summarize(per_example, list(adapter_paths), summary["heldout"]["is_heldout"], **stats))
+    timing.update(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
+    summary["timing"] = timing
+    summary["versions"] = _versions()
+    result = EvalResult(summary=summary, per_example=per_example, summary_sentence=summary["summary_sentence"])
+    if run_dir is not None:
+        out = Path(run_dir) / EVAL_DIR
+        result.paths = {"json": str(write_json_atomic(out / "eval.json", summary)),
+                        "csv": str(write_text_atomic(out / "per_example.csv", per_example.to_csv(index=False)))}
+    return result
+
+
+def _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fields) -> dict:
+    if train_examples is None:
+        if not isinstance(heldout, (str, os.PathLike)) or heldout_split in (None, "train"):
+            return {"checked": False, "reason": "no training data given (train_examples=None)", "heldout": True}
+        try:
+            train = _rows(heldout, "train", "train", **fields)
+        except (ValueError, FileNotFoundError, KeyError) as e:
+            return {"checked": False, "reason": f"no 'train' split of {os.fspath(heldout)!r}: {e}", "heldout": True}
+    else:
+        train = _rows(train_examples, None, "train", **fields)
+    return {"checked": True, **check_heldout(overlap_report(train, ho_rows), allow_overlap)}
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, unit="batch", desc="evaluate")
+
+
+def _describe(source) -> str | None:
+    if source is None:
+        return None
+    if isinstance(source, (str, os.PathLike)):
+        return os.fspath(source)
+    if isinstance(source, tuple):
+        return f"{os.fspath(source[0])}:{source[1]}"
+    return f"in-memory ({len(source)} rows)"
+
+
+def _versions() -> dict:
+    import peft
+    import torch
+    import transformers
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}

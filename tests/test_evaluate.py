@@ -1,0 +1,212 @@
+"""evaluate(): base vs adapters on a tiny random Llama with a quickly trained LoRA (real peft, no mocks).
+
+Toy task: "Is <word> ok?" -> "yes". A random base answers garbage; 60 LoRA steps (~5 s) make the
+adapter answer "yes" on held-out words. The control set's references are the *base* model's own
+greedy answers to other prompts, so the base scores 100 % there and any change the adapter makes
+shows up as a regression -- the behaviour-change path is exercised for real.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import random
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from lora_kit.evaluate import check_adapter, evaluate, generate
+
+N_RESAMPLES = 500
+
+
+def _words(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out: list[str] = []
+    while len(out) < n:
+        w = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 6)))
+        if w not in out:
+            out.append(w)
+    return out
+
+
+def _train_lora(base_dir: str, examples: list[dict], steps: int, out_dir: Path, seed: int = 0) -> str:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from lora_kit.loading import load_model, load_tokenizer
+    from lora_kit.tiny import train_adapter
+    tok, model = load_tokenizer(base_dir), load_model(base_dir)
+    torch.manual_seed(seed)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    train_adapter(model, tok, examples, steps=steps, batch_size=16, lr=1e-2, seed=seed, warmup=5)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    return str(out_dir)
+
+
+@functools.lru_cache(maxsize=None)
+def toy(base_dir: str) -> dict:
+    """Training/held-out/control rows and two adapters (trained 60 and 2 steps) for ``base_dir``."""
+    from lora_kit.loading import load_model, load_tokenizer
+    root = Path(tempfile.mkdtemp(prefix="lora_kit_eval_"))
+    words = _words(260)
+    rows = [{"prompt": f"Is {w} ok?", "response": "yes"} for w in words]
+    train, heldout = rows[:220], rows[220:244]
+    control_prompts = [f"Say {w}" for w in words[244:260]]
+    base_answers = generate(load_model(base_dir), load_tokenizer(base_dir), control_prompts, max_new_tokens=8)
+    control = [{"prompt": p, "response": a, "task": "say" if i % 2 else "echo"}
+               for i, (p, a) in enumerate(zip(control_prompts, base_answers)) if a]
+    good = _train_lora(base_dir, train, 60, root / "good")
+    weak = _train_lora(base_dir, train, 2, root / "weak")
+    return {"root": root, "train": train, "heldout": heldout, "control": control, "good": good, "weak": weak}
+
+
+@functools.lru_cache(maxsize=None)
+def toy_eval(base_dir: str):
+    """One evaluate() run with both adapters, shared by the tests that only read its result."""
+    t = toy(base_dir)
+    return evaluate(base_dir, {"lora": t["good"], "weak": t["weak"]}, heldout=t["heldout"], heldout_split=None,
+                    control=t["control"], train_examples=t["train"], run_dir=t["root"] / "run", max_new_tokens=8,
+                    batch_size=16, n_resamples=N_RESAMPLES, progress=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads; on a shared 2-core CPU a second thread only waits."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def setup(random_llama_dir):
+    return toy(str(random_llama_dir))
+
+
+@pytest.fixture(scope="module")
+def result(random_llama_dir):
+    return toy_eval(str(random_llama_dir))
+
+
+def test_adapter_gain_with_interval_and_honest_sentence(result):
+    comp = result.summary["comparisons"]["lora"]["heldout"]
+    em = comp["exact_match"]
+    assert em["n"] == 24 and em["lo"] > 0.5 and em["lo"] <= em["diff"] <= em["hi"]
+    assert comp["better"] > 12 and comp["better"] + comp["worse"] + comp["same"] == 24
+    assert result.summary["sentences"]["lora"].startswith(f"+{100 * em['diff']:.1f} points exact match (95 % CI")
+    assert "on 24 held-out examples" in result.summary_sentence
+    assert result.summary_sentence.startswith("lora: ") and "weak: " in result.summary_sentence
+    m = result.summary["metrics"]["heldout"]
+    assert m["lora"]["ref_loss"]["mean"] < m["base"]["ref_loss"]["mean"]
+    assert m["lora"]["perplexity"] < m["base"]["perplexity"]
+    assert result.summary["heldout"]["is_heldout"] and result.summary["heldout"]["hygiene"]["checked"]
+
+
+def test_base_rows_are_the_plain_base_model(result, random_llama_dir):
+    """disable_adapter() must give exactly what the base alone generates (same decoding and seed)."""
+    from lora_kit.loading import load_model, load_tokenizer
+    d = str(random_llama_dir)
+    ho = result.per_example[result.per_example["split"] == "heldout"]
+    alone = generate(load_model(d), load_tokenizer(d), ho["prompt"].tolist(), max_new_tokens=8, batch_size=16)
+    assert ho["pred:base"].tolist() == alone
+    assert all("\n" not in p for p in result.per_example["pred:base"])  # stop rule: text before a newline
+    dec = result.summary["decoding"]
+    assert dec["do_sample"] is False and dec["max_new_tokens"] == 8 and dec["padding"] == "left"
+
+
+def test_control_set_shows_behaviour_change(result, setup):
+    ctl = result.summary["comparisons"]["lora"]["control"]
+    assert result.summary["metrics"]["control"]["base"]["exact_match"]["mean"] == 1.0  # refs = base answers
+    assert ctl["n"] == len(setup["control"]) and ctl["changed"] == ctl["worse"] > 0
+    tasks = result.summary["control_tasks"]["lora"]
+    assert set(tasks) == {"say", "echo"} and sum(t["n"] for t in tasks.values()) == ctl["n"]
+    top = result.summary["top_changes"]["lora"]
+    assert top and all(r["pred:base"] != r["pred:lora"] for r in top)
+    assert [r["delta_exact_match:lora"] for r in top] == sorted(r["delta_exact_match:lora"] for r in top)
+    assert "Control set: " in result.summary["sentences"]["lora"]
+
+
+def test_results_written_atomically_as_json_and_csv(result):
+    js = json.loads(Path(result.paths["json"]).read_text())
+    assert js["summary_sentence"] == result.summary_sentence
+    assert js["comparisons"]["lora"]["heldout"]["exact_match"]["diff"] == \
+        pytest.approx(result.summary["comparisons"]["lora"]["heldout"]["exact_match"]["diff"])
+    assert set(js["versions"]) >= {"torch", "transformers", "peft"}
+    csv = pd.read_csv(result.paths["csv"], keep_default_na=False)
+    assert len(csv) == len(result.per_example) and {"pred:base", "pred:lora", "pred:weak"} <= set(csv.columns)
+    assert not [p for p in Path(result.paths["json"]).parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_overlap_refused_unless_allowed_and_smoke_adapter_found(setup, random_llama_dir, tmp_path):
+    d = str(random_llama_dir)
+    leaky = setup["heldout"][:4] + setup["train"][:2]
+    kw = dict(heldout=leaky, heldout_split=None, control=None, train_examples=setup["train"],
+              max_new_tokens=4, n_resamples=N_RESAMPLES, progress=False)
+    with pytest.raises(ValueError, match="allow_overlap=True"):
+        evaluate(d, setup["good"], **kw)
+    shutil.copytree(setup["good"], tmp_path / "smoke" / "adapter")
+    r = evaluate(d, None, run_dir=tmp_path, allow_overlap=True, **kw)  # adapters=None -> <run_dir>/smoke/adapter
+    assert r.adapters == ["adapter"] and r.summary["heldout"]["is_heldout"] is False
+    assert r.summary["heldout"]["hygiene"]["overlapping"] == 2
+    assert "OVERLAP the training data" in r.summary_sentence
+    assert (tmp_path / "eval" / "eval.json").is_file()
+
+
+def test_bad_input_is_a_clear_error(setup, random_llama_dir, tmp_path):
+    d = str(random_llama_dir)
+    kw = dict(heldout_split=None, control=None, progress=False, n_resamples=N_RESAMPLES)
+    with pytest.raises(ValueError, match="heldout set is empty"):
+        evaluate(d, setup["good"], heldout=[], **kw)
+    with pytest.raises(ValueError, match="no reference answer"):
+        evaluate(d, setup["good"], heldout=[{"prompt": "Is abc ok?", "response": " "}], **kw)
+    with pytest.raises(ValueError, match="no reference answer"):
+        evaluate(d, setup["good"], heldout=[{"prompt": "Is abc ok?"}], **kw)
+    with pytest.raises(ValueError, match="context is 256 tokens"):
+        evaluate(d, setup["good"], heldout=[{"prompt": "x" * 300, "response": "yes"}], **kw)
+    with pytest.raises(ValueError, match="names the base model"):
+        evaluate(d, {"base": setup["good"]}, heldout=setup["heldout"], **kw)
+    with pytest.raises(ValueError, match="method="):
+        evaluate(d, setup["good"], heldout=setup["heldout"], method="full", **kw)
+
+
+def test_adapter_for_another_base_is_refused(setup, random_llama_dir, tmp_path):
+    from conftest import build_char_tokenizer, build_random_llama
+    from lora_kit.loading import load_model
+    other = tmp_path / "other"
+    build_char_tokenizer(other)
+    build_random_llama(other, hidden=128, ffn=256)
+    with pytest.raises(ValueError, match="does not fit base"):
+        evaluate(str(other), setup["good"], heldout=setup["heldout"], heldout_split=None, control=None, progress=False)
+    # same shapes, other recorded base: refused by name unless the caller says it is the same model
+    renamed = tmp_path / "renamed"
+    shutil.copytree(setup["good"], renamed)
+    cfg = json.loads((renamed / "adapter_config.json").read_text())
+    (renamed / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": "org/another-model"}))
+    base = load_model(str(random_llama_dir))
+    with pytest.raises(ValueError, match="was trained on 'org/another-model'"):
+        check_adapter(str(renamed), base, str(random_llama_dir), str(random_llama_dir))
+    assert check_adapter(str(renamed), base, str(random_llama_dir), str(random_llama_dir), check_base_name=False)
+    (renamed / "adapter_model.safetensors").rename(renamed / "adapter_model.bin")
+    with pytest.raises(ValueError, match="safetensors only"):
+        check_adapter(str(renamed), base, str(random_llama_dir), str(random_llama_dir))
+
+
+def test_qlora_base_4bit(setup, random_llama_dir):
+    """The adapter on a 4-bit NF4 base (bitsandbytes CPU backend): runs and still beats the base."""
+    pytest.importorskip("bitsandbytes")
+    r = evaluate(str(random_llama_dir), setup["good"], heldout=setup["heldout"][:8], heldout_split=None,
+                 control=None, method="qlora", max_new_tokens=4, n_resamples=N_RESAMPLES, progress=False)
+    m = r.summary["metrics"]["heldout"]
+    assert r.summary["method"] == "qlora" and m["adapter"]["ref_loss"]["mean"] < m["base"]["ref_loss"]["mean"]
+
+
+def test_figures_and_table_from_a_real_run(result):
+    figs = result.figures()
+    assert set(figs) == {"metric_bars", "diff_histogram", "control_changes"}
+    assert {t.name for t in figs["metric_bars"].data} == {"base", "lora", "weak"}
+    table = result.examples_table("lora", split="control")
+    assert table["delta_exact_match:lora"].is_monotonic_increasing  # worst regressions first
