@@ -1,0 +1,69 @@
+"""The comparison layer on hand-written outputs: every number below can be checked by eye."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from lora_kit import eval_compare as C
+from lora_kit.evaluate import EvalResult
+
+HELDOUT = [  # (reference, base output, adapter output)
+    ("2021-03-03", "3 March", "2021-03-03"),
+    ("1999-12-31", "1999", "1999-12-31"),
+    ("2000-01-01", "2000-01-01", "2000-01-01"),
+    ("2010-05-06", "2010-05-06", "2010-05-07"),
+]
+CONTROL = [  # (task, reference, base output, adapter output)
+    ("reverse", "cba", "cba", "cba"),
+    ("reverse", "zyx", "zyx", "2021-01-01"),
+    ("count", "3", "3", "3"),
+    ("count", "5", "4", "5"),
+]
+
+
+def hand_result(is_heldout: bool = True, n_resamples: int = 400) -> EvalResult:
+    rows = [{"split": "heldout", "task": "dates", "index": i, "prompt": f"p{i}", "reference": r,
+             "pred:base": b, "pred:a": a} for i, (r, b, a) in enumerate(HELDOUT)]
+    rows += [{"split": "control", "task": t, "index": i, "prompt": f"c{i}", "reference": r,
+              "pred:base": b, "pred:a": a} for i, (t, r, b, a) in enumerate(CONTROL)]
+    df = C.score_frame(pd.DataFrame(rows), ["base", "a"])
+    summary = {"adapters": {"a": "path"}, "statistics": {"confidence": 0.95},
+               **C.summarize(df, ["a"], is_heldout, n_resamples=n_resamples)}
+    return EvalResult(summary=summary, per_example=df, summary_sentence=summary["summary_sentence"])
+
+
+def test_scores_and_outcomes_per_example():
+    df = hand_result().per_example
+    h = df[df["split"] == "heldout"]
+    assert h["exact_match:base"].tolist() == [0, 0, 1, 1]
+    assert h["exact_match:a"].tolist() == [1, 1, 1, 0]
+    assert h["outcome:a"].tolist() == ["better", "better", "same", "worse"]
+    assert h["changed:a"].tolist() == [True, True, False, True]
+    assert h["delta_exact_match:a"].tolist() == [1, 1, 0, -1]
+    assert 0 < h["chrf:a"].iloc[3] < 100  # one wrong digit keeps partial credit
+
+
+def test_summary_counts_and_sentences():
+    s = hand_result().summary
+    comp = s["comparisons"]["a"]["heldout"]
+    assert comp["exact_match"]["diff"] == pytest.approx(0.25)
+    assert (comp["better"], comp["worse"], comp["same"], comp["changed"], comp["n"]) == (2, 1, 1, 3, 4)
+    assert s["metrics"]["heldout"]["base"]["exact_match"]["mean"] == 0.5
+    assert s["sentences"]["a"].startswith("No clear difference in exact match: +25.0 points")  # 4 examples
+    tasks = s["control_tasks"]["a"]
+    assert tasks["reverse"]["exact_match:base"] == 1.0 and tasks["reverse"]["exact_match:a"] == 0.5
+    assert tasks["count"]["exact_match_diff"]["diff"] == pytest.approx(0.5)
+    assert tasks["reverse"]["changed"] == 1
+    assert "Largest drop: task 'reverse', \u221250.0 points" in s["sentences"]["a"]
+    assert s["top_changes"]["a"][0]["prompt"] == "c1"  # the regression comes first
+
+
+def test_overlapping_split_is_named_in_the_sentence():
+    assert "not a held-out result" in hand_result(is_heldout=False).summary_sentence
+
+
+def test_base_only_summary():
+    df = C.score_frame(pd.DataFrame([{"split": "heldout", "task": "t", "index": 0, "prompt": "p",
+                                      "reference": "x", "pred:base": "x"}]), ["base"])
+    s = C.summarize(df, [], n_resamples=100)
+    assert s["summary_sentence"].startswith("Base model only") and s["comparisons"] == {}
