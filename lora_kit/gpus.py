@@ -64,6 +64,7 @@ def _finish(df: pd.DataFrame) -> pd.DataFrame:
         raise ValueError(f"GPU(s) {neg}: example_price_per_hour must be >= 0 (leave it empty if unknown).")
     df["capacity_bytes"] = df["cuda_total_mib"].mul(2 ** 20).fillna(df["memory_gb"] * 1e9).astype("int64")
     df["capacity_gib"] = df["capacity_bytes"] / 2 ** 30
+    df["memory_bytes"] = df["capacity_bytes"]  # alias (the CLI reads it)
     df["key"] = df["name"].map(_key)
     return df.drop_duplicates("key", keep="last").set_index("name", drop=False)
 
@@ -81,8 +82,9 @@ def gpu_table(extra_csv: str | Path | None = None) -> pd.DataFrame:
         if _USER_ROWS:
             frames.append(pd.DataFrame(list(_USER_ROWS.values())))
         _CACHE.clear()
-        _CACHE[ck] = _finish(pd.concat(frames, ignore_index=True))
-    return _CACHE[ck].copy()
+        df = _finish(pd.concat(frames, ignore_index=True))
+        _CACHE[ck] = (df, {k: row for k, row in zip(df["key"], df.to_dict("records"))})
+    return _CACHE[ck][0].copy()
 
 
 def add_gpu(name: str, memory_gb: float, memory_bandwidth_gbs: float, bf16_tflops: float | None = None,
@@ -115,12 +117,12 @@ def known_gpus(extra_csv=None) -> list[str]:
 
 def get_gpu(name: str, extra_csv=None) -> dict:
     """One catalog row as a dict; an unknown name raises ValueError listing the known ones."""
-    df = gpu_table(extra_csv)
-    hit = df[df["key"] == _key(name)]
-    if hit.empty:
-        raise ValueError(f"Unknown GPU {name!r}. Known GPUs: {', '.join(df['name'])}. "
+    gpu_table(extra_csv)  # fills the cache
+    rows = _CACHE[str(extra_csv)][1]
+    if _key(name) not in rows:
+        raise ValueError(f"Unknown GPU {name!r}. Known GPUs: {', '.join(r['name'] for r in rows.values())}. "
                          "Add yours with lora_kit.gpus.add_gpu(...) or gpu_table(extra_csv=...).")
-    return hit.iloc[0].to_dict()
+    return dict(rows[_key(name)])
 
 
 def resolve_prices(names, prices: dict | None = None, extra_csv=None) -> dict[str, float]:

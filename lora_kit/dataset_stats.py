@@ -1,0 +1,151 @@
+"""Dataset-aware planning: how long are the examples in tokens, and does the longest one fit?
+
+Out-of-memory errors in fine-tuning often come from a few very long examples, not from the mean:
+memory is set by the longest sequence in a micro-batch. Gradient accumulation cannot help there --
+it splits a batch into more micro-batches but never splits one example. So this module measures the
+token length of every example with the kit's one prompt format (:func:`lora_kit.prompting.encode_example`,
+prompt + response + EOS) and, given a model and a GPU, checks the longest example at micro-batch 1 and
+prices the three ways out with the memory estimator:
+
+- truncation to the longest length that fits (loses the tail of the longest examples; says how many);
+- gradient checkpointing (recomputes activations: ~30 % more compute for much less activation memory);
+- packing / chunking into rows of the fitting length (no padding waste; a long example split across
+  rows loses attention across the split).
+
+Trade-off: tokenizing the whole dataset costs time (about a second per 10-50k short examples with a
+fast tokenizer); pass ``limit`` to look at the first examples only (then the maximum may be missed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import numpy as np
+
+from .prompting import encode_example
+
+
+@dataclass
+class DatasetLengths:
+    """Token-length statistics of a dataset and the planning verdict for its longest example."""
+    n_examples: int
+    lengths: np.ndarray  # tokens per example (prompt + response + EOS, BOS if the tokenizer adds one)
+    p50: float
+    p95: float
+    p99: float
+    max: int
+    mean: float
+    longest: list  # [{"index", "length", "prompt", "response"}], longest first
+    seq_len: int | None = None
+    n_over_seq_len: int = 0  # examples that would be truncated at seq_len
+    padding_fraction: float | None = None  # share of a padded seq_len batch that is padding
+    longest_fits: bool | None = None  # longest example at micro-batch 1 on the GPU (None: not checked)
+    warnings: list = field(default_factory=list)
+    suggestions: list = field(default_factory=list)  # [{"change", "effect", "fits"}]
+
+    def summary(self) -> str:
+        lines = [f"{self.n_examples} examples; tokens p50 {self.p50:.0f}, p95 {self.p95:.0f}, "
+                 f"p99 {self.p99:.0f}, max {self.max}"]
+        if self.seq_len:
+            lines.append(f"seq_len {self.seq_len}: {self.n_over_seq_len} example(s) longer (truncated); "
+                         f"{self.padding_fraction:.0%} of a padded batch is padding")
+        lines += [f"WARNING: {w}" for w in self.warnings]
+        lines += [f"  - {s['change']}: {s['effect']}" for s in self.suggestions]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "lengths"}
+        d["lengths"] = self.lengths.tolist()
+        return d
+
+
+def load_rows(source, split=None, prompt_field: str = "prompt", response_field: str = "response") -> list[dict]:
+    """Rows with ``prompt`` and ``response`` keys from a list of dicts or any source of
+    :func:`lora_kit.data.load_examples` ("tiny:dates", JSONL, CSV, a datasets folder)."""
+    if not isinstance(source, (list, tuple)):
+        from .data import load_examples
+        return load_examples(source, split=split, prompt_field=prompt_field, response_field=response_field)
+    rows = list(source)
+    if not rows:
+        raise ValueError("the dataset (a list) is empty; it needs at least one example.")
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError("every example must be a mapping of field -> text, e.g. {'prompt': ..., 'response': ...}.")
+    fields = sorted(set().union(*(r.keys() for r in rows)))
+    missing = [f for f in (prompt_field, response_field) if any(f not in r for r in rows)]
+    if missing:
+        raise ValueError(f"dataset has no field(s) {missing} (in some or all rows); its fields are {fields}. "
+                         "Set prompt_field / response_field to the columns holding the prompt and the answer.")
+    return [{"prompt": str(r[prompt_field]), "response": str(r[response_field])} for r in rows]
+
+
+def token_lengths(rows: list[dict], tokenizer) -> np.ndarray:
+    return np.array([encode_example(tokenizer, r["prompt"], r["response"])["length"] for r in rows], dtype=np.int64)
+
+
+def dataset_lengths(examples_or_source, tokenizer, seq_len: int | None = None, *, prompt_field: str = "prompt",
+                    response_field: str = "response", split=None, limit: int | None = None, top_k: int = 5,
+                    model=None, gpu: str | None = None, margin: float = 0.10, **estimate_kwargs) -> DatasetLengths:
+    """Token-length statistics, the ``top_k`` longest examples, and (with ``model`` and ``gpu``) whether
+    the longest example fits at micro-batch 1, with the estimated effect of truncation, checkpointing
+    and packing. ``estimate_kwargs`` are the other ``lora_kit.estimate`` arguments (method, dtype...).
+    ``tokenizer`` is a tokenizer object or anything :func:`lora_kit.loading.load_tokenizer` accepts.
+    """
+    if isinstance(tokenizer, str):
+        from .loading import load_tokenizer
+        tokenizer = load_tokenizer(tokenizer)
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0):
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}.")
+    rows = load_rows(examples_or_source, split, prompt_field, response_field)
+    if limit is not None:
+        rows = rows[:limit]
+    lengths = token_lengths(rows, tokenizer)
+    order = np.argsort(-lengths, kind="stable")[:top_k]
+    p50, p95, p99 = np.percentile(lengths, [50, 95, 99])
+    out = DatasetLengths(
+        n_examples=len(rows), lengths=lengths, p50=float(p50), p95=float(p95), p99=float(p99),
+        max=int(lengths.max()), mean=float(lengths.mean()),
+        longest=[{"index": int(i), "length": int(lengths[i]), **rows[i]} for i in order], seq_len=seq_len)
+    if seq_len is not None:
+        out.n_over_seq_len = int((lengths > seq_len).sum())
+        out.padding_fraction = float(1 - np.minimum(lengths, seq_len).mean() / seq_len)
+        if out.n_over_seq_len:
+            out.warnings.append(f"{out.n_over_seq_len} example(s) ({out.n_over_seq_len / len(rows):.1%}) are longer "
+                                f"than seq_len={seq_len} and will be truncated (longest: {out.max} tokens).")
+    if model is not None and gpu is not None:
+        _check_longest(out, model, gpu, margin, estimate_kwargs)
+    return out
+
+
+def _check_longest(out: DatasetLengths, model, gpu: str, margin: float, kw: dict) -> None:
+    from .estimate import estimate
+    from .planner import fit_verdict, for_estimate, max_fit
+    kw = for_estimate({k: v for k, v in kw.items() if k not in ("seq_len", "batch_size")})
+    need = out.max if out.seq_len is None else min(out.max, out.seq_len)
+    est = estimate(model, seq_len=need, batch_size=1, **kw)
+    v = fit_verdict(est.device_total_bytes, gpu, margin)
+    out.longest_fits = v["fits"]
+    if v["fits"]:
+        return
+    gib = 2 ** 30
+    out.warnings.append(
+        f"the longest example ({need} tokens) does not fit on {v['gpu']} even at micro-batch 1: it needs "
+        f"{est.device_total_bytes / gib:.1f} GiB of {v['usable_bytes'] / gib:.1f} GiB usable ({margin:.0%} margin). "
+        "Gradient accumulation cannot help: it splits a batch into micro-batches but never splits an example.")
+    fit_len = max_fit("seq_len", model=model, gpu=gpu, margin=margin, batch_size=1, **kw)
+    if fit_len > 0:
+        cut = int((out.lengths > fit_len).sum())
+        e = estimate(model, seq_len=fit_len, batch_size=1, **kw)
+        out.suggestions.append({"change": f"truncate to seq_len={fit_len}", "fits": True, "effect": (
+            f"{e.device_total_bytes / gib:.1f} GiB at micro-batch 1; {cut} example(s) "
+            f"({cut / out.n_examples:.1%}) lose their tail")})
+        out.suggestions.append({"change": f"pack/chunk into rows of {fit_len} tokens", "fits": True, "effect": (
+            f"same memory as truncation ({e.device_total_bytes / gib:.1f} GiB) with no padding and no token "
+            f"dropped; the {cut} longer example(s) are split and lose attention across the split")})
+    else:
+        out.suggestions.append({"change": "truncate", "fits": False, "effect": (
+            "even 1 token does not fit: the weights/optimizer alone exceed the GPU; use QLoRA, sharding "
+            "or a bigger GPU first")})
+    if not kw.get("gradient_checkpointing", False):
+        e = estimate(model, seq_len=need, batch_size=1, **{**kw, "gradient_checkpointing": True})
+        ok = fit_verdict(e.device_total_bytes, gpu, margin)["fits"]
+        out.suggestions.append({"change": "gradient_checkpointing=True", "fits": ok, "effect": (
+            f"{e.device_total_bytes / gib:.1f} GiB for the longest example at micro-batch 1 "
+            f"({'fits' if ok else 'still does not fit'}); ~30 % more compute per step")})

@@ -1,0 +1,454 @@
+"""Planning over GPUs and settings: sweeps, the fit finder, fixes, and method x GPU comparison.
+
+The guide this follows: first ask whether the model fits at all (in 4-bit if need be), then spend
+the remaining memory on sequence length and batch; compare LoRA on a bigger, pricier card with QLoRA
+on a smaller, cheaper one by *total cost*, since QLoRA is slower per step; several GPUs do not pool
+their memory unless the states are sharded (``sharding``), so every number here is per GPU.
+
+- :func:`sweep` evaluates any grid of ``lora_kit.estimate`` arguments (plus ``gpu``) with one
+  vectorized ``estimate_arrays`` call per combination of categorical settings: 10,000 rows take
+  milliseconds (``benchmarks/planner_speed.py``), and every row equals ``estimate(...)`` exactly.
+- :func:`max_fit` finds the exact largest ``seq_len`` / ``batch_size`` / ``lora_rank`` that fits
+  (memory grows monotonically in each), by vectorized bisection, and checks the boundary with
+  ``estimate``.
+- :func:`fixes` lists single changes that make a plan fit, cheapest first (see its docstring for the
+  order and why); the widget's verdict shows the first one.
+- :func:`compare_methods` builds the full / LoRA / QLoRA x GPU table with memory, step time,
+  tokens/s, time and cost per epoch and a plain-language recommendation.
+
+"Fits" means ``device_total_bytes <= (1 - margin) * capacity_bytes`` of the GPU (see
+:mod:`lora_kit.gpus` for capacity); headroom is ``usable - device_total`` (negative: short by).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import math
+
+import numpy as np
+import pandas as pd
+
+from .settings import METHODS
+
+GIB = 2 ** 30
+ARRAY_ARGS = ("seq_len", "batch_size", "lora_rank", "num_gpus")
+CATEGORICAL_ARGS = ("method", "dtype", "autocast", "double_quant", "lora_targets", "gradient_checkpointing",
+                    "attn_implementation", "optimizer", "sharding", "cpu_offload")
+PASSTHROUGH_ARGS = ("lora_alpha", "grad_accum")  # accepted by estimate, no effect on memory
+BREAKDOWN_KEYS = ("weights", "quant_constants", "adapters", "gradients", "optimizer_states", "activations")
+FIT_PARAMS = {"seq_len": 1 << 20, "batch_size": 1 << 14, "lora_rank": 1 << 14}  # searchable -> default upper bound
+
+
+def _estimate_defaults() -> dict:
+    return dict(_defaults())
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults() -> dict:
+    from .estimate import estimate
+    return {k: p.default for k, p in inspect.signature(estimate).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+def for_estimate(kwargs: dict) -> dict:
+    """``kwargs`` ready for ``estimate``: LoRA-only arguments dropped when method="full" (estimate refuses them)."""
+    if kwargs.get("method") == "full":
+        return {k: v for k, v in kwargs.items() if k not in ("lora_rank", "lora_alpha", "lora_targets")}
+    return dict(kwargs)
+
+
+def check_margin(margin) -> float:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ValueError(f"margin must be a fraction in [0, 1), e.g. 0.10 for a 10 % safety margin; got {margin!r}.")
+    return float(margin)
+
+
+def fit_verdict(device_total_bytes, gpu: str, margin: float = 0.10) -> dict:
+    """Does ``device_total_bytes`` (int or array) fit ``gpu`` with ``margin``? Headroom in bytes and %."""
+    from .gpus import get_gpu
+    g = get_gpu(gpu)
+    cap = int(g["capacity_bytes"])
+    usable = cap * (1 - check_margin(margin))
+    head = usable - np.asarray(device_total_bytes)
+    fits = head >= 0
+    if head.ndim == 0:  # a scalar in, plain Python numbers out
+        head, fits = float(head), bool(fits)
+    return {"gpu": g["name"], "capacity_bytes": cap, "usable_bytes": usable, "fits": fits,
+            "headroom_bytes": head, "headroom_pct": 100 * head / cap}
+
+
+def _values(name: str, v) -> list:
+    """A grid axis: scalars become one value; lists are axes (for lora_targets a list of names is ONE value)."""
+    if name == "lora_targets":
+        if isinstance(v, (list, tuple)) and v and all(isinstance(t, str) for t in v) and "all-linear" not in v:
+            return [tuple(v)]
+        return [tuple(t) if isinstance(t, list) else t for t in v] if isinstance(v, (list, tuple)) else [v]
+    if isinstance(v, (list, tuple, np.ndarray, pd.Series, range)):
+        vals = list(v)
+        if not vals:
+            raise ValueError(f"sweep: {name} is an empty list; give at least one value.")
+        return vals
+    return [v]
+
+
+def _const(n: int, v):
+    """A constant column: categorical for text / target lists (cheap to build, cheap to group), else numpy."""
+    if isinstance(v, (str, tuple)):
+        return pd.Categorical.from_codes(np.zeros(n, dtype=np.int8),
+                                         categories=pd.Index([v], dtype=object, tupleize_cols=False))
+    return np.full(n, v)
+
+
+def _int_axis(name: str, vals: list) -> np.ndarray:
+    arr = np.asarray(vals)
+    if arr.dtype.kind not in "iu" or (arr <= 0).any():
+        raise ValueError(f"{name} must be positive integers, got {vals!r}.")
+    return arr.astype(np.int64)
+
+
+def sweep(model, gpu=None, margin: float = 0.10, **grid) -> pd.DataFrame:
+    """DataFrame over the cartesian grid of ``estimate`` arguments (each a value or a list) and ``gpu``.
+
+    Per row: the settings, the breakdown (bytes), ``peak_allocated_bytes``, ``device_total_bytes``
+    (per GPU), ``peak_gib`` / ``device_total_gib`` and, when ``gpu`` is given (a name or a list),
+    ``capacity_gib``, ``usable_gib``, ``fits``, ``headroom_gib``, ``headroom_pct``. ``model`` may
+    be a list too. Example: ``sweep("llama-3.1-8b", method=["lora", "qlora"], seq_len=[512, 1024,
+    2048], batch_size=[1, 2, 4, 8], gpu=["L4", "A100-80GB"])``.
+    """
+    from .estimate import estimate_arrays
+    from .specs import model_spec
+    defaults = _estimate_defaults()
+    valid = set(ARRAY_ARGS) | set(CATEGORICAL_ARGS) | set(PASSTHROUGH_ARGS)
+    unknown = sorted(set(grid) - valid)
+    if unknown:
+        raise ValueError(f"sweep: unknown argument(s) {unknown}; sweepable: model, gpu, {', '.join(sorted(valid))}.")
+    check_margin(margin)
+    axes = {k: _values(k, grid.get(k, defaults.get(k))) for k in (*CATEGORICAL_ARGS, *PASSTHROUGH_ARGS)}
+    nums = [_int_axis(k, _values(k, grid.get(k, defaults.get(k)))) for k in ARRAY_ARGS]
+    mesh = [m.ravel() for m in np.meshgrid(*nums, indexing="ij")]
+    n = mesh[0].size
+    frames = []
+    for mdl in _values("model", model):
+        spec = model_spec(mdl)
+        for combo in itertools.product(*axes.values()):
+            cats = dict(zip(axes, combo))
+            est_cats = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cats.items() if k in CATEGORICAL_ARGS}
+            res = estimate_arrays(spec, **est_cats, **dict(zip(ARRAY_ARGS, mesh)))
+            cols = {"model": _const(n, mdl if isinstance(mdl, str) else spec.name)}
+            cols.update({k: _const(n, v) for k, v in cats.items()})
+            cols.update(dict(zip(ARRAY_ARGS, mesh)))
+            cols.update({k: (pd.Categorical(v) if k == "phase" else np.broadcast_to(np.asarray(v), (n,)))
+                         for k, v in res.items()})
+            frames.append(pd.DataFrame(cols, copy=False))
+    df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    df["peak_gib"] = df["peak_allocated_bytes"] / GIB
+    df["device_total_gib"] = df["device_total_bytes"] / GIB
+    if gpu is None:
+        return df
+    parts = []
+    for g in _values("gpu", gpu):
+        v = fit_verdict(df["device_total_bytes"].to_numpy(), g, margin)
+        part = df.copy()
+        part.insert(1, "gpu", v["gpu"])
+        part["capacity_gib"] = v["capacity_bytes"] / GIB
+        part["usable_gib"] = v["usable_bytes"] / GIB
+        part["fits"] = v["fits"]
+        part["headroom_gib"] = v["headroom_bytes"] / GIB
+        part["headroom_pct"] = v["headroom_pct"]
+        parts.append(part)
+    return pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
+
+
+def _device_totals(model, param: str, values: np.ndarray, kwargs: dict) -> np.ndarray:
+    from .estimate import estimate_arrays
+    from .specs import model_spec
+    defaults = _estimate_defaults()
+    cats = {k: kwargs.get(k, defaults.get(k)) for k in CATEGORICAL_ARGS}
+    arrays = {k: np.asarray(kwargs.get(k, defaults.get(k)), dtype=np.int64) for k in ARRAY_ARGS}
+    arrays[param] = values.astype(np.int64)
+    return np.asarray(estimate_arrays(model_spec(model), **cats, **arrays)["device_total_bytes"])
+
+
+def _device_total(model, kwargs: dict) -> int:
+    """``estimate(model, **kwargs).device_total_bytes`` through the vectorized core (same number, less overhead)."""
+    return int(_device_totals(model, "seq_len", np.asarray([kwargs.get("seq_len", _estimate_defaults()["seq_len"])]),
+                              kwargs)[0])
+
+
+def max_fit(param: str, model, gpu: str, margin: float = 0.10, low: int = 1, high: int | None = None,
+            multiple_of: int = 1, verify: bool = True, **kwargs) -> int:
+    """The largest ``param`` ("seq_len", "batch_size" or "lora_rank") that fits ``gpu``; 0 if ``low`` does not.
+
+    Other settings are ``estimate`` arguments in ``kwargs``. Memory grows monotonically with each
+    searchable parameter, so the answer is exact: ``value`` fits and ``value + multiple_of`` does not
+    (checked with ``estimate`` when ``verify``), unless ``high`` (default: a generous cap) itself fits.
+    """
+    from .estimate import estimate
+    if param not in FIT_PARAMS:
+        raise ValueError(f"max_fit: param must be one of {list(FIT_PARAMS)}, got {param!r}.")
+    unknown = sorted(set(kwargs) - set(ARRAY_ARGS) - set(CATEGORICAL_ARGS) - set(PASSTHROUGH_ARGS))
+    if unknown:
+        raise ValueError(f"max_fit: unknown argument(s) {unknown}.")
+    if param == "lora_rank" and kwargs.get("method") == "full":
+        raise ValueError("max_fit('lora_rank') needs method='lora' or 'qlora'.")
+    if multiple_of < 1 or low < 1:
+        raise ValueError("max_fit: low and multiple_of must be >= 1.")
+    usable = fit_verdict(0, gpu, margin)["usable_bytes"]
+    if high is None:
+        high = FIT_PARAMS[param]
+        if param == "lora_rank":  # estimate refuses a rank above the smallest adapted layer width
+            from .specs import model_spec
+            high = min(min(lin.in_features, lin.out_features) for lin in model_spec(model).linears)
+    lo_k, hi_k = -(-low // multiple_of), high // multiple_of
+
+    def fits(ks: np.ndarray) -> np.ndarray:
+        return _device_totals(model, param, ks * multiple_of, kwargs) <= usable
+
+    if lo_k > hi_k or not fits(np.array([lo_k]))[0]:
+        return 0
+    powers = lo_k * 2 ** np.arange(0, int(math.log2(max(hi_k / lo_k, 1))) + 2)
+    cand = np.unique(np.minimum(powers, hi_k))
+    ok = fits(cand)
+    if ok.all():
+        return int(cand[-1] * multiple_of)
+    first_bad = int(np.argmax(~ok))
+    lo, hi = int(cand[first_bad - 1]), int(cand[first_bad])  # lo fits, hi does not (monotone memory)
+    while hi - lo > 1:
+        pts = np.unique(np.linspace(lo, hi, num=min(hi - lo + 1, 1025)).astype(np.int64))
+        ok = fits(pts)
+        bad = pts[~ok]
+        hi = int(bad.min())
+        lo = int(pts[ok & (pts < hi)].max())
+    value = lo * multiple_of
+    if not verify:
+        return int(value)
+    full = for_estimate(kwargs)
+    # the boundary, checked with the scalar estimator (the one users call)
+    while value > 0 and estimate(model, **{**full, param: value}).device_total_bytes > usable:
+        value -= multiple_of
+    while value + multiple_of <= high and \
+            estimate(model, **{**full, param: value + multiple_of}).device_total_bytes <= usable:
+        value += multiple_of
+    return int(value)
+
+
+WHY = {
+    "batch_size": "same effective batch through grad_accum: no quality change, a little slower",
+    "gradient_checkpointing": "no quality change, ~30 % more compute",
+    "optimizer": "8-bit optimizer states: results usually unchanged",
+    "method": "LoRA instead of full fine-tuning / QLoRA (4-bit base) instead of LoRA: QLoRA is slower per step",
+    "lora_rank": "less adapter capacity",
+    "seq_len": "longer examples are truncated",
+    "gpu": "costs more per hour",
+}
+
+
+def fixes(gpu: str, margin: float = 0.10, model=None, first_only: bool = False, **kwargs) -> list[dict]:
+    """Changes that make a plan fit ``gpu``, cheapest first; [] when it already fits.
+
+    Cheapest means the least loss of result quality, then of speed, then of money:
+
+    1. one change that costs no quality: a smaller micro-batch (same effective batch through
+       ``grad_accum``), gradient checkpointing, an 8-bit optimizer, LoRA instead of full / QLoRA
+       instead of LoRA -- in that order;
+    2. the same changes combined, in that order (the "out of memory? try this" ladder), each step
+       with the largest micro-batch that then fits;
+    3. changes that cost quality: a lower LoRA rank, a shorter ``seq_len`` (alone, then on top of
+       the whole ladder);
+    4. the smallest bigger GPU in the catalog that fits the plan unchanged.
+
+    Each dict: ``change`` (text), ``settings`` (the changed arguments), ``device_total_bytes``, ``why``.
+    """
+    from .gpus import gpu_table
+    defaults = _estimate_defaults()
+    kw = {k: kwargs.get(k, defaults.get(k)) for k in (*ARRAY_ARGS, *CATEGORICAL_ARGS) if k in kwargs or k in defaults}
+    usable = fit_verdict(0, gpu, margin)["usable_bytes"]
+    total = _device_total(model, kw)
+    if total <= usable:
+        return []
+    out: list[dict] = []
+
+    def done() -> bool:
+        return first_only and bool(out)
+
+    def describe(ch: dict) -> str:
+        parts = []
+        for k, v in ch.items():
+            if k == "batch_size":
+                parts.append(f"micro-batch {kw[k]} -> {v} (x grad_accum {math.ceil(kw[k] / v)})")
+            elif k == "gradient_checkpointing":
+                parts.append("gradient checkpointing on")
+            else:
+                parts.append(f"{k} {kw[k]} -> {v}")
+        return " + ".join(parts)
+
+    def fits(ch: dict) -> bool:
+        return _device_total(model, {**kw, **ch}) <= usable
+
+    def attempt(ch: dict, shrink: str | None = None) -> None:
+        """Add ``ch`` if it fits; else, with ``shrink``, the largest smaller value of that setting that fits.
+        A combination is pruned: a step that is not needed for the fit is dropped."""
+        if done():
+            return
+        trial = {**kw, **ch}
+        if not fits(ch):
+            if not shrink or trial[shrink] <= 1:
+                return
+            v = max_fit(shrink, model=model, gpu=gpu, margin=margin, high=int(trial[shrink]) - 1, verify=False,
+                        **{k: x for k, x in trial.items() if k != shrink})
+            if not v:
+                return
+            ch = {**ch, shrink: v}
+        for k in [k for k in ch if k != shrink and len(ch) > 1]:
+            rest = {j: x for j, x in ch.items() if j != k}
+            if fits(rest):
+                ch = rest
+        out.append({"change": describe(ch), "settings": ch, "device_total_bytes": _device_total(model, {**kw, **ch}),
+                    "why": "; ".join(WHY[k] for k in ch)})
+
+    free = []  # quality-free steps in ladder order
+    if not kw["gradient_checkpointing"]:
+        free.append({"gradient_checkpointing": True})
+    if kw["optimizer"] in ("adamw", "paged_adamw_32bit", "adafactor"):
+        free.append({"optimizer": "paged_adamw_8bit"})
+    free += [{"method": m} for m in {"full": ("lora", "qlora"), "lora": ("qlora",)}.get(kw["method"], ())]
+    attempt({}, shrink="batch_size")
+    for step in free:
+        attempt(step)
+    ladder: dict = {}
+    for step in free:
+        ladder = {**ladder, **step}
+        if len(ladder) > 1:
+            attempt(dict(ladder), shrink="batch_size")
+    if kw["method"] != "full":
+        attempt({}, shrink="lora_rank")
+    attempt({}, shrink="seq_len")
+    if ladder:
+        attempt(dict(ladder), shrink="seq_len")
+    if not done():
+        table = gpu_table().sort_values("capacity_bytes")
+        ok = table[table["capacity_bytes"] * (1 - margin) >= total]
+        if len(ok):
+            g = ok.iloc[0]
+            out.append({"change": f"GPU {gpu} -> {g['name']} ({g['capacity_gib']:.0f} GiB)",
+                        "settings": {"gpu": g["name"]}, "device_total_bytes": int(total), "why": WHY["gpu"]})
+    return out[:1] if first_only else out
+
+
+def check_plan(model, gpu: str, margin: float = 0.10, **kwargs) -> dict:
+    """One plan: its estimate, the fit verdict on ``gpu`` and, when it does not fit, the cheapest fix."""
+    from .estimate import estimate
+    est = estimate(model, **for_estimate(kwargs))
+    v = fit_verdict(est.device_total_bytes, gpu, margin)
+    fits = bool(v["fits"])
+    fix = None if fits else next(iter(fixes(gpu, margin, model=model, first_only=True, **kwargs)), None)
+    return {**v, "fits": fits, "headroom_bytes": float(v["headroom_bytes"]),
+            "headroom_pct": float(v["headroom_pct"]), "margin": margin, "estimate": est, "fix": fix}
+
+
+def verdict_text(plan: dict) -> str:
+    """Plain-language verdict of :func:`check_plan`: fits or not, headroom in GiB and %, the fix."""
+    est = plan["estimate"]
+    head = f"{abs(plan['headroom_bytes']) / GIB:.2f} GiB ({abs(plan['headroom_pct']):.1f} % of the GPU)"
+    need = (f"needs {est.device_total_bytes / GIB:.2f} GiB per GPU of {plan['usable_bytes'] / GIB:.2f} GiB "
+            f"usable ({plan['capacity_bytes'] / GIB:.1f} GiB minus the {plan['margin']:.0%} margin)")
+    if plan["fits"]:
+        return f"Fits on {plan['gpu']}: {need}; headroom {head}."
+    fix = plan["fix"]
+    tail = (f" Cheapest change that fits: {fix['change']} ({fix['device_total_bytes'] / GIB:.2f} GiB) - {fix['why']}."
+            if fix else " No single change fits: combine changes, shard across GPUs, or pick a bigger GPU.")
+    return f"Does NOT fit on {plan['gpu']}: {need}; short by {head}.{tail}"
+
+
+def compare_methods(model, gpus=None, seq_len: int = 2048, batch_size="max", num_examples: int = 10_000,
+                    epochs: float = 1.0, dataset_tokens: int | None = None, prices: dict | None = None,
+                    margin: float = 0.10, methods=METHODS, time_model=None, max_batch: int = 64,
+                    **estimate_kwargs) -> pd.DataFrame:
+    """Method x GPU table: fits, memory, step time, tokens/s, time and cost per epoch; recommendation.
+
+    ``batch_size="max"`` uses, per row, the largest micro-batch that fits (up to ``max_batch``): the
+    guide's "spend the remaining memory on batch"; an int uses that micro-batch everywhere.
+    An epoch is ``num_examples`` padded to ``seq_len`` (or ``dataset_tokens`` packed into rows of
+    ``seq_len`` when given). ``prices`` maps GPU -> your price per GPU-hour; missing GPUs use the
+    catalog's *example* price and ``price_source`` says so. Time uses :mod:`lora_kit.timing`
+    (``time_model``: a calibrated one from a smoke run, else the assumed utilization).
+    The plain-language recommendation is in ``df.attrs["recommendation"]`` (and :func:`recommend`).
+    """
+    from .estimate import estimate
+    from .gpus import get_gpu, resolve_prices
+    from .settings import Settings
+    from .timing import TimeModel, step_time
+    check_margin(margin)
+    gpus = list(gpus or Settings().gpus)
+    if num_examples is None or num_examples <= 0:
+        raise ValueError(f"num_examples must be a positive integer, got {num_examples!r}.")
+    if dataset_tokens is not None and dataset_tokens <= 0:
+        raise ValueError(f"dataset_tokens must be positive, got {dataset_tokens!r}.")
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise ValueError(f"methods {bad} unknown; choose from {list(METHODS)}.")
+    price = resolve_prices(gpus, prices)
+    user_priced = {get_gpu(k)["name"] for k in (prices or {})}
+    num_gpus = int(estimate_kwargs.get("num_gpus", 1))
+    rows = []
+    for method in methods:
+        for g in gpus:
+            gname = get_gpu(g)["name"]
+            kw = {**estimate_kwargs, "method": method, "seq_len": seq_len}
+            if batch_size == "max":
+                b = max_fit("batch_size", model=model, gpu=gname, margin=margin, high=max_batch,
+                            **{k: v for k, v in kw.items() if k != "batch_size"})
+            else:
+                b = int(batch_size)
+            e = estimate(model, **for_estimate({**kw, "batch_size": max(b, 1)}))
+            v = fit_verdict(e.device_total_bytes, gname, margin)
+            row = {"method": method, "gpu": gname, "fits": bool(v["fits"]) and b > 0, "batch_size": max(b, 1),
+                   "peak_gib": e.peak_allocated_bytes / GIB, "device_total_gib": e.device_total_bytes / GIB,
+                   "capacity_gib": v["capacity_bytes"] / GIB, "headroom_gib": float(v["headroom_bytes"]) / GIB}
+            t = step_time(model, get_gpu(gname), time_model=time_model,
+                          **{k: x for k, x in kw.items() if k != "model"}, batch_size=max(b, 1))
+            tokens_step = t["tokens_per_step"]
+            steps = (math.ceil(dataset_tokens / tokens_step) if dataset_tokens
+                     else math.ceil(num_examples / (max(b, 1) * num_gpus)))
+            hours = steps * epochs * t["step_seconds"] / 3600
+            p = price[gname]
+            row.update(step_seconds=t["step_seconds"], tokens_per_second=t["tokens_per_second"],
+                       steps_per_epoch=steps, epoch_hours=hours / epochs, total_hours=hours,
+                       price_per_hour=p, price_source="yours" if gname in user_priced else "example",
+                       epoch_cost=(hours / epochs) * p * num_gpus if p == p else float("nan"),
+                       total_cost=hours * p * num_gpus if p == p else float("nan"))
+            if not row["fits"]:
+                for k in ("step_seconds", "tokens_per_second", "epoch_hours", "total_hours", "epoch_cost", "total_cost"):
+                    row[k] = float("nan")
+            rows.append(row)
+    df = pd.DataFrame(rows)
+    df.attrs["recommendation"] = recommend(df)
+    df.attrs["time_model"] = (time_model or TimeModel()).describe()
+    return df
+
+
+def recommend(df: pd.DataFrame) -> str:
+    """Plain-language recommendation from a :func:`compare_methods` table."""
+    ok = df[df["fits"]]
+    if ok.empty:
+        worst = df.loc[df["headroom_gib"].idxmax()]
+        return (f"Nothing fits: the closest is {worst['method']} on {worst['gpu']}, short by "
+                f"{-worst['headroom_gib']:.1f} GiB. Shorten seq_len, enable checkpointing, or use sharding "
+                "across GPUs (memory is per GPU; it pools only when states are sharded).")
+    parts = []
+    priced = ok[ok["epoch_cost"].notna()]
+    example = (priced["price_source"] == "example").any() if len(priced) else False
+    if len(priced):
+        c = priced.loc[priced["epoch_cost"].idxmin()]
+        parts.append(f"Cheapest per epoch: {c['method'].upper() if c['method'] != 'full' else 'full fine-tuning'} "
+                     f"on {c['gpu']} (${c['epoch_cost']:.2f}, {c['epoch_hours']:.2f} h, micro-batch {c['batch_size']}).")
+    f = ok.loc[ok["epoch_hours"].idxmin()]
+    parts.append(f"Fastest: {f['method']} on {f['gpu']} ({f['epoch_hours']:.2f} h per epoch"
+                 + (f", ${f['epoch_cost']:.2f}" if f["epoch_cost"] == f["epoch_cost"] else "") + ").")
+    for m in ("lora", "qlora"):
+        if m in set(ok["method"]):
+            parts.append(f"{m.upper()} fits on {', '.join(ok[ok['method'] == m]['gpu'])}.")
+    if example:
+        parts.append("Costs use the catalog's EXAMPLE prices: pass prices={gpu: your price per hour}.")
+    return " ".join(parts)

@@ -1,0 +1,150 @@
+"""Planner: sweep == estimate row by row, exact fit boundaries, fixes, method x GPU comparison, bad input."""
+import math
+import random
+
+import numpy as np
+import pytest
+
+from lora_kit.estimate import estimate
+from lora_kit.planner import (check_plan, compare_methods, fit_verdict, fixes, for_estimate, max_fit, sweep,
+                              verdict_text)
+from lora_kit.settings import METHODS
+
+M = "llama-3.2-1b"
+
+
+def _row_kwargs(row) -> dict:
+    keys = ("method", "dtype", "autocast", "double_quant", "seq_len", "batch_size", "lora_rank", "lora_alpha",
+            "lora_targets", "gradient_checkpointing", "attn_implementation", "optimizer", "num_gpus", "sharding",
+            "cpu_offload", "grad_accum")
+    kw = {k: (row[k].item() if hasattr(row[k], "item") else row[k]) for k in keys}
+    if isinstance(kw["lora_targets"], tuple):
+        kw["lora_targets"] = list(kw["lora_targets"])
+    return for_estimate(kw)
+
+
+def test_sweep_agrees_with_estimate_on_random_rows():
+    df = sweep(M, method=list(METHODS), dtype=["bfloat16", "float32"], seq_len=[128, 1000, 4096],
+               batch_size=[1, 3, 8], lora_rank=[8, 64], gradient_checkpointing=[False, True],
+               optimizer=["adamw", "paged_adamw_8bit"], attn_implementation=["sdpa", "eager"],
+               lora_targets=["all-linear", ["q_proj", "v_proj"]], gpu=["L4", "H100-SXM"])
+    assert len(df) == 3 * 2 * 3 * 3 * 2 * 2 * 2 * 2 * 2 * 2
+    assert set(df["gpu"]) == {"L4", "H100-SXM"}
+    rng = random.Random(0)
+    for i in rng.sample(range(len(df)), 25):
+        row = df.iloc[i]
+        e = estimate(M, **_row_kwargs(row))
+        assert row["peak_allocated_bytes"] == e.peak_allocated_bytes
+        assert row["device_total_bytes"] == e.device_total_bytes
+        assert {k: int(row[k]) for k in e.breakdown} == e.breakdown
+        assert row["phase"] == e.phase
+        v = fit_verdict(e.device_total_bytes, row["gpu"], 0.10)
+        assert row["fits"] == v["fits"] and row["headroom_gib"] == pytest.approx(v["headroom_bytes"] / 2 ** 30)
+        assert row["headroom_pct"] == pytest.approx(100 * v["headroom_bytes"] / v["capacity_bytes"])
+
+
+def test_sweep_multi_gpu_sharding_and_margin():
+    df = sweep(M, method="full", num_gpus=[2, 4], sharding=["ddp", "zero3"], gpu="A100-80GB", margin=0.2)
+    assert len(df) == 4
+    assert df["usable_gib"].tolist() == pytest.approx([0.8 * 80] * 4)
+    ddp = df[df["sharding"] == "ddp"]["device_total_bytes"].to_numpy()
+    z3 = df[df["sharding"] == "zero3"]["device_total_bytes"].to_numpy()
+    assert ddp[0] == ddp[1] and (z3 < ddp).all() and z3[1] < z3[0]  # memory pools only when sharded
+    no_gpu = sweep(M, seq_len=[256, 512])
+    assert "fits" not in no_gpu.columns and len(no_gpu) == 2
+
+
+def test_sweep_bad_input():
+    with pytest.raises(ValueError, match="unknown argument"):
+        sweep(M, seqlen=[1])
+    with pytest.raises(ValueError, match="positive integers"):
+        sweep(M, seq_len=[-1, 5])
+    with pytest.raises(ValueError, match="empty list"):
+        sweep(M, batch_size=[])
+    with pytest.raises(ValueError, match="Unknown GPU"):
+        sweep(M, gpu="Z80")
+    with pytest.raises(ValueError, match="margin"):
+        sweep(M, gpu="L4", margin=-0.1)
+    with pytest.raises(ValueError, match="margin"):
+        sweep(M, gpu="L4", margin=1.5)
+
+
+@pytest.mark.parametrize("param,kw", [("seq_len", dict(method="qlora", batch_size=2)),
+                                      ("batch_size", dict(method="lora", seq_len=1024)),
+                                      ("lora_rank", dict(method="lora", batch_size=4))])
+def test_max_fit_is_the_exact_boundary(param, kw):
+    gpu = "L4"
+    if param == "lora_rank":  # put the plan at the memory edge so that the rank decides
+        kw = {**kw, "seq_len": max_fit("seq_len", model=M, gpu=gpu, **kw)}
+    v = max_fit(param, model=M, gpu=gpu, **kw)
+    assert v > 0
+    usable = fit_verdict(0, gpu)["usable_bytes"]
+    assert estimate(M, **{**kw, param: v}).device_total_bytes <= usable
+    assert estimate(M, **{**kw, param: v + 1}).device_total_bytes > usable
+    m8 = max_fit(param, model=M, gpu=gpu, multiple_of=8, **kw)
+    assert m8 % 8 == 0 and v - 8 < m8 <= v
+
+
+def test_max_fit_nothing_fits_and_bad_param():
+    assert max_fit("seq_len", model="llama-3.1-70b", gpu="T4", method="full") == 0
+    with pytest.raises(ValueError, match="param must be one of"):
+        max_fit("hidden_size", model=M, gpu="L4")
+    with pytest.raises(ValueError, match="needs method"):
+        max_fit("lora_rank", model=M, gpu="L4", method="full")
+
+
+def test_fixes_and_verdict():
+    kw = dict(method="lora", dtype="bfloat16", seq_len=8192, batch_size=8)
+    plan = check_plan(M, "L4", **kw)
+    assert not plan["fits"] and plan["headroom_bytes"] < 0
+    text = verdict_text(plan)
+    assert "Does NOT fit on L4" in text and "GiB" in text and "%" in text and "Cheapest change" in text
+    all_fixes = fixes("L4", model=M, **kw)
+    assert all_fixes[0] == plan["fix"]
+    for f in all_fixes:  # every proposed change really fits
+        if "gpu" in f["settings"]:
+            assert fit_verdict(f["device_total_bytes"], f["settings"]["gpu"])["fits"]
+        else:
+            e = estimate(M, **for_estimate({**kw, **f["settings"]}))
+            assert e.device_total_bytes == f["device_total_bytes"] and fit_verdict(e.device_total_bytes, "L4")["fits"]
+    ok = check_plan(M, "H200", **{**kw, "batch_size": 1})
+    assert ok["fits"] and ok["fix"] is None and "Fits on H200" in verdict_text(ok)
+    assert fixes("H200", model=M, **{**kw, "batch_size": 1}) == []
+
+
+def test_compare_methods_table_and_recommendation():
+    df = compare_methods("llama-3.1-8b", gpus=["L4", "A100-80GB", "H100-SXM"], seq_len=1024, dtype="bfloat16",
+                         gradient_checkpointing=True, num_examples=5000, prices={"H100-SXM": 2.5})
+    assert len(df) == 9 and set(df["method"]) == set(METHODS)
+    full_l4 = df[(df["method"] == "full") & (df["gpu"] == "L4")].iloc[0]
+    assert not full_l4["fits"] and math.isnan(full_l4["epoch_cost"])
+    ok = df[df["fits"]]
+    assert len(ok) >= 3
+    for _, r in ok.iterrows():
+        e = estimate("llama-3.1-8b", **for_estimate(dict(method=r["method"], seq_len=1024, dtype="bfloat16",
+                                                          gradient_checkpointing=True, batch_size=int(r["batch_size"]))))
+        assert r["device_total_gib"] == pytest.approx(e.device_total_bytes / 2 ** 30)
+        assert r["epoch_hours"] == pytest.approx(r["steps_per_epoch"] * r["step_seconds"] / 3600)
+        assert r["epoch_cost"] == pytest.approx(r["epoch_hours"] * r["price_per_hour"])
+        if r["batch_size"] < 64:  # the largest micro-batch that fits
+            e2 = estimate("llama-3.1-8b", **for_estimate(dict(method=r["method"], seq_len=1024, dtype="bfloat16",
+                                                               gradient_checkpointing=True,
+                                                               batch_size=int(r["batch_size"]) + 1)))
+            assert not fit_verdict(e2.device_total_bytes, r["gpu"])["fits"]
+    h = df[df["gpu"] == "H100-SXM"]
+    assert (h["price_source"] == "yours").all() and (df[df["gpu"] == "L4"]["price_source"] == "example").all()
+    q = ok[ok["method"] == "qlora"]
+    lo = ok[ok["method"] == "lora"]
+    same = set(q["gpu"]) & set(lo["gpu"])
+    for g in same:  # QLoRA is slower per token than LoRA on the same GPU at the same micro-batch
+        a = compare_methods("llama-3.1-8b", gpus=[g], methods=["lora", "qlora"], seq_len=1024, batch_size=1,
+                            dtype="bfloat16", gradient_checkpointing=True)
+        assert a.iloc[1]["step_seconds"] > a.iloc[0]["step_seconds"]
+    rec = df.attrs["recommendation"]
+    assert "Cheapest per epoch" in rec and "EXAMPLE prices" in rec
+    with pytest.raises(ValueError, match="non-negative"):
+        compare_methods(M, gpus=["L4"], prices={"L4": -1})
+    with pytest.raises(ValueError, match="margin"):
+        compare_methods(M, gpus=["L4"], margin=-0.5)
+    with pytest.raises(ValueError, match="methods"):
+        compare_methods(M, gpus=["L4"], methods=["dora"])
