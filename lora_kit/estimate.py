@@ -1,0 +1,412 @@
+"""Analytic memory estimate of one training step: pure arithmetic, microseconds, vectorizable.
+
+What is counted is defined in ``design.md`` ("one training step" = the second step of a loop:
+forward with ``labels=input_ids``, ``loss.backward()``, ``optimizer.step()``,
+``zero_grad(set_to_none=True)``; peak = max bytes of live tensors, each storage rounded up to
+512 bytes, counting everything already live). The loop is the one the HF Trainer runs: the model
+output (and with it the logits) is dropped once the loss is taken, so logits do not stay live
+through backward.
+
+How it is built (exact by construction where the arithmetic allows it):
+
+- **Static parts** are counted per parameter tensor with 512-byte rounding: base weights in
+  ``dtype`` (full fine-tuning with ``autocast=True`` keeps fp32 master weights), LoRA A/B in fp32
+  (peft's default), QLoRA NF4 weights (two 4-bit values per byte) plus their constants (fp32 absmax
+  per 64-block, or with double quant an 8-bit absmax per block plus an fp32 absmax per 256 blocks
+  and the code tables). QLoRA follows ``prepare_model_for_kbit_training`` as users call it: the
+  non-quantized tensors (embeddings, norms, lm_head, biases) are up-cast to fp32, so the residual
+  stream and the logits are fp32 too.
+- **Saved activations** are listed storage by storage for one decoder block of the actual
+  architecture: the fp32 copies RMSNorm makes, the fp32 input copies peft casts for each LoRA
+  layer (one per adapter, since each casts separately; shared when the stream is already fp32),
+  LoRA A outputs, the attention inputs and outputs SDPA keeps (K/V not repeated: GQA stays
+  grouped) or eager attention's ``B*H*S*S`` scores (fp32 softmax plus its cast) and repeated K/V,
+  the MLP's gate/up/activation outputs (gated) or up/activation (plain). Gradient checkpointing
+  keeps only each block's input plus one block's recomputation during backward.
+- **Logits and loss**: ``B*S*V`` logits in the compute dtype, transformers' fp32 up-cast for the
+  loss, the saved log-softmax, and in backward the NLL and log-softmax gradients (3 fp32 copies).
+- **Phases**: forward (saved activations + the loss' temporaries), backward (at its start: the
+  loss gradients; at the last norm; inside a checkpointed block; at its end: all gradients) and
+  the optimizer step (gradients + states + the step's temporaries, e.g. ``foreach`` AdamW's
+  ``sqrt(v)`` copy). The peak is the largest; ``phase`` names it and ``breakdown`` is the
+  composition at that moment (it sums to ``peak_allocated_bytes``).
+- **Optimizer states**: AdamW 2 per trainable parameter in its dtype (fp32 for LoRA adapters);
+  adamw_8bit 2 bytes + blockwise fp32 constants per 256 (tensors under 4096 elements stay 32-bit);
+  paged optimizers keep states in CUDA unified memory, outside PyTorch's allocator, so they add 0
+  to ``peak_allocated_bytes`` (they still need host RAM and page in when the GPU has room); sgd
+  (no momentum) 0; adafactor factored row + column statistics for matrices, full for vectors.
+- **Gradient accumulation** does not change the peak: the gradient buffers exist after the first
+  micro-batch anyway and each micro-batch frees its activations. ``grad_accum`` is accepted for
+  API symmetry and recorded in ``settings``.
+- **Multi-GPU, per GPU**: ddp keeps everything plus DDP's gradient buckets (a second copy of the
+  gradients, ``gradient_as_bucket_view=False``); zero1 shards optimizer states over ``num_gpus``;
+  zero2 also gradients; zero3 / fsdp also parameters, plus the gathered working block (2 blocks:
+  current + prefetch). ``cpu_offload`` moves the sharded optimizer states (zero3/fsdp: also the
+  parameter shards) to host memory.
+
+``device_total_bytes`` = peak + CUDA context + allocator reserve. Both are **assumptions from
+public measurements until ``benchmarks/gpu_validate.py`` measures them on a GPU**: the context of a
+PyTorch process with CUDA 12 lazy loading and cuBLAS initialised is ~0.5 GiB on A100/H100 (PyTorch
+forum and issue reports, e.g. pytorch/pytorch#98998 "CUDA context ~ 300-600 MB"); the caching
+allocator's reserved-minus-allocated is taken as 8 % of the peak (typical fragmentation of a
+training step with variable-size activations, as reported by ``torch.cuda.memory_reserved``
+comparisons in public issues). The constants are ``CUDA_CONTEXT_BYTES`` and ``RESERVE_FRACTION``.
+
+Known limits: architectures outside llama / mistral / qwen2 / qwen3 / gemma / gemma2 / phi3 /
+gpt_neox are read from a meta-device build and their activations modelled as a Llama-like block;
+``autocast=True`` is modelled as compute in ``dtype`` with autocast's cached weight casts
+(full fine-tuning); DeepSpeed/FSDP communication buffers are not counted.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .settings import ATTN_IMPLEMENTATIONS, DTYPES, METHODS, OPTIMIZERS, SHARDINGS
+from .specs import ModelSpec, model_spec, valid_targets
+
+BREAKDOWN_KEYS = ("weights", "quant_constants", "adapters", "gradients", "optimizer_states", "activations")
+PHASES = ("forward", "backward", "optimizer")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CUDA_CONTEXT_BYTES = 512 * 2**20  # assumption (see module docstring) until gpu_validate measures it
+RESERVE_FRACTION = 0.08  # assumption: allocator reserve / fragmentation as a share of the peak
+NF4_BLOCK = 64  # bitsandbytes 4-bit blocksize
+DQ_BLOCK = 256  # double-quant: absmax of the absmax, per 256 blocks
+OPT8_BLOCK = 256  # bitsandbytes 8-bit optimizer blocksize
+OPT8_MIN_SIZE = 4096  # bitsandbytes keeps tensors smaller than this in 32-bit states
+DEFAULTS = dict(method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048, batch_size=1,
+                lora_rank=16, lora_alpha=32, lora_targets="all-linear", gradient_checkpointing=False,
+                attn_implementation="sdpa", optimizer="adamw", num_gpus=1, sharding="none", cpu_offload=False,
+                grad_accum=1)
+
+
+@dataclass
+class Estimate:
+    """Result of :func:`estimate` (the same shape as ``simulate``'s result)."""
+    peak_allocated_bytes: int
+    device_total_bytes: int
+    breakdown: dict
+    phase: str
+    settings: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"peak_allocated_bytes": self.peak_allocated_bytes, "device_total_bytes": self.device_total_bytes,
+                "breakdown": dict(self.breakdown), "phase": self.phase, "settings": dict(self.settings)}
+
+
+def _r(nbytes):
+    """Bytes of a storage as the CUDA caching allocator hands it out (rounded up to 512)."""
+    return (np.asarray(nbytes, dtype=np.int64) + 511) // 512 * 512
+
+
+def _param_bytes(spec: ModelSpec, groups, bytes_per_elem: float) -> int:
+    return int(sum(count * int(_r(int(np.ceil(numel * bytes_per_elem)))) for g, numel, count in spec.param_tensors()
+                   if g in groups))
+
+
+def _targets(spec: ModelSpec, lora_targets) -> tuple:
+    names = valid_targets(spec)
+    if lora_targets == "all-linear":
+        return tuple(names)
+    if isinstance(lora_targets, str):
+        lora_targets = [lora_targets]
+    if not isinstance(lora_targets, (list, tuple)) or not lora_targets:
+        raise ValueError(f"lora_targets must be 'all-linear' or a non-empty list of module names from {names}.")
+    unknown = [t for t in lora_targets if t not in names]
+    if unknown:
+        raise ValueError(f"lora_targets {unknown} are not linear layers of {spec.name} ({spec.model_type}); "
+                         f"valid names: {names} or 'all-linear'.")
+    return tuple(t for t in names if t in lora_targets)
+
+
+def _trainable(spec: ModelSpec, method: str, weight_bytes: int, targets: tuple) -> list:
+    """(rows, cols, count, elem_bytes, per_rank) of every trainable tensor; numel = rows*cols (x rank if per_rank).
+
+    LoRA: A is (rank, in), B is (out, rank), fp32; stored as (1, in) / (out, 1) with per_rank=True.
+    """
+    if method != "full":
+        out = []
+        for lin in spec.linears:
+            if lin.name in targets:
+                out += [(1, lin.in_features, spec.num_layers, 4, True), (lin.out_features, 1, spec.num_layers, 4, True)]
+        return out
+    h, V, n = spec.hidden_size, spec.vocab_size, spec.num_layers
+    out = [(V, h, 1 if spec.tied_embeddings else 2, weight_bytes, False)]
+    for lin in spec.linears:
+        out.append((lin.out_features, lin.in_features, n, weight_bytes, False))
+        if lin.bias:
+            out.append((1, lin.out_features, n, weight_bytes, False))
+    out += [(1, numel, count, weight_bytes, False) for g, numel, count in spec.param_tensors() if g == "norm"]
+    return out
+
+
+def _opt_state(optimizer: str, rows, cols, eb):
+    """Optimizer state bytes on the GPU for one tensor of shape (rows, cols) with element bytes eb."""
+    numel = rows * cols
+    if optimizer == "adamw":
+        return 2 * _r(numel * eb)
+    if optimizer == "adamw_8bit":
+        q8 = 2 * (_r(numel) + _r(4 * (-(-numel // OPT8_BLOCK))) + _r(256 * 4))
+        return np.where(numel < OPT8_MIN_SIZE, 2 * _r(numel * 4), q8)
+    if optimizer == "adafactor":  # torch.optim.Adafactor: row + column second moments for matrices
+        factored = (rows > 1) & (cols > 1)
+        return np.where(factored, _r(rows * eb) + _r(cols * eb), _r(numel * eb))
+    return 0 * numel  # sgd (no momentum); paged_*: unified memory, outside PyTorch's allocator
+
+
+def _opt_temp(optimizer: str, tensors: list):
+    """Temporaries of optimizer.step(): foreach AdamW's sqrt(v) copy of every state; adafactor ~2 of the largest."""
+    if optimizer == "adamw":
+        return sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
+    if optimizer == "adafactor":
+        return 2 * np.max(np.stack([_r(rows * cols * eb) for rows, cols, c, eb in tensors]), axis=0)
+    return 0
+
+
+def _static(spec: ModelSpec, method: str, dtype: str, autocast: bool, double_quant: bool) -> tuple[int, int]:
+    """(weights, quant_constants) bytes of the whole model on one replica."""
+    e = DTYPE_BYTES[dtype]
+    everything = ("embed", "lm_head", "linear", "bias", "norm")
+    if method == "full":
+        return _param_bytes(spec, everything, 4 if autocast else e), 0
+    if method == "lora":
+        return _param_bytes(spec, everything, e), 0
+    weights = _param_bytes(spec, ("linear",), 0.5) + _param_bytes(spec, ("embed", "lm_head", "bias", "norm"), 4)
+    quant = 0
+    for lin in spec.linears:
+        blocks = -(-lin.in_features * lin.out_features // NF4_BLOCK)
+        if double_quant:  # uint8 absmax + fp32 absmax per 256 blocks + 256-entry code + offset + NF4 code
+            per = int(_r(blocks)) + int(_r(4 * -(-blocks // DQ_BLOCK))) + int(_r(256 * 4)) + 512 + 512
+        else:  # fp32 absmax + NF4 code
+            per = int(_r(4 * blocks)) + 512
+        quant += per * spec.num_layers
+    return weights, quant
+
+
+def _block_weight_bytes(spec: ModelSpec, method: str, dtype: str, autocast: bool) -> int:
+    """One decoder block's weights as gathered by zero3 / fsdp (quantized blocks are not gathered)."""
+    e = 4 if (method == "full" and autocast) else DTYPE_BYTES[dtype]
+    numel = sum(lin.in_features * lin.out_features + lin.out_features * lin.bias for lin in spec.linears)
+    return int(_r(numel * e))
+
+
+def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: bool, attn: str, targets: tuple,
+                 T, B, S, r) -> dict:
+    """Activation bytes (arrays over the broadcast shape) at the moments that can hold the peak."""
+    h, i, H, kv, d, V, L = (spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads,
+                            spec.head_dim, spec.vocab_size, spec.num_layers)
+    e = 4 if method == "qlora" else (2 if autocast else DTYPE_BYTES[dtype])  # compute dtype of the stream
+    lora = method != "full"
+    cast = lora and e != 4  # peft casts each LoRA input to fp32 separately
+    width = {"attn_in": h, "attn_out": H * d, "mlp_in": h, "mlp_out": i}
+    n_t = {k: sum(1 for lin in spec.linears if lin.kind == k and lin.name in targets) for k in width}
+    fused_qkv = sum(1 for lin in spec.linears if lin.kind == "attn_in") == 1
+    # -- one block's saved tensors --
+    norm = _r(T * h * 4) + _r(T * 4)  # fp32 input copy + rsqrt per RMSNorm
+    if spec.norm_bias:  # LayerNorm: input + mean + rstd
+        norm = _r(T * h * e) + 2 * _r(T * 4)
+    block = spec.norms_per_layer * norm
+    if not lora:  # the norm weight's gradient needs the normalized input
+        block = block + spec.norms_per_layer * _r(T * h * e)
+    group = {}
+    for kind, w in width.items():
+        shared_with_attn = kind == "attn_out" and attn == "sdpa"
+        if not lora:
+            group[kind] = 0 if shared_with_attn else _r(T * w * e)
+        elif n_t[kind]:
+            copies = n_t[kind] if cast else (0 if shared_with_attn else 1)
+            group[kind] = copies * _r(T * w * 4) + n_t[kind] * _r(T * r * 4)
+        else:
+            group[kind] = 0
+        block = block + group[kind]
+    v_bytes = _r(T * (H + 2 * kv) * d * e) if fused_qkv else _r(T * kv * d * e)
+    if attn == "sdpa":
+        block = block + _r(T * H * d * e) + _r(T * kv * d * e) + v_bytes + _r(T * H * d * e) + _r(B * H * S * 4)
+    else:
+        kv_rep = _r(T * H * d * e) if kv < H else None
+        k_b = kv_rep if kv_rep is not None else _r(T * kv * d * e)
+        v_b = kv_rep if kv_rep is not None else v_bytes
+        scores = B * H * S * S
+        block = block + _r(T * H * d * e) + k_b + v_b + _r(scores * 4) + (_r(scores * e) if e != 4 else 0)
+        if spec.attn_softcap:
+            block = block + _r(scores * e)
+    block = block + (3 if spec.gated_mlp else 1) * _r(T * i * e)
+    # forward inside the last block, at its widest MLP projection: peft adds base output + B(A(x)) * scale
+    mlp_last = [lin for lin in spec.linears if lin.kind == "mlp_in"][-1]
+    wi = mlp_last.out_features
+    up_lora = lora and mlp_last.name in targets
+    stream = 3 * _r(T * h * e)  # embedding output (held by the model's forward), residual, norm output
+    not_yet = group["mlp_out"] + (_r(T * i * e) if spec.gated_mlp and wi == i else 0)
+    fwd_transient = stream + _r(T * wi * e) + (2 * _r(T * wi * 4) if up_lora else 0) - not_yet
+    # backward inside a block, at the MLP input gradient (base + LoRA paths summed)
+    if not lora:
+        bwd_temps = 2 * _r(T * i * e)
+    elif cast:
+        bwd_temps = 2 * _r(T * i * e) + _r(T * i * 4)
+    else:
+        bwd_temps = 3 * _r(T * i * 4)
+    bwd_temps = bwd_temps + 2 * _r(T * h * 4) - group["mlp_out"]
+    first_norm_free = lora and not gc  # the frozen embedding's output needs no grad: block 0's norm saves nothing
+    rope = 2 * _r(S * d * e) + 2 * _r(d // 2 * 4)  # cos/sin + the inv_freq buffers
+    final = norm + (2 * _r(T * h * e) if not lora else 0)  # full: normalized input + lm_head input
+    el = 4 if method == "qlora" else e  # logits dtype (QLoRA: lm_head up-cast to fp32)
+    loss_saved = _r(T * V * 4) + _r(T * 8) + 512
+    if method == "full":
+        loss_saved = loss_saved + _r(T * 8)  # embedding backward keeps the indices
+    logits_fwd = _r(T * V * el) + (_r(T * V * 4) if el != 4 else 0)
+    if spec.final_softcap:
+        logits_fwd = logits_fwd + 2 * _r(T * V * el)
+    mask = _r(B * S * S * e) if attn == "eager" else 0
+    if gc:  # only block inputs stay; one block is recomputed during backward
+        layers = L * _r(T * h * e) + rope
+        fwd_block = layers + block + fwd_transient
+        bwd_block = layers + block + bwd_temps
+    else:
+        layers = L * block - (norm if first_norm_free else 0) + rope
+        fwd_block = layers + fwd_transient
+        bwd_block = layers + bwd_temps
+    saved = layers + final + loss_saved
+    fwd = np.maximum(saved + logits_fwd, fwd_block) + mask
+    bwd_start = saved + 2 * _r(T * V * 4)
+    bwd_norm = layers + norm + 5 * _r(T * h * 4) + _r(T * h * e)
+    return {"forward": fwd, "backward": np.maximum(np.maximum(bwd_start, bwd_norm), bwd_block),
+            "backward_end": _r(T * h * 4) + (_r(T * h * e) if not lora else 0)}
+
+
+def _check_positive(name, value):
+    arr = np.asarray(value)
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer) or np.any(arr <= 0):
+        raise ValueError(f"{name} must be a positive integer (or an array of them), got {value!r}.")
+
+
+def _check_choices(**kwargs):
+    choices = {"method": METHODS, "dtype": DTYPES, "optimizer": OPTIMIZERS, "sharding": SHARDINGS,
+               "attn_implementation": ATTN_IMPLEMENTATIONS}
+    for name, v in kwargs.items():
+        if v not in choices[name]:
+            raise ValueError(f"{name}={v!r} is not valid; choose one of {', '.join(map(repr, choices[name]))}.")
+
+
+def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
+                    batch_size=1, lora_rank=16, lora_targets="all-linear", gradient_checkpointing=False,
+                    attn_implementation="sdpa", optimizer="adamw", num_gpus=1, sharding="none",
+                    cpu_offload=False) -> dict:
+    """Vectorized core of :func:`estimate` (the planner's engine).
+
+    Categorical arguments are scalars; ``seq_len``, ``batch_size``, ``lora_rank`` and ``num_gpus`` are
+    numpy-broadcastable arrays. Returns every ``breakdown`` key plus ``peak_allocated_bytes`` and
+    ``device_total_bytes`` as int64 arrays, and ``phase`` as an array of phase names.
+    """
+    spec = model_spec(spec)
+    for name, v in (("seq_len", seq_len), ("batch_size", batch_size), ("lora_rank", lora_rank),
+                    ("num_gpus", num_gpus)):
+        _check_positive(name, v)
+    _check_choices(method=method, dtype=dtype, optimizer=optimizer, sharding=sharding,
+                   attn_implementation=attn_implementation)
+    if sharding != "none" and np.any(np.asarray(num_gpus) < 2):
+        raise ValueError(f"sharding={sharding!r} needs num_gpus > 1; set num_gpus=2 or more, or sharding='none'.")
+    targets = () if method == "full" else _targets(spec, lora_targets)
+    if targets:
+        smallest = min(min(lin.in_features, lin.out_features) for lin in spec.linears if lin.name in targets)
+        if np.any(np.asarray(lora_rank) > smallest):
+            raise ValueError(f"lora_rank={int(np.max(lora_rank))} is larger than the smallest targeted layer "
+                             f"dimension ({smallest}) of {spec.name}; use lora_rank <= {smallest}.")
+    S, B, r, N = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (seq_len, batch_size, lora_rank,
+                                                                               num_gpus)))
+    T = B * S
+    zero = np.zeros(T.shape, dtype=np.int64)
+    weights, quant = _static(spec, method, dtype, autocast, double_quant)
+    wb = 4 if (method == "full" and autocast) else DTYPE_BYTES[dtype]
+    tensors = [((rows * r if rows == 1 else rows) if pr else rows, (cols * r if cols == 1 else cols) if pr else cols,
+                c, eb) for rows, cols, c, eb, pr in _trainable(spec, method, wb, targets)]
+    trainable = zero + sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
+    states = zero + sum(c * _opt_state(optimizer, rows, cols, eb) for rows, cols, c, eb in tensors)
+    opt_tmp = zero + _opt_temp(optimizer, tensors)
+    adapters = zero if method == "full" else trainable
+    grads = trainable
+
+    # ---- per GPU under sharding -----------------------------------------------------------------
+    n = N.astype(np.float64)
+    w_gpu, q_gpu = zero + weights, zero + quant
+    bucket = grads.copy() if sharding == "ddp" else zero  # DDP's gradient buckets
+    if sharding in ("zero1", "zero2", "zero3", "fsdp"):
+        states = zero if cpu_offload else np.ceil(states / n).astype(np.int64)
+        opt_tmp = zero if cpu_offload else np.ceil(opt_tmp / n).astype(np.int64)
+    if sharding in ("zero2", "zero3", "fsdp"):
+        grads = np.ceil(grads / n).astype(np.int64)
+    if sharding in ("zero3", "fsdp"):
+        keep = 0.0 if cpu_offload else 1.0
+        w_gpu = (np.ceil(weights / n) * keep).astype(np.int64) + 2 * _block_weight_bytes(spec, method, dtype, autocast)
+        q_gpu = (np.ceil(quant / n) * keep).astype(np.int64)
+        if method != "full":
+            adapters = np.ceil(adapters / n).astype(np.int64)
+    static = w_gpu + q_gpu + adapters + states + bucket
+
+    # ---- phases -----------------------------------------------------------------------------------
+    act = _activations(spec, method, dtype, autocast, bool(gradient_checkpointing), attn_implementation, targets,
+                       T, B, S, r)
+    bwd_end = grads + act["backward_end"]
+    bwd = np.maximum(act["backward"], bwd_end)
+    totals = np.stack([static + act["forward"], static + bwd, static + grads + opt_tmp])
+    idx = np.argmax(totals, axis=0)
+    peak = np.max(totals, axis=0)
+    grads_at = np.where(idx == 0, 0, np.where(idx == 2, grads, np.where(bwd_end > act["backward"], grads, 0)))
+    out = {"weights": w_gpu, "quant_constants": q_gpu, "adapters": adapters, "gradients": grads_at + bucket,
+           "optimizer_states": states}
+    out["activations"] = peak - sum(out[k] for k in BREAKDOWN_KEYS[:5])
+    out = {k: np.asarray(v, dtype=np.int64) for k, v in out.items()}
+    out["peak_allocated_bytes"] = peak.astype(np.int64)
+    out["device_total_bytes"] = (peak + CUDA_CONTEXT_BYTES + np.ceil(RESERVE_FRACTION * peak)).astype(np.int64)
+    out["phase"] = np.asarray(PHASES)[idx]
+    return out
+
+
+def estimate(model="tiny", method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
+             batch_size=1, lora_rank=16, lora_alpha=32, lora_targets="all-linear", gradient_checkpointing=False,
+             attn_implementation="sdpa", optimizer="adamw", num_gpus=1, sharding="none", cpu_offload=False,
+             grad_accum=1) -> Estimate:
+    """Peak GPU memory of one training step, per GPU, by arithmetic (see the module docstring).
+
+    ``model``: catalog name, "tiny", local folder / config.json, hub id (online) or PretrainedConfig.
+    ``grad_accum`` does not change the peak (gradient buffers exist after the first micro-batch anyway);
+    it is accepted for API symmetry. ``lora_alpha`` only scales the update and costs no memory.
+    Raises ValueError saying what to change for bad input.
+    """
+    settings = dict(model=model if isinstance(model, str) else getattr(model, "name_or_path", repr(model)),
+                    method=method, dtype=dtype, autocast=autocast, double_quant=double_quant, seq_len=seq_len,
+                    batch_size=batch_size, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets,
+                    gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation,
+                    optimizer=optimizer, num_gpus=num_gpus, sharding=sharding, cpu_offload=cpu_offload,
+                    grad_accum=grad_accum)
+    for name in ("seq_len", "batch_size", "lora_rank", "lora_alpha", "num_gpus", "grad_accum"):
+        v = settings[name]
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+    if method == "full":
+        changed = [k for k in ("lora_rank", "lora_alpha", "lora_targets") if settings[k] != DEFAULTS[k]]
+        if changed:
+            raise ValueError(f"{', '.join(changed)} only apply to method='lora' or 'qlora'; remove them or "
+                             f"change method (got method='full').")
+    spec = model_spec(model)
+    arrays = estimate_arrays(spec, method=method, dtype=dtype, autocast=autocast, double_quant=double_quant,
+                             seq_len=seq_len, batch_size=batch_size, lora_rank=lora_rank, lora_targets=lora_targets,
+                             gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation,
+                             optimizer=optimizer, num_gpus=num_gpus, sharding=sharding, cpu_offload=cpu_offload)
+    return Estimate(peak_allocated_bytes=int(arrays["peak_allocated_bytes"]),
+                    device_total_bytes=int(arrays["device_total_bytes"]),
+                    breakdown={k: int(arrays[k]) for k in BREAKDOWN_KEYS}, phase=str(arrays["phase"]),
+                    settings=settings)
+
+
+class _CallableModule(types.ModuleType):
+    """``lora_kit.estimate`` is both this module and the function: once the submodule is imported, Python
+    binds the package attribute to the module, so the module forwards calls to :func:`estimate`."""
+
+    def __call__(self, *args, **kwargs):
+        return estimate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
