@@ -1,0 +1,173 @@
+"""The planner panel: ipywidgets controls -> live memory breakdown and a plain-language verdict.
+
+A view only: every change builds a :class:`lora_kit.settings.Settings` and calls
+:func:`lora_kit.planner.check_plan` (the same function the CLI and notebooks use); nothing is
+computed here. Choices come from the one settings definition (``METHODS``, ``OPTIMIZERS``,
+``SHARDINGS``, ``DTYPES``), the model catalog (``lora_kit.specs.catalog``), the GPU catalog
+(``lora_kit.gpus.gpu_table``) and the model's own linear layers (``valid_targets``).
+
+Drive it from code (tests, a browser test) through its public widgets::
+
+    p = PlannerPanel()
+    p.seq_len.value = 4096          # the figure and p.verdict update in place
+    p.settings()                    # -> Settings with the current values
+    p.plan_kwargs()                 # -> the estimate() arguments of the plan shown
+
+The model shown is ``settings.plan_model`` (the model the planning notebooks size GPUs for; "same"
+means ``settings.model``). :meth:`PlannerPanel.settings` writes the panel's model back to
+``plan_model`` (to ``model`` when ``plan_model`` is "same"), so the training model of later steps
+does not change by planning for a bigger one.
+    display(p.widget)
+
+Trade-off: the breakdown figure is a ``plotly.graph_objects.FigureWidget`` (needs ``anywidget``),
+updated in place so a change re-renders in milliseconds; importing it the first time costs seconds
+(plotly's widget support pulls in nbformat/jsonschema).
+"""
+from __future__ import annotations
+
+import html
+
+import ipywidgets as w
+
+from .settings import DTYPES, METHODS, OPTIMIZERS, SHARDINGS, Settings
+
+GIB = 2 ** 30
+PARTS = ("weights", "quant_constants", "adapters", "gradients", "optimizer_states", "activations")
+_STYLE = {"description_width": "170px"}
+_LAYOUT = w.Layout(width="440px")
+
+
+def _model_options(current: str) -> list[str]:
+    from .specs import catalog
+    opts = ["tiny"] + sorted(catalog())
+    return opts if current in opts else [current] + opts
+
+
+class PlannerPanel:
+    """Controls for one plan, a live stacked breakdown (``.figure``) and a verdict (``.verdict``)."""
+
+    def __init__(self, settings: Settings | None = None):
+        from .gpus import known_gpus
+        from .planner import GIB as _  # noqa: F401  (fail early if the planner is unavailable)
+        s = settings or Settings()
+        self._plan_field = "model" if getattr(s, "plan_model", "same") in (None, "", "same") else "plan_model"
+        model = getattr(s, self._plan_field)
+        self._base = s
+        self._updating = False
+        self.last_plan: dict | None = None
+        self.error: str | None = None
+
+        def dd(options, value, label):
+            return w.Dropdown(options=list(options), value=value, description=label, style=_STYLE, layout=_LAYOUT)
+
+        def num(value, lo, hi, label):
+            return w.BoundedIntText(value=value, min=lo, max=hi, description=label, style=_STYLE, layout=_LAYOUT)
+
+        self.model = dd(_model_options(model), model, "model")
+        self.method = dd(METHODS, s.method, "method")
+        self.dtype = dd(DTYPES, s.dtype, "weights dtype")
+        self.gpu = dd(known_gpus(), s.gpu, "GPU")
+        self.margin = w.BoundedFloatText(value=round(s.margin * 100, 1), min=0, max=90, step=1,
+                                         description="safety margin (%)", style=_STYLE, layout=_LAYOUT)
+        self.seq_len = num(s.seq_len, 1, 1 << 20, "seq_len (tokens)")
+        self.batch_size = num(s.batch_size, 1, 1 << 14, "micro-batch (examples/GPU)")
+        self.lora_rank = num(s.lora_rank, 1, 4096, "LoRA rank r")
+        self.targets = w.SelectMultiple(options=[], description="LoRA targets (all = all-linear)", rows=4,
+                                        style=_STYLE, layout=_LAYOUT)
+        self.checkpointing = w.Checkbox(value=s.gradient_checkpointing, description="gradient checkpointing",
+                                        style=_STYLE, layout=_LAYOUT, indent=True)
+        self.optimizer = dd(OPTIMIZERS, s.optimizer, "optimizer")
+        self.num_gpus = num(s.num_gpus, 1, 1024, "GPUs (memory is per GPU)")
+        self.sharding = dd(SHARDINGS, s.sharding, "sharding")
+        self._set_target_options(s.lora_targets)
+        self.verdict = w.HTML(layout=w.Layout(width="940px"))
+        self.figure = self._make_figure()
+        left = w.VBox([self.model, self.method, self.dtype, self.gpu, self.margin, self.num_gpus, self.sharding])
+        right = w.VBox([self.seq_len, self.batch_size, self.lora_rank, self.targets, self.checkpointing,
+                        self.optimizer])
+        self.widget = w.VBox([w.HBox([left, right], layout=w.Layout(width="960px", justify_content="space-between")),
+                              self.verdict, self.figure], layout=w.Layout(width="980px"))
+        for c in self.controls():
+            c.observe(self._on_change, names="value")
+        self.update()
+
+    def controls(self) -> list:
+        return [self.model, self.method, self.dtype, self.gpu, self.margin, self.seq_len, self.batch_size,
+                self.lora_rank, self.targets, self.checkpointing, self.optimizer, self.num_gpus, self.sharding]
+
+    def _set_target_options(self, lora_targets) -> None:
+        from .specs import valid_targets
+        try:
+            names = valid_targets(self.model.value)
+        except ValueError:
+            names = []
+        chosen = names if lora_targets == "all-linear" else [t for t in lora_targets if t in names] or names
+        self._updating = True
+        try:
+            self.targets.options = names
+            self.targets.value = tuple(chosen)
+        finally:
+            self._updating = False
+
+    def _make_figure(self):
+        import plotly.graph_objects as go
+        from .figures import PART_COLORS
+        fig = go.FigureWidget()
+        for part in PARTS:
+            fig.add_bar(name=part.replace("_", " "), x=["estimate"], y=[0], marker_color=PART_COLORS[part],
+                        hovertemplate=f"{part.replace('_', ' ')}: %{{y:.3f}} GiB<extra></extra>")
+        fig.add_hline(y=0, line_dash="dash", line_color="black", annotation_text="usable GPU memory",
+                      annotation_position="top left")
+        fig.update_layout(barmode="stack", width=940, height=380, margin=dict(l=60, r=20, t=50, b=40),
+                          title="Peak memory per GPU, by part", yaxis_title="memory (GiB)",
+                          legend=dict(orientation="h", y=-0.15))
+        return fig
+
+    def settings(self) -> Settings:
+        """The current values as a validated :class:`Settings` (raises ValueError if inconsistent)."""
+        names = list(self.targets.options)
+        chosen = list(self.targets.value)
+        targets = "all-linear" if not names or set(chosen) == set(names) or not chosen else chosen
+        return self._base.replace(
+            **{self._plan_field: self.model.value}, method=self.method.value, dtype=self.dtype.value, gpu=self.gpu.value,
+            margin=float(self.margin.value) / 100, seq_len=int(self.seq_len.value),
+            batch_size=int(self.batch_size.value), lora_rank=int(self.lora_rank.value), lora_targets=targets,
+            gradient_checkpointing=bool(self.checkpointing.value), optimizer=self.optimizer.value,
+            num_gpus=int(self.num_gpus.value), sharding=self.sharding.value)
+
+    def plan_kwargs(self) -> dict:
+        """``estimate`` arguments of the plan on screen (the panel's model, not necessarily ``settings().model``)."""
+        return {**self.settings().estimate_kwargs(), "model": self.model.value}
+
+    def _on_change(self, change) -> None:
+        if self._updating:
+            return
+        if change["owner"] is self.model:
+            self._set_target_options("all-linear")
+        self.update()
+
+    def update(self) -> None:
+        """Recompute the plan from the widgets and refresh the verdict and the figure in place."""
+        from .planner import check_plan, verdict_text
+        try:
+            s = self.settings()
+            plan = check_plan(gpu=s.gpu, margin=s.margin, **self.plan_kwargs())
+        except ValueError as e:
+            self.error = str(e)
+            self.verdict.value = f"<div style='color:#b00'><b>Cannot plan:</b> {html.escape(str(e))}</div>"
+            return
+        self.error, self.last_plan = None, plan
+        color = "#1a7f37" if plan["fits"] else "#b00"
+        self.verdict.value = (f"<div style='color:{color}; font-size:14px; line-height:1.4'>"
+                              f"{html.escape(verdict_text(plan))}</div>")
+        est = plan["estimate"]
+        with self.figure.batch_update():
+            for trace, part in zip(self.figure.data, PARTS):
+                trace.y = [est.breakdown.get(part, 0) / GIB]
+            usable = plan["usable_bytes"] / GIB
+            self.figure.layout.shapes[0].update(y0=usable, y1=usable)
+            self.figure.layout.annotations[0].update(
+                y=usable, text=f"{plan['gpu']} usable ({s.margin:.0%} margin): {usable:.1f} GiB")
+            self.figure.layout.title.text = (f"{self.model.value} · {s.method} · seq_len {s.seq_len} · micro-batch "
+                                             f"{s.batch_size} on {plan['gpu']}: {est.device_total_bytes / GIB:.2f} GiB "
+                                             f"of {usable:.1f} GiB usable")
