@@ -1,0 +1,281 @@
+"""``simulate``: one real training step of the real architecture on fake tensors, measured.
+
+How it works: the model is built from its config on the meta device (transformers
+``from_config``), adapted there (peft LoRA; for QLoRA transformers' ``replace_with_bnb_linear`` +
+``prepare_model_for_kbit_training`` first), then every parameter and buffer is replaced by a
+``FakeTensor`` of the same shape and dtype (``module.to()`` under FakeTensorMode fails in torch
+2.13). Two real training steps (:func:`lora_kit.measure.train_step`, the same code a real
+measurement runs) execute under ``FakeTensorMode`` with a
+:class:`~lora_kit.tracker.LiveBytesTracker`: the peak of the second is the result. Nothing is
+allocated and no kernel runs, so an 8B model takes seconds on a laptop CPU.
+
+What is exact: every tensor the real code creates (weights, peft adapters, gradients, the real
+optimizer's state, saved activations, logits, loss, temporaries), with transformers' and peft's own
+code paths for any causal LM transformers can build from a config, and each storage rounded to 512
+bytes like the CUDA caching allocator.
+
+QLoRA: bitsandbytes 4-bit weights are quantized by bitsandbytes' own ``quantize_4bit`` under
+FakeTensorMode (its ops register fake kernels), so packed weights and every absmax / code / offset
+tensor have exactly the layout a real load produces, and its ``MatMul4Bit`` runs on them.
+The 8-bit / paged optimizers are bitsandbytes' own classes on fake tensors too; paged buffers
+(state buffers of parameters with >= 1e5 elements) live in CUDA managed memory that
+``max_memory_allocated`` does not count, so they are left out of the peak and reported in ``notes``.
+
+Limits (stated, measured where possible by ``benchmarks/gpu_validate.py``):
+
+- the kernels are the CPU ones: SDPA takes the CPU flash-attention path (saves the output and an
+  fp32 logsumexp, like CUDA's flash / memory-efficient kernels); autocast follows the CPU autocast
+  op lists, which differ from CUDA's in a few ops;
+- memory allocated inside kernels (cuBLAS / cuDNN workspaces, NCCL buffers) is not a tensor and is
+  not seen; ``device_total_bytes`` adds the CUDA context and allocator reserve analytically;
+- the batch has no padding mask (equal-length sequences): a padded batch with ``sdpa`` makes
+  transformers build a ``[batch, 1, seq, seq]`` mask, which is not counted;
+- sharding: one GPU (``none``) and ``ddp`` (+ DDP's gradient buckets, as large as the gradients,
+  added analytically) are simulated; ZeRO / FSDP are not (use ``estimate``).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .loading import DTYPE_MAP
+from .measure import (BREAKDOWN_KEYS, autocast_context, label_training_state, to_breakdown,
+                      train_step)
+from .settings import (ATTN_IMPLEMENTATIONS, DTYPES, METHODS, OPTIMIZERS, SHARDINGS)
+from .tracker import LiveBytesTracker
+
+CUDA_CONTEXT_BYTES = 512 * 2**20  # fallback only: lora_kit.estimate owns the device-total model
+LORA_DEFAULTS = {"lora_rank": 16, "lora_alpha": 32, "lora_targets": "all-linear"}
+
+
+@dataclass
+class SimResult:
+    peak_allocated_bytes: int  # what torch.cuda.max_memory_allocated() would report for the step
+    device_total_bytes: int  # plus CUDA context and allocator reserve (nvidia-smi level)
+    breakdown: dict  # estimate's six keys, composition at the peak moment; sums to the peak
+    phase: str  # "forward" | "backward" | "optimizer": the phase holding the peak
+    wall_seconds: float  # time simulate took
+    settings: dict  # the arguments used
+    notes: list = field(default_factory=list)  # what was approximated or left out
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_args(model, method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
+               batch_size=1, lora_rank=16, lora_alpha=32, lora_targets="all-linear",
+               gradient_checkpointing=False, attn_implementation="sdpa", optimizer="adamw", num_gpus=1,
+               sharding="none", cpu_offload=False, grad_accum=1) -> dict:
+    """The settings dict, validated; ValueError says what to change."""
+    s = dict(locals())
+    for name, choices in (("method", METHODS), ("dtype", DTYPES), ("optimizer", OPTIMIZERS),
+                          ("sharding", SHARDINGS), ("attn_implementation", ATTN_IMPLEMENTATIONS)):
+        if s[name] not in choices:
+            raise ValueError(f"{name}={s[name]!r} is not valid; choose one of {', '.join(map(repr, choices))}.")
+    for name in ("seq_len", "batch_size", "lora_rank", "lora_alpha", "num_gpus", "grad_accum"):
+        v = s[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+    if method == "full" and any(s[k] != v for k, v in LORA_DEFAULTS.items()):
+        raise ValueError("lora_rank / lora_alpha / lora_targets apply to method='lora' or 'qlora'; "
+                         "leave them at their defaults with method='full' (or choose a LoRA method).")
+    if sharding != "none" and num_gpus < 2:
+        raise ValueError(f"sharding={sharding!r} needs num_gpus > 1; set num_gpus or use sharding='none'.")
+    if cpu_offload and sharding not in ("zero1", "zero2", "zero3", "fsdp"):
+        raise ValueError("cpu_offload=True needs sharding='zero1'/'zero2'/'zero3'/'fsdp'; set sharding or cpu_offload=False.")
+    if not (lora_targets == "all-linear" or (isinstance(lora_targets, (list, tuple)) and lora_targets
+                                             and all(isinstance(t, str) for t in lora_targets))):
+        raise ValueError(f"lora_targets must be 'all-linear' or a non-empty list of module names, got {lora_targets!r}.")
+    if not isinstance(model, str):
+        s["model"] = getattr(model, "name_or_path", "") or type(model).__name__
+    if isinstance(lora_targets, tuple):
+        s["lora_targets"] = list(lora_targets)
+    return s
+
+
+def load_config(model):
+    """A transformers config for ``model`` (PretrainedConfig, catalog name, "tiny", path, hub id)."""
+    from transformers import AutoConfig, PretrainedConfig
+    if isinstance(model, PretrainedConfig):
+        return model
+    from .specs import _config_dict
+    _, c = _config_dict(model)
+    c = {k: v for k, v in c.items() if k not in ("transformers_version", "architectures", "_name_or_path")}
+    return AutoConfig.for_model(c.pop("model_type"), **c)
+
+
+def check_targets(cfg, s: dict) -> None:
+    """Unknown LoRA target names / rank larger than a targeted layer -> ValueError."""
+    if s["method"] == "full":
+        return
+    from .specs import model_spec, valid_targets
+    spec = model_spec(cfg)
+    names = valid_targets(spec)
+    targets = names if s["lora_targets"] == "all-linear" else s["lora_targets"]
+    unknown = [t for t in targets if t not in names]
+    if unknown:
+        raise ValueError(f"lora_targets {unknown} are not linear layers of this model; valid names: {names} "
+                         "(or 'all-linear').")
+    for lin in spec.linears:
+        if lin.name in targets and s["lora_rank"] > min(lin.in_features, lin.out_features):
+            raise ValueError(f"lora_rank={s['lora_rank']} is larger than layer {lin.name} "
+                             f"({lin.in_features}x{lin.out_features}); choose lora_rank <= "
+                             f"{min(lin.in_features, lin.out_features)}.")
+
+
+def optimizer_for(params, name: str, device_type: str = "cpu"):
+    """training.build_optimizer's optimizer; on CPU / fake tensors a paged bitsandbytes optimizer is
+    replaced by its non-paged twin (same state layout; paging needs CUDA managed memory)."""
+    from .training import build_optimizer
+    lr = 1e-4
+    if name.startswith("paged_") and device_type != "cuda":
+        import bitsandbytes as bnb
+        twin = bnb.optim.AdamW8bit if name == "paged_adamw_8bit" else bnb.optim.AdamW32bit
+        return twin([p for p in params if p.requires_grad], lr=lr, is_paged=False)
+    return build_optimizer(params, name, lr)
+
+
+def _meta_model(cfg, s: dict):
+    from transformers import AutoModelForCausalLM
+    weight_dtype = "float32" if s["method"] == "full" and s["autocast"] else s["dtype"]
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE_MAP[weight_dtype],
+                                             attn_implementation=s["attn_implementation"])
+    if s["method"] == "qlora":
+        from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        from .loading import bnb_config
+        replace_with_bnb_linear(m, modules_to_not_convert=get_keys_to_not_convert(m),
+                                quantization_config=bnb_config(s["dtype"], s["double_quant"]))
+        m.is_loaded_in_4bit = True
+    return m
+
+
+def _fake_param(p, fake_mode, dtype):
+    """A fake twin of parameter ``p`` (4-bit weights quantized by bitsandbytes on fake tensors)."""
+    with fake_mode:
+        if type(p).__name__ == "Params4bit":
+            import bitsandbytes.functional as F
+            w = torch.empty(tuple(p.shape), dtype=dtype)
+            packed, qs = F.quantize_4bit(w, blocksize=p.blocksize, compress_statistics=p.compress_statistics,
+                                         quant_type=p.quant_type, quant_storage=p.quant_storage)
+            new = torch.nn.Parameter(packed, requires_grad=False)
+            for k in ("blocksize", "compress_statistics", "quant_type", "quant_storage"):
+                setattr(new, k, getattr(p, k))
+            new.quant_state, new.bnb_quantized = qs, True
+            return new
+        return torch.nn.Parameter(torch.empty(tuple(p.shape), dtype=p.dtype), requires_grad=p.requires_grad)
+
+
+def _fakeify(model, fake_mode, dtype) -> None:
+    """Replace every parameter and buffer by a fake tensor (ties preserved)."""
+    import bitsandbytes.functional as F
+    if "dynamic" not in F.name2qmap:  # bitsandbytes caches this map globally: keep the real one there
+        F.name2qmap["dynamic"] = F.create_dynamic_map()
+    memo: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                if id(p) not in memo:
+                    memo[id(p)] = _fake_param(p, fake_mode, dtype)
+                mod._parameters[name] = memo[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                with fake_mode:
+                    mod._buffers[name] = torch.empty(tuple(b.shape), dtype=b.dtype)
+
+
+@contextlib.contextmanager
+def _no_packed_sequences():
+    """transformers looks for packed sequences by reading position_ids' values, which fake tensors
+    do not have, and then builds a 4-D mask a real unpacked batch never gets; tell it there are none."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # older transformers: nothing to patch
+        yield
+        return
+    orig = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if orig is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = orig
+
+
+def _device_total(peak: int) -> int:
+    """Peak + CUDA context + allocator reserve, with estimate's constants (one model of that part)."""
+    try:
+        from .estimate import CUDA_CONTEXT_BYTES as context, RESERVE_FRACTION as reserve
+    except ImportError:  # estimate not importable: its documented defaults
+        context, reserve = CUDA_CONTEXT_BYTES, 0.08
+    return int(peak + context + math.ceil(reserve * peak))
+
+
+def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: bool = False,
+             double_quant: bool = True, seq_len: int = 2048, batch_size: int = 1, lora_rank: int = 16,
+             lora_alpha: int = 32, lora_targets="all-linear", gradient_checkpointing: bool = False,
+             attn_implementation: str = "sdpa", optimizer: str = "adamw", num_gpus: int = 1,
+             sharding: str = "none", cpu_offload: bool = False, grad_accum: int = 1) -> SimResult:
+    """Peak memory of one steady-state training step, from a real step on fake tensors.
+
+    Same arguments and result fields as :func:`lora_kit.estimate`. ``grad_accum`` does not change
+    the peak (each micro-step frees its activations; gradients are accumulated in place) and is
+    recorded only. See the module docstring for what is exact and what is not.
+    """
+    s = check_args(**locals())
+    t0 = time.perf_counter()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .training import attach_adapter
+    if sharding not in ("none", "ddp"):
+        raise ValueError(f"simulate covers sharding='none' and 'ddp' (one GPU's view); for sharding={sharding!r} "
+                         "use lora_kit.estimate, or simulate with sharding='none' for the unsharded step.")
+    cfg = load_config(model)
+    check_targets(cfg, s)
+    net = _meta_model(cfg, s)
+    with torch.device("meta"):
+        net = attach_adapter(net, method, 0, lora_rank, lora_alpha, 0.0, s["lora_targets"], gradient_checkpointing)
+    net.train()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    _fakeify(net, fake_mode, DTYPE_MAP[dtype])
+    paged = optimizer.startswith("paged_")
+    opt = optimizer_for(net.parameters(), optimizer, device_type="cpu")  # bnb builds real lookup maps
+    with fake_mode:
+        ids = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
+    batch = {"input_ids": ids, "labels": ids}
+    ctx = autocast_context(autocast, dtype, "cpu")
+    tracker = LiveBytesTracker()
+    with fake_mode, _no_packed_sequences():
+        train_step(net, batch, opt, autocast_ctx=ctx)  # step 1: creates the optimizer state
+        label_training_state(tracker, net, opt, paged=paged)
+        tracker.track(ids)
+        tracker.reset_peak()
+        with tracker:
+            train_step(net, batch, opt, tracker, autocast_ctx=ctx,
+                       on_grads=lambda: label_training_state(tracker, net))
+    raw = tracker.peak_breakdown()
+    notes = []
+    paged_bytes = raw.pop("paged_optimizer_states", 0)
+    if paged_bytes:
+        notes.append(f"{paged_bytes} bytes of paged optimizer state live in CUDA managed memory: not in "
+                     "max_memory_allocated, evicted to host memory under pressure; left out of the peak.")
+    bd = to_breakdown(raw)
+    if sharding == "ddp":
+        grad_bytes = sum(-(-p.numel() * p.element_size() // 512) * 512 for p in net.parameters() if p.requires_grad)
+        bd["gradients"] += grad_bytes
+        notes.append(f"ddp: {grad_bytes} bytes of DDP gradient buckets added analytically (as large as the gradients).")
+    if autocast:
+        notes.append("autocast follows the CPU autocast op lists (CUDA's differ in a few ops).")
+    if method == "qlora":
+        notes.append("QLoRA includes prepare_model_for_kbit_training's fp32 up-casts of norms, embeddings and lm_head.")
+    peak = sum(bd.values())
+    assert set(bd) == set(BREAKDOWN_KEYS)
+    return SimResult(int(peak), _device_total(peak), bd, tracker.peak_phase, time.perf_counter() - t0, s, notes)
