@@ -123,10 +123,12 @@ def summarize(per_example: pd.DataFrame, adapters: list[str], is_heldout: bool =
               confidence: float = 0.95, n_resamples: int = 2000, seed: int = 0) -> dict:
     """Everything :func:`lora_kit.evaluate` reports from the scored table: ``metrics`` (per split and
     system), ``comparisons`` (per adapter and split), ``control_tasks``, ``top_changes``,
-    ``sentences`` (per adapter) and ``summary_sentence``."""
+    ``sentences`` (per adapter: ``{"heldout", "control"}``), ``summary_sentence`` (held-out, all
+    adapters), ``control_sentence`` and ``control_changed_fraction`` (largest over adapters)."""
     stats = dict(confidence=confidence, n_resamples=n_resamples, seed=seed)
     systems = [BASE] + list(adapters)
-    out = {"metrics": {}, "comparisons": {}, "control_tasks": {}, "top_changes": {}, "sentences": {}}
+    out = {"metrics": {}, "comparisons": {}, "control_tasks": {}, "top_changes": {}, "sentences": {},
+           "control_sentence": None, "control_changed_fraction": None}
     by_split = dict(tuple(per_example.groupby("split", sort=False)))
     for split, g in by_split.items():
         out["metrics"][split] = {s: system_metrics(g, s, **stats) for s in systems}
@@ -135,17 +137,24 @@ def summarize(per_example: pd.DataFrame, adapters: list[str], is_heldout: bool =
     for a in adapters:
         comp = {split: paired(g, a, **stats) for split, g in by_split.items()}
         out["comparisons"][a] = comp
-        s = sentence(comp["heldout"], what) if "heldout" in comp else ""
+        out["sentences"][a] = {"heldout": sentence(comp["heldout"], what), "control": None}
         if "control" in comp:
             out["control_tasks"][a] = control_tasks(by_split["control"], a, **stats)
             out["top_changes"][a] = top_changes(by_split["control"], a)
-            s = (s + " " + control_sentence(comp["control"], out["control_tasks"][a])).strip()
-        out["sentences"][a] = s
+            out["sentences"][a]["control"] = control_sentence(comp["control"], out["control_tasks"][a])
+            frac = comp["control"]["changed"] / comp["control"]["n"]
+            out["control_changed_fraction"] = max(frac, out["control_changed_fraction"] or 0.0)
+
+    def joined(part: str) -> str | None:
+        parts = [(x if len(adapters) == 1 else f"{a}: {x}") for a in adapters
+                 if (x := out["sentences"][a][part])]
+        return " ".join(parts) or None
+
     if adapters:
-        out["summary_sentence"] = " ".join(out["sentences"][a] if len(adapters) == 1 else f"{a}: {out['sentences'][a]}"
-                                           for a in adapters)
+        out["summary_sentence"], out["control_sentence"] = joined("heldout"), joined("control")
     else:
         m = out["metrics"]["heldout"][BASE]["exact_match"]
         out["summary_sentence"] = (f"Base model only (no adapter given): exact match {100 * m['mean']:.1f} % "
                                    f"on {m['n']} {what}.")
     return out
+

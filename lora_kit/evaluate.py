@@ -46,7 +46,9 @@ SMOKE_ADAPTER = Path("smoke") / "adapter"
 class EvalResult:
     """What :func:`evaluate` returns: ``summary`` (the JSON written to ``eval/eval.json``),
     ``per_example`` (one row per example, written to ``eval/per_example.csv``), ``summary_sentence``
-    and figure helpers (plotly figures; nothing is shown)."""
+    (held-out sentence, then the control-set sentence) and figure helpers (plotly figures; nothing
+    is shown). In the JSON, ``summary_sentence`` is the held-out part and
+    ``control.summary_sentence`` / ``control.changed_fraction`` describe the control set."""
     summary: dict
     per_example: pd.DataFrame
     summary_sentence: str
@@ -394,12 +396,32 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
     timing.update(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
     summary["timing"] = timing
     summary["versions"] = _versions()
-    result = EvalResult(summary=summary, per_example=per_example, summary_sentence=summary["summary_sentence"])
+    control_sentence = summary.pop("control_sentence")
+    summary["control"].update(summary_sentence=control_sentence, changed_fraction=summary.pop("control_changed_fraction"))
+    result = EvalResult(summary=summary, per_example=per_example,
+                        summary_sentence=" ".join(x for x in (summary["summary_sentence"], control_sentence) if x))
     if run_dir is not None:
         out = Path(run_dir) / EVAL_DIR
         result.paths = {"json": str(write_json_atomic(out / "eval.json", summary)),
                         "csv": str(write_text_atomic(out / "per_example.csv", per_example.to_csv(index=False)))}
     return result
+
+
+def settings_kwargs(settings) -> dict:
+    """:func:`evaluate` arguments from a :class:`lora_kit.Settings` (for notebooks and the CLI).
+
+    The embedded data (``"tiny:..."``) is evaluated on its ``"test"`` split. Any other dataset has no
+    held-out split in Settings, so it is passed as both held-out and training data: the overlap check
+    then refuses it -- call :func:`evaluate` with ``heldout=`` your held-out file instead.
+    """
+    s = settings
+    embedded = isinstance(s.dataset, str) and s.dataset.startswith("tiny:")
+    return dict(base_model=s.model, method=s.method, dtype=s.dtype, run_dir=s.run_dir,
+                heldout=s.dataset, heldout_split="test" if embedded else None,
+                train_examples=None if embedded else s.dataset, control=s.control_dataset or None,
+                n_heldout=s.eval_examples, n_control=s.control_examples, max_new_tokens=s.max_new_tokens,
+                seed=s.seed, prompt_field=s.prompt_field, response_field=s.response_field,
+                trust_remote_code=s.trust_remote_code)
 
 
 def _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fields) -> dict:

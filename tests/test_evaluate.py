@@ -97,7 +97,7 @@ def test_adapter_gain_with_interval_and_honest_sentence(result):
     em = comp["exact_match"]
     assert em["n"] == 24 and em["lo"] > 0.5 and em["lo"] <= em["diff"] <= em["hi"]
     assert comp["better"] > 12 and comp["better"] + comp["worse"] + comp["same"] == 24
-    assert result.summary["sentences"]["lora"].startswith(f"+{100 * em['diff']:.1f} points exact match (95 % CI")
+    assert result.summary["sentences"]["lora"]["heldout"].startswith(f"+{100 * em['diff']:.1f} points exact match (95 % CI")
     assert "on 24 held-out examples" in result.summary_sentence
     assert result.summary_sentence.startswith("lora: ") and "weak: " in result.summary_sentence
     m = result.summary["metrics"]["heldout"]
@@ -127,12 +127,14 @@ def test_control_set_shows_behaviour_change(result, setup):
     top = result.summary["top_changes"]["lora"]
     assert top and all(r["pred:base"] != r["pred:lora"] for r in top)
     assert [r["delta_exact_match:lora"] for r in top] == sorted(r["delta_exact_match:lora"] for r in top)
-    assert "Control set: " in result.summary["sentences"]["lora"]
+    assert result.summary["sentences"]["lora"]["control"].startswith("Control set: ")
 
 
 def test_results_written_atomically_as_json_and_csv(result):
     js = json.loads(Path(result.paths["json"]).read_text())
-    assert js["summary_sentence"] == result.summary_sentence
+    assert result.summary_sentence == js["summary_sentence"] + " " + js["control"]["summary_sentence"]
+    assert js["control"]["changed_fraction"] == max(c["control"]["changed"] / c["control"]["n"]
+                                                    for c in js["comparisons"].values())
     assert js["comparisons"]["lora"]["heldout"]["exact_match"]["diff"] == \
         pytest.approx(result.summary["comparisons"]["lora"]["heldout"]["exact_match"]["diff"])
     assert set(js["versions"]) >= {"torch", "transformers", "peft"}

@@ -49,12 +49,13 @@ def test_summary_counts_and_sentences():
     assert comp["exact_match"]["diff"] == pytest.approx(0.25)
     assert (comp["better"], comp["worse"], comp["same"], comp["changed"], comp["n"]) == (2, 1, 1, 3, 4)
     assert s["metrics"]["heldout"]["base"]["exact_match"]["mean"] == 0.5
-    assert s["sentences"]["a"].startswith("No clear difference in exact match: +25.0 points")  # 4 examples
+    assert s["sentences"]["a"]["heldout"].startswith("No clear difference in exact match: +25.0 points")  # n=4
     tasks = s["control_tasks"]["a"]
     assert tasks["reverse"]["exact_match:base"] == 1.0 and tasks["reverse"]["exact_match:a"] == 0.5
     assert tasks["count"]["exact_match_diff"]["diff"] == pytest.approx(0.5)
     assert tasks["reverse"]["changed"] == 1
-    assert "Largest drop: task 'reverse', \u221250.0 points" in s["sentences"]["a"]
+    assert "Largest drop: task 'reverse', \u221250.0 points" in s["control_sentence"]
+    assert s["control_changed_fraction"] == 0.5
     assert s["top_changes"]["a"][0]["prompt"] == "c1"  # the regression comes first
 
 
@@ -67,3 +68,14 @@ def test_base_only_summary():
                                       "reference": "x", "pred:base": "x"}]), ["base"])
     s = C.summarize(df, [], n_resamples=100)
     assert s["summary_sentence"].startswith("Base model only") and s["comparisons"] == {}
+
+
+def test_settings_kwargs_match_evaluate_signature():
+    import inspect
+    from lora_kit.evaluate import evaluate, settings_kwargs
+    from lora_kit.settings import Settings
+    kw = settings_kwargs(Settings(eval_examples=50, run_dir="runs/x"))
+    assert set(kw) <= set(inspect.signature(evaluate).parameters)
+    assert (kw["heldout"], kw["heldout_split"], kw["n_heldout"], kw["control"]) == ("tiny:dates", "test", 50, "tiny:control")
+    own = settings_kwargs(Settings(dataset="my.jsonl"))
+    assert own["heldout"] == own["train_examples"] == "my.jsonl"  # no held-out split: overlap check refuses
