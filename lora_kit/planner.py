@@ -92,14 +92,6 @@ def _values(name: str, v) -> list:
     return [v]
 
 
-def _const(n: int, v):
-    """A constant column: categorical for text / target lists (cheap to build, cheap to group), else numpy."""
-    if isinstance(v, (str, tuple)):
-        return pd.Categorical.from_codes(np.zeros(n, dtype=np.int8),
-                                         categories=pd.Index([v], dtype=object, tupleize_cols=False))
-    return np.full(n, v)
-
-
 def _int_axis(name: str, vals: list) -> np.ndarray:
     arr = np.asarray(vals)
     if arr.dtype.kind not in "iu" or (arr <= 0).any():
@@ -128,36 +120,48 @@ def sweep(model, gpu=None, margin: float = 0.10, **grid) -> pd.DataFrame:
     nums = [_int_axis(k, _values(k, grid.get(k, defaults.get(k)))) for k in ARRAY_ARGS]
     mesh = [m.ravel() for m in np.meshgrid(*nums, indexing="ij")]
     n = mesh[0].size
-    frames = []
+    groups, results = [], []  # one estimate_arrays call per (model, categorical combination)
     for mdl in _values("model", model):
         spec = model_spec(mdl)
         for combo in itertools.product(*axes.values()):
             cats = dict(zip(axes, combo))
             est_cats = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cats.items() if k in CATEGORICAL_ARGS}
-            res = estimate_arrays(spec, **est_cats, **dict(zip(ARRAY_ARGS, mesh)))
-            cols = {"model": _const(n, mdl if isinstance(mdl, str) else spec.name)}
-            cols.update({k: _const(n, v) for k, v in cats.items()})
-            cols.update(dict(zip(ARRAY_ARGS, mesh)))
-            cols.update({k: (pd.Categorical(v) if k == "phase" else np.broadcast_to(np.asarray(v), (n,)))
-                         for k, v in res.items()})
-            frames.append(pd.DataFrame(cols, copy=False))
-    df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
-    df["peak_gib"] = df["peak_allocated_bytes"] / GIB
-    df["device_total_gib"] = df["device_total_bytes"] / GIB
-    if gpu is None:
-        return df
-    parts = []
-    for g in _values("gpu", gpu):
-        v = fit_verdict(df["device_total_bytes"].to_numpy(), g, margin)
-        part = df.copy()
-        part.insert(1, "gpu", v["gpu"])
-        part["capacity_gib"] = v["capacity_bytes"] / GIB
-        part["usable_gib"] = v["usable_bytes"] / GIB
-        part["fits"] = v["fits"]
-        part["headroom_gib"] = v["headroom_bytes"] / GIB
-        part["headroom_pct"] = v["headroom_pct"]
-        parts.append(part)
-    return pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
+            results.append(estimate_arrays(spec, **est_cats, **dict(zip(ARRAY_ARGS, mesh))))
+            groups.append({"model": mdl if isinstance(mdl, str) else spec.name, **cats})
+    gpus = [fit_verdict(0, g, margin) for g in _values("gpu", gpu)] if gpu is not None else [None]
+    reps = len(gpus)  # rows: gpu-major, then group, then the numeric mesh
+    group_idx = np.tile(np.repeat(np.arange(len(groups), dtype=np.int32), n), reps)
+    cols: dict = {"model": _codes_column([g["model"] for g in groups], group_idx)}
+    if gpu is not None:
+        cols["gpu"] = _codes_column([v["gpu"] for v in gpus], np.repeat(np.arange(reps, dtype=np.int32), n * len(groups)))
+    for k in axes:
+        cols[k] = _codes_column([g[k] for g in groups], group_idx)
+    for k, arr in zip(ARRAY_ARGS, mesh):
+        cols[k] = np.tile(arr, len(groups) * reps)
+    for k in results[0]:
+        block = np.concatenate([np.broadcast_to(np.asarray(r[k]), (n,)) for r in results])
+        cols[k] = pd.Categorical(np.tile(block, reps)) if k == "phase" else np.tile(block, reps)
+    total = cols["device_total_bytes"]
+    cols["peak_gib"] = cols["peak_allocated_bytes"] / GIB
+    cols["device_total_gib"] = total / GIB
+    if gpu is not None:
+        per = len(groups) * n
+        cap = np.repeat([v["capacity_bytes"] for v in gpus], per).astype(np.float64)
+        usable = np.repeat([v["usable_bytes"] for v in gpus], per)
+        head = usable - total
+        cols.update(capacity_gib=cap / GIB, usable_gib=usable / GIB, fits=head >= 0, headroom_gib=head / GIB,
+                    headroom_pct=100 * head / cap)
+    return pd.DataFrame(cols, copy=False)
+
+
+def _codes_column(values: list, idx: np.ndarray):
+    """Column whose row i holds ``values[idx[i]]``: categorical for text / target lists, numpy otherwise."""
+    if all(isinstance(v, (bool, np.bool_)) for v in values) or all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        return np.asarray(values)[idx]
+    cats = list(dict.fromkeys(values))
+    codes = np.asarray([cats.index(v) for v in values], dtype=np.int32)[idx]
+    return pd.Categorical.from_codes(codes, categories=pd.Index(cats, dtype=object, tupleize_cols=False))
 
 
 def _device_totals(model, param: str, values: np.ndarray, kwargs: dict) -> np.ndarray:
