@@ -143,6 +143,18 @@ def _same_base(recorded: str | None, base: str, resolved: str) -> bool:
     return Path(recorded.rstrip("/")).name == Path(resolved.rstrip("/")).name
 
 
+def local_adapter(path: str) -> str:
+    """``path`` if it is a local folder; else a hub id, downloaded (adapter files only, safetensors)."""
+    if Path(path).exists() or Path(path).is_absolute() or path.startswith("."):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(path, allow_patterns=["adapter_config.json", "adapter_model.safetensors"])
+    except Exception as e:  # offline, unknown repo, gated: all mean "cannot get it from here"
+        raise ValueError(f"adapter {path!r} is not a local folder and could not be fetched from the hub "
+                         f"({type(e).__name__}); pass the folder the adapter was saved to.") from None
+
+
 def check_adapter(path: str, model, base_model: str, resolved: str, check_base_name: bool = True) -> dict:
     """Refuse an adapter that does not belong to this base; returns its adapter_config.
 
@@ -150,7 +162,7 @@ def check_adapter(path: str, model, base_model: str, resolved: str, check_base_n
     unpickled); every LoRA matrix names a module the base has, with matching in/out features; and the
     recorded ``base_model_name_or_path`` names this base (``check_base_name=False`` skips only that).
     """
-    p = Path(path)
+    p = Path(local_adapter(path))
     cfg_file = p / "adapter_config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{str(p)!r} is not an adapter folder (no adapter_config.json); pass the folder "
@@ -343,7 +355,8 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
     _check_lengths(tokenizer, ctl_rows, "control", max_new_tokens, context)
     adapter_cfgs = {}
     for name, path in adapter_paths.items():
-        adapter_cfgs[name] = check_adapter(path, model, base_model, resolved, check_base_name)
+        adapter_paths[name] = local_adapter(path)
+        adapter_cfgs[name] = check_adapter(adapter_paths[name], model, base_model, resolved, check_base_name)
     if adapter_paths:
         from peft import PeftModel
         first, *rest = adapter_paths.items()

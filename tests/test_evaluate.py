@@ -171,6 +171,8 @@ def test_bad_input_is_a_clear_error(setup, random_llama_dir, tmp_path):
         evaluate(d, setup["good"], heldout=[{"prompt": "x" * 300, "response": "yes"}], **kw)
     with pytest.raises(ValueError, match="names the base model"):
         evaluate(d, {"base": setup["good"]}, heldout=setup["heldout"], **kw)
+    with pytest.raises(ValueError, match="could not be fetched from the hub"):  # HF_HUB_OFFLINE=1 in tests
+        evaluate(d, "no-such-org/no-such-adapter", heldout=setup["heldout"], **kw)
     with pytest.raises(ValueError, match="method="):
         evaluate(d, setup["good"], heldout=setup["heldout"], method="full", **kw)
 
