@@ -120,6 +120,8 @@ def format_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+stack = sys.modules[__name__]  # ``lora_kit.stack`` (the lazy public API map resolves names inside modules)
+
+
 if __name__ == "__main__":  # pragma: no cover
     print(format_table(report()))
-    sys.exit(0)

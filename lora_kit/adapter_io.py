@@ -1,0 +1,116 @@
+"""Save an adapter, load it into a fresh base, and prove it is the adapter that was trained.
+
+Checks (the ones peft's own save/reload tests make, plus the ones users get bitten by):
+files present and non-empty, only adapter files written (``adapter_model.safetensors`` +
+``adapter_config.json``; peft's auto-generated README.md model card is removed), every saved
+tensor is a LoRA tensor, no missing or unexpected adapter keys on reload, reloaded logits equal
+the trained model's, and the adapter changes the outputs versus the base.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def save_adapter(model, out_dir, is_main_process: bool = True) -> dict:
+    """Save the adapter with safetensors; returns {file: bytes} of what is on disk."""
+    out = Path(out_dir)
+    model.save_pretrained(str(out), safe_serialization=True, is_main_process=is_main_process)
+    card = out / "README.md"
+    if card.exists():
+        card.unlink()
+    return {p.name: p.stat().st_size for p in sorted(out.iterdir())}
+
+
+def check_adapter_files(adapter_dir) -> dict:
+    """Files present, non-empty, only adapter files, only LoRA tensors. Raises ValueError if not."""
+    from safetensors import safe_open
+    d = Path(adapter_dir)
+    files = {p.name: p.stat().st_size for p in sorted(d.iterdir())} if d.is_dir() else {}
+    missing = [f for f in ADAPTER_FILES if f not in files]
+    if missing:
+        raise ValueError(f"adapter folder {str(d)!r} lacks {missing}: save it with save_pretrained(safe_serialization=True).")
+    empty = [f for f, n in files.items() if n == 0]
+    if empty:
+        raise ValueError(f"adapter files {empty} in {str(d)!r} are empty: the save was interrupted; save again.")
+    extra = sorted(set(files) - set(ADAPTER_FILES))
+    if extra:
+        raise ValueError(f"adapter folder {str(d)!r} holds non-adapter files {extra}: only {list(ADAPTER_FILES)} "
+                         "should be written (was the full model saved?).")
+    with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    non_lora = [k for k in keys if "lora_" not in k]
+    if not keys or non_lora:
+        raise ValueError(f"adapter weights hold {len(keys)} tensors, {len(non_lora)} of them not LoRA "
+                         f"(e.g. {non_lora[:3]}); save only the adapter.")
+    return {"files": files, "n_tensors": len(keys), "bytes": sum(files.values())}
+
+
+def load_adapter(base_model, adapter_dir):
+    """``PeftModel`` of ``base_model`` + the adapter; ValueError if it was saved for another base.
+
+    Returns (model, {"missing_keys": [...], "unexpected_keys": [...]}) -- both lists must be empty.
+    """
+    from peft import PeftModel, set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+    d = Path(adapter_dir)
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    saved_for = cfg.get("base_model_name_or_path")
+    hint = (f"the adapter at {str(d)!r} was saved for base {saved_for!r}; load it into that base model "
+            "(same architecture and sizes) or train a new adapter for this one.")
+    try:
+        model = PeftModel.from_pretrained(base_model, str(d), is_trainable=False)
+        keys = set_peft_model_state_dict(model, load_peft_weights(str(d)))
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise ValueError(f"{hint} ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
+    missing = [k for k in keys.missing_keys if "lora_" in k]
+    unexpected = list(keys.unexpected_keys)
+    if missing or unexpected:
+        raise ValueError(f"{hint} Missing adapter keys: {missing[:5]}, unexpected keys: {unexpected[:5]}.")
+    return model, {"missing_keys": missing, "unexpected_keys": unexpected}
+
+
+@torch.no_grad()
+def logits(model, batch: dict, adapter: bool = True) -> torch.Tensor:
+    """Logits of ``model`` on ``batch`` in eval mode; ``adapter=False`` uses the base (adapter disabled)."""
+    was_training = model.training
+    model.eval()
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    try:
+        if adapter:
+            out = model(**inputs).logits
+        else:
+            with model.disable_adapter():
+                out = model(**inputs).logits
+    finally:
+        model.train(was_training)
+    return out.float() * batch["attention_mask"].unsqueeze(-1)
+
+
+def compare_logits(trained: torch.Tensor, reloaded: torch.Tensor, base: torch.Tensor, tol: float) -> dict:
+    """Verdicts: reloaded == trained within ``tol``; adapter changes outputs vs base."""
+    reload_diff = (trained - reloaded).abs().max().item()
+    change = (trained - base).abs().max().item()
+    return {"reload_max_abs_diff": reload_diff, "tolerance": tol, "reload_equal": reload_diff <= tol,
+            "adapter_vs_base_max_abs_diff": change, "adapter_changes_outputs": change > tol}
+
+
+@torch.no_grad()
+def generate_side_by_side(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[dict]:
+    """Greedy generations with left padding, base (adapter disabled) and adapter for each prompt."""
+    from lora_kit.prompting import render_prompt
+    tokenizer.padding_side = "left"
+    enc = tokenizer([render_prompt(p) for p in prompts], return_tensors="pt", padding=True)
+    enc = {k: v.to(next(model.parameters()).device) for k, v in enc.items()}
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    model.eval()
+    n = enc["input_ids"].shape[1]
+    with model.disable_adapter():
+        base = model.generate(**enc, **kw)[:, n:]
+    tuned = model.generate(**enc, **kw)[:, n:]
+    dec = lambda t: tokenizer.batch_decode(t, skip_special_tokens=True)  # noqa: E731
+    return [{"prompt": p, "base": b, "adapter": a} for p, b, a in zip(prompts, dec(base), dec(tuned))]

@@ -1,0 +1,461 @@
+"""The smoke run: a few real training steps with the planned settings, measured and verified.
+
+``smoke_run(settings, **overrides)`` loads the model (embedded "tiny", local folder or hub id),
+quantizes it for QLoRA, attaches the adapter (seed set right before), trains ``max_steps``
+optimizer steps on a verified slice of the dataset whose longest examples lead, then saves the
+adapter (safetensors), reloads it into a fresh base and verifies it, and generates on control
+prompts with base and adapter side by side. Every phase rewrites ``<run_dir>/smoke/smoke.json``
+atomically, so a crash keeps what was measured and says where it stopped.
+
+The loop is our own plain PyTorch loop, not ``transformers.Trainer`` -- see
+:mod:`lora_kit.smoke_train` for why and for what the instrumentation costs. Memory: CUDA
+``max_memory_allocated``/``reserved`` per step on a GPU; on CPU the live-bytes tracker on the first
+``measure_steps`` steps (all steps when ``memory_limit_bytes`` emulates a smaller device). The
+step that ``estimate`` and ``simulate`` describe is the *second* step (index 1); their numbers are
+shown beside its measured peak with the relative error.
+
+Out of memory in any phase is caught: the phase and memory at failure are recorded, memory is
+freed, results are written and the changes that would fit are listed, ranked by the saving
+``estimate`` predicts. Other errors are recorded and re-raised.
+
+Under ``torchrun --nproc_per_node N -m lora_kit.smoke --params run.yaml`` each rank trains its
+share of the data with DDP; rank 0 gathers every rank's peaks and writes the one result.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lora_kit import distributed as dist_util
+from lora_kit.results import write_json_atomic
+
+PHASES = ("load", "quantize", "adapter", "train", "save", "reload", "verify", "generate")
+log = logging.getLogger("lora_kit.smoke")
+
+
+@dataclass
+class SmokeResult:
+    """What the smoke run measured; ``record`` is exactly what smoke.json holds."""
+    record: dict
+    run_dir: Path
+    model: object = field(default=None, repr=False)  # the trained (reloaded) PeftModel, rank 0, when complete
+
+    @property
+    def status(self) -> str:
+        return self.record["status"]
+
+    @property
+    def ok(self) -> bool:
+        return self.record["status"] == "complete"
+
+    @property
+    def adapter_dir(self) -> Path:
+        return self.run_dir / "adapter"
+
+    def steps_frame(self):
+        import pandas as pd
+        return pd.DataFrame([{k: v for k, v in s.items() if k != "peak_breakdown"} for s in self.record["steps"]])
+
+    def __getitem__(self, key):
+        return self.record[key]
+
+
+class _Run:
+    """Holds the record and writes it after each phase (rank 0 only)."""
+
+    def __init__(self, out: Path, record: dict, write: bool):
+        self.out, self.record, self.write_enabled = out, record, write
+        self._last_write = 0.0
+
+    def write(self) -> None:
+        if self.write_enabled:
+            write_json_atomic(self.out / "smoke.json", self.record)
+            self._last_write = time.monotonic()
+
+    def start(self, phase: str, tracker=None) -> None:
+        self.current = phase
+        if tracker is not None:
+            tracker.phase = phase
+        self.record["phases"][phase] = {"status": "running", "started": time.time()}
+        self.t0 = time.perf_counter()
+        log.info("phase %s started", phase)
+
+    def done(self, phase: str, status: str = "done", note: str | None = None) -> None:
+        rec = self.record["phases"][phase]
+        rec.update(status=status, seconds=time.perf_counter() - self.t0 if rec.get("status") == "running" else 0.0)
+        if note:
+            rec["note"] = note
+        log.info("phase %s %s%s", phase, status, f" ({note})" if note else "")
+        self.write()
+
+    def skip(self, phase: str, note: str) -> None:
+        self.record["phases"][phase] = {"status": "not applicable", "note": note}
+        self.write()
+
+
+def _settings(settings, overrides):
+    from lora_kit.settings import Settings, from_dict
+    if settings is None:
+        return from_dict(overrides)
+    if not isinstance(settings, Settings):
+        raise ValueError(f"settings must be a lora_kit.Settings or None, got {type(settings).__name__}.")
+    return settings.replace(**overrides) if overrides else settings
+
+
+def _load_examples(s):
+    """Training rows from ``s.dataset`` (+ ``base_mix`` share of base-task rows), fields as in settings."""
+    from lora_kit.data import load_examples, mix_examples
+    rows = load_examples(s.dataset, split="train", prompt_field=s.prompt_field, response_field=s.response_field)
+    rows = [{s.prompt_field: r["prompt"], s.response_field: r["response"]} for r in rows]
+    if s.base_mix > 0:
+        base = [{s.prompt_field: r["prompt"], s.response_field: r["response"]}
+                for r in load_examples("tiny:base_mix")]
+        rows = mix_examples(rows, base, s.base_mix, seed=s.seed)
+    return rows
+
+
+def _control_prompts(s, n: int = 4) -> tuple[list[str], str]:
+    try:
+        from lora_kit.data import load_examples
+        rows = load_examples(s.control_dataset, split=None, limit=n)
+        return [r["prompt"] for r in rows], s.control_dataset
+    except Exception as e:  # noqa: BLE001 - no control set: fall back, and say so in smoke.json
+        log.warning("control prompts from %r unavailable (%s); using training prompts", s.control_dataset, e)
+        return [], f"unavailable: {e}"
+
+
+def _memory_model(s, model_path: str, measured: int | None, world: int, simulate: bool) -> dict:
+    """estimate / simulate beside the measured peak (per-GPU ddp / fsdp too when several processes run)."""
+    import importlib
+    kw = {**s.estimate_kwargs(), "model": model_path}
+    out = {}
+    for name in ("estimate", "simulate") if simulate else ("estimate",):
+        try:
+            fn = getattr(importlib.import_module(f"lora_kit.{name}"), name)
+            r = fn(**{**kw, "num_gpus": 1, "sharding": "none"})
+            out[name] = {"peak_allocated_bytes": int(r.peak_allocated_bytes), "breakdown": dict(r.breakdown),
+                         "phase": getattr(r, "phase", None)}
+            if measured:
+                out[name]["error_vs_measured"] = (int(r.peak_allocated_bytes) - measured) / measured
+        except Exception as e:  # noqa: BLE001 - a failing model of memory must not lose the measurement
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    if world > 1:
+        for sharding in ("ddp", "fsdp"):
+            try:
+                from lora_kit.estimate import estimate
+                r = estimate(**{**kw, "num_gpus": world, "sharding": sharding})
+                out[f"estimate_{sharding}_per_gpu"] = int(r.peak_allocated_bytes)
+            except Exception as e:  # noqa: BLE001
+                out[f"estimate_{sharding}_per_gpu"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _linear_names(model) -> list[str]:
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return sorted(names - {"lm_head"})
+
+
+def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prompts: list[str] | None = None,
+              memory_limit_bytes: int | None = None, measure_steps: int = 3, simulate: bool = True,
+              progress: bool = True, **overrides) -> SmokeResult:
+    """Run the smoke run; returns a :class:`SmokeResult` (also in ``<run_dir>/smoke/smoke.json``).
+
+    ``settings``: a :class:`lora_kit.Settings` (or None for defaults); ``overrides``: any Settings
+    field. ``examples``: rows (dicts with the prompt/response fields) instead of ``settings.dataset``.
+    ``control_prompts``: prompts for the base-vs-adapter generations (default: the control dataset).
+    ``memory_limit_bytes``: emulate a device of that size on CPU (the live-bytes tracker raises
+    ``torch.OutOfMemoryError`` past it; the tracker then runs on every step -- slower).
+    ``measure_steps``: how many leading steps the tracker measures on CPU (>= 2 to include the
+    second step, the one estimates describe). ``simulate``: also run ``lora_kit.simulate``.
+    Out of memory returns a result with ``status == "failed at <phase>"``; other errors re-raise.
+    """
+    s = _settings(settings, overrides)
+    if measure_steps < 1:
+        raise ValueError(f"measure_steps must be >= 1, got {measure_steps}.")
+    created = dist_util.init_if_launched()
+    rank, world = dist_util.rank(), dist_util.world_size()
+    out = Path(s.run_dir) / "smoke"
+    from lora_kit.stack import versions
+    record = {"kind": "lora_kit.smoke", "status": "running", "settings": s.to_dict(), "stack": versions(),
+              "launch": {"world_size": world, "device": str(dist_util.device()),
+                         "memory_limit_bytes": memory_limit_bytes},
+              "phases": {p: {"status": "pending"} for p in PHASES},
+              "measurement": {
+                  "method": "cuda max_memory_allocated per step" if torch.cuda.is_available()
+                  else "live-bytes tracker (lora_kit.tracker)",
+                  "tracked_steps": "all" if memory_limit_bytes else list(range(min(measure_steps, s.max_steps))),
+                  "design_step": 1 if s.max_steps > 1 else 0,
+                  "note": "peak of the second step (index 1) is what estimate/simulate describe; batches are "
+                          "padded to seq_len; untracked steps record time, loss and process RSS only"},
+              "steps": [], "oom": None, "error": None}
+    run = _Run(out, record, write=rank == 0)
+    handler = None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(out / "smoke.log", mode="w")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    tracker = None
+    if memory_limit_bytes is not None or not torch.cuda.is_available():
+        from lora_kit.tracker import LiveBytesTracker
+        tracker = LiveBytesTracker(limit_bytes=memory_limit_bytes)
+    state: dict = {}
+    result = SmokeResult(record, out)
+    try:
+        run.write()
+        if tracker is not None and memory_limit_bytes is not None:
+            with tracker:  # an emulated device: everything, every phase, counts against the limit
+                _phases(s, run, state, tracker, True, examples, control_prompts, measure_steps, simulate, progress)
+        else:
+            _phases(s, run, state, tracker, False, examples, control_prompts, measure_steps, simulate, progress)
+        record["status"] = "complete"
+        result.model = state.get("reloaded")
+    except BaseException as e:
+        from lora_kit.oom import free_memory, is_oom, memory_now
+        phase = getattr(run, "current", "load")
+        record["phases"][phase].update(status="failed", error=f"{type(e).__name__}: {e}"[:2000])
+        record["status"] = f"failed at {phase}"
+        if not is_oom(e):
+            record["error"] = f"{type(e).__name__}: {e}"[:2000]
+            log.exception("smoke run failed at %s", phase)
+            run.write()
+            _close(handler, created)
+            raise
+        record["oom"] = {"phase": phase, "step_phase": getattr(tracker, "phase", None),
+                         "memory_at_failure": memory_now(tracker), "error": str(e)[:1000]}
+        state.clear()
+        import traceback
+        traceback.clear_frames(e.__traceback__)  # frames of the failed phase hold the model: let it go
+        free_memory()
+        record["oom"]["memory_after_free"] = memory_now(tracker)
+        try:
+            from lora_kit.oom import fit_suggestions
+            limit = memory_limit_bytes or (torch.cuda.get_device_properties(0).total_memory
+                                           if torch.cuda.is_available() else None)
+            record["oom"]["suggestions"] = fit_suggestions(
+                {**s.to_dict(), "model": record.get("model", {}).get("path", s.model)}, limit,
+                record.get("model", {}).get("linear_names"))
+        except Exception as se:  # noqa: BLE001 - suggestions are advice; the failure record matters more
+            record["oom"]["suggestions"] = {"error": f"{type(se).__name__}: {se}"}
+        log.error("out of memory in phase %s: %s", phase, e)
+    run.write()
+    _close(handler, created)
+    return result
+
+
+def _close(handler, created: bool) -> None:
+    if handler is not None:
+        log.removeHandler(handler)
+        handler.close()
+    dist_util.shutdown(created)
+
+
+def _phases(s, run, state, tracker, always_on, examples, control_prompts, measure_steps, simulate, progress):
+    from lora_kit import smoke_data
+    from lora_kit.loading import fix_bnb_cpu_repack, load_model, load_tokenizer, resolve_model
+    from lora_kit.smoke_train import train_steps
+    from lora_kit.training import attach_adapter, build_optimizer
+    rec, rank, world, dev = run.record, dist_util.rank(), dist_util.world_size(), dist_util.device()
+    qlora = s.method == "qlora"
+
+    # load: tokenizer, data (verified slice), base model (4-bit at load time for QLoRA)
+    run.start("load", tracker)
+    path = resolve_model(s.model)
+    tok = load_tokenizer(path, trust_remote_code=s.trust_remote_code, padding_side="right")
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(path, trust_remote_code=s.trust_remote_code)
+    smoke_data.check_context(s.seq_len, config)
+    rows = examples if examples is not None else _load_examples(s)
+    per_step = s.batch_size * s.grad_accum
+    order, rec["data"] = smoke_data.verified_slice(
+        tok, rows, s.seq_len, per_step * s.max_steps * world, seed=s.seed, prompt_field=s.prompt_field,
+        response_field=s.response_field, n_first=s.batch_size * world)
+    mine = order[rank::world]
+    state["train_prompts"] = [str(rows[e["row"]][s.prompt_field]) for e in mine[:4]]
+    model = load_model(path, method=s.method, dtype=s.dtype, double_quant=s.double_quant,
+                       attn_implementation=s.attn_implementation, trust_remote_code=s.trust_remote_code,
+                       device=str(dev))
+    if tracker is not None:
+        tracker.track(list(model.parameters()) + list(model.buffers()))
+    rec["model"] = {"path": path, "parameters": sum(p.numel() for p in model.parameters()),
+                    "linear_names": _linear_names(model), "max_position_embeddings":
+                    getattr(config, "max_position_embeddings", None)}
+    state["model"] = model
+    run.done("load")
+
+    run.start("quantize", tracker)
+    if qlora:
+        n4 = fix_bnb_cpu_repack(model)
+        if n4 == 0:
+            raise RuntimeError("method='qlora' but the loaded model has no 4-bit layers; check bitsandbytes.")
+        run.done("quantize", note=f"{n4} Linear4bit layers (NF4, double_quant={s.double_quant}, quantized while "
+                                  "loading); prepare_model_for_kbit_training runs in the adapter phase")
+    else:
+        run.done("quantize", status="not applicable", note=f"method={s.method!r} keeps weights in {s.dtype}")
+
+    run.start("adapter", tracker)
+    model = attach_adapter(model, s.method, s.seed, s.lora_rank, s.lora_alpha, s.lora_dropout, s.lora_targets,
+                           s.gradient_checkpointing)
+    state["model"] = model
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    rec["model"]["trainable_parameters"] = trainable
+    optimizer = build_optimizer(model.parameters(), s.optimizer, s.learning_rate)
+    state["optimizer"] = optimizer
+    run.done("adapter", note=f"{trainable} trainable parameters, seed {s.seed} set before creation")
+
+    run.start("train", tracker)
+    train_model = dist_util.wrap_ddp(model)
+
+    def micro(step, k):
+        i = (step * s.grad_accum + k) * s.batch_size
+        b = smoke_data.collate(mine[i:i + s.batch_size], s.seq_len, tok.pad_token_id)
+        return {k2: v.to(dev) for k2, v in b.items()}
+
+    def on_step(m):
+        rec["steps"].append(m)
+        if m["measured"] or time.monotonic() - run._last_write > 10:
+            run.write()
+
+    train_steps(train_model, optimizer, micro, s.max_steps, s.grad_accum, tracker=tracker,
+                measure_steps=measure_steps, tracker_always_on=always_on, progress=progress and rank == 0,
+                on_step=on_step, label_module=model)
+    steps = rec["steps"]
+    key = "cuda_max_allocated_bytes" if torch.cuda.is_available() else "peak_bytes"
+    design = rec["measurement"]["design_step"]
+    measured = steps[design].get(key) if len(steps) > design else None
+    mine_peaks = {"rank": rank, "design_step_peak_bytes": measured,
+                  "max_peak_bytes": max((x.get(key) or 0) for x in steps),
+                  "cuda_max_reserved_bytes": max((x.get("cuda_max_reserved_bytes") or 0) for x in steps) or None,
+                  "max_rss_bytes": max((x.get("rss_bytes") or 0) for x in steps) or None}
+    rec["peaks"] = {**mine_peaks, "per_rank": dist_util.gather(mine_peaks),
+                    "breakdown_at_design_step": steps[design].get("peak_breakdown") if len(steps) > design else None,
+                    "phase_at_design_step": steps[design].get("peak_phase") if len(steps) > design else None}
+    timed = steps[1:] or steps
+    rec["throughput"] = {"mean_step_seconds": sum(x["seconds"] for x in timed) / len(timed),
+                         "mean_tokens_per_s": sum(x["tokens"] for x in timed) / sum(x["seconds"] for x in timed),
+                         "note": "excludes step 0 (warm-up) when more than one step ran; measured steps run "
+                                 "under the tracker and are slower on CPU"}
+    if rank == 0:
+        rec["memory_model"] = _memory_model(s, path, measured, world, simulate)
+    if world > 1:
+        from lora_kit.accelerate_config import write_accelerate_config
+        sharding = s.sharding if s.sharding != "none" else "ddp"
+        if rank == 0:
+            write_accelerate_config(run.out / "accelerate_config.yaml", sharding=sharding,
+                                    num_gpus=max(world, s.num_gpus), cpu_offload=s.cpu_offload,
+                                    dtype="bfloat16" if s.dtype == "float32" else s.dtype, grad_accum=s.grad_accum,
+                                    gradient_checkpointing=s.gradient_checkpointing)
+            rec["accelerate_config"] = str(run.out / "accelerate_config.yaml")
+    run.done("train")
+    del train_model
+
+    if s.method == "full":
+        for p in ("save", "reload", "verify", "generate"):
+            run.skip(p, "method='full' trains the whole model: there is no adapter to save and verify")
+        return
+    if rank != 0:  # other ranks: rank 0 alone saves, reloads, verifies and generates
+        dist_util.barrier()
+        return
+    try:
+        _verify_phases(s, run, state, tracker, tok, mine, path, control_prompts)
+    finally:
+        dist_util.barrier()
+
+
+def _verify_phases(s, run, state, tracker, tok, mine, path, control_prompts):
+    from lora_kit import adapter_io, smoke_data
+    from lora_kit.loading import fix_bnb_cpu_repack, load_model
+    rec, dev, model = run.record, dist_util.device(), state["model"]
+    probe = smoke_data.collate(mine[:4], s.seq_len, tok.pad_token_id)
+    probe = {k: v.to(dev) for k, v in probe.items()}
+
+    run.start("save", tracker)
+    files = adapter_io.save_adapter(model, run.out / "adapter")
+    rec["checkpoint"] = {"dir": str(run.out / "adapter"), "files": files, "bytes": sum(files.values())}
+    trained_logits = adapter_io.logits(model, probe)
+    base_logits = adapter_io.logits(model, probe, adapter=False)
+    for k in ("model", "optimizer"):  # free the trained model and optimizer before loading a fresh base
+        state.pop(k, None)
+    del model
+    run.done("save", note=f"{sum(files.values())} bytes on disk")
+
+    run.start("reload", tracker)
+    base = load_model(path, method=s.method, dtype=s.dtype, double_quant=s.double_quant,
+                      attn_implementation=s.attn_implementation, trust_remote_code=s.trust_remote_code,
+                      device=str(dev))
+    if s.method == "qlora":  # same fp32 up-casts as in training, so logits are comparable
+        from peft import prepare_model_for_kbit_training
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    reloaded, keys = adapter_io.load_adapter(base, run.out / "adapter")
+    fix_bnb_cpu_repack(reloaded)
+    state["reloaded"] = reloaded
+    rec["reload"] = keys
+    run.done("reload")
+
+    run.start("verify", tracker)
+    files_check = adapter_io.check_adapter_files(run.out / "adapter")
+    tol = 1e-4 if s.method == "qlora" or s.dtype != "float32" else 1e-5
+    verdict = adapter_io.compare_logits(trained_logits, adapter_io.logits(reloaded, probe), base_logits, tol)
+    rec["verify"] = {**verdict, "files": files_check, "no_missing_or_unexpected_keys": True,
+                     "passed": verdict["reload_equal"] and verdict["adapter_changes_outputs"]}
+    if not rec["verify"]["passed"]:
+        raise AssertionError(f"adapter verification failed: {verdict}")
+    run.done("verify")
+
+    run.start("generate", tracker)
+    prompts, source = (control_prompts, "argument") if control_prompts else _control_prompts(s)
+    if not prompts:
+        prompts, source = state["train_prompts"], source + " -> first training prompts"
+    rec["generations"] = {"source": source, "decoding": "greedy, left padding",
+                          "max_new_tokens": s.max_new_tokens,
+                          "rows": adapter_io.generate_side_by_side(reloaded, tok, prompts, s.max_new_tokens)}
+    run.done("generate")
+
+
+def main(argv=None) -> int:
+    """``python -m lora_kit.smoke --params run.yaml [-p key value ...]`` (works under torchrun)."""
+    p = argparse.ArgumentParser(prog="python -m lora_kit.smoke", description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", help="YAML params file (Settings fields)")
+    p.add_argument("-p", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"), help="override a setting")
+    p.add_argument("--memory-limit-bytes", type=int, default=None, help="emulate a device of this size (CPU)")
+    p.add_argument("--measure-steps", type=int, default=3, help="steps the CPU tracker measures")
+    p.add_argument("--no-simulate", action="store_true", help="skip lora_kit.simulate")
+    a = p.parse_args(argv)
+    from lora_kit.settings import load_settings
+    s = load_settings(a.params, dict(a.p))
+    r = smoke_run(s, memory_limit_bytes=a.memory_limit_bytes, measure_steps=a.measure_steps,
+                  simulate=not a.no_simulate)
+    if dist_util.rank() == 0:
+        print(summary(r.record))
+    return 0 if r.ok else 1
+
+
+def summary(rec: dict) -> str:
+    """A few lines: status, per-rank measured peaks beside estimate / simulate (and ddp / fsdp per GPU)."""
+    mib = lambda b: f"{b / 2**20:.2f} MiB" if isinstance(b, (int, float)) else str(b)  # noqa: E731
+    lines = [f"smoke run: {rec['status']}"]
+    peaks = rec.get("peaks") or {}
+    for r in peaks.get("per_rank", []):
+        lines.append(f"  rank {r['rank']}: measured peak (step {rec['measurement']['design_step']}) "
+                     f"{mib(r['design_step_peak_bytes'])}, max over measured steps {mib(r['max_peak_bytes'])}")
+    for k, v in (rec.get("memory_model") or {}).items():
+        if isinstance(v, dict):
+            err = v.get("error_vs_measured")
+            lines.append(f"  {k:<22}{mib(v.get('peak_allocated_bytes', v.get('error')))}"
+                         + (f"  ({err:+.1%} vs measured)" if err is not None else ""))
+        else:
+            lines.append(f"  {k:<22}{mib(v)}")
+    if rec.get("oom"):
+        lines.append(f"  out of memory in {rec['oom']['phase']}; try: " + "; ".join(
+            r["change"] for r in (rec["oom"].get("suggestions") or {}).get("ranked", [])[:3]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

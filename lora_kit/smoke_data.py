@@ -1,0 +1,105 @@
+"""The verified slice of a dataset that a smoke run trains on.
+
+Out-of-memory errors come from the longest examples, not the mean, so the slice is built from the
+whole dataset sorted by token length: the longest examples go first (they are in the first,
+measured steps), the rest follow shuffled with the seed. Every example is checked:
+
+- rows with an empty prompt or response are a ValueError naming them (1-based, as
+  ``lora_kit.data.load_examples`` does): rows are never silently dropped;
+- examples longer than ``seq_len`` are truncated from the right and counted; examples whose
+  response is cut away entirely are skipped (they would train on nothing);
+- ``seq_len`` beyond the model's context (``max_position_embeddings``) is a ValueError.
+
+Batches are padded to ``seq_len`` (right padding, pad tokens masked in labels and attention).
+Trade-off: compute is spent on padding, but every step has the shape the plan names, so the
+measured peak is the one ``estimate`` / ``simulate`` predict for that ``seq_len``.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from lora_kit.prompting import IGNORE_INDEX, encode_example
+
+
+def _empty(v) -> bool:
+    return v is None or (isinstance(v, float) and v != v) or not str(v).strip()
+
+
+def check_context(seq_len: int, config) -> None:
+    ctx = getattr(config, "max_position_embeddings", None)
+    if ctx is not None and seq_len > ctx:
+        raise ValueError(f"seq_len={seq_len} is longer than the model's context "
+                         f"(max_position_embeddings={ctx}); lower seq_len to at most {ctx}.")
+
+
+def verified_slice(tokenizer, examples, seq_len: int, n_examples: int, seed: int = 0,
+                   prompt_field: str = "prompt", response_field: str = "response", n_first: int = 1):
+    """(encoded examples in training order, report). ``n_first`` longest examples lead the order.
+
+    The list has exactly ``n_examples`` items (the dataset is repeated, reshuffled, if it is
+    smaller). The report holds counts, the longest lengths and how many were truncated/skipped.
+    """
+    if not examples:
+        raise ValueError("the dataset is empty; pass a dataset with prompt/response rows.")
+    first = examples[0]
+    for f in (prompt_field, response_field):
+        if f not in first:
+            raise ValueError(f"dataset rows have no {f!r} column (columns: {sorted(first)}); "
+                             f"set prompt_field / response_field.")
+    empty_rows = [i for i, row in enumerate(examples, 1)
+                  if _empty(row.get(prompt_field)) or _empty(row.get(response_field))]
+    if empty_rows:
+        shown = ", ".join(map(str, empty_rows[:10])) + (" ..." if len(empty_rows) > 10 else "")
+        raise ValueError(f"{len(empty_rows)} row(s) have an empty {prompt_field!r} or {response_field!r} "
+                         f"(rows {shown}, 1-based); fill or remove them.")
+    encoded, cut_away = [], []
+    for i, row in enumerate(examples):
+        p, r = row[prompt_field], row[response_field]
+        e = encode_example(tokenizer, str(p), str(r), max_len=None)
+        e["row"] = i
+        e["full_length"] = e["length"]
+        if e["length"] > seq_len:
+            e["input_ids"], e["labels"] = e["input_ids"][:seq_len], e["labels"][:seq_len]
+            e["length"], e["truncated"] = seq_len, True
+        if all(t == IGNORE_INDEX for t in e["labels"]):
+            cut_away.append(i)
+            continue
+        encoded.append(e)
+    if not encoded:
+        raise ValueError(f"no usable example: all {len(cut_away)} lose their whole response at "
+                         f"seq_len={seq_len}; raise seq_len.")
+    by_len = sorted(encoded, key=lambda e: -e["full_length"])
+    n_first = min(n_first, len(by_len), n_examples)
+    lead, rest = by_len[:n_first], by_len[n_first:]
+    rng = random.Random(seed)
+    rng.shuffle(rest)
+    order = list(lead) + rest
+    while len(order) < n_examples:  # small dataset: repeat it, reshuffled
+        more = list(encoded)
+        rng.shuffle(more)
+        order += more
+    order = order[:n_examples]
+    lengths = [e["full_length"] for e in by_len]
+    report = {
+        "rows": len(examples), "usable": len(encoded), "used": len(order),
+        "skipped_response_cut_away": len(cut_away), "skipped_response_cut_away_rows": cut_away[:20],
+        "truncated": sum(e["truncated"] for e in encoded), "seq_len": seq_len,
+        "longest_lengths": lengths[:5], "longest_rows": [e["row"] for e in by_len[:5]],
+        "mean_length": sum(lengths) / len(lengths), "lead_examples_are_longest": n_first,
+    }
+    return order, report
+
+
+def collate(batch, seq_len: int, pad_id: int) -> dict:
+    """Right-padded tensors of shape (len(batch), seq_len); pads masked in labels and attention."""
+    ids = torch.full((len(batch), seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), seq_len), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(batch), seq_len), dtype=torch.long)
+    for i, e in enumerate(batch):
+        n = len(e["input_ids"])
+        ids[i, :n] = torch.tensor(e["input_ids"])
+        labels[i, :n] = torch.tensor(e["labels"])
+        mask[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
