@@ -87,7 +87,9 @@ def _rows(source, split: str | None = None, name: str = "heldout", prompt_field:
     """The first ``n`` examples (0/None = all) as ``[{"prompt", "response", "task"}]``.
 
     ``source``: a list of dicts, a DataFrame, a ``(source, split)`` tuple or a source name/path for
-    :func:`lora_kit.data.load_examples`. The split's own order decides which n; it is not resampled.
+    :func:`lora_kit.data.load_examples`. Which n: the rows in the source's order, taken from each
+    ``task`` in turn (round-robin), so a file grouped by task still gives every task its share; a
+    single-task split is simply its first n rows. Nothing is resampled.
     """
     if isinstance(source, tuple) and len(source) == 2 and isinstance(source[0], (str, os.PathLike)):
         source, split = source
@@ -97,7 +99,7 @@ def _rows(source, split: str | None = None, name: str = "heldout", prompt_field:
         prompt_field, response_field = "prompt", "response"
     else:
         rows = source.to_dict("records") if isinstance(source, pd.DataFrame) else [dict(r) for r in source]
-    rows = rows[:n] if n else rows
+    rows = _round_robin(rows)[:n] if n else rows
     if not rows:
         raise ValueError(f"the {name} set is empty; pass a source with examples (or a larger n_{name}).")
     for i, r in enumerate(rows):
@@ -111,6 +113,15 @@ def _rows(source, split: str | None = None, name: str = "heldout", prompt_field:
                              "or pass response_field=... naming the answer column.")
     return [{"prompt": r[prompt_field], "response": str(r[response_field]).strip(),
              "task": str(r.get("task") or name)} for r in rows]
+
+
+def _round_robin(rows: list[dict]) -> list[dict]:
+    """Rows reordered one task at a time in turn (order kept within each task)."""
+    by_task: dict[str, list[dict]] = {}
+    for r in rows:
+        by_task.setdefault(str(r.get("task")), []).append(r)
+    groups = list(by_task.values())
+    return [g[i] for i in range(max(map(len, groups), default=0)) for g in groups if i < len(g)]
 
 
 def _adapters(adapters, run_dir) -> dict[str, str]:

@@ -79,3 +79,10 @@ def test_settings_kwargs_match_evaluate_signature():
     assert (kw["heldout"], kw["heldout_split"], kw["n_heldout"], kw["control"]) == ("tiny:dates", "test", 50, "tiny:control")
     own = settings_kwargs(Settings(dataset="my.jsonl"))
     assert own["heldout"] == own["train_examples"] == "my.jsonl"  # no held-out split: overlap check refuses
+
+
+def test_subsets_take_every_task_in_turn():
+    from lora_kit.evaluate import _rows
+    rows = [{"prompt": f"{t}{i}", "response": "x", "task": t} for t in "abc" for i in range(4)]  # grouped by task
+    assert [r["prompt"] for r in _rows(rows, n=5)] == ["a0", "b0", "c0", "a1", "b1"]
+    assert len(_rows(rows, n=0)) == 12 and [r["prompt"] for r in _rows(rows[:4], n=2)] == ["a0", "a1"]
