@@ -214,3 +214,13 @@ def test_figures_and_table_from_a_real_run(result):
     assert {t.name for t in figs["metric_bars"].data} == {"base", "lora", "weak"}
     table = result.examples_table("lora", split="control")
     assert table["delta_exact_match:lora"].is_monotonic_increasing  # worst regressions first
+
+
+def test_sampling_uses_the_same_seed_for_every_system(setup, random_llama_dir):
+    """do_sample=True: the seed is reset before each system, so a rerun reproduces every output."""
+    kw = dict(heldout=setup["heldout"][:8], heldout_split=None, control=None, do_sample=True, temperature=1.0,
+              max_new_tokens=4, seed=7, n_resamples=N_RESAMPLES, progress=False)
+    a = evaluate(str(random_llama_dir), setup["weak"], **kw).per_example
+    b = evaluate(str(random_llama_dir), setup["weak"], **kw).per_example
+    assert a["pred:base"].tolist() == b["pred:base"].tolist() and a["pred:adapter"].tolist() == b["pred:adapter"].tolist()
+    assert a["pred:base"].nunique() > 1  # it really sampled (a random base at T=1)
