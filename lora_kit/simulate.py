@@ -4,10 +4,12 @@ How it works: the model is built from its config on the meta device (transformer
 ``from_config``), adapted there (peft LoRA; for QLoRA transformers' ``replace_with_bnb_linear`` +
 ``prepare_model_for_kbit_training`` first), then every parameter and buffer is replaced by a
 ``FakeTensor`` of the same shape and dtype (``module.to()`` under FakeTensorMode fails in torch
-2.13). Two real training steps (:func:`lora_kit.measure.train_step`, the same code a real
-measurement runs) execute under ``FakeTensorMode`` with a
-:class:`~lora_kit.tracker.LiveBytesTracker`: the peak of the second is the result. Nothing is
-allocated and no kernel runs, so an 8B model takes seconds on a laptop CPU.
+2.13). The first step is reduced to what it leaves behind (zero gradients + one optimizer step
+create the optimizer state: half the time, same state); the second, real training step
+(:func:`lora_kit.measure.train_step`, the same code a real measurement runs) executes under
+``FakeTensorMode`` with a :class:`~lora_kit.tracker.LiveBytesTracker`, and its peak is the result.
+Nothing is allocated and no kernel runs; cost is Python overhead per operator (about 20k operators
+for an 8B LoRA step: see ``benchmarks/simulate_speed.py`` for measured times).
 
 What is exact: every tensor the real code creates (weights, peft adapters, gradients, the real
 optimizer's state, saved activations, logits, loss, temporaries), with transformers' and peft's own
@@ -190,6 +192,17 @@ def _fakeify(model, fake_mode, dtype) -> None:
                     mod._buffers[name] = torch.empty(tuple(b.shape), dtype=b.dtype)
 
 
+def _optimizer_warmup(model, optimizer) -> None:
+    """What a first step leaves behind, without its forward and backward (half the simulation
+    time): zero gradients, one optimizer step (creates the state), ``zero_grad(set_to_none=True)``.
+    Nothing else survives a step; tests check the result equals a real two-step run."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 @contextlib.contextmanager
 def _no_packed_sequences():
     """transformers looks for packed sequences by reading position_ids' values, which fake tensors
@@ -254,7 +267,7 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
     ctx = autocast_context(autocast, dtype, "cpu")
     tracker = LiveBytesTracker()
     with fake_mode, _no_packed_sequences():
-        train_step(net, batch, opt, autocast_ctx=ctx)  # step 1: creates the optimizer state
+        _optimizer_warmup(net, opt)  # "step 1": the optimizer state a first step leaves behind
         label_training_state(tracker, net, opt, paged=paged)
         tracker.track(ids)
         tracker.reset_peak()

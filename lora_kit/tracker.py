@@ -116,7 +116,14 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self._add, out)
+        if isinstance(out, torch.Tensor):  # fast path: most operators return one tensor
+            self._add(out)
+        elif isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) or o is None for o in out):
+            for o in out:
+                if o is not None:
+                    self._add(o)
+        else:
+            tree_map_only(torch.Tensor, self._add, out)
         return out
 
     # -- already-live tensors and categories --------------------------------------------------

@@ -1,0 +1,207 @@
+"""GPU validation: real training steps of random-init models on CUDA vs estimate and simulate.
+
+For ~20 configurations (LoRA, QLoRA with bitsandbytes, full; checkpointing on/off; sdpa/eager;
+five architecture families) it runs two real steps on the GPU (lora_kit.measure: the second step's
+``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``), and compares
+
+- ``estimate`` and ``simulate`` peak_allocated_bytes vs ``max_memory_allocated``;
+- their ``device_total_bytes`` vs the device level: CUDA context (``mem_get_info`` used bytes after
+  CUDA init, before any model) + ``max_memory_reserved`` -- what nvidia-smi shows at the peak.
+
+Prints one table and writes JSON (atomically) to ``--out``. Designed to finish in < 8 minutes on
+one H200. CI never needs it. Without CUDA it says so and exits 0, unless ``--cpu-dry-run``: then
+two tiny configurations run on the CPU (tracked real step) so the script itself is tested.
+
+    python benchmarks/gpu_validate.py --out benchmarks/results/gpu_validate.json
+    python benchmarks/gpu_validate.py --cpu-dry-run --out /tmp/gpu_validate_dry.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# (label, model, settings): random-init weights, so any catalog model runs without a download
+GPU_CONFIGS = [
+    ("llama1b lora sdpa s2048", "llama-3.2-1b", dict(method="lora", seq_len=2048)),
+    ("llama1b lora ckpt s4096 b2", "llama-3.2-1b", dict(method="lora", seq_len=4096, batch_size=2,
+                                                        gradient_checkpointing=True)),
+    ("llama1b lora eager s1024", "llama-3.2-1b", dict(method="lora", seq_len=1024, attn_implementation="eager")),
+    ("llama1b lora r64 qv s2048 b4", "llama-3.2-1b", dict(method="lora", seq_len=2048, batch_size=4, lora_rank=64,
+                                                          lora_targets=["q_proj", "v_proj"])),
+    ("llama1b qlora s2048", "llama-3.2-1b", dict(method="qlora", seq_len=2048)),
+    ("llama1b qlora ckpt s4096", "llama-3.2-1b", dict(method="qlora", seq_len=4096, gradient_checkpointing=True)),
+    ("llama1b qlora nodq paged8 s2048", "llama-3.2-1b", dict(method="qlora", seq_len=2048, double_quant=False,
+                                                             optimizer="paged_adamw_8bit")),
+    ("llama1b full s1024", "llama-3.2-1b", dict(method="full", seq_len=1024)),
+    ("llama1b full adamw8 ckpt s2048", "llama-3.2-1b", dict(method="full", seq_len=2048, optimizer="adamw_8bit",
+                                                            gradient_checkpointing=True)),
+    ("llama1b full autocast fp32 s1024", "llama-3.2-1b", dict(method="full", dtype="float32", autocast=True,
+                                                              seq_len=1024)),
+    ("qwen0.5b lora s4096 b2", "qwen2.5-0.5b", dict(method="lora", seq_len=4096, batch_size=2)),
+    ("qwen0.5b qlora ckpt s8192", "qwen2.5-0.5b", dict(method="qlora", seq_len=8192, gradient_checkpointing=True)),
+    ("qwen1.5b lora sgd s2048 b2", "qwen2.5-1.5b", dict(method="lora", seq_len=2048, batch_size=2, optimizer="sgd")),
+    ("smollm360m full s2048 b4", "smollm2-360m", dict(method="full", seq_len=2048, batch_size=4)),
+    ("smollm360m lora adafactor s1024 b8", "smollm2-360m", dict(method="lora", seq_len=1024, batch_size=8,
+                                                                optimizer="adafactor")),
+    ("gemma2-2b lora eager s1024", "gemma-2-2b", dict(method="lora", seq_len=1024, attn_implementation="eager")),
+    ("gemma2-2b qlora eager ckpt s2048", "gemma-2-2b", dict(method="qlora", seq_len=2048, attn_implementation="eager",
+                                                            gradient_checkpointing=True)),
+    ("phi3-mini qlora s1024", "phi-3-mini", dict(method="qlora", seq_len=1024)),
+    ("pythia1b lora s2048", "pythia-1b", dict(method="lora", seq_len=2048)),
+    ("llama3b lora ckpt s2048 b2", "llama-3.2-3b", dict(method="lora", seq_len=2048, batch_size=2,
+                                                        gradient_checkpointing=True)),
+]
+
+
+def tiny_configs():
+    from transformers import LlamaConfig, Qwen2Config
+    llama = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    qwen = Qwen2Config(vocab_size=192, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    return [("tiny-llama lora", llama, dict(method="lora", dtype="float32", seq_len=32, batch_size=2)),
+            ("tiny-qwen2 qlora ckpt", qwen, dict(method="qlora", dtype="float32", seq_len=32, batch_size=2,
+                                                 gradient_checkpointing=True))]
+
+
+def _estimate(model, kw):
+    try:
+        from lora_kit.estimate import estimate
+    except ImportError as e:  # written by another part of the kit; the table says when it is missing
+        return None, f"estimate unavailable: {e}"
+    try:
+        r = estimate(model, **kw)
+        return r, ""
+    except Exception as e:  # noqa: BLE001 - record and continue: one failure must not hide the rest
+        return None, f"estimate failed: {type(e).__name__}: {e}"
+
+
+def _pct(pred, real):
+    return None if pred is None or not real else 100.0 * (pred - real) / real
+
+
+def context_bytes():
+    """Device memory used after CUDA init and one tiny allocation: context (+ other processes)."""
+    import torch
+    torch.ones(1, device="cuda")
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def run_one(label, model, kw, device, ctx_bytes):
+    import torch
+
+    from lora_kit.measure import measure_config
+    from lora_kit.simulate import simulate
+    row = {"label": label, "model": model if isinstance(model, str) else type(model).__name__, "settings": kw}
+    est, why = _estimate(model, kw)
+    row["estimate_peak"] = est.peak_allocated_bytes if est else None
+    row["estimate_total"] = est.device_total_bytes if est else None
+    row["notes"] = [why] if why else []
+    t0 = time.perf_counter()
+    try:
+        sim = simulate(model, **kw)
+        row.update(simulate_peak=sim.peak_allocated_bytes, simulate_total=sim.device_total_bytes,
+                   simulate_phase=sim.phase, simulate_seconds=round(time.perf_counter() - t0, 2))
+    except Exception as e:  # noqa: BLE001
+        row.update(simulate_peak=None, simulate_total=None)
+        row["notes"].append(f"simulate failed: {type(e).__name__}: {e}")
+    t0 = time.perf_counter()
+    try:
+        real = measure_config(model, device=device, **kw)
+        row.update(measured_peak=real.peak_allocated_bytes, measured_reserved=real.reserved_bytes,
+                   measured_total=(ctx_bytes + real.reserved_bytes) if real.reserved_bytes is not None else None,
+                   measure_seconds=round(time.perf_counter() - t0, 2), losses=real.losses)
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, not hidden
+        row.update(measured_peak=None, measured_reserved=None, measured_total=None)
+        row["notes"].append(f"measure failed: {type(e).__name__}: {str(e)[:300]}")
+    finally:
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    row["estimate_err_pct"] = _pct(row["estimate_peak"], row["measured_peak"])
+    row["simulate_err_pct"] = _pct(row.get("simulate_peak"), row["measured_peak"])
+    row["estimate_total_err_pct"] = _pct(row["estimate_total"], row.get("measured_total"))
+    row["simulate_total_err_pct"] = _pct(row.get("simulate_total"), row.get("measured_total"))
+    return row
+
+
+def _fmt(b):
+    return "-" if b is None else f"{b / 2**30:8.3f}"
+
+
+def _fp(p):
+    return "-" if p is None else f"{p:+6.2f}%"
+
+
+def print_table(rows):
+    print(f"{'config':<36} {'measured':>9} {'simulate':>9} {'err':>8} {'estimate':>9} {'err':>8} | "
+          f"{'dev.total':>9} {'sim.tot':>8} {'est.tot':>8}   (GiB)")
+    for r in rows:
+        print(f"{r['label']:<36} {_fmt(r['measured_peak'])} {_fmt(r.get('simulate_peak'))} "
+              f"{_fp(r['simulate_err_pct']):>8} {_fmt(r['estimate_peak'])} {_fp(r['estimate_err_pct']):>8} | "
+              f"{_fmt(r.get('measured_total'))} {_fp(r['simulate_total_err_pct']):>8} "
+              f"{_fp(r['estimate_total_err_pct']):>8}")
+        for n in r["notes"]:
+            print(f"    note: {n}")
+    import statistics
+    for key in ("simulate_err_pct", "estimate_err_pct", "simulate_total_err_pct", "estimate_total_err_pct"):
+        errs = [abs(r[key]) for r in rows if r.get(key) is not None]
+        if errs:
+            print(f"{key:<24} n={len(errs):2d} median |err| {statistics.median(errs):6.2f}%  max {max(errs):6.2f}%")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Real GPU steps vs lora_kit.estimate and simulate.")
+    ap.add_argument("--out", default="benchmarks/results/gpu_validate.json", help="JSON results path")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="no GPU: two tiny configs on the CPU (tests the script)")
+    ap.add_argument("--only", default="", help="run configs whose label contains this text")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new configs after this many seconds")
+    args = ap.parse_args(argv)
+    import torch
+
+    from lora_kit.results import write_json_atomic
+    if args.cpu_dry_run:
+        device, configs, ctx = "cpu", tiny_configs(), 0
+    elif not torch.cuda.is_available():
+        print("gpu_validate: CUDA is not available on this machine; nothing measured. Run it on a CUDA GPU, "
+              "or pass --cpu-dry-run to exercise the script on tiny CPU configs.")
+        return 0
+    else:
+        device, configs, ctx = "cuda", GPU_CONFIGS, context_bytes()
+    configs = [c for c in configs if args.only in c[0]]
+    t_start = time.perf_counter()
+    rows = []
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+           "context_bytes_measured": ctx}
+    try:
+        import bitsandbytes
+        import transformers
+        env.update(transformers=transformers.__version__, bitsandbytes=bitsandbytes.__version__)
+    except ImportError:
+        pass
+    print(f"gpu_validate on {env['device']}; CUDA context + other processes: {ctx / 2**20:.0f} MiB", flush=True)
+    for label, model, kw in configs:
+        if time.perf_counter() - t_start > args.budget_s:
+            rows.append({"label": label, "skipped": f"time budget {args.budget_s:.0f} s spent"})
+            print(f"skip {label}: time budget spent", flush=True)
+            continue
+        row = run_one(label, model, kw, device, ctx)
+        rows.append(row)
+        print(f"{label}: measured {_fmt(row['measured_peak'])} GiB simulate {_fp(row['simulate_err_pct'])} "
+              f"estimate {_fp(row['estimate_err_pct'])} ({time.perf_counter() - t_start:.0f} s)", flush=True)
+        write_json_atomic(args.out, {"env": env, "rows": rows})
+    done = [r for r in rows if "skipped" not in r]
+    print_table(done)
+    print(f"total {time.perf_counter() - t_start:.0f} s; JSON: {args.out}")
+    write_json_atomic(args.out, {"env": env, "rows": rows, "seconds": time.perf_counter() - t_start})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

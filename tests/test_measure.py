@@ -1,0 +1,75 @@
+"""measure_step on a prepared model / optimizer / batch, and the GPU validation script's CPU dry run."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_kit.measure import BREAKDOWN_KEYS, measure_step
+from lora_kit.tracker import round_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _prepared(seed=0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=True)
+    ids = torch.randint(0, 128, (2, 16))
+    return model, opt, {"input_ids": ids, "labels": ids}
+
+
+def test_measure_step_on_a_prepared_model():
+    model, opt, batch = _prepared()
+    res = measure_step(model, batch, opt)
+    assert res.device == "cpu" and res.reserved_bytes is None
+    assert set(res.breakdown) == set(BREAKDOWN_KEYS)
+    assert sum(res.breakdown.values()) == res.peak_allocated_bytes
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert res.breakdown["adapters"] == sum(round_bytes(p.numel() * 4) for p in lora)
+    # AdamW: exp_avg + exp_avg_sq per adapter tensor (+ a 512-byte block per step counter)
+    assert res.breakdown["optimizer_states"] == 2 * res.breakdown["adapters"] + 512 * len(lora)
+    assert res.phase in ("forward", "backward", "optimizer")
+    assert len(res.losses) == 2 and all(l == l for l in res.losses)  # finite, two steps ran
+    assert res.to_dict()["peak_allocated_bytes"] == res.peak_allocated_bytes
+
+
+def test_measure_is_reproducible_and_leaves_no_bytes_behind():
+    model, opt, batch = _prepared()
+    a = measure_step(model, batch, opt)
+    model, opt, batch = _prepared()
+    b = measure_step(model, batch, opt)
+    assert a.peak_allocated_bytes == b.peak_allocated_bytes and a.breakdown == b.breakdown
+
+
+def test_measure_step_rejects_zero_steps():
+    model, opt, batch = _prepared()
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        measure_step(model, batch, opt, steps=0)
+
+
+def test_gpu_validate_skips_cleanly_without_cuda_and_dry_runs_on_cpu(tmp_path, capsys, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_validate
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "gpu.json"
+    assert gpu_validate.main(["--out", str(out)]) == 0
+    assert "CUDA is not available" in capsys.readouterr().out and not out.exists()
+    assert gpu_validate.main(["--cpu-dry-run", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["measured_peak"] > 0
+        assert r["simulate_err_pct"] == 0.0, r  # tiny CPU configs: simulate == real step
+    printed = capsys.readouterr().out
+    assert "simulate_err_pct" in printed and "tiny-qwen2 qlora ckpt" in printed
