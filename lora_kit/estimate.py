@@ -76,7 +76,8 @@ RESERVE_FRACTION = 0.08  # assumption: allocator reserve / fragmentation as a sh
 NF4_BLOCK = 64  # bitsandbytes 4-bit blocksize
 DQ_BLOCK = 256  # double-quant: absmax of the absmax, per 256 blocks
 OPT8_BLOCK = 256  # bitsandbytes 8-bit optimizer blocksize
-OPT8_MIN_SIZE = 4096  # bitsandbytes keeps tensors smaller than this in 32-bit states
+OPT8_MIN_SIZE = 4096
+SDPA_UNSUPPORTED = ("gemma2",)  # transformers 5.24 refuses sdpa for these (attention soft-capping)  # bitsandbytes keeps tensors smaller than this in 32-bit states
 DEFAULTS = dict(method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048, batch_size=1,
                 lora_rank=16, lora_alpha=32, lora_targets="all-linear", gradient_checkpointing=False,
                 attn_implementation="sdpa", optimizer="adamw", num_gpus=1, sharding="none", cpu_offload=False,
@@ -203,14 +204,16 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     cast = lora and e != 4  # peft casts each LoRA input to fp32 separately
     width = {"attn_in": h, "attn_out": H * d, "mlp_in": h, "mlp_out": i}
     n_t = {k: sum(1 for lin in spec.linears if lin.kind == k and lin.name in targets) for k in width}
-    fused_qkv = sum(1 for lin in spec.linears if lin.kind == "attn_in") == 1
     # -- one block's saved tensors --
-    norm = _r(T * h * 4) + _r(T * 4)  # fp32 input copy + rsqrt per RMSNorm
-    if spec.norm_bias:  # LayerNorm: input + mean + rstd
-        norm = _r(T * h * e) + 2 * _r(T * 4)
-    block = spec.norms_per_layer * norm
-    if not lora:  # the norm weight's gradient needs the normalized input
-        block = block + spec.norms_per_layer * _r(T * h * e)
+    if spec.norm_bias:  # LayerNorm keeps its input (in the stream dtype) and mean / rstd
+        norm = _r(T * h * e) + 2 * _r(T * e)
+        norms = _r(T * h * e) + spec.norms_per_layer * 2 * _r(T * e) if spec.parallel_residual else \
+            spec.norms_per_layer * norm  # parallel residual: both norms read (and keep) the same input
+    else:  # RMSNorm: fp32 input copy + rsqrt; full fine-tuning also keeps the normalized input (weight grad)
+        norm = _r(T * h * 4) + _r(T * 4) + (0 if lora else _r(T * h * e))
+        norms = spec.norms_per_layer * norm
+    first_free = norms if spec.parallel_residual else norm  # what block 0 saves less: its input needs no grad
+    block = norms
     group = {}
     for kind, w in width.items():
         shared_with_attn = kind == "attn_out" and attn == "sdpa"
@@ -222,7 +225,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         else:
             group[kind] = 0
         block = block + group[kind]
-    v_bytes = _r(T * (H + 2 * kv) * d * e) if fused_qkv else _r(T * kv * d * e)
+    v_bytes = _r(T * kv * d * e)
     if attn == "sdpa":
         block = block + _r(T * H * d * e) + _r(T * kv * d * e) + v_bytes + _r(T * H * d * e) + _r(B * H * S * 4)
     else:
@@ -239,7 +242,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     wi = mlp_last.out_features
     up_lora = lora and mlp_last.name in targets
     stream = 3 * _r(T * h * e)  # embedding output (held by the model's forward), residual, norm output
-    not_yet = group["mlp_out"] + (_r(T * i * e) if spec.gated_mlp and wi == i else 0)
+    not_yet = group["mlp_out"] + (3 if spec.gated_mlp and wi > i else 1) * _r(T * i * e)  # fused gate_up: all
     fwd_transient = stream + _r(T * wi * e) + (2 * _r(T * wi * 4) if up_lora else 0) - not_yet
     # backward inside a block, at the MLP input gradient (base + LoRA paths summed)
     if not lora:
@@ -251,7 +254,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     bwd_temps = bwd_temps + 2 * _r(T * h * 4) - group["mlp_out"]
     first_norm_free = lora and not gc  # the frozen embedding's output needs no grad: block 0's norm saves nothing
     rope = 2 * _r(S * d * e) + 2 * _r(d // 2 * 4)  # cos/sin + the inv_freq buffers
-    final = norm + (2 * _r(T * h * e) if not lora else 0)  # full: normalized input + lm_head input
+    final = norm + (_r(T * h * e) if not lora else 0)  # full fine-tuning: lm_head keeps its input
     el = 4 if method == "qlora" else e  # logits dtype (QLoRA: lm_head up-cast to fp32)
     loss_saved = _r(T * V * 4) + _r(T * 8) + 512
     if method == "full":
@@ -265,7 +268,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         fwd_block = layers + block + fwd_transient
         bwd_block = layers + block + bwd_temps
     else:
-        layers = L * block - (norm if first_norm_free else 0) + rope
+        layers = L * block - (first_free if first_norm_free else 0) + rope
         fwd_block = layers + fwd_transient
         bwd_block = layers + bwd_temps
     saved = layers + final + loss_saved
@@ -308,6 +311,9 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
                    attn_implementation=attn_implementation)
     if sharding != "none" and np.any(np.asarray(num_gpus) < 2):
         raise ValueError(f"sharding={sharding!r} needs num_gpus > 1; set num_gpus=2 or more, or sharding='none'.")
+    if attn_implementation == "sdpa" and spec.model_type in SDPA_UNSUPPORTED:
+        raise ValueError(f"transformers runs {spec.model_type} with eager attention only; "
+                         "set attn_implementation='eager'.")
     targets = () if method == "full" else _targets(spec, lora_targets)
     if targets:
         smallest = min(min(lin.in_features, lin.out_features) for lin in spec.linears if lin.name in targets)

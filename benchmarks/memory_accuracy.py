@@ -1,0 +1,340 @@
+"""How accurate is ``lora_kit.estimate``? Estimate vs simulate on a matrix, published figures, public tools.
+
+Usage (CPU, offline)::
+
+    HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py            # the whole matrix (>= 60 cases)
+    HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --limit 12 # the first 12 cases
+    python benchmarks/memory_accuracy.py --published-only            # only the published-figures table
+
+Three tables are printed:
+
+1. **Matrix**: ``estimate`` vs ``simulate`` (one real training step of the real architecture on
+   fake tensors) on ``peak_allocated_bytes``, over 6 architecture families taken from the catalog
+   (llama: SmolLM2 / Llama-3.2, qwen2 with q/k/v bias, mistral, gemma2 with head_dim 256 and
+   soft-capping, phi3 with fused projections, gpt_neox with parallel residual and LayerNorm),
+   full / LoRA / QLoRA, seq_len 256 ... 8192, batch 1 ... 8, ranks, targets, checkpointing, eager /
+   sdpa. To keep simulate's Python cost per operator affordable on a 2-core CPU, most cases use the
+   real architecture with ``num_hidden_layers`` cut to 4 (the ``layers`` column; every per-layer term
+   is still exercised, the logits share is larger than in the full model); a few run at full depth.
+   Then median / p90 / max |error| %. Target: median <= 2 %, max <= 5 %.
+2. **Public estimators** on the same rows, errors against simulate: accelerate's
+   ``estimate-memory`` arithmetic (full fine-tuning with Adam only), fitcheck-llm, vramcalc,
+   hf-vram-calc (``pip install fitcheck-llm vramcalc hf-vram-calc``). A tool that cannot express a
+   row prints ``n/a``; a tool that fails says why.
+3. **Published measurements** (``/work/shared/reference/published_memory.md`` and
+   ``benchmarks/published_memory.json``): our ``device_total_bytes`` (what a GPU tool reports)
+   against the published figure, with the settings we assumed; misses printed as they come.
+
+Results are written atomically to ``benchmarks/results/memory_accuracy.json`` after every case
+(re-running skips the cases already there unless ``--fresh``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import lora_kit  # noqa: E402
+from lora_kit.estimate import estimate  # noqa: E402
+from lora_kit.results import read_json, write_json_atomic  # noqa: E402
+from lora_kit.specs import catalog, model_spec  # noqa: E402
+
+OUT = Path(__file__).parent / "results" / "memory_accuracy.json"
+GIB = 2**30
+
+# (catalog model, layers kept or None for full depth): six families, different vocab / GQA / head_dim / MLP
+FAMILIES = [("smollm2-135m", 4), ("llama-3.2-1b", 4), ("qwen2.5-0.5b", 4), ("mistral-7b", 4),
+            ("gemma-2-2b", 4), ("phi-3-mini", 4), ("pythia-1b", 4)]
+SEQ = [256, 512, 1024, 2048, 4096, 8192]
+BATCH = [1, 2, 4, 8]
+RANKS = [8, 16, 64]
+
+
+def matrix() -> list[dict]:
+    """>= 60 deterministic cases spread over families x methods x shapes x options."""
+    cases = []
+    methods = ["lora", "qlora", "full"]
+    k = 0
+    for fi, (model, layers) in enumerate(FAMILIES):
+        for j in range(9):
+            method = methods[(fi + j) % 3]
+            s = SEQ[(k * 5) % len(SEQ)]
+            b = BATCH[(k * 3 + fi) % len(BATCH)]
+            if s * b > 16384:  # keep eager B*H*S^2 and the fake graph modest
+                b = max(1, 16384 // s)
+            attn = "eager" if model.startswith("gemma") or (k % 4 == 3 and s <= 2048) else "sdpa"
+            case = dict(model=model, layers=layers, method=method, seq_len=s, batch_size=b,
+                        gradient_checkpointing=bool((k // 2) % 2), attn_implementation=attn,
+                        dtype="float32" if k % 7 == 5 and method != "qlora" else "bfloat16")
+            if method != "full":
+                case["lora_rank"] = RANKS[k % 3]
+                if k % 5 == 4:
+                    names = lora_kit.specs.valid_targets(model)
+                    case["lora_targets"] = [names[0], names[2 if len(names) > 4 else 1]]
+            if method == "qlora" and k % 6 == 1:
+                case["double_quant"] = False
+            if method == "full" and k % 4 == 2:
+                case["optimizer"] = "sgd"
+            cases.append(case)
+            k += 1
+    # a few at full depth (what users run)
+    cases += [dict(model="llama-3.2-1b", layers=None, method="lora", seq_len=2048, batch_size=1),
+              dict(model="qwen2.5-0.5b", layers=None, method="qlora", seq_len=1024, batch_size=2,
+                   gradient_checkpointing=True),
+              dict(model="pythia-1b", layers=None, method="full", seq_len=512, batch_size=1)]
+    return cases
+
+
+def model_arg(case: dict):
+    """Catalog name, or its config with fewer layers (a transformers PretrainedConfig)."""
+    if case.get("layers") is None:
+        return case["model"]
+    from transformers import AutoConfig
+    facts = {k: v for k, v in catalog()[case["model"]].items() if k not in ("hub_id", "params")}
+    facts["num_hidden_layers"] = case["layers"]
+    cfg = AutoConfig.for_model(facts.pop("model_type"), **facts)
+    cfg.name_or_path = f"{case['model']}[{case['layers']}L]"
+    return cfg
+
+
+def est_kwargs(case: dict) -> dict:
+    return {k: v for k, v in case.items() if k not in ("model", "layers")}
+
+
+def key(case: dict) -> str:
+    return ",".join(f"{k}={case[k]}" for k in sorted(case))
+
+
+def run_matrix(cases: list[dict], fresh: bool) -> dict:
+    done = {} if fresh or not OUT.is_file() else read_json(OUT).get("matrix", {})
+    sim = getattr(lora_kit, "simulate", None)
+    for n, case in enumerate(cases):
+        k = key(case)
+        if k in done:
+            continue
+        m = model_arg(case)
+        e = estimate(m, **est_kwargs(case))
+        row = {"case": case, "estimate": e.peak_allocated_bytes, "estimate_phase": e.phase,
+               "estimate_device_total": e.device_total_bytes}
+        t = time.perf_counter()
+        try:
+            s = sim(m, **est_kwargs(case))
+            row.update(simulate=s.peak_allocated_bytes, simulate_phase=s.phase,
+                       simulate_breakdown=s.breakdown, estimate_breakdown=e.breakdown)
+        except Exception as exc:  # noqa: BLE001 - print and keep going: one case must not hide the rest
+            row["simulate_error"] = f"{type(exc).__name__}: {exc}"
+        row["simulate_seconds"] = round(time.perf_counter() - t, 2)
+        done[k] = row
+        print(_row_line(n, row), flush=True)
+        _save(matrix=done)
+    return done
+
+
+def _row_line(n, row) -> str:
+    c = row["case"]
+    desc = (f"{c['model']}{'' if c.get('layers') is None else '[' + str(c['layers']) + 'L]'} {c['method']} "
+            f"{c.get('dtype', 'bfloat16')[:4]} S{c['seq_len']} B{c['batch_size']} r{c.get('lora_rank', '-')} "
+            f"{'gc' if c.get('gradient_checkpointing') else '--'} {c.get('attn_implementation', 'sdpa')} "
+            f"{c.get('optimizer', 'adamw')}{' tgt' if 'lora_targets' in c else ''}"
+            f"{' no-dq' if c.get('double_quant') is False else ''}")
+    if "simulate" not in row:
+        return f"{n:3d} {desc:72s} est {row['estimate'] / GIB:8.3f} GiB  simulate failed: {row['simulate_error']}"
+    err = 100 * (row["estimate"] - row["simulate"]) / row["simulate"]
+    return (f"{n:3d} {desc:72s} est {row['estimate'] / GIB:8.3f} sim {row['simulate'] / GIB:8.3f} GiB "
+            f"{err:+6.2f}% ({row['estimate_phase'][:3]}/{row['simulate_phase'][:3]}) {row['simulate_seconds']:.0f}s")
+
+
+def _save(**parts) -> None:
+    data = read_json(OUT) if OUT.is_file() else {}
+    data.update(parts)
+    write_json_atomic(OUT, data)
+
+
+def summary(rows: list[dict], value, label: str) -> str:
+    errs = [abs(value(r)) for r in rows if value(r) is not None]
+    if not errs:
+        return f"{label:14s} no comparable rows"
+    errs.sort()
+    p90 = errs[min(len(errs) - 1, int(round(0.9 * (len(errs) - 1))))]
+    return (f"{label:14s} n={len(errs):3d}  median |err| {statistics.median(errs):7.2f} %  p90 {p90:7.2f} %  "
+            f"max {errs[-1]:7.2f} %")
+
+
+# ---- public estimators -------------------------------------------------------------------------
+def _cfg_dict(case) -> dict:
+    m = model_arg(case)
+    return m.to_dict() if hasattr(m, "to_dict") else {k: v for k, v in catalog()[m].items() if k != "hub_id"}
+
+
+def accelerate_peak(case):
+    """accelerate estimate-memory's 'Training using Adam' figure: full fine-tuning only, no activations."""
+    if case["method"] != "full":
+        return None
+    from accelerate.commands.estimate import estimate_training_usage
+    spec = model_spec(model_arg(case))
+    total = spec.num_params * 4  # accelerate sizes the fp32 meta model, then halves for 16-bit
+    dtype = case.get("dtype", "bfloat16")
+    size = total // 2 if dtype != "float32" else total
+    return max(estimate_training_usage(size, dtype).values())
+
+
+def fitcheck_peak(case):
+    from fitcheck.config_parser import ModelConfig
+    from fitcheck.estimator import TrainingConfig, estimate as fc_estimate
+    from fitcheck.gpu_db import GpuSpec
+    spec = model_spec(model_arg(case))
+    mc = ModelConfig(name=spec.name, num_params=spec.num_params, hidden_size=spec.hidden_size,
+                     num_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                     intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size, head_dim=spec.head_dim,
+                     tie_word_embeddings=spec.tied_embeddings)
+    kw = dict(precision="fp32" if case.get("dtype") == "float32" else "bf16", batch_size=case["batch_size"],
+              seq_len=case["seq_len"], grad_checkpoint=bool(case.get("gradient_checkpointing")),
+              flash_attn=case.get("attn_implementation", "sdpa") == "sdpa",
+              optimizer="sgd" if case.get("optimizer") == "sgd" else "adamw")
+    if case["method"] == "full":
+        kw["lora_rank"] = None
+    else:
+        kw["lora_rank"] = case.get("lora_rank", 16)
+        if "lora_targets" in case:
+            kw["lora_targets"] = list(case["lora_targets"])
+    if case["method"] == "qlora":
+        kw.update(quantization="nf4", double_quant=case.get("double_quant", True))
+    rep = fc_estimate(mc, TrainingConfig(**kw), GpuSpec("any", 10**9, 10**9))
+    return (rep.total_mib - rep.overhead_mib) * 2**20  # allocations only (its overhead term is the context)
+
+
+def vramcalc_peak(case):
+    from vramcalc.estimate import estimate as vc_estimate
+    if case["method"] == "qlora":
+        return None
+    e = vc_estimate(_cfg_dict(case), mode="train", dtype="fp32" if case.get("dtype") == "float32" else "bf16",
+                    batch=case["batch_size"], seq_len=case["seq_len"],
+                    lora_rank=case.get("lora_rank", 16) if case["method"] == "lora" else None,
+                    grad_checkpoint=bool(case.get("gradient_checkpointing")),
+                    optimizer="sgd" if case.get("optimizer") == "sgd" else "adamw", precision="pure",
+                    attn_impl=case.get("attn_implementation", "sdpa"), overhead_gb=0.0)
+    return e.total
+
+
+def hf_vram_calc_peak(case):
+    """hf-vram-calc: training = weights x 4 x 1.3; LoRA = (weights + adapter states) x 1.2 (its own factors)."""
+    if case["method"] == "qlora":
+        return None
+    from hf_vram_calc.calculator import VRAMCalculator
+    from hf_vram_calc.config import ConfigManager
+    calc = VRAMCalculator(ConfigManager())
+    spec = model_spec(model_arg(case))
+    dt = "fp32" if case.get("dtype") == "float32" else "bf16"
+    base = calc.calculate_model_memory(spec.num_params, dt)
+    gb = calc.calculate_training_memory(base) if case["method"] == "full" else \
+        calc.calculate_lora_memory(base, spec.num_params, case.get("lora_rank", 16))
+    return gb * GIB
+
+
+TOOLS = {"accelerate": accelerate_peak, "fitcheck-llm": fitcheck_peak, "vramcalc": vramcalc_peak,
+         "hf-vram-calc": hf_vram_calc_peak}
+
+
+def run_tools(rows: list[dict]) -> dict:
+    out = {}
+    for name, fn in TOOLS.items():
+        errs, why = [], None
+        for r in rows:
+            if "simulate" not in r:
+                errs.append(None)
+                continue
+            try:
+                v = fn(r["case"])
+                errs.append(None if v is None else 100 * (v - r["simulate"]) / r["simulate"])
+            except Exception as exc:  # noqa: BLE001
+                why = why or f"{type(exc).__name__}: {str(exc)[:160]}"
+                errs.append(None)
+        out[name] = {"errors_pct": errs, "failure": why}
+    return out
+
+
+# ---- published measurements ------------------------------------------------------------------------
+# Each row: the settings we assumed (sources are incomplete), the figure as published, its unit.
+PUBLISHED = [
+    # QLoRA paper Fig. 6: LLaMA-1 7B, NF4+DQ, batch 1, seq 512, checkpointing (LLaMA-1 7B ~ Llama-2-7B shape, vocab 32000)
+    dict(ref="QLoRA paper Fig.6 (LLaMA 7B)", model=dict(model_type="llama", vocab_size=32000, hidden_size=4096,
+         intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32), measured=6.9e9,
+         kw=dict(method="qlora", seq_len=512, batch_size=1, gradient_checkpointing=True, lora_rank=64,
+                 optimizer="paged_adamw_32bit")),
+    dict(ref="litgpt Llama-2-7B LoRA r8 q,v bf16 mb1 (1304 tok)", model=dict(model_type="llama", vocab_size=32000,
+         hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32), measured=21.30e9,
+         kw=dict(method="lora", seq_len=1304, batch_size=1, lora_rank=8, lora_targets=["q_proj", "v_proj"])),
+    dict(ref="litgpt Llama-2-7B LoRA r8 q,v bf16 mb2", model="llama2-7b", measured=29.07e9,
+         kw=dict(method="lora", seq_len=1304, batch_size=2, lora_rank=8, lora_targets=["q_proj", "v_proj"])),
+    dict(ref="litgpt Llama-2-7B nf4-dq mb1", model="llama2-7b", measured=13.84e9,
+         kw=dict(method="qlora", seq_len=1304, batch_size=1, lora_rank=8, lora_targets=["q_proj", "v_proj"])),
+    dict(ref="litgpt Llama-2-13B LoRA mb1", model=dict(model_type="llama", vocab_size=32000, hidden_size=5120,
+         intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40), measured=38.12e9,
+         kw=dict(method="lora", seq_len=1304, batch_size=1, lora_rank=8, lora_targets=["q_proj", "v_proj"])),
+    dict(ref="peft MetaMathQA Llama-3.2-3B full FT bs4 768 (mean alloc)", model="llama-3.2-3b", measured=26.06e9,
+         kw=dict(method="full", seq_len=768, batch_size=4), compare="peak"),
+    dict(ref="peft MetaMathQA Llama-3.2-3B LoRA r32 q,v bs4 768 (mean alloc)", model="llama-3.2-3b",
+         measured=6.92e9, kw=dict(method="lora", seq_len=768, batch_size=4, lora_rank=32,
+                                   lora_targets=["q_proj", "v_proj"]), compare="peak"),
+    dict(ref="torchtune Llama-3.2-3B LoRA bs2 seq4096", model="llama-3.2-3b", measured=8.5 * GIB,
+         kw=dict(method="lora", seq_len=4096, batch_size=2, gradient_checkpointing=True, lora_rank=8,
+                 lora_targets=["q_proj", "v_proj"])),
+    dict(ref="torchtune Llama-3.2-3B QLoRA bs2 seq4096", model="llama-3.2-3b", measured=4.6 * GIB,
+         kw=dict(method="qlora", seq_len=4096, batch_size=2, gradient_checkpointing=True, lora_rank=8,
+                 lora_targets=["q_proj", "v_proj"])),
+    dict(ref="LLaMA-Factory LLaMA2-7B LoRA r8 all bs4 1024", model="llama2-7b", measured=18e9,
+         kw=dict(method="lora", seq_len=1024, batch_size=4, lora_rank=8, gradient_checkpointing=True)),
+    dict(ref="LLaMA-Factory LLaMA2-7B 4-bit bs4 1024", model="llama2-7b", measured=9e9,
+         kw=dict(method="qlora", seq_len=1024, batch_size=4, lora_rank=8, gradient_checkpointing=True)),
+]
+
+
+def run_published() -> list[dict]:
+    from transformers import AutoConfig
+    llama2 = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                  num_hidden_layers=32, num_attention_heads=32)
+    rows = []
+    print(f"\n{'published figure (settings assumed)':64s} {'measured':>9s} {'ours':>9s} {'err':>8s}")
+    for p in PUBLISHED:
+        m = llama2 if p["model"] == "llama2-7b" else p["model"]
+        if isinstance(m, dict):
+            m = AutoConfig.for_model(m["model_type"], **{k: v for k, v in m.items() if k != "model_type"})
+        e = estimate(m, **p["kw"])
+        ours = e.peak_allocated_bytes if p.get("compare") == "peak" else e.device_total_bytes
+        err = 100 * (ours - p["measured"]) / p["measured"]
+        rows.append({"ref": p["ref"], "measured": p["measured"], "ours": ours, "err_pct": err, "kw": p["kw"]})
+        print(f"{p['ref']:64s} {p['measured'] / 1e9:8.2f}G {ours / 1e9:8.2f}G {err:+7.1f}%")
+    print("(G = 1e9 bytes; 'ours' is device_total_bytes except rows published as allocated bytes. Software "
+          "differs: litgpt / torchtune use their own LoRA code, not peft's fp32 input casts.)")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--limit", type=int, default=None, help="run only the first N matrix cases")
+    ap.add_argument("--fresh", action="store_true", help="ignore results already saved")
+    ap.add_argument("--published-only", action="store_true")
+    args = ap.parse_args()
+    if not args.published_only:
+        cases = matrix()[: args.limit]
+        print(f"{len(cases)} cases; estimate vs simulate (peak_allocated_bytes)")
+        done = run_matrix(cases, args.fresh)
+        rows = [done[key(c)] for c in cases if key(c) in done]
+        ok = [r for r in rows if "simulate" in r]
+        print("\n" + summary(ok, lambda r: 100 * (r["estimate"] - r["simulate"]) / r["simulate"], "estimate"))
+        tools = run_tools(ok)
+        for name, t in tools.items():
+            line = summary([{"e": x} for x in t["errors_pct"]], lambda r: r["e"], name)
+            print(line + (f"   (failed on some rows: {t['failure']})" if t["failure"] else ""))
+        print("(public tools: accelerate only covers full fine-tuning; vramcalc / hf-vram-calc have no QLoRA; "
+              "fitcheck compared without its overhead term)")
+        _save(tools=tools, summary_rows=len(ok))
+    _save(published=run_published())
+
+
+if __name__ == "__main__":
+    main()
