@@ -38,7 +38,11 @@ Assumptions (each one shown to the user in :meth:`TimeModel.describe`):
 
 Calibration: :func:`calibrate` takes a measured step time (e.g. a smoke run's median) and the
 settings it ran with, and returns a :class:`TimeModel` whose ``mfu`` reproduces it exactly; the
-memory-bound terms are kept and the remainder is attributed to compute. Predictions for other
+memory-bound terms are kept and the remainder is attributed to compute. Given a second measured
+step with far fewer tokens it also solves for a fixed per-step overhead (kernel launches, per-op
+dispatch, Python), which matters on CPUs and for tiny models: on this repository's 2-core CPU a
+hidden-256 Llama spent about half of a 1,024-token LoRA step on such fixed costs (doubling the
+tokens made the step only 1.2-1.5x longer), which a FLOP model calibrated on one run cannot see. Predictions for other
 settings on the same device then reuse that utilization. The error of that extrapolation on this
 repository's CPU is measured by ``benchmarks/time_model_accuracy.py``.
 """
@@ -58,6 +62,7 @@ class TimeModel:
     """Utilization assumptions; ``source`` says whether they are assumed or measured."""
     mfu: float = 0.35  # fraction of the dense tensor-core peak the matmuls reach
     bandwidth_efficiency: float = 0.7  # fraction of datasheet memory bandwidth for memory-bound parts
+    overhead_seconds: float = 0.0  # fixed cost per step (kernel launches, Python); 0 unless calibrated on 2 runs
     source: str = "assumed (typical LoRA fine-tuning on a datacenter GPU); calibrate with a measured step"
 
     def __post_init__(self):
@@ -65,10 +70,13 @@ class TimeModel:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v and math.isfinite(v)):
                 raise ValueError(f"TimeModel.{name} must be a positive number, got {v!r}.")
+        if not (isinstance(self.overhead_seconds, (int, float)) and self.overhead_seconds >= 0):
+            raise ValueError(f"TimeModel.overhead_seconds must be >= 0, got {self.overhead_seconds!r}.")
 
     def describe(self) -> str:
+        fixed = f", {self.overhead_seconds:.3g} s fixed per step" if self.overhead_seconds else ""
         return (f"step-time model: {self.mfu:.1%} of peak FLOP/s for matmuls, "
-                f"{self.bandwidth_efficiency:.0%} of datasheet bandwidth for memory-bound parts ({self.source})")
+                f"{self.bandwidth_efficiency:.0%} of datasheet bandwidth for memory-bound parts{fixed} ({self.source})")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -153,7 +161,7 @@ def step_time(spec, gpu: dict, method: str = "lora", dtype: str = "bfloat16", au
     compute_s = f["total"] / (peak_flops(gpu, dtype, autocast) * tm.mfu)
     bw = float(gpu["memory_bandwidth_gbs"]) * 1e9 * tm.bandwidth_efficiency
     memory_s = _memory_bound_seconds(spec, method, lora_rank, lora_targets, gradient_checkpointing, optimizer, bw)
-    total = compute_s + memory_s["dequant"] + memory_s["optimizer"]
+    total = compute_s + memory_s["dequant"] + memory_s["optimizer"] + tm.overhead_seconds
     return {"step_seconds": total, "compute_seconds": compute_s, "dequant_seconds": memory_s["dequant"],
             "optimizer_seconds": memory_s["optimizer"], "flops": f["total"],
             "tokens_per_step": f["tokens"] * num_gpus, "tokens_per_second": f["tokens"] * num_gpus / total,
@@ -172,25 +180,51 @@ def _memory_bound_seconds(spec, method, lora_rank, lora_targets, gradient_checkp
     return {"dequant": dequant, "optimizer": opt}
 
 
+def _kwargs(settings) -> dict:
+    return settings.estimate_kwargs() if hasattr(settings, "estimate_kwargs") else dict(settings)
+
+
 def calibrate(measured_step_seconds: float, settings, gpu: dict, time_model: TimeModel | None = None,
-              spec=None) -> TimeModel:
+              spec=None, second: tuple | None = None) -> TimeModel:
     """A TimeModel whose ``mfu`` reproduces ``measured_step_seconds`` for ``settings`` on ``gpu``.
 
     ``settings``: a :class:`lora_kit.settings.Settings` or a dict of estimate arguments. The
     memory-bound terms (dequantization, optimizer) keep ``bandwidth_efficiency``; the rest of the
     measured time is attributed to the matmuls. Raises if the memory-bound terms alone exceed it.
+
+    ``second=(seconds, settings)``: a second measured step with far fewer tokens (e.g. batch 1 and a
+    short sequence). Then two numbers are solved for: ``mfu`` and a fixed ``overhead_seconds`` per
+    step (kernel launches, Python, per-op dispatch), which dominates small models and CPUs.
     """
-    if not (isinstance(measured_step_seconds, (int, float)) and measured_step_seconds > 0):
-        raise ValueError(f"measured_step_seconds must be a positive number, got {measured_step_seconds!r}.")
-    kw = settings.estimate_kwargs() if hasattr(settings, "estimate_kwargs") else dict(settings)
+    for t in (measured_step_seconds, *(second[:1] if second else ())):
+        if not (isinstance(t, (int, float)) and t > 0):
+            raise ValueError(f"measured step seconds must be positive numbers, got {t!r}.")
     tm = time_model or TimeModel()
-    model = spec if spec is not None else kw.pop("model")
-    kw.pop("model", None)
-    pred = step_time(model, gpu, time_model=tm, **kw)
-    compute_budget = measured_step_seconds - pred["dequant_seconds"] - pred["optimizer_seconds"]
-    if compute_budget <= 0:
+
+    def parts(sett):
+        kw = _kwargs(sett)
+        model = spec if spec is not None else kw.pop("model")
+        kw.pop("model", None)
+        p = step_time(model, gpu, time_model=replace(tm, overhead_seconds=0.0), **kw)
+        return p["compute_seconds"] * tm.mfu, p["dequant_seconds"] + p["optimizer_seconds"], kw
+
+    a1, mem1, kw = parts(settings)
+    budget1 = measured_step_seconds - mem1
+    if budget1 <= 0:
         raise ValueError(f"measured {measured_step_seconds:.4g} s is less than the memory-bound part alone "
-                         f"({measured_step_seconds - compute_budget:.4g} s); check the GPU's memory_bandwidth_gbs.")
-    mfu = pred["compute_seconds"] * tm.mfu / compute_budget
-    return replace(tm, mfu=mfu, source=f"calibrated on a measured step of {measured_step_seconds:.4g} s "
-                                       f"({kw.get('method')}, seq_len {kw.get('seq_len')}, batch {kw.get('batch_size')})")
+                         f"({mem1:.4g} s); check the GPU's memory_bandwidth_gbs.")
+    label = f"{kw.get('method')}, seq_len {kw.get('seq_len')}, batch {kw.get('batch_size')}"
+    if second is not None:
+        a2, mem2, kw2 = parts(second[1])
+        budget2 = second[0] - mem2
+        if a1 == a2:
+            raise ValueError("the two calibration runs need different token counts (seq_len x batch_size).")
+        inv = (budget1 - budget2) / (a1 - a2)
+        overhead = budget1 - a1 * inv
+        if inv > 0 and overhead >= 0:
+            return replace(tm, mfu=1 / inv, overhead_seconds=overhead, source=(
+                f"calibrated on two measured steps: {measured_step_seconds:.4g} s ({label}) and {second[0]:.4g} s "
+                f"({kw2.get('method')}, seq_len {kw2.get('seq_len')}, batch {kw2.get('batch_size')})"))
+        # inconsistent pair (noise): fall back to the one-run calibration below
+    return replace(tm, mfu=a1 / budget1, overhead_seconds=0.0,
+                   source=f"calibrated on a measured step of {measured_step_seconds:.4g} s ({label})")

@@ -75,3 +75,19 @@ def test_assumptions_are_visible_and_dtype_rates():
     assert t4["step_seconds"] > 0
     with pytest.raises(ValueError, match="lora_targets"):
         flops_per_step(CFG, "lora", lora_targets=["nope"])
+
+
+def test_two_run_calibration_recovers_fixed_overhead():
+    cpu = {"name": "cpu", "bf16_tflops": 1.0, "memory_bandwidth_gbs": 10.0}
+    truth = TimeModel(mfu=0.2, overhead_seconds=0.5)
+    big = dict(model=CFG, method="lora", seq_len=256, batch_size=8, dtype="float32")
+    small = dict(model=CFG, method="lora", seq_len=16, batch_size=1, dtype="float32")
+
+    def t(kw):
+        return step_time(CFG, cpu, time_model=truth, **{k: v for k, v in kw.items() if k != "model"})["step_seconds"]
+
+    tm = calibrate(t(big), big, cpu, second=(t(small), small))
+    assert tm.mfu == pytest.approx(0.2) and tm.overhead_seconds == pytest.approx(0.5)
+    assert "two measured steps" in tm.source and "fixed per step" in tm.describe()
+    with pytest.raises(ValueError, match="different token counts"):
+        calibrate(1.0, big, cpu, second=(1.0, big))
