@@ -61,6 +61,23 @@ class SmokeResult:
         import pandas as pd
         return pd.DataFrame([{k: v for k, v in s.items() if k != "peak_breakdown"} for s in self.record["steps"]])
 
+    def memory_table(self):
+        """DataFrame: measured peak (design step) beside estimate and simulate, with the relative error."""
+        import pandas as pd
+        measured = (self.record.get("peaks") or {}).get("design_step_peak_bytes")
+        rows = [{"source": "measured", "peak_bytes": measured, "error_vs_measured": 0.0 if measured else None}]
+        for k, v in (self.record.get("memory_model") or {}).items():
+            if isinstance(v, dict):
+                rows.append({"source": k, "peak_bytes": v.get("peak_allocated_bytes"),
+                             "error_vs_measured": v.get("error_vs_measured"), "note": v.get("error")})
+            else:
+                rows.append({"source": k, "peak_bytes": v if isinstance(v, int) else None, "note": None
+                             if isinstance(v, int) else v})
+        return pd.DataFrame(rows)
+
+    def summary(self) -> str:
+        return summary(self.record)
+
     def __getitem__(self, key):
         return self.record[key]
 

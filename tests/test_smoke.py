@@ -1,4 +1,4 @@
-"""smoke_run end to end on CPU: LoRA and QLoRA, save/reload/verify, results on disk."""
+"""smoke_run end to end on CPU on the embedded default: LoRA and QLoRA, save/reload/verify, results on disk."""
 from __future__ import annotations
 
 import json
@@ -9,18 +9,14 @@ import pytest
 from lora_kit.results import read_json
 from lora_kit.smoke import PHASES, smoke_run
 
-ROWS = [{"prompt": f"What is {i} plus {i % 7}?", "response": str(i + i % 7)} for i in range(40)]
-ROWS.append({"prompt": "Repeat abc", "response": "abc " * 20})  # the longest: truncated at seq_len 48
 FAST = dict(max_steps=3, batch_size=2, seq_len=48, lora_rank=4, lora_alpha=8, max_new_tokens=4,
-            learning_rate=1e-2)
-CONTROL = ["What is 3 plus 4?", "Say hi"]
+            learning_rate=1e-2)  # model="tiny", dataset="tiny:dates", control_dataset="tiny:control" (defaults)
 
 
 @pytest.fixture(scope="module")
-def lora_run(random_llama_dir, tmp_path_factory):
+def lora_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("smoke_lora")
-    return smoke_run(model=str(random_llama_dir), method="lora", run_dir=str(run_dir), examples=ROWS,
-                     control_prompts=CONTROL, measure_steps=2, progress=False, **FAST)
+    return smoke_run(method="lora", run_dir=str(run_dir), measure_steps=2, progress=False, **FAST)
 
 
 def test_lora_run_completes_every_phase(lora_run):
@@ -45,8 +41,10 @@ def test_lora_run_records_per_step_metrics_and_peaks(lora_run):
 
 def test_lora_run_uses_verified_slice_with_longest_first(lora_run):
     data = lora_run.record["data"]
-    assert data["longest_rows"][0] == 40 and data["longest_lengths"][0] > 48
-    assert data["truncated"] == 1 and data["used"] == 3 * 2
+    from lora_kit.data import load_examples
+    assert data["rows"] == len(load_examples("tiny:dates", split="train")) and data["used"] == 3 * 2
+    assert data["longest_lengths"] == sorted(data["longest_lengths"], reverse=True)
+    assert data["lead_examples_are_longest"] == 2 and data["truncated"] == 0
 
 
 def test_lora_run_shows_estimate_beside_measured(lora_run):
@@ -65,8 +63,19 @@ def test_lora_adapter_saved_reloaded_and_verified(lora_run):
     assert v["reload_max_abs_diff"] <= v["tolerance"] < v["adapter_vs_base_max_abs_diff"]
     assert lora_run.record["reload"] == {"missing_keys": [], "unexpected_keys": []}
     assert lora_run.record["checkpoint"]["bytes"] == sum(p.stat().st_size for p in adapter.iterdir())
-    gens = lora_run.record["generations"]["rows"]
-    assert [g["prompt"] for g in gens] == CONTROL and all("base" in g and "adapter" in g for g in gens)
+    gens = lora_run.record["generations"]
+    assert gens["source"] == "tiny:control" and len(gens["rows"]) == 4
+    assert all(g["prompt"] and "base" in g and "adapter" in g for g in gens["rows"])
+
+
+def test_qlora_run_on_embedded_default(tmp_path):
+    r = smoke_run(method="qlora", run_dir=str(tmp_path), measure_steps=2, progress=False, simulate=False, **FAST)
+    assert r.ok, r.record.get("error")
+    assert r.record["phases"]["quantize"]["status"] == "done"
+    assert "Linear4bit" in r.record["phases"]["quantize"]["note"]
+    assert r.record["verify"]["passed"] and r.record["verify"]["tolerance"] == 1e-4
+    on_disk = json.loads((tmp_path / "smoke" / "smoke.json").read_text())
+    assert on_disk["status"] == "complete" and len(on_disk["steps"]) == 3
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +94,8 @@ def no_pad_model_dir(random_llama_dir, tmp_path_factory):
     return d
 
 
-def test_qlora_run_with_tokenizer_without_pad_token(no_pad_model_dir, tmp_path):
-    r = smoke_run(model=str(no_pad_model_dir), method="qlora", run_dir=str(tmp_path), examples=ROWS,
-                  control_prompts=CONTROL, measure_steps=2, progress=False, **FAST)
-    assert r.ok, r.record.get("error")
-    assert r.record["phases"]["quantize"]["status"] == "done"
-    assert "Linear4bit" in r.record["phases"]["quantize"]["note"]
-    assert r.record["verify"]["passed"]
-    on_disk = json.loads((tmp_path / "smoke" / "smoke.json").read_text())
-    assert on_disk["status"] == "complete" and len(on_disk["steps"]) == 3
+def test_tokenizer_without_pad_token_is_handled(no_pad_model_dir, tmp_path):
+    rows = [{"prompt": f"Q{i}", "response": f"A{i}"} for i in range(8)]
+    r = smoke_run(model=str(no_pad_model_dir), run_dir=str(tmp_path), examples=rows, control_prompts=["Q1", "Q22"],
+                  progress=False, simulate=False, measure_steps=1, **{**FAST, "max_steps": 1, "max_new_tokens": 2})
+    assert r.ok and r.record["verify"]["passed"]  # pad = eos, masked in labels; left padding for generation
