@@ -45,6 +45,12 @@ def __getattr__(name: str):
         if _LAZY[name] == f"lora_kit.{name}":  # a module exposed by name, e.g. lora_kit.stack
             return getattr(mod, name, mod)
         return getattr(mod, name)
+    if not name.startswith("_"):  # submodules by name: lk.figures, lk.results, lk.widgets, ...
+        try:
+            return importlib.import_module(f"lora_kit.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"lora_kit.{name}":
+                raise
     raise AttributeError(f"module 'lora_kit' has no attribute {name!r}")
 
 

@@ -33,7 +33,7 @@ class Settings:
     double_quant: bool = True  # QLoRA: quantize the 4-bit quantization constants too
     trust_remote_code: bool = False  # run model code from the hub; off unless you trust the repo
     # --- adapter -------------------------------------------------------------------------
-    lora_rank: int = 16  # LoRA rank r; higher = more capacity and more memory
+    lora_rank: int = 16  # LoRA rank r, higher = more capacity and more memory
     lora_alpha: int = 32  # LoRA scaling numerator (scale = alpha / rank)
     lora_dropout: float = 0.0  # dropout on the LoRA input
     lora_targets: Any = "all-linear"  # "all-linear" or a list of module names, e.g. ["q_proj", "v_proj"]
@@ -49,7 +49,7 @@ class Settings:
     num_gpus: int = 1  # GPUs in the job (memory is per GPU)
     sharding: str = "none"  # none | ddp | zero1 | zero2 | zero3 | fsdp
     cpu_offload: bool = False  # offload sharded optimizer states (and zero3/fsdp params) to CPU
-    plan_model: str = "llama-3.1-8b"  # model the planning notebooks size GPUs for ("same" = model); the tiny model fits anywhere
+    plan_model: str = "llama-3.1-8b"  # model the planning notebooks size GPUs for ("same" = model), the tiny model fits anywhere
     gpu: str = "A100-80GB"  # GPU the plan targets (see lora_kit.gpus.gpu_table())
     gpus: list = field(default_factory=lambda: ["T4", "L4", "A10G", "RTX-4090", "L40S", "A100-80GB", "H100-SXM"])  # GPUs to compare
     margin: float = 0.10  # safety margin: a plan "fits" when it uses at most (1 - margin) of the GPU
