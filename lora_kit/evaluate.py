@@ -314,6 +314,25 @@ def _active(model, system: str):
         yield
 
 
+def _run_split(model, tokenizer, split: str, rows: list[dict], systems: list[str], gen: dict, bar,
+               timing: dict) -> pd.DataFrame:
+    """Outputs and reference losses of every system on one split, scored (one row per example)."""
+    df = pd.DataFrame({"split": split, "task": [r["task"] for r in rows], "index": range(len(rows)),
+                       "prompt": [r["prompt"] for r in rows], "reference": [r["response"] for r in rows]})
+    for s in systems:
+        ts = time.perf_counter()
+        if bar is not None:
+            bar.set_description(f"{split}: {s}")
+        with _active(model, s):
+            df[f"pred:{s}"] = generate(model, tokenizer, df["prompt"].tolist(), bar=bar, **gen)
+            nll, ntok = reference_nll(model, tokenizer, df["prompt"].tolist(), df["reference"].tolist(),
+                                      gen["batch_size"], bar)
+        df[f"ref_nll:{s}"], df["ref_tokens"] = nll, ntok
+        df[f"ref_loss:{s}"] = [a / max(b, 1) for a, b in zip(nll, ntok)]
+        timing[f"{split}:{s}_wall_s"] = time.perf_counter() - ts
+    return C.score_frame(df, systems)
+
+
 # ----------------------------------------------------------------------------------------------
 # the entry point
 # ----------------------------------------------------------------------------------------------
@@ -334,7 +353,7 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
         heldout / control: a source name or path for ``lora_kit.data.load_examples``, a
             ``(source, split)`` tuple, a list of ``{"prompt", "response"[, "task"]}`` dicts or a
             DataFrame. ``control=None`` skips the control set. Control rows are grouped by ``task``.
-        n_heldout / n_control: first n examples of each (0 or None = all).
+        n_heldout / n_control: n examples of each, taken task by task in turn (0 or None = all).
         train_examples: the training data, for the overlap check; None = the ``"train"`` split of
             ``heldout`` when ``heldout`` is a source name (not checked when that does not exist).
         allow_overlap: evaluate even when held-out prompts occur in training; the result is then
@@ -345,6 +364,8 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
     for name, v in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("n_resamples", n_resamples)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when do_sample=True, got {temperature!r}.")
     if method not in ("lora", "qlora"):
         raise ValueError(f"method={method!r}: evaluate compares adapters on a base loaded for 'lora' (weights in "
                          "dtype) or 'qlora' (4-bit); for a full fine-tune pass its folder as base_model and adapters=None.")
@@ -380,28 +401,13 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
     splits = {"heldout": ho_rows, "control": ctl_rows}
     n_batches = sum(math.ceil(len(r) / batch_size) for r in splits.values()) * 2 * len(systems)
     bar = _progress(n_batches, progress)
-    frames, timing = [], {}
-    for split, rows in splits.items():
-        if not rows:
-            continue
-        df = pd.DataFrame({"split": split, "task": [r["task"] for r in rows], "index": range(len(rows)),
-                           "prompt": [r["prompt"] for r in rows], "reference": [r["response"] for r in rows]})
-        for s in systems:
-            ts = time.perf_counter()
-            if bar is not None:
-                bar.set_description(f"{split}: {s}")
-            with _active(model, s):
-                df[f"pred:{s}"] = generate(model, tokenizer, df["prompt"].tolist(), max_new_tokens, batch_size,
-                                           do_sample, temperature, seed, bar)
-                nll, ntok = reference_nll(model, tokenizer, df["prompt"].tolist(), df["reference"].tolist(),
-                                          batch_size, bar)
-            df[f"ref_nll:{s}"], df["ref_tokens"] = nll, ntok
-            df[f"ref_loss:{s}"] = [a / max(b, 1) for a, b in zip(nll, ntok)]
-            timing[f"{split}:{s}_wall_s"] = time.perf_counter() - ts
-        frames.append(C.score_frame(df, systems))
+    gen = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, do_sample=do_sample,
+               temperature=temperature, seed=seed)
+    timing: dict = {}
+    per_example = pd.concat([_run_split(model, tokenizer, split, rows, systems, gen, bar, timing)
+                             for split, rows in splits.items() if rows], ignore_index=True)
     if bar is not None:
         bar.close()
-    per_example = pd.concat(frames, ignore_index=True)
 
     stats = dict(confidence=confidence, n_resamples=n_resamples, seed=seed)
     summary = {
@@ -420,6 +426,9 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
     timing.update(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
     summary["timing"] = timing
     summary["versions"] = _versions()
+    if adapter_paths and not hygiene["checked"]:
+        summary["summary_sentence"] += (" Overlap with the training data was not checked "
+                                        "(pass train_examples= to check it).")
     control_sentence = summary.pop("control_sentence")
     summary["control"].update(summary_sentence=control_sentence, changed_fraction=summary.pop("control_changed_fraction"))
     result = EvalResult(summary=summary, per_example=per_example,

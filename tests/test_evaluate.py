@@ -173,6 +173,8 @@ def test_bad_input_is_a_clear_error(setup, random_llama_dir, tmp_path):
         evaluate(d, {"base": setup["good"]}, heldout=setup["heldout"], **kw)
     with pytest.raises(ValueError, match="could not be fetched from the hub"):  # HF_HUB_OFFLINE=1 in tests
         evaluate(d, "no-such-org/no-such-adapter", heldout=setup["heldout"], **kw)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        evaluate(d, setup["good"], heldout=setup["heldout"], do_sample=True, temperature=0.0, **kw)
     with pytest.raises(ValueError, match="method="):
         evaluate(d, setup["good"], heldout=setup["heldout"], method="full", **kw)
 
@@ -220,7 +222,8 @@ def test_sampling_uses_the_same_seed_for_every_system(setup, random_llama_dir):
     """do_sample=True: the seed is reset before each system, so a rerun reproduces every output."""
     kw = dict(heldout=setup["heldout"][:8], heldout_split=None, control=None, do_sample=True, temperature=1.0,
               max_new_tokens=4, seed=7, n_resamples=N_RESAMPLES, progress=False)
-    a = evaluate(str(random_llama_dir), setup["weak"], **kw).per_example
-    b = evaluate(str(random_llama_dir), setup["weak"], **kw).per_example
+    ra = evaluate(str(random_llama_dir), setup["weak"], **kw)
+    assert "Overlap with the training data was not checked" in ra.summary_sentence  # no train_examples given
+    a, b = ra.per_example, evaluate(str(random_llama_dir), setup["weak"], **kw).per_example
     assert a["pred:base"].tolist() == b["pred:base"].tolist() and a["pred:adapter"].tolist() == b["pred:adapter"].tolist()
     assert a["pred:base"].nunique() > 1  # it really sampled (a random base at T=1)
