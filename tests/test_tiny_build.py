@@ -46,6 +46,12 @@ def test_shipped_files_match_build_info_and_script_defaults():
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["vocab_size"] % 64 == 0
     total = sum(f["bytes"] for f in info["model_files"].values()) + sum(f["bytes"] for f in info["data_files"].values())
     assert total < 10e6, f"embedded default grew to {total / 1e6:.1f} MB"
+    card = (TINY_DIR / "MODEL_CARD.md").read_text()
+    measured = info["measured"]
+    for number in [f"{info['pretraining']['parameters']:,}", f"{measured['control_exact_match']:.3f}",
+                   f"{measured['dates_test_exact_match']:.3f}", f"{total / 1e6:.2f} MB"] + [
+            f"| {task} |" for task in measured["control_per_task"]]:
+        assert number in card, f"MODEL_CARD.md does not state the measured {number!r}; update it from build_info.json"
 
 
 def test_embedded_model_and_tokenizer_load_offline(monkeypatch):
