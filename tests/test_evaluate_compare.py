@@ -86,3 +86,14 @@ def test_subsets_take_every_task_in_turn():
     rows = [{"prompt": f"{t}{i}", "response": "x", "task": t} for t in "abc" for i in range(4)]  # grouped by task
     assert [r["prompt"] for r in _rows(rows, n=5)] == ["a0", "b0", "c0", "a1", "b1"]
     assert len(_rows(rows, n=0)) == 12 and [r["prompt"] for r in _rows(rows[:4], n=2)] == ["a0", "a1"]
+
+
+def test_lk_evaluate_stays_callable():
+    """The package attribute becomes the module after import; calling it must still run evaluate()."""
+    import inspect
+    import lora_kit as lk
+    import lora_kit.evaluate  # noqa: F401  (what any `from lora_kit.evaluate import ...` does)
+    assert "base_model" in inspect.signature(lk.evaluate).parameters
+    for _ in range(2):
+        with pytest.raises(ValueError, match="heldout set is empty"):
+            lk.evaluate(heldout=[], control=None)
