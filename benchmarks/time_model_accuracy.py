@@ -97,7 +97,12 @@ def main() -> int:
     if cuda:
         from lora_kit.gpus import get_gpu
         name = torch.cuda.get_device_name(0)
-        gpu = next((get_gpu(k) for k in ("H200", "H100-SXM", "A100-80GB", "L4") if k.split("-")[0] in name), None)
+        pick = {"H200": "H200", "H100": "H100-SXM", "A100": "A100-80GB", "L40S": "L40S", "L4": "L4",
+                "A10G": "A10G", "T4": "T4", "4090": "RTX-4090", "B200": "B200", "GB10": "GB10"}
+        key = next((v for k, v in pick.items() if k in name), None)
+        if key is None:
+            raise SystemExit(f"GPU {name!r} is not matched to a catalog row; add it to `pick` or the catalog.")
+        gpu = get_gpu(key)
         cfg = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
         settings = [dict(s, seq_len=s["seq_len"] * 8) for s in CPU_SETTINGS]
@@ -130,15 +135,16 @@ def main() -> int:
           f"after 2 warm-up steps each; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     # On a shared CPU, wall time includes waiting for other people's processes. We calibrate and judge
     # three readings of "the step time": median wall, fastest wall (least disturbed), process CPU time.
-    readings = ("wall_median_s", "wall_min_s", "cpu_median_s") if not cuda else ("wall_median_s",)
+    readings = ("wall_median_s", "wall_min_s", "cpu_median_s") if not cuda else ("wall_median_s", "wall_min_s")
     within = {}
     for reading in readings:
-        for two in ((False, True) if not cuda else (False,)):
+        for two in ((None, False, True) if cuda else (False, True)):
             first = {**{k: base[k] for k in settings[0]}, **common, "model": spec_cfg}
             small = rows[1]
             second = (small[reading], {**{k: small[k] for k in settings[0]}, **common, "model": spec_cfg}) if two else None
-            tm = None if cuda else calibrate(base[reading], first, gpu, second=second)
-            name = f"{reading}, {'two-run' if two else 'one-run'} calibration"
+            tm = None if two is None else calibrate(base[reading], first, gpu, second=second)
+            name = f"{reading}, " + ("datasheet + assumed utilization" if two is None else
+                                     f"{'two-run' if two else 'one-run'} calibration")
             print(f"\n[{name}] " + (tm.describe() if tm else "datasheet prediction, assumed utilization"))
             print(f"{'setting':88s} {'pred s':>8s} {'meas s':>8s} {'error':>7s}")
             ok = judged = 0

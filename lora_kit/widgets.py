@@ -47,7 +47,7 @@ class PlannerPanel:
     """Controls for one plan, a live stacked breakdown (``.figure``) and a verdict (``.verdict``)."""
 
     def __init__(self, settings: Settings | None = None):
-        from .gpus import known_gpus
+        from .gpus import get_gpu, known_gpus
         from .planner import GIB as _  # noqa: F401  (fail early if the planner is unavailable)
         s = settings or Settings()
         self._plan_field = "model" if getattr(s, "plan_model", "same") in (None, "", "same") else "plan_model"
@@ -66,7 +66,7 @@ class PlannerPanel:
         self.model = dd(_model_options(model), model, "model")
         self.method = dd(METHODS, s.method, "method")
         self.dtype = dd(DTYPES, s.dtype, "weights dtype")
-        self.gpu = dd(known_gpus(), s.gpu, "GPU")
+        self.gpu = dd(known_gpus(), get_gpu(s.gpu)["name"], "GPU")  # unknown GPU -> ValueError listing known ones
         self.margin = w.BoundedFloatText(value=round(s.margin * 100, 1), min=0, max=90, step=1,
                                          description="safety margin (%)", style=_STYLE, layout=_LAYOUT)
         self.seq_len = num(s.seq_len, 1, 1 << 20, "seq_len (tokens)")

@@ -90,3 +90,8 @@ def test_model_change_refreshes_targets(panel):
     assert list(panel.targets.options) == valid_targets("pythia-1b")
     assert panel.settings().lora_targets == "all-linear" and panel.error is None
     panel.model.value = "llama-3.2-1b"
+
+
+def test_unknown_gpu_in_settings_lists_known_ones():
+    with pytest.raises(ValueError, match="Unknown GPU 'V100'.*H100-SXM"):
+        PlannerPanel(Settings(gpu="V100"))
