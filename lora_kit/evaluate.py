@@ -81,6 +81,20 @@ class EvalResult:
         return all_figures(self)
 
 
+def load_result(run_dir: str | os.PathLike) -> EvalResult:
+    """The :class:`EvalResult` written by ``evaluate(run_dir=...)``, for figures without re-running."""
+    d = Path(run_dir) / EVAL_DIR
+    if not (d / "eval.json").is_file():
+        raise ValueError(f"no evaluation in {str(d)!r}; run lora_kit.evaluate(run_dir={os.fspath(run_dir)!r}) first.")
+    from lora_kit.results import read_json
+    summary = read_json(d / "eval.json")
+    text = ["split", "task", "prompt", "reference"] + [f"pred:{s}" for s in [C.BASE, *summary["adapters"]]]
+    df = pd.read_csv(d / "per_example.csv", dtype={c: str for c in text}, keep_default_na=False)
+    sentence = " ".join(x for x in (summary["summary_sentence"], summary["control"].get("summary_sentence")) if x)
+    return EvalResult(summary=summary, per_example=df, summary_sentence=sentence,
+                      paths={"json": str(d / "eval.json"), "csv": str(d / "per_example.csv")})
+
+
 # ----------------------------------------------------------------------------------------------
 # inputs
 # ----------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lora_kit.evaluate import check_adapter, evaluate, generate
+from lora_kit.evaluate import check_adapter, evaluate, generate, load_result
 
 N_RESAMPLES = 500
 
@@ -141,6 +141,10 @@ def test_results_written_atomically_as_json_and_csv(result):
     csv = pd.read_csv(result.paths["csv"], keep_default_na=False)
     assert len(csv) == len(result.per_example) and {"pred:base", "pred:lora", "pred:weak"} <= set(csv.columns)
     assert not [p for p in Path(result.paths["json"]).parent.iterdir() if p.name.endswith(".tmp")]
+    again = load_result(Path(result.paths["json"]).parents[1])
+    assert again.summary_sentence == result.summary_sentence
+    pd.testing.assert_frame_equal(again.per_example, result.per_example, check_dtype=False)
+    assert set(again.figures()) == {"metric_bars", "diff_histogram", "control_changes"}
 
 
 def test_overlap_refused_unless_allowed_and_smoke_adapter_found(setup, random_llama_dir, tmp_path):
