@@ -7,6 +7,7 @@ sentences and the time evaluation took (wall and process CPU seconds; the CPU ma
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/eval_speed.py                     # train 300 steps
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/eval_speed.py --adapter runs/default/smoke/adapter
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/eval_speed.py --smoke      # lk.smoke_run defaults first
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def main(argv=None) -> dict:
     p.add_argument("--model", default="tiny")
     p.add_argument("--method", default="lora", choices=("lora", "qlora"))
     p.add_argument("--adapter", default=None, help="adapter folder; default: train one")
+    p.add_argument("--smoke", action="store_true", help="train with lora_kit.smoke_run (its defaults) instead")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--train-batch-size", type=int, default=32)
@@ -57,6 +59,14 @@ def main(argv=None) -> dict:
     from lora_kit.evaluate import evaluate
     torch.set_num_threads(a.threads)
     run_dir = Path(a.run_dir)
+    if a.smoke and not a.adapter:
+        from lora_kit.smoke import smoke_run
+        w0, c0 = time.perf_counter(), time.process_time()
+        sr = smoke_run(run_dir=str(run_dir), model=a.model, method=a.method, seed=a.seed, simulate=False,
+                       progress=False)
+        print(f"smoke_run ({sr.status}): {time.perf_counter() - w0:.0f} s wall, {time.process_time() - c0:.0f} s CPU",
+              flush=True)
+        a.adapter = str(run_dir / "smoke" / "adapter")
     adapter = a.adapter or train(a.model, a.method, a.steps, a.lr, a.train_batch_size, a.seed, run_dir / "adapter")
     w0, c0 = time.perf_counter(), time.process_time()
     r = evaluate(a.model, adapter, run_dir=run_dir, method=a.method, n_heldout=a.n_heldout, n_control=a.n_control,
