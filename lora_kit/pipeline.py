@@ -63,7 +63,12 @@ def _failure_text(exc: Exception) -> str:
 def run_pipeline(settings: Settings, out_dir: str | Path, notebooks: str | Path | None = None,
                  only: list[str] | None = None, log=print) -> dict:
     """Execute the notebooks into ``out_dir``; returns the pipeline record (also ``pipeline.json``)."""
+    import logging
+
     import papermill as pm
+    # Every notebook receives all settings (one definition); papermill warns about those a notebook
+    # does not declare in its parameters cell -- expected here, so keep its log to errors.
+    logging.getLogger("papermill").setLevel(logging.ERROR)
 
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -29,12 +29,12 @@ class Settings:
     model: str = "tiny"  # catalog name, local directory, hub id, or "tiny" (the embedded default)
     method: str = "lora"  # "full" | "lora" | "qlora" (4-bit NF4 base + LoRA)
     dtype: str = "float32"  # dtype the base weights are loaded in ("bfloat16" on a modern GPU)
-    autocast: bool = False  # mixed-precision compute (fp32 master weights when method="full")
+    autocast: bool = False  # mixed-precision compute (fp32 master weights for method "full")
     double_quant: bool = True  # QLoRA: quantize the 4-bit quantization constants too
     trust_remote_code: bool = False  # run model code from the hub; off unless you trust the repo
     # --- adapter -------------------------------------------------------------------------
-    lora_rank: int = 16  # LoRA rank r, higher = more capacity and more memory
-    lora_alpha: int = 32  # LoRA scaling numerator (scale = alpha / rank)
+    lora_rank: int = 16  # LoRA rank r, higher means more capacity and more memory
+    lora_alpha: int = 32  # LoRA scaling numerator (scale is alpha / rank)
     lora_dropout: float = 0.0  # dropout on the LoRA input
     lora_targets: Any = "all-linear"  # "all-linear" or a list of module names, e.g. ["q_proj", "v_proj"]
     # --- step shape ----------------------------------------------------------------------
@@ -49,7 +49,7 @@ class Settings:
     num_gpus: int = 1  # GPUs in the job (memory is per GPU)
     sharding: str = "none"  # none | ddp | zero1 | zero2 | zero3 | fsdp
     cpu_offload: bool = False  # offload sharded optimizer states (and zero3/fsdp params) to CPU
-    plan_model: str = "llama-3.1-8b"  # model the planning notebooks size GPUs for ("same" = model), the tiny model fits anywhere
+    plan_model: str = "llama-3.1-8b"  # model the planning notebooks size GPUs for ("same" means model), the tiny model fits anywhere
     gpu: str = "A100-80GB"  # GPU the plan targets (see lora_kit.gpus.gpu_table())
     gpus: list = field(default_factory=lambda: ["T4", "L4", "A10G", "RTX-4090", "L40S", "A100-80GB", "H100-SXM"])  # GPUs to compare
     margin: float = 0.10  # safety margin: a plan "fits" when it uses at most (1 - margin) of the GPU
@@ -62,8 +62,8 @@ class Settings:
     # --- smoke run and evaluation --------------------------------------------------------
     max_steps: int = 300  # optimizer steps in the smoke run (the tutorial trains its adapter here)
     seed: int = 0  # seed set before the adapter is created and before data shuffling
-    eval_examples: int = 200  # held-out examples to evaluate (0 = all)
-    control_examples: int = 200  # control examples to evaluate (0 = all)
+    eval_examples: int = 200  # held-out examples to evaluate (0 means all)
+    control_examples: int = 200  # control examples to evaluate (0 means all)
     max_new_tokens: int = 16  # generation budget, same for base and adapter
     # --- output --------------------------------------------------------------------------
     run_dir: str = "runs/default"  # where results, adapter, notebooks and the run card are written

@@ -104,3 +104,16 @@ def test_cli_exposes_every_setting():
     run = p._subparsers._group_actions[0].choices["run"]
     dests = {a.dest for a in run._actions}
     assert {"s_" + n for n in field_names()} <= dests
+
+
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=lambda p: p.name)
+def test_papermill_reads_every_parameter(nb_path):
+    """papermill's own parser (used for --help-notebook and unknown-parameter checks) sees each line."""
+    import nbformat
+    from papermill.translators import PythonTranslator
+    nb = nbformat.read(nb_path, as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    parsed = PythonTranslator.inspect(cell)
+    assigned = [n.targets[0].id for n in ast.parse(cell.source).body]
+    assert [p.name for p in parsed] == assigned
+    assert all(p.help for p in parsed)
