@@ -54,14 +54,20 @@ comparisons in public issues). The constants are ``CUDA_CONTEXT_BYTES`` and ``RE
 
 Known limits: architectures outside llama / mistral / qwen2 / qwen3 / gemma / gemma2 / phi3 /
 gpt_neox are read from a meta-device build and their activations modelled as a Llama-like block;
-``autocast=True`` is modelled as compute in ``dtype`` with autocast's cached weight casts
-(full fine-tuning); DeepSpeed/FSDP communication buffers are not counted.
+``autocast=True`` is modelled as the same step with 16-bit activations (autocast's per-forward weight
+cast cache is not counted: least exact setting, not in the accuracy matrix); DeepSpeed / FSDP
+communication buffers are not counted; full fine-tuning's backward end counts the fp32 ``V x h``
+buffer the CPU embedding-backward kernel allocates (what ``simulate`` sees: the CUDA kernel
+accumulates per unique token instead, so on a GPU this term is smaller -- ``gpu_validate`` measures
+it); SDPA saves what the CPU flash kernel saves (same as CUDA flash / memory-efficient: output and
+fp32 logsumexp); AdamW's ``step`` scalars live on the host on CUDA and are not counted.
 """
 from __future__ import annotations
 
 import sys
 import types
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -123,7 +129,8 @@ def _targets(spec: ModelSpec, lora_targets) -> tuple:
     return tuple(t for t in names if t in lora_targets)
 
 
-def _trainable(spec: ModelSpec, method: str, weight_bytes: int, targets: tuple) -> list:
+@lru_cache(maxsize=1024)
+def _trainable(spec: ModelSpec, method: str, weight_bytes: int, targets: tuple) -> tuple:
     """(rows, cols, count, elem_bytes, per_rank) of every trainable tensor; numel = rows*cols (x rank if per_rank).
 
     LoRA: A is (rank, in), B is (out, rank), fp32; stored as (1, in) / (out, 1) with per_rank=True.
@@ -133,7 +140,7 @@ def _trainable(spec: ModelSpec, method: str, weight_bytes: int, targets: tuple) 
         for lin in spec.linears:
             if lin.name in targets:
                 out += [(1, lin.in_features, spec.num_layers, 4, True), (lin.out_features, 1, spec.num_layers, 4, True)]
-        return out
+        return tuple(out)
     h, V, n = spec.hidden_size, spec.vocab_size, spec.num_layers
     out = [(V, h, 1 if spec.tied_embeddings else 2, weight_bytes, False)]
     for lin in spec.linears:
@@ -141,7 +148,7 @@ def _trainable(spec: ModelSpec, method: str, weight_bytes: int, targets: tuple) 
         if lin.bias:
             out.append((1, lin.out_features, n, weight_bytes, False))
     out += [(1, numel, count, weight_bytes, False) for g, numel, count in spec.param_tensors() if g == "norm"]
-    return out
+    return tuple(out)
 
 
 def _opt_state(optimizer: str, rows, cols, eb):
@@ -167,6 +174,7 @@ def _opt_temp(optimizer: str, tensors: list):
     return 0
 
 
+@lru_cache(maxsize=1024)
 def _static(spec: ModelSpec, method: str, dtype: str, autocast: bool, double_quant: bool) -> tuple[int, int]:
     """(weights, quant_constants) bytes of the whole model on one replica."""
     e = DTYPE_BYTES[dtype]
@@ -252,6 +260,11 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     else:
         bwd_temps = 3 * _r(T * i * 4)
     bwd_temps = bwd_temps + 2 * _r(T * h * 4) - group["mlp_out"]
+    if attn == "eager":  # softmax backward: fp32 grad of the scores + its result, once the MLP's saved are freed
+        scores = B * H * S * S
+        mlp_saved = (3 if spec.gated_mlp else 1) * _r(T * i * e) + group["mlp_in"] + group["mlp_out"]
+        attn_temps = 2 * _r(scores * 4) - (_r(scores * e) if e != 4 else 0) - mlp_saved - norm
+        bwd_temps = np.maximum(bwd_temps, attn_temps)
     first_norm_free = lora and not gc  # the frozen embedding's output needs no grad: block 0's norm saves nothing
     rope = 2 * _r(S * d * e) + 2 * _r(d // 2 * 4)  # cos/sin + the inv_freq buffers
     final = norm + (_r(T * h * e) if not lora else 0)  # full fine-tuning: lm_head keeps its input
@@ -276,7 +289,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     bwd_start = saved + 2 * _r(T * V * 4)
     bwd_norm = layers + norm + 5 * _r(T * h * 4) + _r(T * h * e)
     return {"forward": fwd, "backward": np.maximum(np.maximum(bwd_start, bwd_norm), bwd_block),
-            "backward_end": _r(T * h * 4) + (_r(T * h * e) if not lora else 0)}
+            "backward_end": _r(T * h * 4) + (_r(T * h * e) + _r(V * h * 4) if not lora else 0)}
 
 
 def _check_positive(name, value):
