@@ -2,7 +2,7 @@
 
 :class:`LiveBytesTracker` is a ``TorchDispatchMode``: every tensor an operator returns has its
 storage counted once (views share a storage), each storage rounded up to 512 bytes as the CUDA
-caching allocator rounds its blocks, and a ``weakref.finalize`` subtracts it when the storage dies.
+caching allocator rounds its blocks, and a weak-reference callback subtracts it when the storage dies.
 It works the same on real CPU tensors and under ``FakeTensorMode`` (where nothing is allocated),
 which is what makes ``lora_kit.simulate`` possible without a GPU.
 
@@ -27,7 +27,6 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
-from torch.utils.weak import WeakIdKeyDictionary
 
 BLOCK = 512  # bytes: CUDA caching allocator block rounding
 OTHER = "other"
@@ -70,18 +69,22 @@ class LiveBytesTracker(TorchDispatchMode):
         self.peak_bytes = 0
         self.peak_phase = ""
         self._serial = itertools.count()
-        self._ids = WeakIdKeyDictionary()  # storage -> serial
+        self._serial_of: dict[int, int] = {}  # id of a live storage's C++ object -> serial
+        self._refs: dict[int, weakref.ref] = {}  # serial -> weak reference (its callback frees)
         self._live: dict[int, int] = {}  # serial -> rounded bytes
         self._labels: dict[int, str] = {}  # serial -> category
         self._snapshot: dict[int, int] = {}  # live set at the peak
         self._pending = False  # a new peak was reached and not yet snapshotted
 
     # -- counting -----------------------------------------------------------------------------
-    def _free(self, serial: int) -> None:
+    def _free(self, serial: int, cdata: int) -> None:
         if self._pending:
             self._snapshot = dict(self._live)
             self._pending = False
         self.current_bytes -= self._live.pop(serial, 0)
+        self._refs.pop(serial, None)
+        if self._serial_of.get(cdata) == serial:
+            del self._serial_of[cdata]
 
     def _add(self, t: torch.Tensor) -> int | None:
         if t.layout != torch.strided:
@@ -90,7 +93,8 @@ class LiveBytesTracker(TorchDispatchMode):
             st = t.untyped_storage()
         except (NotImplementedError, RuntimeError):  # e.g. sparse or functional wrappers
             return None
-        serial = self._ids.get(st)
+        cdata = st._cdata  # unique among live storages; the weakref callback retires it at death
+        serial = self._serial_of.get(cdata)
         nbytes = round_bytes(st.nbytes(), self.block)
         if serial is not None:
             old = self._live.get(serial)
@@ -100,10 +104,11 @@ class LiveBytesTracker(TorchDispatchMode):
             self._live[serial] = nbytes
         else:
             serial = next(self._serial)
-            self._ids[st] = serial
+            self._serial_of[cdata] = serial
             self._live[serial] = nbytes
             self.current_bytes += nbytes
-            weakref.finalize(st, self._free, serial)
+            free = self._free
+            self._refs[serial] = weakref.ref(st, lambda _r, s=serial, c=cdata: free(s, c))
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
             self.peak_phase = self.phase
