@@ -127,6 +127,9 @@ def summary_sentence(metric: str, diff: dict, what: str = "held-out examples", s
                 f"on {n} {what}.")
     better = (d < 0) if lower_is_better else (d > 0)
     tail = "" if better else " (worse)"
+    if lo == hi:  # every paired difference equal: the bootstrap cannot see any spread
+        tail += (f"; every example moved the same way, so the bootstrap interval has no width -- with n={n}, "
+                 f"up to {300 / n:.1f} % exceptions would still be plausible (rule of three)")
     return f"{sign}{_fmt(d, digits)} {unit} {metric} ({interval}) on {n} {what}{tail}."
 
 

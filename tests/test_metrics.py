@@ -60,6 +60,8 @@ def test_summary_sentence_does_not_overclaim():
     drop = {"diff": -0.2, "lo": -0.3, "hi": -0.1, "n": 50, "confidence": 0.9}
     assert M.summary_sentence("exact match", drop).endswith("(worse).")
     assert "90 % CI" in M.summary_sentence("exact match", drop)
+    all_flipped = {"diff": 1.0, "lo": 1.0, "hi": 1.0, "n": 200, "confidence": 0.95}
+    assert "up to 1.5 % exceptions would still be plausible" in M.summary_sentence("exact match", all_flipped)
     loss_down = {"diff": -0.5, "lo": -0.6, "hi": -0.4, "n": 50, "confidence": 0.95}
     assert "worse" not in M.summary_sentence("loss", loss_down, scale=1, unit="nats", lower_is_better=True)
 
