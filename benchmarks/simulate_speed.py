@@ -33,7 +33,7 @@ def run(label, cfg, **kw):
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     print(f"{label:<44} wall {wall:6.2f} s  cpu {cpu:6.2f} s  peak {r.peak_allocated_bytes / 2**30:7.3f} GiB "
           f"({r.phase})", flush=True)
-    return wall
+    return wall, cpu
 
 
 def main(argv=None):
@@ -49,8 +49,11 @@ def main(argv=None):
           f"os cpus {os.cpu_count()}, load avg {os.getloadavg()[0]:.2f}")
     cfg = llama_31_8b()
     run("warm-up (tiny seq, not the target)", cfg, method="lora", seq_len=16)
-    wall = run("llama-3.1-8b lora r16 all-linear seq 2048", cfg, method="lora", seq_len=2048)
-    print(f"target <= 15 s: {'met' if wall <= 15 else 'MISSED'} ({wall:.2f} s)")
+    wall, cpu = run("llama-3.1-8b lora r16 all-linear seq 2048", cfg, method="lora", seq_len=2048)
+    # simulate is single-threaded Python: on an idle machine wall ~= process CPU time; other
+    # processes on the same cores stretch wall time, so both are judged and printed
+    print(f"target <= 15 s: wall {wall:.2f} s ({'met' if wall <= 15 else 'MISSED'}), process CPU {cpu:.2f} s "
+          f"({'met' if cpu <= 15 else 'MISSED'}); load avg {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     if args.more:
         run("llama-3.1-8b qlora seq 2048", cfg, method="qlora", seq_len=2048)
         run("llama-3.1-8b lora seq 2048 checkpointing", cfg, method="lora", seq_len=2048, gradient_checkpointing=True)
