@@ -6,7 +6,7 @@ tokens/s, RSS, tqdm and an ``on_step`` callback, *outside* the tracker-measured 
 tracker runs only on the first ``measure_steps`` steps; its cost is reported separately).
 Loops alternate in rounds so CPU contention hits both alike; wall and process CPU time are printed.
 
-    .venv/bin/python benchmarks/smoke_overhead.py [--model DIR] [--steps 60] [--rounds 3]
+    .venv/bin/python benchmarks/smoke_overhead.py [--model DIR] [--steps 60] [--rounds 3] [--threads 1]
 """
 from __future__ import annotations
 
@@ -69,7 +69,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared CPU)")
     a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
     model_dir = a.model
     if model_dir is None:
         from lora_kit.loading import EMBEDDED_DIR

@@ -179,7 +179,7 @@ def _linear_names(model) -> list[str]:
 
 def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prompts: list[str] | None = None,
               memory_limit_bytes: int | None = None, measure_steps: int = 3, simulate: bool = True,
-              progress: bool = True, **overrides) -> SmokeResult:
+              progress: bool = True, cpu_threads: int | None = None, **overrides) -> SmokeResult:
     """Run the smoke run; returns a :class:`SmokeResult` (also in ``<run_dir>/smoke/smoke.json``).
 
     ``settings``: a :class:`lora_kit.Settings` (or None for defaults); ``overrides``: any Settings
@@ -189,18 +189,27 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     ``torch.OutOfMemoryError`` past it; the tracker then runs on every step -- slower).
     ``measure_steps``: how many leading steps the tracker measures on CPU (>= 2 to include the
     second step, the one estimates describe). ``simulate``: also run ``lora_kit.simulate``.
+    ``cpu_threads``: torch CPU threads for this run (restored after). On a CPU shared with other
+    jobs, 1 thread can be several times faster than 2 (OpenMP threads spin waiting for each other);
+    None keeps torch's setting.
     Out of memory returns a result with ``status == "failed at <phase>"``; other errors re-raise.
     """
     s = _settings(settings, overrides)
     if measure_steps < 1:
         raise ValueError(f"measure_steps must be >= 1, got {measure_steps}.")
+    if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
+                                    or cpu_threads < 1):
+        raise ValueError(f"cpu_threads must be a positive integer or None, got {cpu_threads!r}.")
+    threads_before = torch.get_num_threads()
+    if cpu_threads:
+        torch.set_num_threads(cpu_threads)
     created = dist_util.init_if_launched()
     rank, world = dist_util.rank(), dist_util.world_size()
     out = Path(s.run_dir) / "smoke"
     from lora_kit.stack import versions
     record = {"kind": "lora_kit.smoke", "status": "running", "settings": s.to_dict(), "stack": versions(),
               "launch": {"world_size": world, "device": str(dist_util.device()),
-                         "memory_limit_bytes": memory_limit_bytes},
+                         "torch_threads": torch.get_num_threads(), "memory_limit_bytes": memory_limit_bytes},
               "phases": {p: {"status": "pending"} for p in PHASES},
               "measurement": {
                   "method": "cuda max_memory_allocated per step" if torch.cuda.is_available()
@@ -242,7 +251,7 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
             record["error"] = f"{type(e).__name__}: {e}"[:2000]
             log.exception("smoke run failed at %s", phase)
             run.write()
-            _close(handler, created)
+            _close(handler, created, threads_before)
             raise
         record["oom"] = {"phase": phase, "step_phase": getattr(tracker, "phase", None),
                          "memory_at_failure": memory_now(tracker), "error": str(e)[:1000]}
@@ -262,11 +271,12 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
             record["oom"]["suggestions"] = {"error": f"{type(se).__name__}: {se}"}
         log.error("out of memory in phase %s: %s", phase, e)
     run.write()
-    _close(handler, created)
+    _close(handler, created, threads_before)
     return result
 
 
-def _close(handler, created: bool) -> None:
+def _close(handler, created: bool, threads: int) -> None:
+    torch.set_num_threads(threads)
     if handler is not None:
         log.removeHandler(handler)
         handler.close()
@@ -443,11 +453,12 @@ def main(argv=None) -> int:
     p.add_argument("--memory-limit-bytes", type=int, default=None, help="emulate a device of this size (CPU)")
     p.add_argument("--measure-steps", type=int, default=3, help="steps the CPU tracker measures")
     p.add_argument("--no-simulate", action="store_true", help="skip lora_kit.simulate")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     a = p.parse_args(argv)
     from lora_kit.settings import load_settings
     s = load_settings(a.params, dict(a.p))
     r = smoke_run(s, memory_limit_bytes=a.memory_limit_bytes, measure_steps=a.measure_steps,
-                  simulate=not a.no_simulate)
+                  simulate=not a.no_simulate, cpu_threads=a.cpu_threads)
     if dist_util.rank() == 0:
         print(summary(r.record))
     return 0 if r.ok else 1

@@ -99,3 +99,10 @@ def test_adapter_folder_checks(random_llama_dir, tmp_path):
     (tmp_path / "a" / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="empty"):
         adapter_io.check_adapter_files(tmp_path / "a")
+
+
+def test_bad_cpu_threads_and_measure_steps(tmp_path):
+    with pytest.raises(ValueError, match="cpu_threads must be a positive integer"):
+        smoke_run(run_dir=str(tmp_path), cpu_threads=0)
+    with pytest.raises(ValueError, match="measure_steps must be >= 1"):
+        smoke_run(run_dir=str(tmp_path), measure_steps=0)

@@ -11,7 +11,7 @@ from lora_kit.settings import Settings
 from lora_kit.smoke import smoke_run
 
 ROWS = [{"prompt": f"Name {i}", "response": f"n{i}"} for i in range(30)]
-FAST = dict(max_steps=2, batch_size=4, seq_len=48, lora_rank=8, lora_alpha=16, max_new_tokens=2)
+FAST = dict(max_steps=2, batch_size=4, seq_len=48, lora_rank=8, lora_alpha=16, max_new_tokens=2, cpu_threads=1)
 
 
 def _run(model_dir, tmp_path, **kw):
