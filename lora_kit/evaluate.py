@@ -24,7 +24,6 @@ generation; base and adapter see identical batches, so the comparison stays fair
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import sys
@@ -36,8 +35,10 @@ from pathlib import Path
 import pandas as pd
 
 from lora_kit import eval_compare as C
+from lora_kit.eval_adapters import check_adapter, local_adapter
+from lora_kit.eval_generate import generate, reference_nll
 from lora_kit.hygiene import check_heldout, overlap_report
-from lora_kit.prompting import IGNORE_INDEX, encode_example, encode_prompt
+from lora_kit.prompting import encode_example, encode_prompt
 from lora_kit.results import write_json_atomic, write_text_atomic
 
 EVAL_DIR = "eval"
@@ -154,75 +155,6 @@ def _adapters(adapters, run_dir) -> dict[str, str]:
     return {str(k): os.fspath(v) for k, v in adapters.items()}
 
 
-def _same_base(recorded: str | None, base: str, resolved: str) -> bool:
-    if not recorded:
-        return True
-    if recorded in (base, resolved):
-        return True
-    try:
-        from lora_kit.loading import resolve_model
-        r = resolve_model(recorded)
-        if os.path.exists(r) and os.path.exists(resolved) and os.path.realpath(r) == os.path.realpath(resolved):
-            return True
-    except ValueError:
-        pass
-    # a hub id vs a local copy of it ("org/name" vs ".../name"): same last path component
-    return Path(recorded.rstrip("/")).name == Path(resolved.rstrip("/")).name
-
-
-def local_adapter(path: str) -> str:
-    """``path`` if it is a local folder; else a hub id, downloaded (adapter files only, safetensors)."""
-    if Path(path).exists() or Path(path).is_absolute() or path.startswith("."):
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(path, allow_patterns=["adapter_config.json", "adapter_model.safetensors"])
-    except Exception as e:  # offline, unknown repo, gated: all mean "cannot get it from here"
-        raise ValueError(f"adapter {path!r} is not a local folder and could not be fetched from the hub "
-                         f"({type(e).__name__}); pass the folder the adapter was saved to.") from None
-
-
-def check_adapter(path: str, model, base_model: str, resolved: str, check_base_name: bool = True) -> dict:
-    """Refuse an adapter that does not belong to this base; returns its adapter_config.
-
-    Checks: the folder has ``adapter_config.json`` and safetensors weights (``.bin`` is refused, never
-    unpickled); every LoRA matrix names a module the base has, with matching in/out features; and the
-    recorded ``base_model_name_or_path`` names this base (``check_base_name=False`` skips only that).
-    """
-    p = Path(local_adapter(path))
-    cfg_file = p / "adapter_config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"{str(p)!r} is not an adapter folder (no adapter_config.json); pass the folder "
-                         "written by save_pretrained, e.g. <run_dir>/smoke/adapter.")
-    weights = p / "adapter_model.safetensors"
-    if not weights.is_file():
-        raise ValueError(f"adapter {str(p)!r} has no adapter_model.safetensors; the kit loads safetensors only "
-                         "(re-save it with safe_serialization=True).")
-    cfg = json.loads(cfg_file.read_text())
-    recorded = cfg.get("base_model_name_or_path")
-    from safetensors import safe_open
-    with safe_open(str(weights), framework="pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    modules = dict(model.named_modules())
-    for key, shape in shapes.items():
-        for part, dim in ((".lora_A.", 1), (".lora_B.", 0)):
-            if part not in key:
-                continue
-            name = key.split(part)[0].removeprefix("base_model.model.")
-            mod = modules.get(name)
-            want = None if mod is None else getattr(mod, "in_features" if dim == 1 else "out_features", None)
-            if mod is None or (want is not None and want != shape[dim]):
-                what = "has no module" if mod is None else f"has {want} {'inputs' if dim == 1 else 'outputs'} in"
-                raise ValueError(
-                    f"adapter {str(p)!r} does not fit base {base_model!r}: the base {what} {name!r} "
-                    f"(adapter tensor {key} has shape {list(shape)}); it was trained on {recorded!r}. "
-                    "Pass base_model= the model the adapter was trained on.")
-    if check_base_name and not _same_base(recorded, base_model, resolved):
-        raise ValueError(f"adapter {str(p)!r} was trained on {recorded!r}, not on {base_model!r}; pass "
-                         f"base_model={recorded!r}, or check_base_name=False if it is the same model saved elsewhere.")
-    return cfg
-
-
 def _check_lengths(tokenizer, rows, name, max_new_tokens, context) -> None:
     if not context:
         return
@@ -240,83 +172,6 @@ def _check_lengths(tokenizer, rows, name, max_new_tokens, context) -> None:
 # ----------------------------------------------------------------------------------------------
 # running the model
 # ----------------------------------------------------------------------------------------------
-def _stop_at_newline(tokenizer, start: int):
-    import torch
-    from transformers import StoppingCriteria
-
-    class StopAtNewline(StoppingCriteria):
-        """Per-sequence stop once the generated text holds a newline (works for any tokenizer)."""
-
-        def __call__(self, input_ids, scores, **kwargs):
-            texts = tokenizer.batch_decode(input_ids[:, start:], skip_special_tokens=True)
-            return torch.tensor(["\n" in t for t in texts], dtype=torch.bool, device=input_ids.device)
-
-    return StopAtNewline()
-
-
-def _left_pad(seqs: list[list[int]], pad: int):
-    import torch
-    width = max(map(len, seqs))
-    ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])
-    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
-    return ids, mask
-
-
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 16, batch_size: int = 32,
-             do_sample: bool = False, temperature: float = 1.0, seed: int = 0, bar=None) -> list[str]:
-    """Answers in the kit's prompt format: left-padded batches, stop at EOS or newline, text before
-    the first newline, stripped. ``torch.manual_seed(seed)`` is set first (matters when sampling)."""
-    import torch
-    from transformers import GenerationConfig, StoppingCriteriaList
-    torch.manual_seed(seed)
-    pad = tokenizer.pad_token_id
-    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample,
-                               temperature=temperature if do_sample else None, top_p=None, top_k=None,
-                               pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        ids, mask = _left_pad([encode_prompt(tokenizer, p) for p in prompts[i:i + batch_size]], pad)
-        dev = next(model.parameters()).device
-        with torch.no_grad():
-            gen = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=gen_cfg,
-                                 stopping_criteria=StoppingCriteriaList([_stop_at_newline(tokenizer, ids.shape[1])]))
-        texts = tokenizer.batch_decode(gen[:, ids.shape[1]:], skip_special_tokens=True)
-        out += [t.split("\n", 1)[0].strip() for t in texts]
-        if bar is not None:
-            bar.update(1)
-    return out
-
-
-def reference_nll(model, tokenizer, prompts: list[str], references: list[str], batch_size: int = 32,
-                  bar=None) -> tuple[list[float], list[int]]:
-    """Teacher-forced negative log-likelihood of each reference (+ EOS) after its prompt.
-
-    Returns (summed NLL in nats, number of scored tokens) per example; the prompt is masked, so
-    this is the loss the fine-tune optimises, measured on examples it did not train on.
-    """
-    import torch
-    import torch.nn.functional as F
-    pad = tokenizer.pad_token_id
-    nll, ntok = [], []
-    dev = next(model.parameters()).device
-    for i in range(0, len(prompts), batch_size):
-        enc = [encode_example(tokenizer, p, r) for p, r in zip(prompts[i:i + batch_size], references[i:i + batch_size])]
-        width = max(e["length"] for e in enc)
-        ids = torch.tensor([e["input_ids"] + [pad] * (width - e["length"]) for e in enc], device=dev)
-        labels = torch.tensor([e["labels"] + [IGNORE_INDEX] * (width - e["length"]) for e in enc], device=dev)
-        mask = torch.tensor([[1] * e["length"] + [0] * (width - e["length"]) for e in enc], device=dev)
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-        tgt = labels[:, 1:]
-        tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
-                              ignore_index=IGNORE_INDEX, reduction="none").view(tgt.shape)
-        nll += tok.sum(1).tolist()
-        ntok += (tgt != IGNORE_INDEX).sum(1).tolist()
-        if bar is not None:
-            bar.update(1)
-    return nll, ntok
-
-
 @contextlib.contextmanager
 def _active(model, system: str):
     """Run ``model`` as the base (adapters disabled) or with one adapter switched on."""

@@ -18,7 +18,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lora_kit.evaluate import check_adapter, evaluate, generate, load_result
+from lora_kit.eval_adapters import check_adapter
+from lora_kit.eval_generate import generate
+from lora_kit.evaluate import evaluate, load_result
 
 N_RESAMPLES = 500
 

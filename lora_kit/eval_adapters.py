@@ -1,0 +1,83 @@
+"""Does this adapter belong to this base? Checked before peft loads anything.
+
+A LoRA adapter trained on another base either fails deep inside peft with a shape error or, worse,
+loads onto a base of the same shapes and produces confident nonsense. :func:`check_adapter` reads
+only ``adapter_config.json`` and the safetensors *header* (shapes, no weights), compares every LoRA
+matrix with the base module it targets, and compares the recorded base name. Trade-off: the name
+check also refuses the same model saved under another path or hub id; ``check_base_name=False``
+skips it when the user knows better (shapes are still checked).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def _same_base(recorded: str | None, base: str, resolved: str) -> bool:
+    if not recorded:
+        return True
+    if recorded in (base, resolved):
+        return True
+    try:
+        from lora_kit.loading import resolve_model
+        r = resolve_model(recorded)
+        if os.path.exists(r) and os.path.exists(resolved) and os.path.realpath(r) == os.path.realpath(resolved):
+            return True
+    except ValueError:
+        pass
+    # a hub id vs a local copy of it ("org/name" vs ".../name"): same last path component
+    return Path(recorded.rstrip("/")).name == Path(resolved.rstrip("/")).name
+
+
+def local_adapter(path: str) -> str:
+    """``path`` if it is a local folder; else a hub id, downloaded (adapter files only, safetensors)."""
+    if Path(path).exists() or Path(path).is_absolute() or path.startswith("."):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(path, allow_patterns=["adapter_config.json", "adapter_model.safetensors"])
+    except Exception as e:  # offline, unknown repo, gated: all mean "cannot get it from here"
+        raise ValueError(f"adapter {path!r} is not a local folder and could not be fetched from the hub "
+                         f"({type(e).__name__}); pass the folder the adapter was saved to.") from None
+
+
+def check_adapter(path: str, model, base_model: str, resolved: str, check_base_name: bool = True) -> dict:
+    """Refuse an adapter that does not belong to this base; returns its adapter_config.
+
+    Checks: the folder has ``adapter_config.json`` and safetensors weights (``.bin`` is refused, never
+    unpickled); every LoRA matrix names a module the base has, with matching in/out features; and the
+    recorded ``base_model_name_or_path`` names this base (``check_base_name=False`` skips only that).
+    """
+    p = Path(local_adapter(path))
+    cfg_file = p / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{str(p)!r} is not an adapter folder (no adapter_config.json); pass the folder "
+                         "written by save_pretrained, e.g. <run_dir>/smoke/adapter.")
+    weights = p / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"adapter {str(p)!r} has no adapter_model.safetensors; the kit loads safetensors only "
+                         "(re-save it with safe_serialization=True).")
+    cfg = json.loads(cfg_file.read_text())
+    recorded = cfg.get("base_model_name_or_path")
+    from safetensors import safe_open
+    with safe_open(str(weights), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    modules = dict(model.named_modules())
+    for key, shape in shapes.items():
+        for part, dim in ((".lora_A.", 1), (".lora_B.", 0)):
+            if part not in key:
+                continue
+            name = key.split(part)[0].removeprefix("base_model.model.")
+            mod = modules.get(name)
+            want = None if mod is None else getattr(mod, "in_features" if dim == 1 else "out_features", None)
+            if mod is None or (want is not None and want != shape[dim]):
+                what = "has no module" if mod is None else f"has {want} {'inputs' if dim == 1 else 'outputs'} in"
+                raise ValueError(
+                    f"adapter {str(p)!r} does not fit base {base_model!r}: the base {what} {name!r} "
+                    f"(adapter tensor {key} has shape {list(shape)}); it was trained on {recorded!r}. "
+                    "Pass base_model= the model the adapter was trained on.")
+    if check_base_name and not _same_base(recorded, base_model, resolved):
+        raise ValueError(f"adapter {str(p)!r} was trained on {recorded!r}, not on {base_model!r}; pass "
+                         f"base_model={recorded!r}, or check_base_name=False if it is the same model saved elsewhere.")
+    return cfg
