@@ -132,6 +132,7 @@ def run_matrix(cases: list[dict], fresh: bool) -> dict:
         done[k] = row
         print(_row_line(n, row), flush=True)
         _save(matrix=done)
+    _save(matrix=done)
     return done
 
 

@@ -57,7 +57,7 @@ gpt_neox are read from a meta-device build and their activations modelled as a L
 ``autocast=True`` is modelled as the same step with 16-bit activations (autocast's per-forward weight
 cast cache is not counted: least exact setting, not in the accuracy matrix); DeepSpeed / FSDP
 communication buffers are not counted; full fine-tuning's backward end counts the fp32 ``V x h``
-buffer the CPU embedding-backward kernel allocates (what ``simulate`` sees: the CUDA kernel
+buffer the CPU embedding-backward kernel allocates (two of them in fp32) (what ``simulate`` sees: the CUDA kernel
 accumulates per unique token instead, so on a GPU this term is smaller -- ``gpu_validate`` measures
 it); SDPA saves what the CPU flash kernel saves (same as CUDA flash / memory-efficient: output and
 fp32 logsumexp); AdamW's ``step`` scalars live on the host on CUDA and are not counted.
@@ -279,7 +279,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     if gc:  # only block inputs stay; one block is recomputed during backward
         layers = L * _r(T * h * e) + rope
         fwd_block = layers + block + fwd_transient
-        bwd_block = layers + block + bwd_temps
+        bwd_block = layers + block + bwd_temps + mask  # the checkpoint keeps the eager mask as an input
     else:
         layers = L * block - (first_free if first_norm_free else 0) + rope
         fwd_block = layers + fwd_transient
@@ -288,8 +288,8 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     fwd = np.maximum(saved + logits_fwd, fwd_block) + mask
     bwd_start = saved + 2 * _r(T * V * 4)
     bwd_norm = layers + norm + 5 * _r(T * h * 4) + _r(T * h * e)
-    return {"forward": fwd, "backward": np.maximum(np.maximum(bwd_start, bwd_norm), bwd_block),
-            "backward_end": _r(T * h * 4) + (_r(T * h * e) + _r(V * h * 4) if not lora else 0)}
+    return {"forward": fwd, "backward": np.maximum(bwd_start, bwd_norm), "backward_block": bwd_block,
+            "backward_end": _r(T * h * 4) + (_r(T * h * e) + (2 if e == 4 else 1) * _r(V * h * 4) if not lora else 0)}
 
 
 def _check_positive(name, value):
@@ -368,11 +368,18 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
     act = _activations(spec, method, dtype, autocast, bool(gradient_checkpointing), attn_implementation, targets,
                        T, B, S, r)
     bwd_end = grads + act["backward_end"]
-    bwd = np.maximum(act["backward"], bwd_end)
+    in_block, block_grads = act["backward_block"], zero
+    if method == "full" and gradient_checkpointing:  # the bottom block recomputes with (almost) all grads made
+        embed = 0 if spec.tied_embeddings else int(_r(spec.vocab_size * spec.hidden_size * wb))
+        block_grads = np.maximum(grads - embed, 0)
+        in_block = in_block + block_grads
+    bwd = np.maximum(np.maximum(act["backward"], in_block), bwd_end)
     totals = np.stack([static + act["forward"], static + bwd, static + grads + opt_tmp])
     idx = np.argmax(totals, axis=0)
     peak = np.max(totals, axis=0)
-    grads_at = np.where(idx == 0, 0, np.where(idx == 2, grads, np.where(bwd_end > act["backward"], grads, 0)))
+    bwd_grads = np.where(bwd_end >= np.maximum(act["backward"], in_block), grads,
+                         np.where(in_block >= act["backward"], block_grads, 0))
+    grads_at = np.where(idx == 0, 0, np.where(idx == 2, grads, bwd_grads))
     out = {"weights": w_gpu, "quant_constants": q_gpu, "adapters": adapters, "gradients": grads_at + bucket,
            "optimizer_states": states}
     out["activations"] = peak - sum(out[k] for k in BREAKDOWN_KEYS[:5])
