@@ -259,7 +259,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         bwd_temps = 2 * _r(T * i * e) + _r(T * i * 4)
     else:
         bwd_temps = 3 * _r(T * i * 4)
-    bwd_temps = bwd_temps + 2 * _r(T * h * 4) - group["mlp_out"]
+    bwd_temps = bwd_temps + (0 if gc and lora and not cast else 2 * _r(T * h * 4)) - group["mlp_out"]
     if attn == "eager":  # softmax backward: fp32 grad of the scores + its result, once the MLP's saved are freed
         scores = B * H * S * S
         mlp_saved = (3 if spec.gated_mlp else 1) * _r(T * i * e) + group["mlp_in"] + group["mlp_out"]
