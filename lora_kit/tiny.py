@@ -217,17 +217,29 @@ def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int = 16
     return {"exact_match": total, "per_task": per_task, "n": len(examples), "predictions": preds}
 
 
+def round_robin_by_task(rows: list[dict]) -> list[dict]:
+    """Rows reordered so that tasks take turns (control.jsonl is grouped by task; a prefix of the
+    reordered list covers every task evenly)."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["task"], []).append(r)
+    out = []
+    for i in range(max(map(len, groups.values()), default=0)):
+        out += [g[i] for g in groups.values() if i < len(g)]
+    return out
+
+
 def story_run(method: str = "lora", steps: int = 300, batch_size: int = 32, lr: float = 3e-3,
               base_share: float = 0.0, seed: int = 0, test_examples: int = 200, control_examples: int = 320,
               lora_rank: int = 16, model: str = "tiny") -> dict:
     """The embedded default's story, measured: base vs LoRA/QLoRA adapter on the dates task.
 
     Loads the base (``method`` "lora": fp32; "qlora": NF4 via bitsandbytes, CPU repack fix applied),
-    measures greedy exact match on the first ``test_examples`` held-out dates and the first
-    ``control_examples`` control rows, trains a rank-``lora_rank`` all-linear adapter for ``steps``
-    steps on dates_train (plus ``base_share`` of base_mix rows, see ``lora_kit.data.mix_examples``),
-    and measures both again. Returns accuracies before/after, per-task control accuracy, losses and
-    wall/CPU seconds of training. Seeds are set before the adapter is created.
+    measures greedy exact match on the first ``test_examples`` held-out dates and
+    ``control_examples`` control rows (every task in turn), trains a rank-``lora_rank``
+    all-linear adapter for ``steps`` steps on dates_train (plus ``base_share`` of base_mix rows,
+    see ``lora_kit.data.mix_examples``), and measures both again. Returns accuracies before/after,
+    per-task control accuracy, losses and wall/CPU seconds of training. Seeds are set before the adapter is created.
     """
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -240,7 +252,7 @@ def story_run(method: str = "lora", steps: int = 300, batch_size: int = 32, lr: 
     tok = load_tokenizer(model)
     base = load_model(model, method=method)
     test = load_examples("tiny:dates", split="test", limit=test_examples)
-    control = load_examples("tiny:control", limit=control_examples)
+    control = round_robin_by_task(load_examples("tiny:control"))[:control_examples]
     train = mix_examples(load_examples("tiny:dates", split="train"), load_examples("tiny:base_mix"),
                          base_share, seed)
     before = {"dates": exact_match(base, tok, test), "control": exact_match(base, tok, control)}

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import string
@@ -182,7 +183,6 @@ def pretrain(a, tok, held_out: set[str]):
         return rows
 
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    import math
 
     def lr_at(step):
         if step < a.warmup:
@@ -205,9 +205,11 @@ def pretrain(a, tok, held_out: set[str]):
             print(f"step {step + 1}/{a.steps} loss {sum(losses[-50:]) / len(losses[-50:]):.4f} "
                   f"wall {time.perf_counter() - t0:.0f} s cpu {time.process_time() - c0:.0f} s", flush=True)
     model.eval()
+    every_50 = [sum(losses[i:i + 50]) / len(losses[i:i + 50]) for i in range(0, len(losses), 50)]
     stats = {"parameters": n_params, "wall_s": round(time.perf_counter() - t0, 1),
-             "cpu_s": round(time.process_time() - c0, 1), "final_loss_mean_last_50": sum(losses[-50:]) / len(losses[-50:]),
-             "loss_every_50": [round(sum(losses[i:i + 50]) / len(losses[i:i + 50]), 4) for i in range(0, len(losses), 50)]}
+             "cpu_s": round(time.process_time() - c0, 1),
+             "final_loss_mean_last_50": sum(losses[-50:]) / len(losses[-50:]),
+             "loss_every_50": [round(x, 4) for x in every_50]}
     return model, stats
 
 
