@@ -42,13 +42,14 @@ memory-bound terms are kept and the remainder is attributed to compute. Given a 
 step with far fewer tokens it also solves for a fixed per-step overhead (kernel launches, per-op
 dispatch, Python), which matters on CPUs and for tiny models.
 
-Known limit (measured, ``benchmarks/time_model_accuracy.py``): on this repository's shared 2-core CPU
-(load average 7-12 during the runs) a hidden-256, 4-layer Llama did NOT meet the 15 % target: the
-same LoRA step measured 3.9 s and 6.0 s of process CPU time in two runs, doubling the tokens made a
-step only 0.9-1.5x longer, and full fine-tuning measured faster than LoRA (2.6-3.0 s vs 3.9-6.0 s),
-the opposite of the FLOP count -- on a tiny model on a CPU, the per-op cost of peft's extra ops
-outweighs the FLOPs. The model is meant for GPUs at realistic sizes (compute-bound steps); check it
-there with the same benchmark before trusting its absolute numbers, and prefer a calibrated model.
+Accuracy (measured, ``benchmarks/time_model_accuracy.py --threads 1``, a hidden-256 4-layer Llama on
+this repository's shared CPU, median wall of 5 round-robin repeats): calibrated on one LoRA step
+(seq_len 128, batch 8), the predictions for seq_len 256, batch 16, checkpointing on and full
+fine-tuning were within 6-11 %; seq_len 512 (-25 %: CPU attention does not skip the causal half)
+and QLoRA (-22 %: bitsandbytes' CPU dequantization is slower than a bandwidth bound) missed, and a
+16-token step was 84 % under (fixed per-step costs; the two-run calibration removes that). With two
+threads on the loaded machine the same steps were 3-10x slower and too noisy to judge (a step
+varied 3.9-6.0 s of CPU time between runs). Check it on your GPU with the same script.
 """
 from __future__ import annotations
 
