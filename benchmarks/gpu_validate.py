@@ -14,6 +14,7 @@ two tiny configurations run on the CPU (tracked real step) so the script itself 
 
     python benchmarks/gpu_validate.py --out benchmarks/results/gpu_validate.json
     python benchmarks/gpu_validate.py --cpu-dry-run --out /tmp/gpu_validate_dry.json
+    python benchmarks/gpu_validate.py --cpu-matrix --out /tmp/sim_vs_cpu.json   # 15 tiny CPU configs
 """
 from __future__ import annotations
 
@@ -58,15 +59,41 @@ GPU_CONFIGS = [
 ]
 
 
-def tiny_configs():
-    from transformers import LlamaConfig, Qwen2Config
-    llama = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    qwen = Qwen2Config(vocab_size=192, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    return [("tiny-llama lora", llama, dict(method="lora", dtype="float32", seq_len=32, batch_size=2)),
-            ("tiny-qwen2 qlora ckpt", qwen, dict(method="qlora", dtype="float32", seq_len=32, batch_size=2,
-                                                 gradient_checkpointing=True))]
+def tiny_configs(matrix: bool = False):
+    """Two tiny CPU configs (the dry run), or with ``matrix`` a wider set: simulate vs a real CPU step."""
+    from transformers import (Gemma2Config, GPTNeoXConfig, LlamaConfig, Phi3Config, Qwen2Config)
+    small = dict(vocab_size=192, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    llama = LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=False, **small)
+    qwen = Qwen2Config(num_hidden_layers=1, num_key_value_heads=2, tie_word_embeddings=True, **small)
+    out = [("tiny-llama lora", llama, dict(method="lora", dtype="float32", seq_len=32, batch_size=2)),
+           ("tiny-qwen2 qlora ckpt", qwen, dict(method="qlora", dtype="float32", seq_len=32, batch_size=2,
+                                                gradient_checkpointing=True))]
+    if not matrix:
+        return out
+    wide = LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=False,
+                       **{**small, "intermediate_size": 2048})
+    b = dict(seq_len=48, batch_size=2)
+    return out + [
+        ("tiny-llama lora bf16 ckpt", llama, dict(method="lora", dtype="bfloat16", gradient_checkpointing=True, **b)),
+        ("tiny-llama qlora bf16", llama, dict(method="qlora", dtype="bfloat16", **b)),
+        ("tiny-llama qlora bf16 ckpt nodq", llama, dict(method="qlora", dtype="bfloat16", double_quant=False,
+                                                        gradient_checkpointing=True, **b)),
+        ("tiny-llama full bf16", llama, dict(method="full", dtype="bfloat16", **b)),
+        ("tiny-llama full fp32 autocast", llama, dict(method="full", dtype="float32", autocast=True, **b)),
+        ("tiny-llama lora eager ckpt b3", llama, dict(method="lora", dtype="float32", attn_implementation="eager",
+                                                      gradient_checkpointing=True, seq_len=48, batch_size=3)),
+        ("tiny-llama lora adafactor", llama, dict(method="lora", dtype="float32", optimizer="adafactor", **b)),
+        ("tiny-llama full adamw_8bit bf16", llama, dict(method="full", dtype="bfloat16", optimizer="adamw_8bit", **b)),
+        ("tiny-llama-wide qlora paged8 r64", wide, dict(method="qlora", dtype="float32", optimizer="paged_adamw_8bit",
+                                                        lora_rank=64, lora_targets=["gate_proj", "up_proj"], **b)),
+        ("tiny-qwen2 lora sgd", qwen, dict(method="lora", dtype="bfloat16", optimizer="sgd", **b)),
+        ("tiny-gemma2 lora eager", Gemma2Config(num_hidden_layers=1, num_key_value_heads=2, head_dim=32, **small),
+         dict(method="lora", dtype="float32", attn_implementation="eager", lora_rank=8, **b)),
+        ("tiny-phi3 qlora bf16", Phi3Config(num_hidden_layers=1, num_key_value_heads=4, pad_token_id=0, **small),
+         dict(method="qlora", dtype="bfloat16", lora_rank=8, **b)),
+        ("tiny-gptneox lora", GPTNeoXConfig(num_hidden_layers=1, **small),
+         dict(method="lora", dtype="float32", lora_rank=8, **b)),
+    ]
 
 
 def _estimate(model, kw):
@@ -131,8 +158,11 @@ def run_one(label, model, kw, device, ctx_bytes):
     return row
 
 
+UNIT = ["GiB", 2**30]  # the CPU runs switch to MiB (tiny models)
+
+
 def _fmt(b):
-    return "-" if b is None else f"{b / 2**30:8.3f}"
+    return "-" if b is None else f"{b / UNIT[1]:8.3f}"
 
 
 def _fp(p):
@@ -141,7 +171,7 @@ def _fp(p):
 
 def print_table(rows):
     print(f"{'config':<36} {'measured':>9} {'simulate':>9} {'err':>8} {'estimate':>9} {'err':>8} | "
-          f"{'dev.total':>9} {'sim.tot':>8} {'est.tot':>8}   (GiB)")
+          f"{'dev.total':>9} {'sim.tot':>8} {'est.tot':>8}   ({UNIT[0]})")
     for r in rows:
         print(f"{r['label']:<36} {_fmt(r['measured_peak'])} {_fmt(r.get('simulate_peak'))} "
               f"{_fp(r['simulate_err_pct']):>8} {_fmt(r['estimate_peak'])} {_fp(r['estimate_err_pct']):>8} | "
@@ -160,14 +190,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Real GPU steps vs lora_kit.estimate and simulate.")
     ap.add_argument("--out", default="benchmarks/results/gpu_validate.json", help="JSON results path")
     ap.add_argument("--cpu-dry-run", action="store_true", help="no GPU: two tiny configs on the CPU (tests the script)")
+    ap.add_argument("--cpu-matrix", action="store_true",
+                    help="no GPU: 15 tiny configs on the CPU (simulate vs a real tracked CPU step)")
     ap.add_argument("--only", default="", help="run configs whose label contains this text")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new configs after this many seconds")
     args = ap.parse_args(argv)
     import torch
 
     from lora_kit.results import write_json_atomic
-    if args.cpu_dry_run:
-        device, configs, ctx = "cpu", tiny_configs(), 0
+    if args.cpu_dry_run or args.cpu_matrix:
+        device, configs, ctx = "cpu", tiny_configs(matrix=args.cpu_matrix), 0
+        UNIT[:] = ["MiB", 2**20]
     elif not torch.cuda.is_available():
         print("gpu_validate: CUDA is not available on this machine; nothing measured. Run it on a CUDA GPU, "
               "or pass --cpu-dry-run to exercise the script on tiny CPU configs.")
@@ -193,7 +226,7 @@ def main(argv=None):
             continue
         row = run_one(label, model, kw, device, ctx)
         rows.append(row)
-        print(f"{label}: measured {_fmt(row['measured_peak'])} GiB simulate {_fp(row['simulate_err_pct'])} "
+        print(f"{label}: measured {_fmt(row['measured_peak'])} {UNIT[0]} simulate {_fp(row['simulate_err_pct'])} "
               f"estimate {_fp(row['estimate_err_pct'])} ({time.perf_counter() - t_start:.0f} s)", flush=True)
         write_json_atomic(args.out, {"env": env, "rows": rows})
     done = [r for r in rows if "skipped" not in r]
