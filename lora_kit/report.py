@@ -22,7 +22,10 @@ def _load(path: Path):
 
 
 def _gib(b) -> str:
-    return "—" if b is None else f"{b / GiB:.2f} GiB"
+    """Bytes in GiB, or MiB below 1 GiB (the tiny model's peaks are a few MiB)."""
+    if b is None:
+        return "—"
+    return f"{b / GiB:.2f} GiB" if abs(b) >= GiB else f"{b / 2**20:.1f} MiB"
 
 
 def _pct(x) -> str:
@@ -41,6 +44,22 @@ def collect(run_dir: str | Path) -> dict:
         "smoke": _load(d / "smoke" / "smoke.json"),
         "eval": _load(d / "eval" / "eval.json"),
     }
+
+
+def memory_rows(smoke: dict | None) -> list[dict]:
+    """Measured peak (second step) beside estimate and simulate, as printable rows."""
+    if not smoke:
+        return []
+    measured = (smoke.get("peaks") or {}).get("design_step_peak_bytes")
+    rows = [{"source": "measured", "peak": _gib(measured), "error": "—", "note": ""}] if measured else []
+    for name, v in (smoke.get("memory_model") or {}).items():
+        if isinstance(v, dict):
+            err = v.get("error_vs_measured")
+            rows.append({"source": name, "peak": _gib(v.get("peak_allocated_bytes")),
+                         "error": "—" if err is None else f"{err * 100:+.1f} %", "note": v.get("error") or ""})
+        elif isinstance(v, (int, float)):
+            rows.append({"source": name, "peak": _gib(v), "error": "—", "note": "per GPU"})
+    return rows
 
 
 def next_checks(card: dict) -> list[str]:
@@ -110,14 +129,12 @@ def render_markdown(card: dict) -> str:
     # --- memory ------------------------------------------------------------------------------
     lines += ["## Memory: estimated, simulated, measured", ""]
     smoke = card["smoke"]
-    mem = (smoke or {}).get("memory") or {}
-    if mem:
-        lines.append(_md_table([{
-            "est": _gib(mem.get("estimate_peak_bytes")), "sim": _gib(mem.get("simulate_peak_bytes")),
-            "meas": _gib(mem.get("measured_peak_bytes")), "e_err": _pct(mem.get("estimate_error_pct")),
-            "s_err": _pct(mem.get("simulate_error_pct")), "where": mem.get("device", "—")}],
-            [("est", "estimate"), ("sim", "simulate"), ("meas", "measured"), ("e_err", "estimate error"),
-             ("s_err", "simulate error"), ("where", "measured on")]))
+    rows = memory_rows(smoke)
+    if rows:
+        lines.append(_md_table(rows, [("source", "source"), ("peak", "peak allocated"),
+                                      ("error", "error vs measured"), ("note", "note")]))
+        where = ((smoke or {}).get("measurement") or {}).get("method", "")
+        lines += ["", f"Measured with: {where}; peak of the second training step (per GPU)."]
     else:
         lines.append("_No measured peak (the smoke run did not run or did not reach training)._")
     lines.append("")
@@ -140,15 +157,25 @@ def render_markdown(card: dict) -> str:
     lines += ["## Smoke run", ""]
     if smoke:
         lines.append(f"Status: **{smoke.get('status')}**")
-        summ = smoke.get("summary") or {}
-        for k, v in summ.items():
-            lines.append(f"- {k}: {v}")
+        steps = smoke.get("steps") or []
+        if steps:
+            secs = sorted(x["seconds"] for x in steps[1:] or steps)
+            lines.append(f"- {len(steps)} optimizer steps; median step {secs[len(secs) // 2]:.3f} s; "
+                         f"loss {steps[0].get('loss', float('nan')):.3f} → {steps[-1].get('loss', float('nan')):.3f}")
+        for k, v in (smoke.get("throughput") or {}).items():
+            if isinstance(v, (int, float, str)):
+                lines.append(f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}")
+        ck = smoke.get("checkpoint") or {}
+        if ck:
+            lines.append(f"- adapter on disk: {ck.get('bytes', 0) / 2**20:.2f} MiB ({', '.join(sorted(ck.get('files', {})))})")
         ver = smoke.get("verify") or {}
         if ver:
             lines.append("- verify: " + ", ".join(f"{k}={v}" for k, v in ver.items() if not isinstance(v, (dict, list))))
-        if smoke.get("suggestions"):
-            lines += ["", "Changes that would fit (largest estimated saving first):"]
-            lines += [f"1. {x.get('change', x) if isinstance(x, dict) else x}" for x in smoke["suggestions"]]
+        sugg = ((smoke.get("oom") or {}).get("suggestions") or {})
+        if isinstance(sugg, dict) and sugg.get("ranked"):
+            lines += ["", f"Out of memory in {smoke['oom'].get('phase')}. Changes that would fit "
+                      "(largest estimated saving first):"]
+            lines += [f"1. {x.get('change')}" for x in sugg["ranked"]]
     else:
         lines.append("_No smoke run in this run._")
     lines.append("")

@@ -1,0 +1,81 @@
+"""The main job end to end: ``lora-kit run`` executes every notebook with papermill on the
+embedded default, exports HTML, writes results and the run card; a failing notebook stops the run,
+keeps what was produced and exits non-zero. Plus the CLI's other commands."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lora_kit.cli import main
+from lora_kit.pipeline import PIPELINE
+
+
+def test_cli_estimate_prints_breakdown_and_fit(capsys):
+    assert main(["estimate", "--model", "llama-3.1-8b", "--method", "qlora", "--seq-len", "2048",
+                 "--dtype", "bfloat16", "--gpu", "L4"]) == 0
+    out = capsys.readouterr().out
+    assert "peak allocated" in out and "device total" in out and "weights" in out
+    assert "L4:" in out and "fit" in out
+
+
+def test_cli_estimate_json_matches_library(capsys):
+    import lora_kit as lk
+    assert main(["estimate", "--model", "qwen2.5-0.5b", "--seq-len", "512", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    est = lk.estimate(model="qwen2.5-0.5b", seq_len=512, dtype="float32", batch_size=16)
+    assert got["peak_allocated_bytes"] == est.peak_allocated_bytes
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["estimate", "--model", "llama-3.1-8b", "--seq-len", "-5"], "seq_len must be a positive integer"),
+    (["estimate", "--model", "no-such-model-xyz"], "no-such-model-xyz"),
+    (["run", "-p", "sequence_length", "128"], "valid settings are"),
+    (["run", "--sharding", "fsdp"], "needs num_gpus > 1"),
+])
+def test_cli_bad_input_says_what_to_change(argv, msg, capsys, tmp_path):
+    assert main(argv + (["--runs-dir", str(tmp_path)] if argv[0] == "run" else [])) == 2
+    assert msg in capsys.readouterr().err
+    assert not any(tmp_path.iterdir()), "nothing may run before settings are valid"
+
+
+def test_failing_notebook_stops_run_and_keeps_outputs(tmp_path, capsys):
+    rc = main(["run", "--runs-dir", str(tmp_path), "--name", "bad", "--only", "01",
+               "-p", "plan_model", "no-such-model-xyz"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "01_choose_method.ipynb failed" in err and "no-such-model-xyz" in err
+    run = tmp_path / "bad"
+    rec = json.loads((run / "pipeline.json").read_text())
+    assert rec["status"] == "failed at 01_choose_method.ipynb"
+    assert rec["notebooks"][0]["status"] == "failed" and "no-such-model-xyz" in rec["notebooks"][0]["error"]
+    assert (run / "01_choose_method.ipynb").exists() and (run / "01_choose_method.html").exists()
+    assert (run / "report.md").exists()  # the run card marks what is missing instead of vanishing
+
+
+@pytest.mark.slow
+def test_main_job_on_embedded_default(tmp_path):
+    """The README's main job: every notebook on the tiny model on CPU, results and run card."""
+    assert main(["run", "--runs-dir", str(tmp_path), "--name", "ci"]) == 0
+    run = tmp_path / "ci"
+    rec = json.loads((run / "pipeline.json").read_text())
+    assert rec["status"] == "complete" and [n["notebook"] for n in rec["notebooks"]] == list(PIPELINE)
+    for name in PIPELINE:
+        assert (run / name).exists()
+        html = (run / name.replace(".ipynb", ".html")).read_text()
+        assert "Traceback" not in html
+    assert "plotly" in (run / "01_choose_method.html").read_text()  # figures visible in the export
+    for part in ("stack.json", "plan.json", "sweeps.json", "smoke/smoke.json", "eval/eval.json",
+                 "eval/per_example.csv", "smoke/adapter/adapter_model.safetensors"):
+        assert (run / part).exists(), part
+    smoke = json.loads((run / "smoke" / "smoke.json").read_text())
+    assert smoke["status"] == "complete" and smoke["verify"]["passed"]
+    ev = json.loads((run / "eval" / "eval.json").read_text())
+    assert ev["comparisons"]["adapter"]["heldout"]["exact_match"]["lo"] > 0
+    card = (run / "report.md").read_text()
+    for section in ("## The request", "## Memory: estimated, simulated, measured", "## Software stack",
+                    "## Smoke run", "## Evaluation: base vs adapter", "## What to check next"):
+        assert section in card
+    assert "measured" in card and "held-out" in card
+    report = json.loads((run / "report.json").read_text())
+    assert report["smoke"]["status"] == "complete" and report["plan"]["rows"]
