@@ -370,15 +370,13 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
                                  "under the tracker and are slower on CPU"}
     if rank == 0:
         rec["memory_model"] = _memory_model(s, path, measured, world, simulate)
-    if world > 1:
+    if (world > 1 or s.num_gpus > 1) and rank == 0:  # the launch config for the multi-GPU run this plans
         from lora_kit.accelerate_config import write_accelerate_config
-        sharding = s.sharding if s.sharding != "none" else "ddp"
-        if rank == 0:
-            write_accelerate_config(run.out / "accelerate_config.yaml", sharding=sharding,
-                                    num_gpus=max(world, s.num_gpus), cpu_offload=s.cpu_offload,
-                                    dtype="bfloat16" if s.dtype == "float32" else s.dtype, grad_accum=s.grad_accum,
-                                    gradient_checkpointing=s.gradient_checkpointing)
-            rec["accelerate_config"] = str(run.out / "accelerate_config.yaml")
+        rec["accelerate_config"] = str(write_accelerate_config(
+            run.out / "accelerate_config.yaml", sharding=s.sharding if s.sharding != "none" else "ddp",
+            num_gpus=max(world, s.num_gpus), cpu_offload=s.cpu_offload,
+            dtype="bfloat16" if s.dtype == "float32" else s.dtype, grad_accum=s.grad_accum,
+            gradient_checkpointing=s.gradient_checkpointing))
     run.done("train")
     del train_model
 

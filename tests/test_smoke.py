@@ -97,5 +97,9 @@ def no_pad_model_dir(random_llama_dir, tmp_path_factory):
 def test_tokenizer_without_pad_token_is_handled(no_pad_model_dir, tmp_path):
     rows = [{"prompt": f"Q{i}", "response": f"A{i}"} for i in range(8)]
     r = smoke_run(model=str(no_pad_model_dir), run_dir=str(tmp_path), examples=rows, control_prompts=["Q1", "Q22"],
-                  progress=False, simulate=False, measure_steps=1, **{**FAST, "max_steps": 1, "max_new_tokens": 2})
+                  progress=False, simulate=False, measure_steps=1, num_gpus=2, sharding="fsdp",
+                  **{**FAST, "max_steps": 1, "max_new_tokens": 2})
     assert r.ok and r.record["verify"]["passed"]  # pad = eos, masked in labels; left padding for generation
+    from accelerate.commands.config.config_args import load_config_from_file
+    cfg = load_config_from_file(r.record["accelerate_config"])  # written for the planned 2-GPU FSDP run
+    assert cfg.distributed_type.value == "FSDP" and cfg.num_processes == 2
