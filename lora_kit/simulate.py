@@ -144,9 +144,16 @@ def optimizer_for(params, name: str, device_type: str = "cpu"):
 def _meta_model(cfg, s: dict):
     from transformers import AutoModelForCausalLM
     weight_dtype = "float32" if s["method"] == "full" and s["autocast"] else s["dtype"]
-    with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE_MAP[weight_dtype],
-                                             attn_implementation=s["attn_implementation"])
+    try:
+        with torch.device("meta"):
+            m = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE_MAP[weight_dtype],
+                                                 attn_implementation=s["attn_implementation"])
+    except ValueError as e:
+        if "attention implementation" not in str(e):
+            raise
+        other = "eager" if s["attn_implementation"] == "sdpa" else "sdpa"
+        raise ValueError(f"transformers has no attn_implementation={s['attn_implementation']!r} for model_type="
+                         f"{cfg.model_type!r}; pass attn_implementation={other!r}.") from None
     if s["method"] == "qlora":
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
         from transformers.quantizers.base import get_keys_to_not_convert

@@ -111,6 +111,11 @@ def test_bad_input_says_what_to_change(kwargs, match):
         simulate(llama(1), **kwargs)
 
 
+def test_attention_the_architecture_lacks_says_which_to_use():
+    with pytest.raises(ValueError, match="pass attn_implementation='eager'"):
+        simulate(families()["gemma2"], **SMALL)
+
+
 def test_unknown_model_offline_says_how_to_pass_a_config(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="PretrainedConfig"):
