@@ -59,6 +59,7 @@ class Settings:
     response_field: str = "response"  # dataset column holding the reference answer
     control_dataset: str = "tiny:control"  # prompts the fine-tune is not about (behaviour changes)
     base_mix: float = 0.0  # share of control-task examples mixed into training (limits forgetting)
+    compare_base_mix: float = 0.25  # notebook 04 also trains an adapter with this share of base-task rows and compares (0 skips)
     # --- smoke run and evaluation --------------------------------------------------------
     max_steps: int = 300  # optimizer steps in the smoke run (the tutorial trains its adapter here)
     seed: int = 0  # seed set before the adapter is created and before data shuffling
@@ -131,8 +132,10 @@ def validate(s: Settings) -> None:
             raise ValueError(f"{name} must be a non-negative integer, got {v!r}.")
     if not 0 <= s.margin < 1:
         raise ValueError(f"margin must be in [0, 1), e.g. 0.10 for a 10 % safety margin; got {s.margin!r}.")
-    if not 0 <= s.base_mix < 1:
-        raise ValueError(f"base_mix must be in [0, 1), got {s.base_mix!r}.")
+    for name in ("base_mix", "compare_base_mix"):
+        if not 0 <= getattr(s, name) < 1:
+            raise ValueError(f"{name} must be in [0, 1), e.g. 0.25 for a quarter of base-task rows; "
+                             f"got {getattr(s, name)!r}.")
     if not 0 <= s.lora_dropout < 1:
         raise ValueError(f"lora_dropout must be in [0, 1), got {s.lora_dropout!r}.")
     if s.sharding != "none" and s.num_gpus < 2:

@@ -87,6 +87,13 @@ class PlannerPanel:
                         self.optimizer])
         self.widget = w.VBox([w.HBox([left, right], layout=w.Layout(width="960px", justify_content="space-between")),
                               self.verdict, self.figure], layout=w.Layout(width="980px"))
+        # stable CSS hooks for the real-browser test and for user styling
+        self.widget.add_class("lk-panel")
+        self.verdict.add_class("lk-verdict")
+        self.figure.add_class("lk-figure")
+        for name in ("model", "method", "dtype", "gpu", "margin", "seq_len", "batch_size", "lora_rank", "targets",
+                     "checkpointing", "optimizer", "num_gpus", "sharding"):
+            getattr(self, name).add_class("lk-" + name.replace("_", "-"))
         for c in self.controls():
             c.observe(self._on_change, names="value")
         self.update()
