@@ -69,8 +69,10 @@ def test_lora_adapter_saved_reloaded_and_verified(lora_run):
 
 
 def test_qlora_run_on_embedded_default(tmp_path):
-    r = smoke_run(method="qlora", run_dir=str(tmp_path), measure_steps=2, progress=False, simulate=False, **FAST)
+    r = smoke_run(method="qlora", run_dir=str(tmp_path), measure_steps=2, progress=False, simulate=False,
+                  gradient_checkpointing=True, optimizer="paged_adamw_8bit", grad_accum=2, **FAST)
     assert r.ok, r.record.get("error")
+    assert r.record["data"]["used"] == 3 * 2 * 2  # steps x batch x accumulation
     assert r.record["phases"]["quantize"]["status"] == "done"
     assert "Linear4bit" in r.record["phases"]["quantize"]["note"]
     assert r.record["verify"]["passed"] and r.record["verify"]["tolerance"] == 1e-4
@@ -103,3 +105,13 @@ def test_tokenizer_without_pad_token_is_handled(no_pad_model_dir, tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
     cfg = load_config_from_file(r.record["accelerate_config"])  # written for the planned 2-GPU FSDP run
     assert cfg.distributed_type.value == "FSDP" and cfg.num_processes == 2
+
+
+def test_full_fine_tuning_trains_every_parameter_and_skips_adapter_phases(random_llama_dir, tmp_path):
+    rows = [{"prompt": f"Q{i}", "response": f"A{i}"} for i in range(8)]
+    r = smoke_run(model=str(random_llama_dir), method="full", run_dir=str(tmp_path), examples=rows, progress=False,
+                  simulate=False, measure_steps=2, **{**FAST, "max_steps": 2})
+    assert r.ok and r.record["model"]["trainable_parameters"] == r.record["model"]["parameters"]
+    assert [r.record["phases"][p]["status"] for p in ("save", "reload", "verify", "generate")] == ["not applicable"] * 4
+    n = r.record["model"]["parameters"]
+    assert r.record["peaks"]["breakdown_at_design_step"]["optimizer_state"] >= 2 * 4 * n  # AdamW: 2 fp32 moments
