@@ -105,18 +105,24 @@ def render_markdown(card: dict) -> str:
     lines += ["## The request", ""]
     plan = card["plan"]
     if plan and plan.get("rows"):
-        lines.append(f"Planned for **{plan.get('model')}** at seq_len {plan.get('seq_len')}, "
-                     f"micro-batch {plan.get('batch_size')} (prices are the user's or labelled examples).")
+        lines.append(f"Planned for **{plan.get('model')}** at seq_len {plan.get('seq_len')}, micro-batch "
+                     f"{plan.get('batch_size')}; fitting options, cheapest first. Times are estimates at an "
+                     f"assumed utilisation ({plan.get('time_model', 'see 01')}).")
         lines.append("")
         rows = [r for r in plan["rows"] if r.get("fits")]
-        rows = sorted(rows, key=lambda r: (r.get("cost_per_epoch") is None, r.get("cost_per_epoch") or 0))[:8]
-        fmt = [{**r, "memory": _gib(r.get("device_total_bytes")),
-                "headroom": _gib(r.get("headroom_bytes")),
-                "time": "—" if r.get("hours_per_epoch") is None else f"{r['hours_per_epoch']:.2f} h",
-                "cost": "—" if r.get("cost_per_epoch") is None else f"{r['cost_per_epoch']:.2f}"} for r in rows]
-        lines.append(_md_table(fmt, [("method", "method"), ("gpu", "GPU"), ("memory", "memory"),
-                                     ("headroom", "headroom"), ("time", "time / epoch"),
-                                     ("cost", "cost / epoch")]) if fmt else "No listed GPU fits.")
+        rows = sorted(rows, key=lambda r: (r.get("epoch_cost") is None, r.get("epoch_cost") or 0))[:8]
+
+        def num(r, k, fmt):
+            v = r.get(k)
+            return "—" if v is None or v != v else fmt.format(v)
+        fmt = [{"method": r.get("method"), "gpu": r.get("gpu"), "batch": r.get("batch_size"),
+                "memory": num(r, "device_total_gib", "{:.1f} GiB"), "headroom": num(r, "headroom_gib", "{:.1f} GiB"),
+                "tps": num(r, "tokens_per_second", "{:,.0f}"), "time": num(r, "epoch_hours", "{:.2f} h"),
+                "cost": num(r, "epoch_cost", "{:.2f}") + (" (example price)" if r.get("price_source") == "example" else "")}
+               for r in rows]
+        lines.append(_md_table(fmt, [("method", "method"), ("gpu", "GPU"), ("batch", "micro-batch"),
+                                     ("memory", "memory / GPU"), ("headroom", "headroom"), ("tps", "tokens/s (est.)"),
+                                     ("time", "time / epoch"), ("cost", "cost / epoch")]) if fmt else "No listed GPU fits.")
         if plan.get("recommendation"):
             lines += ["", f"**Recommendation:** {plan['recommendation']}"]
     else:
@@ -190,14 +196,34 @@ def render_markdown(card: dict) -> str:
             lines += ["", ctrl["summary_sentence"]]
     else:
         lines.append("_No evaluation in this run._")
+    figs = card.get("figures") or {}
+    if figs.get("files"):
+        lines += ["", "## Figures", ""]
+        for f in figs["files"]:
+            lines.append(f"![{Path(f).stem}](figures/{Path(f).name})" if f.endswith(".png")
+                         else f"- [{Path(f).stem}](figures/{Path(f).name}) (interactive HTML)")
+        if figs.get("png_error"):
+            lines += ["", f"_PNG export skipped ({figs['png_error']}); the HTML figures are the record._"]
     lines += ["", "## What to check next", ""] + [f"- {x}" for x in next_checks(card)]
     return "\n".join(lines) + "\n"
+
+
+def _figures(d: Path) -> dict:
+    """PNG figures when a browser can render them (one batch), else the HTML files."""
+    from .notebook import export_pngs
+    if not (d / "figures").is_dir():
+        return {}
+    res = export_pngs(d)
+    pngs = res.get("png") or []
+    files = pngs or sorted(str(p) for p in (d / "figures").glob("*.html"))
+    return {"files": [str(Path(f).relative_to(d)) for f in files], "png_error": res.get("error")}
 
 
 def build_report(run_dir: str | Path) -> dict:
     """Write ``report.md`` and ``report.json`` into ``run_dir``; returns their paths."""
     d = Path(run_dir)
     card = collect(d)
+    card["figures"] = _figures(d)
     card["next_checks"] = next_checks(card)
     write_json_atomic(d / "report.json", card)
     write_text_atomic(d / "report.md", render_markdown(card))

@@ -79,3 +79,35 @@ def test_main_job_on_embedded_default(tmp_path):
     assert "measured" in card and "held-out" in card
     report = json.loads((run / "report.json").read_text())
     assert report["smoke"]["status"] == "complete" and report["plan"]["rows"]
+
+
+def _fig_run_dir(tmp_path):
+    import plotly.graph_objects as go
+    from lora_kit.notebook import save_figure
+    save_figure(go.Figure(go.Bar(x=["a", "b"], y=[1, 2])), "bars", tmp_path)
+    return tmp_path
+
+
+def test_run_card_without_browser_keeps_html_figures(tmp_path, monkeypatch):
+    """Static export is optional: no Chromium -> the run card links the HTML figures and says why."""
+    from lora_kit import notebook
+    from lora_kit.report import build_report
+    monkeypatch.setattr(notebook, "chromium_path", lambda: None)
+    d = _fig_run_dir(tmp_path)
+    paths = build_report(d)
+    md = open(paths["md"]).read()
+    assert "figures/bars.html" in md and "no Chromium" in md
+    assert not (d / "figures" / "bars.png").exists()
+    assert "_No smoke run in this run._" in md  # missing parts are marked, never guessed
+
+
+def test_run_card_png_figures_with_browser(tmp_path):
+    from lora_kit import notebook
+    from lora_kit.report import build_report
+    if notebook.chromium_path() is None:
+        pytest.skip("no Chromium binary: PNG export cannot run here (covered by the no-browser test)")
+    d = _fig_run_dir(tmp_path)
+    md = open(build_report(d)["md"]).read()
+    png = d / "figures" / "bars.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![bars](figures/bars.png)" in md
