@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from .settings import Settings, field_help, field_names, from_dict, load_settings
+from .settings import Settings, field_help, field_names, load_settings
 
 GiB = 1024 ** 3
 

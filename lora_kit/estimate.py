@@ -64,8 +64,6 @@ fp32 logsumexp); AdamW's ``step`` scalars live on the host on CUDA and are not c
 """
 from __future__ import annotations
 
-import sys
-import types
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -427,12 +425,6 @@ def estimate(model="tiny", method="lora", dtype="bfloat16", autocast=False, doub
                     settings=settings)
 
 
-class _CallableModule(types.ModuleType):
-    """``lora_kit.estimate`` is both this module and the function: once the submodule is imported, Python
-    binds the package attribute to the module, so the module forwards calls to :func:`estimate`."""
+from lora_kit._callable import make_callable  # noqa: E402  (lk.estimate(...) in any import order)
 
-    def __call__(self, *args, **kwargs):
-        return estimate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+make_callable(__name__)

@@ -26,9 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -365,14 +363,6 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
 
 
-class _CallableModule(types.ModuleType):
-    """``lora_kit.evaluate`` names both this module and its function. Python's import system sets the
-    package attribute to the *module* once it is imported, so ``lk.evaluate(...)`` would fail on the
-    second use; calling the module calls :func:`evaluate` instead (imports of the module still work)."""
+from lora_kit._callable import make_callable  # noqa: E402  (lk.evaluate(...) in any import order)
 
-    def __call__(self, *args, **kwargs):
-        return evaluate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
-__wrapped__ = evaluate  # inspect.signature(lk.evaluate) and help() show evaluate's parameters
+make_callable(__name__)

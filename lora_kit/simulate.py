@@ -299,3 +299,8 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
     peak = sum(bd.values())
     assert set(bd) == set(BREAKDOWN_KEYS)
     return SimResult(int(peak), _device_total(peak), bd, tracker.peak_phase, time.perf_counter() - t0, s, notes)
+
+
+from lora_kit._callable import make_callable  # noqa: E402  (lk.simulate(...) in any import order)
+
+make_callable(__name__)
