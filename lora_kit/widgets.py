@@ -70,14 +70,14 @@ class PlannerPanel:
         self.margin = w.BoundedFloatText(value=round(s.margin * 100, 1), min=0, max=90, step=1,
                                          description="safety margin (%)", style=_STYLE, layout=_LAYOUT)
         self.seq_len = num(s.seq_len, 1, 1 << 20, "seq_len (tokens)")
-        self.batch_size = num(s.batch_size, 1, 1 << 14, "micro-batch (examples/GPU)")
+        self.batch_size = num(s.batch_size, 1, 1 << 14, "micro-batch / GPU")
         self.lora_rank = num(s.lora_rank, 1, 4096, "LoRA rank r")
-        self.targets = w.SelectMultiple(options=[], description="LoRA targets (all = all-linear)", rows=4,
+        self.targets = w.SelectMultiple(options=[], description="LoRA targets", rows=4,
                                         style=_STYLE, layout=_LAYOUT)
         self.checkpointing = w.Checkbox(value=s.gradient_checkpointing, description="gradient checkpointing",
                                         style=_STYLE, layout=_LAYOUT, indent=True)
         self.optimizer = dd(OPTIMIZERS, s.optimizer, "optimizer")
-        self.num_gpus = num(s.num_gpus, 1, 1024, "GPUs (memory is per GPU)")
+        self.num_gpus = num(s.num_gpus, 1, 1024, "number of GPUs")
         self.sharding = dd(SHARDINGS, s.sharding, "sharding")
         self._set_target_options(s.lora_targets)
         self.verdict = w.HTML(layout=w.Layout(width="940px"))
@@ -87,6 +87,9 @@ class PlannerPanel:
                         self.optimizer])
         self.widget = w.VBox([w.HBox([left, right], layout=w.Layout(width="960px", justify_content="space-between")),
                               self.verdict, self.figure], layout=w.Layout(width="980px"))
+        self.batch_size.tooltip = "examples per GPU per step; gradient accumulation does not change peak memory"
+        self.targets.tooltip = "modules that get LoRA adapters; all selected = 'all-linear'"
+        self.num_gpus.tooltip = "memory is per GPU: without zero/fsdp sharding every GPU holds everything"
         # stable CSS hooks for the real-browser test and for user styling
         self.widget.add_class("lk-panel")
         self.verdict.add_class("lk-verdict")
