@@ -19,7 +19,8 @@ import string
 import time
 from pathlib import Path
 
-from lora_kit.prompting import IGNORE_INDEX, encode_example, encode_prompt
+from lora_kit.hygiene import normalize  # noqa: F401  (re-exported: one near-duplicate rule)
+from lora_kit.prompting import IGNORE_INDEX, encode_example
 
 EMBEDDED_ROOT = Path(__file__).parent / "embedded"
 TINY_DIR = EMBEDDED_ROOT / "tiny"
@@ -99,11 +100,6 @@ def date_example(rng: random.Random) -> dict:
     day = rng.randint(1, days)
     return {"prompt": f"Date to ISO: {day} {MONTHS[month]} {year}",
             "response": f"{year:04d}-{month + 1:02d}-{day:02d}", "task": "dates"}
-
-
-def normalize(text: str) -> str:
-    """Case- and whitespace-insensitive form used to detect near-duplicates across splits."""
-    return " ".join(text.lower().split())
 
 
 def sha256_file(path: str | Path) -> str:
@@ -188,21 +184,10 @@ def train_adapter(model, tokenizer, examples: list[dict], steps: int, batch_size
 
 def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int = 16,
                      batch_size: int = 64) -> list[str]:
-    """Greedy answers for ``prompts`` in the kit's prompt format (batched, left-padded)."""
-    import torch
-    pad = tokenizer.pad_token_id
-    out = []
+    """Greedy answers in the kit's prompt format: the same generation as ``lora_kit.evaluate``."""
+    from lora_kit.eval_generate import generate
     model.eval()
-    for i in range(0, len(prompts), batch_size):
-        enc = [encode_prompt(tokenizer, p) for p in prompts[i:i + batch_size]]
-        width = max(map(len, enc))
-        ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
-        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
-        with torch.no_grad():
-            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
-        out += [s.strip() for s in tokenizer.batch_decode(gen[:, width:], skip_special_tokens=True)]
-    return out
+    return generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
 
 
 def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int = 16,
