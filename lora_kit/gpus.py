@@ -1,6 +1,6 @@
 """The GPU catalog: memory, bandwidth, dense tensor-core TFLOP/s, architecture, host CPU, interconnect.
 
-The data lives in ``lora_kit/data/gpus.csv`` (one row per GPU, the vendor datasheet named in
+The data lives in ``lora_kit/catalog/gpus.csv`` (one row per GPU, the vendor datasheet named in
 ``source``). Users extend it with their own CSV (``gpu_table(extra_csv=...)``) or one row at a time
 (:func:`add_gpu`); a user row with a known name replaces the shipped one.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-CATALOG_CSV = Path(__file__).parent / "data" / "gpus.csv"
+CATALOG_CSV = Path(__file__).parent / "catalog" / "gpus.csv"
 COLUMNS = ("name", "memory_gb", "memory_type", "cuda_total_mib", "cuda_total_source", "memory_bandwidth_gbs",
            "bf16_tflops", "fp16_tflops", "architecture", "compute_capability", "cpu_arch", "interconnect",
            "source", "example_price_per_hour", "notes")

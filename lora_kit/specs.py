@@ -2,7 +2,7 @@
 
 ``model_spec(model)`` accepts
 
-- a catalog name from ``lora_kit/data/models.json`` (``"llama-3.1-8b"``; the hub id of a catalog
+- a catalog name from ``lora_kit/catalog/models.json`` (``"llama-3.1-8b"``; the hub id of a catalog
   entry works too) -- offline, no download;
 - ``"tiny"`` -- the embedded model shipped with the package;
 - a local directory holding ``config.json``, or the path of a ``config.json`` file;
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-CATALOG_PATH = Path(__file__).parent / "data" / "models.json"
+CATALOG_PATH = Path(__file__).parent / "catalog" / "models.json"
 GATED_MLP_TYPES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "qwen3", "olmo2", "granite")
 KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox")
 
@@ -87,7 +87,7 @@ class ModelSpec:
 
 
 def catalog() -> dict[str, dict]:
-    """Catalog name -> config facts (offline), as shipped in ``lora_kit/data/models.json``."""
+    """Catalog name -> config facts (offline), as shipped in ``lora_kit/catalog/models.json``."""
     return _catalog()
 
 
