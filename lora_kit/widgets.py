@@ -126,6 +126,9 @@ class PlannerPanel:
         for part in PARTS:
             fig.add_bar(name=part.replace("_", " "), x=["estimate"], y=[0], marker_color=PART_COLORS[part],
                         hovertemplate=f"{part.replace('_', ' ')}: %{{y:.3f}} GiB<extra></extra>")
+        # what nvidia-smi shows on top of the allocator's peak (see estimate's device_total_bytes)
+        fig.add_bar(name="CUDA context + reserve", x=["estimate"], y=[0], marker_color="#BAB0AC",
+                    hovertemplate="CUDA context + allocator reserve: %{y:.3f} GiB<extra></extra>")
         fig.add_hline(y=0, line_dash="dash", line_color="black", annotation_text="usable GPU memory",
                       annotation_position="top left")
         fig.update_layout(barmode="stack", width=940, height=380, margin=dict(l=60, r=20, t=50, b=40),
@@ -174,6 +177,7 @@ class PlannerPanel:
         with self.figure.batch_update():
             for trace, part in zip(self.figure.data, PARTS):
                 trace.y = [est.breakdown.get(part, 0) / GIB]
+            self.figure.data[len(PARTS)].y = [(est.device_total_bytes - est.peak_allocated_bytes) / GIB]
             usable = plan["usable_bytes"] / GIB
             self.figure.layout.shapes[0].update(y0=usable, y1=usable)
             self.figure.layout.annotations[0].update(

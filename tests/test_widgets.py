@@ -95,3 +95,12 @@ def test_model_change_refreshes_targets(panel):
 def test_unknown_gpu_in_settings_lists_known_ones():
     with pytest.raises(ValueError, match="Unknown GPU 'V100'.*H100-SXM"):
         PlannerPanel(Settings(gpu="V100"))
+
+
+def test_bar_stacks_to_the_device_total_in_the_verdict(panel):
+    """The stacked bar adds the CUDA context + reserve, so its top equals the number the verdict uses."""
+    panel.seq_len.value = 4096
+    est = panel.last_plan["estimate"]
+    top = sum(t.y[0] for t in panel.figure.data)
+    assert top == pytest.approx(est.device_total_bytes / 2**30, rel=1e-9)
+    assert panel.figure.data[len(PARTS)].y[0] > 0
