@@ -101,16 +101,11 @@ def compare_logits(trained: torch.Tensor, reloaded: torch.Tensor, base: torch.Te
 
 @torch.no_grad()
 def generate_side_by_side(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[dict]:
-    """Greedy generations with left padding, base (adapter disabled) and adapter for each prompt."""
-    from lora_kit.prompting import render_prompt
-    tokenizer.padding_side = "left"
-    enc = tokenizer([render_prompt(p) for p in prompts], return_tensors="pt", padding=True)
-    enc = {k: v.to(next(model.parameters()).device) for k, v in enc.items()}
-    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    """Base (adapter disabled) and adapter answers per prompt, with evaluate's generation
+    (greedy, left padding, stop at EOS or newline) so the smoke run and 04 read alike."""
+    from lora_kit.eval_generate import generate
     model.eval()
-    n = enc["input_ids"].shape[1]
     with model.disable_adapter():
-        base = model.generate(**enc, **kw)[:, n:]
-    tuned = model.generate(**enc, **kw)[:, n:]
-    dec = lambda t: tokenizer.batch_decode(t, skip_special_tokens=True)  # noqa: E731
-    return [{"prompt": p, "base": b, "adapter": a} for p, b, a in zip(prompts, dec(base), dec(tuned))]
+        base = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
+    tuned = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
+    return [{"prompt": p, "base": b, "adapter": a} for p, b, a in zip(prompts, base, tuned)]

@@ -437,7 +437,7 @@ def _verify_phases(s, run, state, tracker, tok, mine, path, control_prompts):
     prompts, source = (control_prompts, "argument") if control_prompts else _control_prompts(s)
     if not prompts:
         prompts, source = state["train_prompts"], source + " -> first training prompts"
-    rec["generations"] = {"source": source, "decoding": "greedy, left padding",
+    rec["generations"] = {"source": source, "decoding": "greedy, left padding, stop at EOS or newline",
                           "max_new_tokens": s.max_new_tokens,
                           "rows": adapter_io.generate_side_by_side(reloaded, tok, prompts, s.max_new_tokens)}
     run.done("generate")

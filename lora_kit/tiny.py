@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from lora_kit.hygiene import normalize  # noqa: F401  (re-exported: one near-duplicate rule)
-from lora_kit.prompting import IGNORE_INDEX, encode_example
+from lora_kit.prompting import encode_example
 
 EMBEDDED_ROOT = Path(__file__).parent / "embedded"
 TINY_DIR = EMBEDDED_ROOT / "tiny"
@@ -114,20 +114,10 @@ def sha256_file(path: str | Path) -> str:
 # batching, training, evaluation
 # ----------------------------------------------------------------------------------------------
 def collate(tokenizer, rows: list[dict], max_len: int = 64) -> dict:
-    """Right-padded training batch (prompt and padding masked with -100 in labels)."""
-    import torch
+    """Right-padded training batch, padded to its longest example (prompt and padding masked in labels)."""
+    from lora_kit.smoke_data import collate as pad_batch
     enc = [encode_example(tokenizer, r["prompt"], r["response"], max_len=max_len) for r in rows]
-    width = max(e["length"] for e in enc)
-    pad = tokenizer.pad_token_id
-    ids = torch.full((len(enc), width), pad, dtype=torch.long)
-    labels = torch.full((len(enc), width), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(enc), width), dtype=torch.long)
-    for i, e in enumerate(enc):
-        n = e["length"]
-        ids[i, :n] = torch.tensor(e["input_ids"])
-        labels[i, :n] = torch.tensor(e["labels"])
-        mask[i, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return pad_batch(enc, max(e["length"] for e in enc), tokenizer.pad_token_id)
 
 
 def train_adapter(model, tokenizer, examples: list[dict], steps: int, batch_size: int = 32,
