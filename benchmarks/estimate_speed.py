@@ -1,4 +1,4 @@
-"""Speed of ``lora_kit.estimate`` (targets: <= 1 ms per call; 10,000 configurations vectorized <= 100 ms).
+"""Speed of ``lora_kit.memory.estimate`` (targets: <= 1 ms per call; 10,000 configurations vectorized <= 100 ms).
 
 Usage: ``HF_HUB_OFFLINE=1 python benchmarks/estimate_speed.py``. Prints wall and process CPU time
 (the machine is shared: CPU time shows contention). Timing is printed, never asserted.
@@ -12,8 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 
-from lora_kit.estimate import estimate, estimate_arrays  # noqa: E402
-from lora_kit.specs import model_spec  # noqa: E402
+from lora_kit.memory.estimate import estimate, estimate_arrays  # noqa: E402
+from lora_kit.memory.specs import model_spec  # noqa: E402
 
 
 def timed(fn, repeat: int):

@@ -2,7 +2,7 @@
 """Evaluation on the embedded default: base vs a LoRA adapter on held-out dates and the control set.
 
 Trains an adapter first (plain loop, ``--steps``) unless ``--adapter`` names one (e.g. the smoke
-run's ``<run_dir>/smoke/adapter``), then runs ``lora_kit.evaluate`` and prints the summary
+run's ``<run_dir>/smoke/adapter``), then runs ``lora_kit.evaluation.evaluate`` and prints the summary
 sentences and the time evaluation took (wall and process CPU seconds; the CPU may be shared).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/eval_speed.py                     # train 300 steps
@@ -25,7 +25,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def train(model: str, method: str, steps: int, lr: float, batch_size: int, seed: int, out: Path) -> str:
     from lora_kit.data import load_examples
     from lora_kit.loading import load_model, load_tokenizer
-    from lora_kit.tiny import train_adapter
+    from lora_kit.embedded.story import train_adapter
     from lora_kit.training import attach_adapter
     tok = load_tokenizer(model)
     peft_model = attach_adapter(load_model(model, method=method), method, seed)
@@ -56,11 +56,11 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from lora_kit.evaluate import evaluate
+    from lora_kit.evaluation.evaluate import evaluate
     torch.set_num_threads(a.threads)
     run_dir = Path(a.run_dir)
     if a.smoke and not a.adapter:
-        from lora_kit.smoke import smoke_run
+        from lora_kit.run.smoke import smoke_run
         w0, c0 = time.perf_counter(), time.process_time()
         sr = smoke_run(run_dir=str(run_dir), model=a.model, method=a.method, seed=a.seed, simulate=False,
                        progress=False)

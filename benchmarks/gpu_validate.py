@@ -1,7 +1,7 @@
 """GPU validation: real training steps of random-init models on CUDA vs estimate and simulate.
 
 For ~20 configurations (LoRA, QLoRA with bitsandbytes, full; checkpointing on/off; sdpa/eager;
-five architecture families) it runs two real steps on the GPU (lora_kit.measure: the second step's
+five architecture families) it runs two real steps on the GPU (lora_kit.memory.measure: the second step's
 ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``), and compares
 
 - ``estimate`` and ``simulate`` peak_allocated_bytes vs ``max_memory_allocated``;
@@ -98,7 +98,7 @@ def tiny_configs(matrix: bool = False):
 
 def _estimate(model, kw):
     try:
-        from lora_kit.estimate import estimate
+        from lora_kit.memory.estimate import estimate
     except ImportError as e:  # written by another part of the kit; the table says when it is missing
         return None, f"estimate unavailable: {e}"
     try:
@@ -123,8 +123,8 @@ def context_bytes():
 def run_one(label, model, kw, device, ctx_bytes):
     import torch
 
-    from lora_kit.measure import measure_config
-    from lora_kit.simulate import simulate
+    from lora_kit.memory.measure import measure_config
+    from lora_kit.memory.simulate import simulate
     row = {"label": label, "model": model if isinstance(model, str) else type(model).__name__, "settings": kw}
     est, why = _estimate(model, kw)
     row["estimate_peak"] = est.peak_allocated_bytes if est else None
@@ -187,7 +187,7 @@ def print_table(rows):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Real GPU steps vs lora_kit.estimate and simulate.")
+    ap = argparse.ArgumentParser(description="Real GPU steps vs lora_kit.memory.estimate and simulate.")
     ap.add_argument("--out", default="benchmarks/results/gpu_validate.json", help="JSON results path")
     ap.add_argument("--cpu-dry-run", action="store_true", help="no GPU: two tiny configs on the CPU (tests the script)")
     ap.add_argument("--cpu-matrix", action="store_true",

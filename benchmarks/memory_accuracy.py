@@ -1,4 +1,4 @@
-"""How accurate is ``lora_kit.estimate``? Estimate vs simulate on a matrix, published figures, public tools.
+"""How accurate is ``lora_kit.memory.estimate``? Estimate vs simulate on a matrix, published figures, public tools.
 
 Usage (CPU, offline)::
 
@@ -38,9 +38,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from lora_kit.estimate import estimate  # noqa: E402
+from lora_kit.memory.estimate import estimate  # noqa: E402
 from lora_kit.results import read_json, write_json_atomic  # noqa: E402
-from lora_kit.specs import catalog, model_spec, valid_targets  # noqa: E402
+from lora_kit.memory.specs import catalog, model_spec, valid_targets  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "memory_accuracy.json"
 GIB = 2**30
@@ -110,7 +110,7 @@ def key(case: dict) -> str:
 
 def run_matrix(cases: list[dict], fresh: bool) -> dict:
     done = {} if fresh or not OUT.is_file() else read_json(OUT).get("matrix", {})
-    from lora_kit.simulate import simulate as sim
+    from lora_kit.memory.simulate import simulate as sim
     for n, case in enumerate(cases):
         k = key(case)
         m = model_arg(case)

@@ -12,7 +12,7 @@ import os
 import shutil
 import time
 
-from lora_kit.pipeline import run_pipeline
+from lora_kit.ui.pipeline import run_pipeline
 from lora_kit.settings import Settings
 
 

@@ -15,7 +15,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from lora_kit.planner import sweep  # noqa: E402
+from lora_kit.plan.planner import sweep  # noqa: E402
 from lora_kit.results import write_json_atomic  # noqa: E402
 from lora_kit.settings import Settings  # noqa: E402
 
@@ -54,7 +54,7 @@ def main() -> int:
         print(f"{name}: {n} rows, median {r['median_ms']:.1f} ms (fastest {r['min_ms']:.1f} ms, "
               f"process CPU {r['cpu_median_ms']:.1f} ms); target <= 100 ms")
 
-    from lora_kit.widgets import PlannerPanel
+    from lora_kit.ui.widgets import PlannerPanel
     panel = PlannerPanel(Settings(plan_model=model, dtype="bfloat16", seq_len=1024, batch_size=1, gpu="A100-80GB"))
     toggle = {"state": False}
 

@@ -1,4 +1,4 @@
-"""How long ``lora_kit.simulate`` takes: Llama-3.1-8B LoRA at seq_len 2048 (target <= 15 s on a
+"""How long ``lora_kit.memory.simulate`` takes: Llama-3.1-8B LoRA at seq_len 2048 (target <= 15 s on a
 2-core CPU), plus a few more catalog configurations. Prints wall and process CPU seconds (CPU
 contention from other processes inflates wall time; CPU time shows the work itself).
 
@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def llama_31_8b():
     """Llama-3.1-8B from the catalog; its published config facts if the catalog is unavailable."""
     try:
-        from lora_kit.simulate import load_config
+        from lora_kit.memory.simulate import load_config
         return load_config("llama-3.1-8b")
     except Exception:  # noqa: BLE001 - fall back to the published facts
         from transformers import LlamaConfig
@@ -27,7 +27,7 @@ def llama_31_8b():
 
 
 def run(label, cfg, **kw):
-    from lora_kit.simulate import simulate
+    from lora_kit.memory.simulate import simulate
     c0, t0 = time.process_time(), time.perf_counter()
     r = simulate(cfg, **kw)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -42,7 +42,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import torch
     t0 = time.perf_counter()
-    import lora_kit.simulate  # noqa: F401  (imports counted separately)
+    import lora_kit.memory.simulate  # noqa: F401  (imports counted separately)
     import peft  # noqa: F401
     import transformers  # noqa: F401
     print(f"imports: {time.perf_counter() - t0:.2f} s; torch threads {torch.get_num_threads()}, "

@@ -1,7 +1,7 @@
 """Overhead of the smoke run's per-step instrumentation versus the same bare training loop.
 
 Same model, adapter, optimizer and batches; the bare loop is forward, backward, step, zero_grad.
-The instrumented loop is ``lora_kit.smoke_train.train_steps`` with per-step timing, loss,
+The instrumented loop is ``lora_kit.run.loop.train_steps`` with per-step timing, loss,
 tokens/s, RSS, tqdm and an ``on_step`` callback, *outside* the tracker-measured steps (the
 tracker runs only on the first ``measure_steps`` steps; its cost is reported separately).
 Loops alternate in rounds so CPU contention hits both alike; wall and process CPU time are printed.
@@ -49,7 +49,7 @@ def bare(model, opt, data):
 
 
 def instrumented(model, opt, data, tracker=None, measure_steps=0):
-    from lora_kit.smoke_train import train_steps
+    from lora_kit.run.loop import train_steps
     log = []
     train_steps(model, opt, lambda s, k: data[s], len(data), 1, tracker=tracker, measure_steps=measure_steps,
                 progress=True, on_step=log.append)
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     for _ in range(a.rounds):
         res["bare"].append(timed(bare, model, opt, data))
         res["instrumented"].append(timed(instrumented, model, opt, data))
-    from lora_kit.tracker import LiveBytesTracker
+    from lora_kit.memory.tracker import LiveBytesTracker
     tracked = timed(instrumented, model, opt, data[:5], tracker=LiveBytesTracker(), measure_steps=5)
     print(f"model {model_dir}, batch {a.batch} x seq_len {a.seq_len}, {a.steps} steps x {a.rounds} rounds, "
           f"torch threads {torch.get_num_threads()}")

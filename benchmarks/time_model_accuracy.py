@@ -3,7 +3,7 @@
 Builds a small random-init Llama from a config (the size of the embedded tiny model: hidden 256,
 4 layers, ffn 768, vocab 512), measures real training steps on this machine at several settings
 (forward with labels, backward, optimizer step, zero_grad: the kit's definition of a step),
-calibrates ``lora_kit.timing`` on the first setting and predicts the others. Prints predicted vs
+calibrates ``lora_kit.plan.timing`` on the first setting and predicts the others. Prints predicted vs
 measured wall time (median of repeats; the CPU is shared, so process CPU time is printed beside wall
 time) and the error; target: within 15 %.
 
@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from lora_kit.results import write_json_atomic  # noqa: E402
-from lora_kit.timing import calibrate, step_time  # noqa: E402
+from lora_kit.plan.timing import calibrate, step_time  # noqa: E402
 
 CPU_SETTINGS = [  # the first one is the calibration run; the second (few tokens) the optional second point
     dict(method="lora", seq_len=128, batch_size=8, gradient_checkpointing=False),
@@ -98,7 +98,7 @@ def main() -> int:
     device = "cuda" if cuda else "cpu"
     torch.set_num_threads(args.threads)
     if cuda:
-        from lora_kit.gpus import get_gpu
+        from lora_kit.plan.gpus import get_gpu
         name = torch.cuda.get_device_name(0)
         pick = {"H200": "H200", "H100": "H100-SXM", "A100": "A100-80GB", "L40S": "L40S", "L4": "L4",
                 "A10G": "A10G", "T4": "T4", "4090": "RTX-4090", "B200": "B200", "GB10": "GB10"}

@@ -37,7 +37,7 @@ def main(argv=None) -> list[dict]:
     import torch
 
     from lora_kit.results import write_json_atomic
-    from lora_kit.tiny import story_run
+    from lora_kit.embedded.story import story_run
 
     torch.set_num_threads(a.threads)
     results = []

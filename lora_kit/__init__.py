@@ -1,5 +1,18 @@
 """lora_kit: plan a LoRA / QLoRA fine-tuning run before renting a GPU, prove it, judge it.
 
+The package is laid out along the user's journey (imports point down only; ``tests/test_layout.py``
+checks it)::
+
+    settings, results, loading, data, prompting,    the ground floor: one settings/step schema,
+    training, generation                            atomic results, model/data loading, the step
+    memory/      specs, tracker, estimate, measure, simulate
+    plan/        gpus, timing, planner, dataset_fit, figures
+    run/         smoke, batches, loop, adapter_io, oom, distributed, accelerate_config
+    evaluation/  evaluate, compare, metrics, hygiene, adapters, figures
+    check/       stack, probes
+    embedded/    tasks (the tiny model's data), story (its train/evaluate harness), shipped files
+    ui/          notebook, widgets, pipeline, run_card, cli
+
 Public API (imported lazily so ``import lora_kit`` stays fast)::
 
     estimate, simulate, measure_step        memory: analytic, simulated, measured
@@ -16,41 +29,44 @@ import importlib
 __version__ = "0.1.0"
 DEFAULT_MODEL = "tiny"
 
+# public name -> module defining it
 _LAZY = {
     "Settings": "lora_kit.settings",
     "load_settings": "lora_kit.settings",
-    "estimate": "lora_kit.estimate",
-    "Estimate": "lora_kit.estimate",
-    "simulate": "lora_kit.simulate",
-    "measure_step": "lora_kit.measure",
-    "model_spec": "lora_kit.specs",
-    "sweep": "lora_kit.planner",
-    "max_fit": "lora_kit.planner",
-    "compare_methods": "lora_kit.planner",
-    "gpu_table": "lora_kit.gpus",
-    "dataset_lengths": "lora_kit.dataset_stats",
-    "smoke_run": "lora_kit.smoke",
-    "stack": "lora_kit.stack",
-    "evaluate": "lora_kit.evaluate",
+    "estimate": "lora_kit.memory.estimate",
+    "Estimate": "lora_kit.memory.estimate",
+    "simulate": "lora_kit.memory.simulate",
+    "measure_step": "lora_kit.memory.measure",
+    "model_spec": "lora_kit.memory.specs",
+    "sweep": "lora_kit.plan.planner",
+    "max_fit": "lora_kit.plan.planner",
+    "compare_methods": "lora_kit.plan.planner",
+    "gpu_table": "lora_kit.plan.gpus",
+    "dataset_lengths": "lora_kit.plan.dataset_fit",
+    "smoke_run": "lora_kit.run.smoke",
+    "evaluate": "lora_kit.evaluation.evaluate",
     "load_model": "lora_kit.loading",
     "load_tokenizer": "lora_kit.loading",
 }
+# public name -> module exposed as a namespace (``lk.stack.report()``, ``lk.figures.fits_heatmap``)
+_MODULES = {
+    "stack": "lora_kit.check.stack",
+    "figures": "lora_kit.plan.figures",
+    "timing": "lora_kit.plan.timing",
+    "gpus": "lora_kit.plan.gpus",
+    "results": "lora_kit.results",
+    "widgets": "lora_kit.ui.widgets",
+    "notebook": "lora_kit.ui.notebook",
+}
 
-__all__ = sorted(_LAZY) + ["DEFAULT_MODEL", "__version__"]
+__all__ = sorted({**_LAZY, **_MODULES}) + ["DEFAULT_MODEL", "__version__"]
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        mod = importlib.import_module(_LAZY[name])
-        if _LAZY[name] == f"lora_kit.{name}":  # a module exposed by name, e.g. lora_kit.stack
-            return getattr(mod, name, mod)
-        return getattr(mod, name)
-    if not name.startswith("_"):  # submodules by name: lk.figures, lk.results, lk.widgets, ...
-        try:
-            return importlib.import_module(f"lora_kit.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"lora_kit.{name}":
-                raise
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _MODULES:
+        return importlib.import_module(_MODULES[name])
     raise AttributeError(f"module 'lora_kit' has no attribute {name!r}")
 
 

@@ -21,7 +21,7 @@ import json
 import random
 from pathlib import Path
 
-from lora_kit.tiny import DATA_DIR
+from lora_kit.embedded.tasks import DATA_DIR
 
 TINY_SOURCES = {"tiny:dates": "dates_{split}.jsonl", "tiny:control": "control.jsonl",
                 "tiny:base_mix": "base_mix.jsonl"}

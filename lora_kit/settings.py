@@ -50,7 +50,7 @@ class Settings:
     sharding: str = "none"  # none | ddp | zero1 | zero2 | zero3 | fsdp
     cpu_offload: bool = False  # offload sharded optimizer states (and zero3/fsdp params) to CPU
     plan_model: str = "llama-3.1-8b"  # model the planning notebooks size GPUs for ("same" means model), the tiny model fits anywhere
-    gpu: str = "A100-80GB"  # GPU the plan targets (see lora_kit.gpus.gpu_table())
+    gpu: str = "A100-80GB"  # GPU the plan targets (see lora_kit.plan.gpus.gpu_table())
     gpus: list = field(default_factory=lambda: ["T4", "L4", "A10G", "RTX-4090", "L40S", "A100-80GB", "H100-SXM"])  # GPUs to compare
     margin: float = 0.10  # safety margin: a plan "fits" when it uses at most (1 - margin) of the GPU
     # --- data ----------------------------------------------------------------------------
@@ -84,7 +84,7 @@ class Settings:
         return self.model if self.plan_model == "same" else self.plan_model
 
     def estimate_kwargs(self) -> dict:
-        """The subset of settings that ``lora_kit.estimate`` / ``simulate`` accept."""
+        """The subset of settings that ``lora_kit.memory.estimate`` / ``simulate`` accept."""
         keys = ("model", "method", "dtype", "autocast", "double_quant", "seq_len", "batch_size",
                 "lora_rank", "lora_alpha", "lora_targets", "gradient_checkpointing",
                 "attn_implementation", "optimizer", "num_gpus", "sharding", "cpu_offload")

@@ -5,7 +5,7 @@
     .venv/bin/python scripts/build_tiny_model.py --tiny-test --out /tmp/x   # seconds, for tests
 
 What it does, from one seed:
-1. generates synthetic rows of eight base tasks (lora_kit.tiny.BASE_TASKS) and of the new task
+1. generates synthetic rows of eight base tasks (lora_kit.embedded.tasks.BASE_TASKS) and of the new task
    (dates, never shown to the base), in the kit's one prompt format (lora_kit.prompting);
 2. writes the shipped JSONL data: dates_{train,validation,test}.jsonl (distinct dates, no exact or
    normalized duplicates across splits), control.jsonl (held-out base-task rows) and
@@ -38,7 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lora_kit import tiny  # noqa: E402
+from lora_kit.embedded import story, tasks  # noqa: E402
+from lora_kit.evaluation.hygiene import normalize  # noqa: E402
 from lora_kit.results import write_json_atomic, write_text_atomic  # noqa: E402
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2, 3
@@ -46,7 +47,7 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2, 3
 # sequence length (= pretraining time); random-letter inputs are lowercase and never contain them.
 # The new task's prefix ("Date to ISO: ") deliberately stays character-level: a phrase token the
 # base never saw would have an untrained embedding.
-PHRASES = ("\nAnswer: ",) + tiny.BASE_PREFIXES + tiny.MONTHS
+PHRASES = ("\nAnswer: ",) + tasks.BASE_PREFIXES + tasks.MONTHS
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}\n"
                  "Answer: {% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}{% endif %}"
                  "{% endfor %}")
@@ -86,22 +87,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_data(a) -> dict[str, list[dict]]:
     rng = random.Random(a.seed)
     control, seen = [], set()
-    for task in sorted(tiny.BASE_TASKS):
+    for task in sorted(tasks.BASE_TASKS):
         rows, tries = [], 0
         while len(rows) < a.control_per_task:
-            r = tiny.base_example(rng, task)
+            r = tasks.base_example(rng, task)
             tries += 1
             if r["prompt"] in seen and tries < 100 * a.control_per_task:
                 continue
             seen.add(r["prompt"])
             rows.append(r)
         control += rows
-    held_out = {r["prompt"] for r in control if r["task"] not in tiny.SMALL_INPUT_SPACE}
+    held_out = {r["prompt"] for r in control if r["task"] not in tasks.SMALL_INPUT_SPACE}
     base_mix = []
-    for task in sorted(tiny.BASE_TASKS):
+    for task in sorted(tasks.BASE_TASKS):
         n = 0
         while n < a.base_mix_per_task:
-            r = tiny.base_example(rng, task)
+            r = tasks.base_example(rng, task)
             if r["prompt"] not in held_out:
                 base_mix.append(r)
                 n += 1
@@ -109,8 +110,8 @@ def make_data(a) -> dict[str, list[dict]]:
     dates, keys = [], set()
     need = a.dates_train + a.dates_validation + a.dates_test
     while len(dates) < need:
-        r = tiny.date_example(rng)
-        k = tiny.normalize(r["response"])  # one row per calendar date: no duplicates across splits
+        r = tasks.date_example(rng)
+        k = normalize(r["response"])  # one row per calendar date: no duplicates across splits
         if k not in keys:
             keys.add(k)
             dates.append(r)
@@ -177,7 +178,7 @@ def pretrain(a, tok, held_out: set[str]):
     def batch_rows():
         rows = []
         while len(rows) < a.batch_size:
-            r = tiny.base_example(rng)
+            r = tasks.base_example(rng)
             if r["prompt"] not in held_out:
                 rows.append(r)
         return rows
@@ -194,7 +195,7 @@ def pretrain(a, tok, held_out: set[str]):
     t0, c0 = time.perf_counter(), time.process_time()
     losses = []
     for step in range(a.steps):
-        loss = model(**tiny.collate(tok, batch_rows())).loss
+        loss = model(**story.collate(tok, batch_rows())).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -214,7 +215,7 @@ def pretrain(a, tok, held_out: set[str]):
 
 
 def file_table(folder: Path) -> dict:
-    return {p.name: {"bytes": p.stat().st_size, "sha256": tiny.sha256_file(p)}
+    return {p.name: {"bytes": p.stat().st_size, "sha256": tasks.sha256_file(p)}
             for p in sorted(folder.iterdir()) if p.is_file() and p.name not in ("build_info.json", "MODEL_CARD.md")}
 
 
@@ -240,8 +241,8 @@ def main(argv=None) -> dict:
 
     from lora_kit.loading import load_tokenizer
     tok = load_tokenizer(str(model_dir))  # measure with the tokenizer exactly as users load it
-    base_control = tiny.exact_match(model, tok, data["control.jsonl"])
-    base_dates = tiny.exact_match(model, tok, data["dates_test.jsonl"])
+    base_control = story.exact_match(model, tok, data["control.jsonl"])
+    base_dates = story.exact_match(model, tok, data["dates_test.jsonl"])
     print("base exact match per task:", json.dumps(base_control["per_task"]), flush=True)
     print(f"base control mean {base_control['exact_match']:.3f}; dates test {base_dates['exact_match']:.3f}",
           flush=True)

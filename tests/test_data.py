@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lora_kit.data import load_examples, mix_examples
-from lora_kit.tiny import normalize
+from lora_kit.evaluation.hygiene import normalize
 
 
 def _jsonl(path, rows):
@@ -34,7 +34,7 @@ def test_dates_splits_do_not_overlap_exactly_or_after_normalizing():
 
 
 def test_control_rows_are_correct_answers_of_base_tasks():
-    from lora_kit.tiny import MONTHS
+    from lora_kit.embedded.tasks import MONTHS
     for r in load_examples("tiny:control"):
         body = r["prompt"].split(": ", 1)[1]
         expected = {"reverse": body[::-1], "uppercase": body.upper(), "hyphenate": "-".join(body),

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import build_char_tokenizer
-from lora_kit.dataset_stats import dataset_lengths
+from lora_kit.plan.dataset_fit import dataset_lengths
 from lora_kit.prompting import encode_example
 
 
@@ -67,8 +67,8 @@ def test_longest_example_that_does_not_fit_at_micro_batch_1(tok):
     changes = {s["change"].split("=")[0].split(" ")[0]: s for s in st.suggestions}
     assert {"truncate", "pack/chunk", "gradient_checkpointing"} <= set(changes)
     fit_len = int(changes["truncate"]["change"].split("=")[1])
-    from lora_kit.estimate import estimate
-    from lora_kit.planner import fit_verdict
+    from lora_kit.memory.estimate import estimate
+    from lora_kit.plan.planner import fit_verdict
     ok = estimate("llama-3.1-8b", method="qlora", dtype="bfloat16", seq_len=fit_len, batch_size=1)
     over = estimate("llama-3.1-8b", method="qlora", dtype="bfloat16", seq_len=fit_len + 1, batch_size=1)
     assert fit_verdict(ok.device_total_bytes, "T4")["fits"] and not fit_verdict(over.device_total_bytes, "T4")["fits"]

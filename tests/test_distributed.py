@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from lora_kit.accelerate_config import accelerate_config, write_accelerate_config
+from lora_kit.run.accelerate_config import accelerate_config, write_accelerate_config
 
 
 @pytest.mark.parametrize("sharding,kind", [("ddp", "MULTI_GPU"), ("zero1", "DEEPSPEED"), ("zero2", "DEEPSPEED"),
@@ -45,7 +45,7 @@ def test_two_process_smoke_run_under_torchrun(random_llama_dir, tmp_path):
                                       "run_dir": str(tmp_path / "run")}))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "lora_kit.smoke", "--params", str(params), "--no-simulate", "--measure-steps", "2"]
+           "-m", "lora_kit.run.smoke", "--params", str(params), "--no-simulate", "--measure-steps", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rec = json.loads((tmp_path / "run" / "smoke" / "smoke.json").read_text())

@@ -18,9 +18,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lora_kit.eval_adapters import check_adapter
-from lora_kit.eval_generate import generate
-from lora_kit.evaluate import evaluate, load_result
+from lora_kit.evaluation.adapters import check_adapter
+from lora_kit.generation import generate
+from lora_kit.evaluation.evaluate import evaluate, load_result
 
 N_RESAMPLES = 500
 
@@ -39,7 +39,7 @@ def _train_lora(base_dir: str, examples: list[dict], steps: int, out_dir: Path, 
     import torch
     from peft import LoraConfig, get_peft_model
     from lora_kit.loading import load_model, load_tokenizer
-    from lora_kit.tiny import train_adapter
+    from lora_kit.embedded.story import train_adapter
     tok, model = load_tokenizer(base_dir), load_model(base_dir)
     torch.manual_seed(seed)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))

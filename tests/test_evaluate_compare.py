@@ -4,8 +4,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from lora_kit import eval_compare as C
-from lora_kit.evaluate import EvalResult
+from lora_kit.evaluation import compare as C
+from lora_kit.evaluation.evaluate import EvalResult
 
 HELDOUT = [  # (reference, base output, adapter output)
     ("2021-03-03", "3 March", "2021-03-03"),
@@ -72,7 +72,7 @@ def test_base_only_summary():
 
 def test_settings_kwargs_match_evaluate_signature():
     import inspect
-    from lora_kit.evaluate import evaluate, settings_kwargs
+    from lora_kit.evaluation.evaluate import evaluate, settings_kwargs
     from lora_kit.settings import Settings
     kw = settings_kwargs(Settings(eval_examples=50, run_dir="runs/x"))
     assert set(kw) <= set(inspect.signature(evaluate).parameters)
@@ -82,18 +82,9 @@ def test_settings_kwargs_match_evaluate_signature():
 
 
 def test_subsets_take_every_task_in_turn():
-    from lora_kit.evaluate import _rows
+    from lora_kit.evaluation.evaluate import _rows
     rows = [{"prompt": f"{t}{i}", "response": "x", "task": t} for t in "abc" for i in range(4)]  # grouped by task
     assert [r["prompt"] for r in _rows(rows, n=5)] == ["a0", "b0", "c0", "a1", "b1"]
     assert len(_rows(rows, n=0)) == 12 and [r["prompt"] for r in _rows(rows[:4], n=2)] == ["a0", "a1"]
 
 
-def test_lk_evaluate_stays_callable():
-    """The package attribute becomes the module after import; calling it must still run evaluate()."""
-    import inspect
-    import lora_kit as lk
-    import lora_kit.evaluate  # noqa: F401  (what any `from lora_kit.evaluate import ...` does)
-    assert "base_model" in inspect.signature(lk.evaluate).parameters
-    for _ in range(2):
-        with pytest.raises(ValueError, match="heldout set is empty"):
-            lk.evaluate(heldout=[], control=None)

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow,
 def adapter_dir(tmp_path_factory):
     from lora_kit.data import load_examples
     from lora_kit.loading import load_model, load_tokenizer
-    from lora_kit.tiny import train_adapter
+    from lora_kit.embedded.story import train_adapter
     from lora_kit.training import attach_adapter
     out = tmp_path_factory.mktemp("embedded_adapter")
     model = attach_adapter(load_model("tiny"), "lora", seed=0)
@@ -27,7 +27,7 @@ def adapter_dir(tmp_path_factory):
 
 
 def test_embedded_default_gain_and_control(adapter_dir, tmp_path):
-    from lora_kit.evaluate import evaluate
+    from lora_kit.evaluation.evaluate import evaluate
     r = evaluate("tiny", adapter_dir, run_dir=tmp_path, n_heldout=32, n_control=32, max_new_tokens=12,
                  n_resamples=500, progress=False)
     s = r.summary

@@ -3,9 +3,9 @@ import numpy as np
 import plotly.graph_objects as go
 import pytest
 
-from lora_kit.estimate import estimate
-from lora_kit.figures import breakdown_bar, cost_time_scatter, fits_heatmap, length_histogram, memory_vs_seq_len
-from lora_kit.planner import compare_methods, sweep
+from lora_kit.memory.estimate import estimate
+from lora_kit.plan.figures import breakdown_bar, cost_time_scatter, fits_heatmap, length_histogram, memory_vs_seq_len
+from lora_kit.plan.planner import compare_methods, sweep
 
 M = "llama-3.2-1b"
 

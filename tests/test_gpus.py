@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from lora_kit import gpus
-from lora_kit.gpus import add_gpu, get_gpu, gpu_table, remove_user_gpus, resolve_prices
+from lora_kit.plan import gpus
+from lora_kit.plan.gpus import add_gpu, get_gpu, gpu_table, remove_user_gpus, resolve_prices
 from lora_kit.settings import Settings
 
 REQUIRED_GPUS = ["T4", "L4", "A10G", "RTX-4090", "RTX-6000-Ada", "L40S", "A100-40GB", "A100-80GB",

@@ -1,7 +1,7 @@
 """Held-out hygiene: exact and normalized prompt overlap, refusal unless overridden."""
 import pytest
 
-from lora_kit.hygiene import check_heldout, normalize, overlap_report
+from lora_kit.evaluation.hygiene import check_heldout, normalize, overlap_report
 
 TRAIN = [{"prompt": "Date to ISO: 3 March 2021", "response": "2021-03-03"},
          {"prompt": "What is 2 + 2?", "response": "4"}]

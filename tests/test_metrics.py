@@ -4,9 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from lora_kit import metrics as M
-
-
+from lora_kit.evaluation import metrics as M
 def test_exact_match_strips_whitespace_only():
     assert M.exact_match(" 2021-03-03\n", "2021-03-03") == 1.0
     assert M.exact_match("2021-03-3", "2021-03-03") == 0.0

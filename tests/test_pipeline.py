@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from lora_kit.cli import main
-from lora_kit.pipeline import PIPELINE
+from lora_kit.ui.cli import main
+from lora_kit.ui.pipeline import PIPELINE
 
 
 def test_cli_estimate_prints_breakdown_and_fit(capsys):
@@ -83,15 +83,15 @@ def test_main_job_on_embedded_default(tmp_path):
 
 def _fig_run_dir(tmp_path):
     import plotly.graph_objects as go
-    from lora_kit.notebook import save_figure
+    from lora_kit.ui.notebook import save_figure
     save_figure(go.Figure(go.Bar(x=["a", "b"], y=[1, 2])), "bars", tmp_path)
     return tmp_path
 
 
 def test_run_card_without_browser_keeps_html_figures(tmp_path, monkeypatch):
     """Static export is optional: no Chromium -> the run card links the HTML figures and says why."""
-    from lora_kit import notebook
-    from lora_kit.report import build_report
+    from lora_kit.ui import notebook
+    from lora_kit.ui.run_card import build_report
     monkeypatch.setattr(notebook, "chromium_path", lambda: None)
     d = _fig_run_dir(tmp_path)
     paths = build_report(d)
@@ -102,8 +102,8 @@ def test_run_card_without_browser_keeps_html_figures(tmp_path, monkeypatch):
 
 
 def test_run_card_png_figures_with_browser(tmp_path):
-    from lora_kit import notebook
-    from lora_kit.report import build_report
+    from lora_kit.ui import notebook
+    from lora_kit.ui.run_card import build_report
     if notebook.chromium_path() is None:
         pytest.skip("no Chromium binary: PNG export cannot run here (covered by the no-browser test)")
     d = _fig_run_dir(tmp_path)

@@ -5,8 +5,8 @@ import random
 import numpy as np
 import pytest
 
-from lora_kit.estimate import estimate
-from lora_kit.planner import (check_plan, compare_methods, fit_verdict, fixes, for_estimate, max_fit, sweep,
+from lora_kit.memory.estimate import estimate
+from lora_kit.plan.planner import (check_plan, compare_methods, fit_verdict, fixes, for_estimate, max_fit, sweep,
                               verdict_text)
 from lora_kit.settings import METHODS
 

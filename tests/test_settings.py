@@ -99,7 +99,7 @@ def test_cli_strings_are_coerced():
 
 
 def test_cli_exposes_every_setting():
-    from lora_kit.cli import build_parser
+    from lora_kit.ui.cli import build_parser
     p = build_parser()
     run = p._subparsers._group_actions[0].choices["run"]
     dests = {a.dest for a in run._actions}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_kit.measure import BREAKDOWN_KEYS, measure_config
-from lora_kit.simulate import SimResult, simulate
+from lora_kit.memory.measure import BREAKDOWN_KEYS, measure_config
+from lora_kit.memory.simulate import SimResult, simulate
 
 SMALL = dict(dtype="float32", seq_len=16, batch_size=2)
 
@@ -103,7 +103,7 @@ def test_ddp_adds_gradient_buckets():
     (dict(optimizer="lion"), "optimizer='lion' is not valid"),
     (dict(lora_targets=["q_proj", "nope"]), r"valid names: \['q_proj'"),
     (dict(lora_rank=65), "lora_rank=65 is larger than layer"),
-    (dict(num_gpus=2, sharding="zero3"), "use lora_kit.estimate"),
+    (dict(num_gpus=2, sharding="zero3"), "use lora_kit.memory.estimate"),
     (dict(cpu_offload=True), "cpu_offload=True needs sharding"),
 ])
 def test_bad_input_says_what_to_change(kwargs, match):

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from lora_kit.results import read_json
-from lora_kit.smoke import PHASES, smoke_run
+from lora_kit.run.smoke import PHASES, smoke_run
 
 FAST = dict(max_steps=3, batch_size=2, seq_len=48, lora_rank=4, lora_alpha=8, max_new_tokens=4,
             learning_rate=1e-2, cpu_threads=1)  # model="tiny", dataset="tiny:dates", control_dataset="tiny:control" (defaults)

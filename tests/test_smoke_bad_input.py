@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from lora_kit import adapter_io
-from lora_kit.smoke import smoke_run
-from lora_kit.smoke_data import collate, verified_slice
+from lora_kit.run import adapter_io
+from lora_kit.run.smoke import smoke_run
+from lora_kit.run.batches import collate, verified_slice
 
 ROWS = [{"prompt": f"Q{i}", "response": f"A{i}"} for i in range(8)]
 

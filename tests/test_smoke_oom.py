@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_kit import adapter_io
-from lora_kit.oom import candidate_changes, fit_suggestions, is_oom
+from lora_kit.run import adapter_io
+from lora_kit.run.oom import candidate_changes, fit_suggestions, is_oom
 from lora_kit.results import read_json
 from lora_kit.settings import Settings
-from lora_kit.smoke import smoke_run
+from lora_kit.run.smoke import smoke_run
 
 ROWS = [{"prompt": f"Name {i}", "response": f"n{i}"} for i in range(30)]
 FAST = dict(max_steps=2, batch_size=4, seq_len=48, lora_rank=8, lora_alpha=16, max_new_tokens=2, cpu_threads=1)

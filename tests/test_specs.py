@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from lora_kit.specs import catalog, model_spec, spec_from_config, valid_targets
+from lora_kit.memory.specs import catalog, model_spec, spec_from_config, valid_targets
 
 
 def _meta_params(cfg) -> int:

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from lora_kit import stack, stack_probes
+from lora_kit.check import stack
 
-
+from lora_kit.check import probes as stack_probes
 @pytest.fixture(scope="module")
 def rep():
     return stack.report()

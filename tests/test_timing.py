@@ -2,8 +2,8 @@
 import pytest
 from transformers import LlamaConfig
 
-from lora_kit.gpus import get_gpu
-from lora_kit.timing import TimeModel, calibrate, flops_per_step, step_time, trainable_params
+from lora_kit.plan.gpus import get_gpu
+from lora_kit.plan.timing import TimeModel, calibrate, flops_per_step, step_time, trainable_params
 
 CFG = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=4)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_kit.tiny import DATA_DIR, TINY_DIR, sha256_file
+from lora_kit.embedded.tasks import DATA_DIR, TINY_DIR, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 

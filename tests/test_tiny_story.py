@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from lora_kit.tiny import round_robin_by_task, story_run
+from lora_kit.embedded.story import round_robin_by_task, story_run
 
 STEPS = 150  # benchmark: 300
 MIX_STEPS = 250  # with 25 % base rows the new task needs more steps (150 steps gave 0.50 here)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lora_kit.tracker import LiveBytesTracker, round_bytes
+from lora_kit.memory.tracker import LiveBytesTracker, round_bytes
 
 
 def test_round_bytes():

@@ -1,12 +1,12 @@
 """Planner panel, driven without a browser: set .value, assert the verdict, figure and settings."""
 import pytest
 
-from lora_kit.estimate import estimate
-from lora_kit.gpus import known_gpus
-from lora_kit.planner import for_estimate
+from lora_kit.memory.estimate import estimate
+from lora_kit.plan.gpus import known_gpus
+from lora_kit.plan.planner import for_estimate
 from lora_kit.settings import DTYPES, METHODS, OPTIMIZERS, SHARDINGS, Settings
-from lora_kit.specs import valid_targets
-from lora_kit.widgets import PARTS, PlannerPanel
+from lora_kit.memory.specs import valid_targets
+from lora_kit.ui.widgets import PARTS, PlannerPanel
 
 GIB = 2 ** 30
 

@@ -1,4 +1,4 @@
-"""Figures and tables for an :class:`lora_kit.evaluate.EvalResult` (plotly; nothing is shown).
+"""Figures and tables for an :class:`lora_kit.evaluation.evaluate.EvalResult` (plotly; nothing is shown).
 
 - :func:`metric_bars`: mean per metric, base vs each adapter, with bootstrap intervals as error bars
   (exact match and chrF on a 0-100 scale; reference loss in its own panel, lower is better).
@@ -14,7 +14,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from lora_kit.eval_compare import BASE, METRICS, worst_first
+from lora_kit.evaluation.compare import BASE, METRICS, worst_first
 
 SCALE = {"exact_match": 100.0, "chrf": 1.0, "ref_loss": 1.0}
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from lora_kit import metrics as M
-
+from lora_kit.evaluation import metrics as M
 BASE = "base"
 # metric -> (label, scale for sentences, unit, lower_is_better)
 METRICS = {
@@ -121,7 +120,7 @@ def control_sentence(comp: dict, tasks: dict) -> str:
 
 def summarize(per_example: pd.DataFrame, adapters: list[str], is_heldout: bool = True,
               confidence: float = 0.95, n_resamples: int = 2000, seed: int = 0) -> dict:
-    """Everything :func:`lora_kit.evaluate` reports from the scored table: ``metrics`` (per split and
+    """Everything :func:`lora_kit.evaluation.evaluate` reports from the scored table: ``metrics`` (per split and
     system), ``comparisons`` (per adapter and split), ``control_tasks``, ``top_changes``,
     ``sentences`` (per adapter: ``{"heldout", "control"}``), ``summary_sentence`` (held-out, all
     adapters), ``control_sentence`` and ``control_changed_fraction`` (largest over adapters)."""

@@ -1,10 +1,10 @@
 """The planner panel: ipywidgets controls -> live memory breakdown and a plain-language verdict.
 
 A view only: every change builds a :class:`lora_kit.settings.Settings` and calls
-:func:`lora_kit.planner.check_plan` (the same function the CLI and notebooks use); nothing is
+:func:`lora_kit.plan.planner.check_plan` (the same function the CLI and notebooks use); nothing is
 computed here. Choices come from the one settings definition (``METHODS``, ``OPTIMIZERS``,
-``SHARDINGS``, ``DTYPES``), the model catalog (``lora_kit.specs.catalog``), the GPU catalog
-(``lora_kit.gpus.gpu_table``) and the model's own linear layers (``valid_targets``).
+``SHARDINGS``, ``DTYPES``), the model catalog (``lora_kit.memory.specs.catalog``), the GPU catalog
+(``lora_kit.plan.gpus.gpu_table``) and the model's own linear layers (``valid_targets``).
 
 Drive it from code (tests, a browser test) through its public widgets::
 
@@ -29,7 +29,7 @@ import html
 
 import ipywidgets as w
 
-from .settings import DTYPES, METHODS, OPTIMIZERS, SHARDINGS, Settings
+from lora_kit.settings import DTYPES, METHODS, OPTIMIZERS, SHARDINGS, Settings
 
 GIB = 2 ** 30
 PARTS = ("weights", "quant_constants", "adapters", "gradients", "optimizer_states", "activations")
@@ -38,7 +38,7 @@ _LAYOUT = w.Layout(width="440px")
 
 
 def _model_options(current: str) -> list[str]:
-    from .specs import catalog
+    from lora_kit.memory.specs import catalog
     opts = ["tiny"] + sorted(catalog())
     return opts if current in opts else [current] + opts
 
@@ -47,8 +47,8 @@ class PlannerPanel:
     """Controls for one plan, a live stacked breakdown (``.figure``) and a verdict (``.verdict``)."""
 
     def __init__(self, settings: Settings | None = None):
-        from .gpus import get_gpu, known_gpus
-        from .planner import GIB as _  # noqa: F401  (fail early if the planner is unavailable)
+        from lora_kit.plan.gpus import get_gpu, known_gpus
+        from lora_kit.plan.planner import GIB as _  # noqa: F401  (fail early if the planner is unavailable)
         s = settings or Settings()
         self._plan_field = "model" if getattr(s, "plan_model", "same") in (None, "", "same") else "plan_model"
         model = getattr(s, self._plan_field)
@@ -106,7 +106,7 @@ class PlannerPanel:
                 self.lora_rank, self.targets, self.checkpointing, self.optimizer, self.num_gpus, self.sharding]
 
     def _set_target_options(self, lora_targets) -> None:
-        from .specs import valid_targets
+        from lora_kit.memory.specs import valid_targets
         try:
             names = valid_targets(self.model.value)
         except ValueError:
@@ -121,7 +121,7 @@ class PlannerPanel:
 
     def _make_figure(self):
         import plotly.graph_objects as go
-        from .figures import PART_COLORS
+        from lora_kit.plan.figures import PART_COLORS
         fig = go.FigureWidget()
         for part in PARTS:
             fig.add_bar(name=part.replace("_", " "), x=["estimate"], y=[0], marker_color=PART_COLORS[part],
@@ -161,7 +161,7 @@ class PlannerPanel:
 
     def update(self) -> None:
         """Recompute the plan from the widgets and refresh the verdict and the figure in place."""
-        from .planner import check_plan, verdict_text
+        from lora_kit.plan.planner import check_plan, verdict_text
         try:
             s = self.settings()
             plan = check_plan(gpu=s.gpu, margin=s.margin, **self.plan_kwargs())

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from .settings import Settings, field_help, field_names, load_settings
+from lora_kit.settings import Settings, field_help, field_names, load_settings
 
 GiB = 1024 ** 3
 
@@ -39,7 +39,7 @@ def _parse_p(pairs) -> dict:
 
 
 def cmd_run(args) -> int:
-    from .pipeline import PipelineError, run_pipeline
+    from lora_kit.ui.pipeline import PipelineError, run_pipeline
     overrides = {**_settings_from_args(args), **_parse_p(args.p)}
     try:
         settings = load_settings(args.params, overrides)
@@ -62,7 +62,7 @@ ESTIMATE_FIELDS = tuple(Settings().estimate_kwargs()) + ("gpu", "margin")
 
 
 def cmd_estimate(args) -> int:
-    from .estimate import estimate
+    from lora_kit.memory.estimate import estimate
     try:
         s = load_settings(args.params, {**_settings_from_args(args, ESTIMATE_FIELDS), **_parse_p(args.p)})
         est = estimate(**s.estimate_kwargs())
@@ -71,7 +71,7 @@ def cmd_estimate(args) -> int:
         return 2
     fit = None
     try:
-        from .gpus import get_gpu
+        from lora_kit.plan.gpus import get_gpu
         g = get_gpu(s.gpu)
         cap = int(g["memory_bytes"])
         fit = {"gpu": s.gpu, "capacity_bytes": cap, "fits": est.device_total_bytes <= cap * (1 - s.margin),
@@ -99,10 +99,10 @@ def cmd_estimate(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from . import stack
+    from lora_kit.check import stack
     rep = stack.report()
     if args.json:
-        from .results import write_json_atomic
+        from lora_kit.results import write_json_atomic
         write_json_atomic(args.json, rep)
     print(stack.format_table(rep))
     return 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import numpy as np
 
-from .prompting import encode_example
+from lora_kit.prompting import encode_example
 
 
 @dataclass
@@ -61,7 +61,7 @@ def load_rows(source, split=None, prompt_field: str = "prompt", response_field: 
     """Rows with ``prompt`` and ``response`` keys from a list of dicts or any source of
     :func:`lora_kit.data.load_examples` ("tiny:dates", JSONL, CSV, a datasets folder)."""
     if not isinstance(source, (list, tuple)):
-        from .data import load_examples
+        from lora_kit.data import load_examples
         return load_examples(source, split=split, prompt_field=prompt_field, response_field=response_field)
     rows = list(source)
     if not rows:
@@ -85,11 +85,11 @@ def dataset_lengths(examples_or_source, tokenizer, seq_len: int | None = None, *
                     model=None, gpu: str | None = None, margin: float = 0.10, **estimate_kwargs) -> DatasetLengths:
     """Token-length statistics, the ``top_k`` longest examples, and (with ``model`` and ``gpu``) whether
     the longest example fits at micro-batch 1, with the estimated effect of truncation, checkpointing
-    and packing. ``estimate_kwargs`` are the other ``lora_kit.estimate`` arguments (method, dtype...).
+    and packing. ``estimate_kwargs`` are the other ``lora_kit.memory.estimate`` arguments (method, dtype...).
     ``tokenizer`` is a tokenizer object or anything :func:`lora_kit.loading.load_tokenizer` accepts.
     """
     if isinstance(tokenizer, str):
-        from .loading import load_tokenizer
+        from lora_kit.loading import load_tokenizer
         tokenizer = load_tokenizer(tokenizer)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0):
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}.")
@@ -115,8 +115,8 @@ def dataset_lengths(examples_or_source, tokenizer, seq_len: int | None = None, *
 
 
 def _check_longest(out: DatasetLengths, model, gpu: str, margin: float, kw: dict) -> None:
-    from .estimate import estimate
-    from .planner import fit_verdict, for_estimate, max_fit
+    from lora_kit.memory.estimate import estimate
+    from lora_kit.plan.planner import fit_verdict, for_estimate, max_fit
     kw = for_estimate({k: v for k, v in kw.items() if k not in ("seq_len", "batch_size")})
     need = out.max if out.seq_len is None else min(out.max, out.seq_len)
     est = estimate(model, seq_len=need, batch_size=1, **kw)

@@ -1,6 +1,6 @@
 """More than one process: the few torch.distributed pieces the smoke run needs.
 
-Launch with ``torchrun --nproc_per_node N -m lora_kit.smoke --params run.yaml`` (or accelerate's
+Launch with ``torchrun --nproc_per_node N -m lora_kit.run.smoke --params run.yaml`` (or accelerate's
 launcher). Backend: NCCL on CUDA, gloo on CPU -- slow, but it runs the real DDP code path, so a
 2-process CPU run proves the script before a multi-GPU rental. (``accelerate launch --cpu
 --num_processes 2`` starts only one process on this stack; use torchrun on CPU.)

@@ -103,7 +103,7 @@ def compare_logits(trained: torch.Tensor, reloaded: torch.Tensor, base: torch.Te
 def generate_side_by_side(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[dict]:
     """Base (adapter disabled) and adapter answers per prompt, with evaluate's generation
     (greedy, left padding, stop at EOS or newline) so the smoke run and 04 read alike."""
-    from lora_kit.eval_generate import generate
+    from lora_kit.generation import generate
     model.eval()
     with model.disable_adapter():
         base = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens)

@@ -102,7 +102,7 @@ def flops_per_step(spec, method: str = "lora", seq_len: int = 2048, batch_size: 
                    lora_targets="all-linear", gradient_checkpointing: bool = False,
                    attn_implementation: str = "sdpa") -> dict:
     """FLOPs of one step on one GPU, by part (see the module docstring for each formula)."""
-    from .specs import model_spec
+    from lora_kit.memory.specs import model_spec
     spec = model_spec(spec)
     if method not in ("full", "lora", "qlora"):
         raise ValueError(f"method={method!r}; choose 'full', 'lora' or 'qlora'.")
@@ -131,7 +131,7 @@ def flops_per_step(spec, method: str = "lora", seq_len: int = 2048, batch_size: 
 
 
 def trainable_params(spec, method: str, lora_rank: int, lora_targets) -> int:
-    from .specs import model_spec
+    from lora_kit.memory.specs import model_spec
     spec = model_spec(spec)
     if method == "full":
         return spec.num_params
@@ -155,7 +155,7 @@ def step_time(spec, gpu: dict, method: str = "lora", dtype: str = "bfloat16", au
               num_gpus: int = 1, time_model: TimeModel | None = None, **_ignored) -> dict:
     """Predicted seconds per optimizer step (micro-batch per GPU) and tokens/s over all GPUs.
 
-    ``gpu`` is a catalog row (``lora_kit.gpus.get_gpu(name)``) or any dict with ``bf16_tflops`` /
+    ``gpu`` is a catalog row (``lora_kit.plan.gpus.get_gpu(name)``) or any dict with ``bf16_tflops`` /
     ``fp16_tflops`` and ``memory_bandwidth_gbs`` (e.g. a CPU described by the user). Extra keyword
     arguments (``lora_alpha``, ``sharding``...) are accepted and do not change the time.
     """
@@ -173,7 +173,7 @@ def step_time(spec, gpu: dict, method: str = "lora", dtype: str = "bfloat16", au
 
 
 def _memory_bound_seconds(spec, method, lora_rank, lora_targets, gradient_checkpointing, optimizer, bw) -> dict:
-    from .specs import model_spec
+    from lora_kit.memory.specs import model_spec
     spec = model_spec(spec)
     dequant = 0.0
     if method == "qlora":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-CATALOG_CSV = Path(__file__).parent / "catalog" / "gpus.csv"
+CATALOG_CSV = Path(__file__).parents[1] / "catalog" / "gpus.csv"
 COLUMNS = ("name", "memory_gb", "memory_type", "cuda_total_mib", "cuda_total_source", "memory_bandwidth_gbs",
            "bf16_tflops", "fp16_tflops", "architecture", "compute_capability", "cpu_arch", "interconnect",
            "source", "example_price_per_hour", "notes")
@@ -121,7 +121,7 @@ def get_gpu(name: str, extra_csv=None) -> dict:
     rows = _CACHE[str(extra_csv)][1]
     if _key(name) not in rows:
         raise ValueError(f"Unknown GPU {name!r}. Known GPUs: {', '.join(r['name'] for r in rows.values())}. "
-                         "Add yours with lora_kit.gpus.add_gpu(...) or gpu_table(extra_csv=...).")
+                         "Add yours with lora_kit.plan.gpus.add_gpu(...) or gpu_table(extra_csv=...).")
     return dict(rows[_key(name)])
 
 

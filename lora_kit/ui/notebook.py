@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .settings import Settings, field_names, from_dict
+from lora_kit.settings import Settings, field_names, from_dict
 
 _RUN_DIR: Path | None = None
 

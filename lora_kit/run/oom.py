@@ -1,6 +1,6 @@
 """Out of memory: recognise it, record it, free memory, and say what change would fit.
 
-``fit_suggestions`` asks ``lora_kit.estimate`` for the peak of each single change a user can make
+``fit_suggestions`` asks ``lora_kit.memory.estimate`` for the peak of each single change a user can make
 (gradient checkpointing, shorter seq_len, smaller micro-batch with more accumulation so the
 effective batch stays, QLoRA, 8-bit / paged optimizer, fewer LoRA targets, lower rank) and ranks
 them by estimated saving. If no single change fits, the changes are combined greedily, largest
@@ -71,7 +71,7 @@ def fit_suggestions(settings: dict, limit_bytes: int | None, target_names: list[
                     estimate_fn=None) -> dict:
     """Changes ranked by estimated saving, each with its estimated peak and whether it fits ``limit_bytes``."""
     if estimate_fn is None:
-        from lora_kit.estimate import estimate as estimate_fn
+        from lora_kit.memory.estimate import estimate as estimate_fn
     keys = ("model", "method", "dtype", "autocast", "double_quant", "seq_len", "batch_size", "lora_rank",
             "lora_alpha", "lora_targets", "gradient_checkpointing", "attn_implementation", "optimizer",
             "num_gpus", "sharding", "cpu_offload", "grad_accum")

@@ -6,8 +6,8 @@ How it works: the model is built from its config on the meta device (transformer
 ``FakeTensor`` of the same shape and dtype (``module.to()`` under FakeTensorMode fails in torch
 2.13). The first step is reduced to what it leaves behind (zero gradients + one optimizer step
 create the optimizer state: half the time, same state); the second, real training step
-(:func:`lora_kit.measure.train_step`, the same code a real measurement runs) executes under
-``FakeTensorMode`` with a :class:`~lora_kit.tracker.LiveBytesTracker`, and its peak is the result.
+(:func:`lora_kit.memory.measure.train_step`, the same code a real measurement runs) executes under
+``FakeTensorMode`` with a :class:`~lora_kit.memory.tracker.LiveBytesTracker`, and its peak is the result.
 Nothing is allocated and no kernel runs; cost is Python overhead per operator (about 20k operators
 for an 8B LoRA step: see ``benchmarks/simulate_speed.py`` for measured times).
 
@@ -44,13 +44,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .loading import DTYPE_MAP
-from .measure import (BREAKDOWN_KEYS, autocast_context, label_training_state, to_breakdown,
+from lora_kit.loading import DTYPE_MAP
+from lora_kit.memory.measure import (BREAKDOWN_KEYS, autocast_context, label_training_state, to_breakdown,
                       train_step)
-from .settings import (ATTN_IMPLEMENTATIONS, DTYPES, METHODS, OPTIMIZERS, SHARDINGS)
-from .tracker import LiveBytesTracker
+from lora_kit.settings import (ATTN_IMPLEMENTATIONS, DTYPES, METHODS, OPTIMIZERS, SHARDINGS)
+from lora_kit.memory.tracker import LiveBytesTracker
 
-CUDA_CONTEXT_BYTES = 512 * 2**20  # fallback only: lora_kit.estimate owns the device-total model
+CUDA_CONTEXT_BYTES = 512 * 2**20  # fallback only: lora_kit.memory.estimate owns the device-total model
 LORA_DEFAULTS = {"lora_rank": 16, "lora_alpha": 32, "lora_targets": "all-linear"}
 
 
@@ -104,7 +104,7 @@ def load_config(model):
     from transformers import AutoConfig, PretrainedConfig
     if isinstance(model, PretrainedConfig):
         return model
-    from .specs import _config_dict
+    from lora_kit.memory.specs import _config_dict
     _, c = _config_dict(model)
     c = {k: v for k, v in c.items() if k not in ("transformers_version", "architectures", "_name_or_path")}
     return AutoConfig.for_model(c.pop("model_type"), **c)
@@ -114,7 +114,7 @@ def check_targets(cfg, s: dict) -> None:
     """Unknown LoRA target names / rank larger than a targeted layer -> ValueError."""
     if s["method"] == "full":
         return
-    from .specs import model_spec, valid_targets
+    from lora_kit.memory.specs import model_spec, valid_targets
     spec = model_spec(cfg)
     names = valid_targets(spec)
     targets = names if s["lora_targets"] == "all-linear" else s["lora_targets"]
@@ -132,7 +132,7 @@ def check_targets(cfg, s: dict) -> None:
 def optimizer_for(params, name: str, device_type: str = "cpu"):
     """training.build_optimizer's optimizer; on CPU / fake tensors a paged bitsandbytes optimizer is
     replaced by its non-paged twin (same state layout; paging needs CUDA managed memory)."""
-    from .training import build_optimizer
+    from lora_kit.training import build_optimizer
     lr = 1e-4
     if name.startswith("paged_") and device_type != "cuda":
         import bitsandbytes as bnb
@@ -158,7 +158,7 @@ def _meta_model(cfg, s: dict):
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
         from transformers.quantizers.base import get_keys_to_not_convert
 
-        from .loading import bnb_config
+        from lora_kit.loading import bnb_config
         replace_with_bnb_linear(m, modules_to_not_convert=get_keys_to_not_convert(m),
                                 quantization_config=bnb_config(s["dtype"], s["double_quant"]))
         m.is_loaded_in_4bit = True
@@ -233,7 +233,7 @@ def _no_packed_sequences():
 def _device_total(peak: int) -> int:
     """Peak + CUDA context + allocator reserve, with estimate's constants (one model of that part)."""
     try:
-        from .estimate import CUDA_CONTEXT_BYTES as context, RESERVE_FRACTION as reserve
+        from lora_kit.memory.estimate import CUDA_CONTEXT_BYTES as context, RESERVE_FRACTION as reserve
     except ImportError:  # estimate not importable: its documented defaults
         context, reserve = CUDA_CONTEXT_BYTES, 0.08
     return int(peak + context + math.ceil(reserve * peak))
@@ -246,7 +246,7 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
              sharding: str = "none", cpu_offload: bool = False, grad_accum: int = 1) -> SimResult:
     """Peak memory of one steady-state training step, from a real step on fake tensors.
 
-    Same arguments and result fields as :func:`lora_kit.estimate`. ``grad_accum`` does not change
+    Same arguments and result fields as :func:`lora_kit.memory.estimate`. ``grad_accum`` does not change
     the peak (each micro-step frees its activations; gradients are accumulated in place) and is
     recorded only. See the module docstring for what is exact and what is not.
     """
@@ -254,10 +254,10 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
     t0 = time.perf_counter()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .training import attach_adapter
+    from lora_kit.training import attach_adapter
     if sharding not in ("none", "ddp"):
         raise ValueError(f"simulate covers sharding='none' and 'ddp' (one GPU's view); for sharding={sharding!r} "
-                         "use lora_kit.estimate, or simulate with sharding='none' for the unsharded step.")
+                         "use lora_kit.memory.estimate, or simulate with sharding='none' for the unsharded step.")
     cfg = load_config(model)
     check_targets(cfg, s)
     net = _meta_model(cfg, s)
@@ -299,8 +299,3 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
     peak = sum(bd.values())
     assert set(bd) == set(BREAKDOWN_KEYS)
     return SimResult(int(peak), _device_total(peak), bd, tracker.peak_phase, time.perf_counter() - t0, s, notes)
-
-
-from lora_kit._callable import make_callable  # noqa: E402  (lk.simulate(...) in any import order)
-
-make_callable(__name__)

@@ -12,13 +12,11 @@ import importlib
 import platform
 import shutil
 import subprocess
-import sys
 import time
 
 import torch
 
-from lora_kit import stack_probes
-
+from lora_kit.check import probes as stack_probes
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "tokenizers")
 
 
@@ -118,9 +116,6 @@ def format_table(rep: dict) -> str:
     lines.append("Notes")
     lines += [f"  - {n}" for n in rep["notes"]]
     return "\n".join(lines)
-
-
-stack = sys.modules[__name__]  # ``lora_kit.stack`` (the lazy public API map resolves names inside modules)
 
 
 if __name__ == "__main__":  # pragma: no cover

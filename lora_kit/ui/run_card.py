@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .results import write_json_atomic, write_text_atomic
+from lora_kit.results import write_json_atomic, write_text_atomic
 
 GiB = 1024 ** 3
 
@@ -210,7 +210,7 @@ def render_markdown(card: dict) -> str:
 
 def _figures(d: Path) -> dict:
     """PNG figures when a browser can render them (one batch), else the HTML files."""
-    from .notebook import export_pngs
+    from lora_kit.ui.notebook import export_pngs
     if not (d / "figures").is_dir():
         return {}
     res = export_pngs(d)

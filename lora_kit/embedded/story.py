@@ -1,121 +1,26 @@
-"""The embedded default's tasks, plus a small train/evaluate loop for the tiny model.
+"""The tiny model's story harness: a small train/evaluate loop on the embedded tasks.
 
-Tasks are synthetic string/number jobs a ~2M-parameter Llama can master from scratch. The base
-model was pretrained on :data:`BASE_TASKS` only; :func:`date_example` ("3 March 2021" ->
-"2021-03-03") is the *new* task it never saw, which a LoRA adapter learns in minutes. Every
-character the new task needs (digits, ``-``, capitals, month names) appears in some base task's
-output, so the base has produced each of them before (see docs/pitfalls.md).
-
-:func:`train_adapter` is a deliberately plain PyTorch loop (no Trainer, no callbacks): it is what
-the tests and ``benchmarks/tiny_story.py`` use to measure the story. The instrumented run users
-call is ``lora_kit.smoke_run``. :func:`exact_match` decodes greedily with left padding (right
-padding silently ruins batched generation of decoder-only models).
+:func:`train_adapter` is a deliberately plain loop around the one training step
+(:func:`lora_kit.training.train_step`), no Trainer, no callbacks: it is what the tests and
+``benchmarks/tiny_story.py`` use to measure the story. The instrumented run users call is
+``lora_kit.smoke_run``. :func:`exact_match` decodes greedily with left padding (right padding
+silently ruins batched generation of decoder-only models).
 """
 from __future__ import annotations
 
-import hashlib
 import random
-import string
 import time
-from pathlib import Path
 
-from lora_kit.hygiene import normalize  # noqa: F401  (re-exported: one near-duplicate rule)
+from lora_kit.embedded.tasks import (BASE_TASKS, DATA_DIR, MONTHS, TINY_DIR, base_example,  # noqa: F401
+                                     date_example, sha256_file)
 from lora_kit.prompting import encode_example
-
-EMBEDDED_ROOT = Path(__file__).parent / "embedded"
-TINY_DIR = EMBEDDED_ROOT / "tiny"
-DATA_DIR = EMBEDDED_ROOT / "data"
-MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
-          "October", "November", "December")
-DAYS_IN_MONTH = (31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
-DATE_YEARS = (1950, 2049)  # inclusive range of years in the dates task
-
-
-def _letters(rng: random.Random, lo: int, hi: int) -> str:
-    return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(lo, hi)))
-
-
-def _reverse(rng):
-    w = _letters(rng, 3, 5)
-    return f"Reverse: {w}", w[::-1]
-
-
-def _uppercase(rng):
-    w = _letters(rng, 3, 6)
-    return f"Uppercase: {w}", w.upper()
-
-
-def _hyphenate(rng):
-    w = _letters(rng, 3, 5)
-    return f"Hyphenate: {w}", "-".join(w)
-
-
-def _count(rng):
-    w = _letters(rng, 1, 9)
-    return f"Count letters: {w}", str(len(w))
-
-
-def _next_number(rng):
-    n = rng.randint(0, 998)
-    return f"Next number: {n}", str(n + 1)
-
-
-def _month_after(rng):
-    i = rng.randrange(12)
-    return f"Month after: {MONTHS[i]}", MONTHS[(i + 1) % 12]
-
-
-def _month_number(rng):
-    i = rng.randrange(12)
-    return f"Month number: {MONTHS[i]}", f"{i + 1:02d}"
-
-
-def _sort_digits(rng):
-    d = "".join(rng.choice(string.digits) for _ in range(4))
-    return f"Sort digits: {d}", "".join(sorted(d))
-
-
-BASE_TASKS = {"reverse": _reverse, "uppercase": _uppercase, "hyphenate": _hyphenate, "count": _count,
-              "next_number": _next_number, "month_after": _month_after, "month_number": _month_number,
-              "sort_digits": _sort_digits}
-BASE_PREFIXES = ("Reverse: ", "Uppercase: ", "Hyphenate: ", "Count letters: ", "Next number: ", "Month after: ",
-                 "Month number: ", "Sort digits: ")  # the prompt prefix of each base task
-# Tasks whose whole input space is tiny: every control prompt was necessarily seen in pretraining.
-SMALL_INPUT_SPACE = ("month_after", "month_number")
-
-
-def base_example(rng: random.Random, task: str | None = None) -> dict:
-    """One base-task row ``{"prompt", "response", "task"}`` (task drawn uniformly if None)."""
-    task = task or rng.choice(sorted(BASE_TASKS))
-    prompt, response = BASE_TASKS[task](rng)
-    return {"prompt": prompt, "response": response, "task": task}
-
-
-def date_example(rng: random.Random) -> dict:
-    """One row of the new task: "Date to ISO: 3 March 2021" -> "2021-03-03"."""
-    year = rng.randint(*DATE_YEARS)
-    month = rng.randrange(12)
-    leap = year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
-    days = DAYS_IN_MONTH[month] + (1 if month == 1 and leap else 0)
-    day = rng.randint(1, days)
-    return {"prompt": f"Date to ISO: {day} {MONTHS[month]} {year}",
-            "response": f"{year:04d}-{month + 1:02d}-{day:02d}", "task": "dates"}
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 # ----------------------------------------------------------------------------------------------
 # batching, training, evaluation
 # ----------------------------------------------------------------------------------------------
 def collate(tokenizer, rows: list[dict], max_len: int = 64) -> dict:
     """Right-padded training batch, padded to its longest example (prompt and padding masked in labels)."""
-    from lora_kit.smoke_data import collate as pad_batch
+    from lora_kit.run.batches import collate as pad_batch
     enc = [encode_example(tokenizer, r["prompt"], r["response"], max_len=max_len) for r in rows]
     return pad_batch(enc, max(e["length"] for e in enc), tokenizer.pad_token_id)
 
@@ -174,8 +79,8 @@ def train_adapter(model, tokenizer, examples: list[dict], steps: int, batch_size
 
 def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int = 16,
                      batch_size: int = 64) -> list[str]:
-    """Greedy answers in the kit's prompt format: the same generation as ``lora_kit.evaluate``."""
-    from lora_kit.eval_generate import generate
+    """Greedy answers in the kit's prompt format: the same generation as ``lora_kit.evaluation.evaluate``."""
+    from lora_kit.generation import generate
     model.eval()
     return generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
 

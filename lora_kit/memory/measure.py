@@ -3,7 +3,7 @@
 - On CUDA: ``torch.cuda.reset_peak_memory_stats()`` at the start of the measured step, then
   ``max_memory_allocated`` (what estimate/simulate predict) and ``max_memory_reserved`` (the
   caching allocator's footprint; nvidia-smi adds the CUDA context on top).
-- On CPU: the same :class:`~lora_kit.tracker.LiveBytesTracker` the simulator uses, on real tensors,
+- On CPU: the same :class:`~lora_kit.memory.tracker.LiveBytesTracker` the simulator uses, on real tensors,
   with every already-live tensor (weights, optimizer state, batch) registered first. CPU has no
   caching allocator, so ``reserved_bytes`` is None there.
 
@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .loading import DTYPE_MAP
-from .tracker import LiveBytesTracker, optimizer_state_tensors
+from lora_kit.loading import DTYPE_MAP
+from lora_kit.memory.tracker import LiveBytesTracker, optimizer_state_tensors
 
 BREAKDOWN_KEYS = ("weights", "quant_constants", "adapters", "gradients", "optimizer_states", "activations")
 PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages a state buffer only for params with >= 1e5 elements
@@ -172,7 +172,7 @@ def measure_config(model, method: str = "lora", dtype: str = "bfloat16", autocas
     measure one real step on ``device``. QLoRA quantizes with bitsandbytes (saved to a temporary
     folder and loaded as users load it). Only small models make sense on a CPU."""
     s = {k: v for k, v in locals().items() if k not in ("device", "seed", "steps")}
-    from .simulate import check_args, load_config
+    from lora_kit.memory.simulate import check_args, load_config
     s = check_args(**s)
     cfg = load_config(model)
     built = build_real_model(cfg, s, device=device, seed=seed)
@@ -188,9 +188,9 @@ def build_real_model(cfg, s: dict, device: str = "cpu", seed: int = 0):
 
     from transformers import AutoModelForCausalLM
 
-    from .loading import load_model
-    from .simulate import optimizer_for
-    from .training import attach_adapter
+    from lora_kit.loading import load_model
+    from lora_kit.memory.simulate import optimizer_for
+    from lora_kit.training import attach_adapter
     torch.manual_seed(seed)
     weight_dtype = "float32" if s["method"] == "full" and s["autocast"] else s["dtype"]
     with torch.device(device):  # initialise on the device: fast on a GPU, no host copy

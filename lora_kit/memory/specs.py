@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-CATALOG_PATH = Path(__file__).parent / "catalog" / "models.json"
+CATALOG_PATH = Path(__file__).parents[1] / "catalog" / "models.json"
 GATED_MLP_TYPES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "qwen3", "olmo2", "granite")
 KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox")
 
@@ -109,7 +109,7 @@ def _config_dict(model) -> tuple[str, dict]:
     for name, facts in cat.items():
         if key == name or key == facts["hub_id"].lower():
             return name, {k: v for k, v in facts.items() if k not in ("hub_id", "params")}
-    from .loading import TINY_ALIASES, resolve_model
+    from lora_kit.loading import TINY_ALIASES, resolve_model
     p = Path(model).expanduser()
     if model in TINY_ALIASES or p.exists():
         path = Path(resolve_model(model)) if not p.is_file() else p
@@ -119,7 +119,7 @@ def _config_dict(model) -> tuple[str, dict]:
         raise ValueError(
             f"Unknown model {model!r} and the hub is offline (HF_HUB_OFFLINE is set). Pass a "
             f"transformers PretrainedConfig, a local folder holding config.json (or the config.json path), "
-            f"or a catalog name such as {', '.join(sorted(cat)[:6])} (all: lora_kit.specs.catalog()).")
+            f"or a catalog name such as {', '.join(sorted(cat)[:6])} (all: lora_kit.memory.specs.catalog()).")
     from transformers import AutoConfig
     try:
         cfg = AutoConfig.from_pretrained(model, trust_remote_code=False)

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from lora_kit import eval_compare as C
-from lora_kit.eval_adapters import check_adapter, local_adapter
-from lora_kit.eval_generate import generate, reference_nll
-from lora_kit.hygiene import check_heldout, overlap_report
+from lora_kit.evaluation import compare as C
+from lora_kit.evaluation.adapters import check_adapter, local_adapter
+from lora_kit.generation import generate, reference_nll
+from lora_kit.evaluation.hygiene import check_heldout, overlap_report
 from lora_kit.prompting import encode_example, encode_prompt
 from lora_kit.results import write_json_atomic, write_text_atomic
 
@@ -60,23 +60,23 @@ class EvalResult:
         return list(self.summary["adapters"])
 
     def metric_bars(self, split: str = "heldout"):
-        from lora_kit.eval_figures import metric_bars
+        from lora_kit.evaluation.figures import metric_bars
         return metric_bars(self, split)
 
     def diff_histogram(self, adapter: str | None = None, metric: str = "chrf", split: str = "heldout"):
-        from lora_kit.eval_figures import diff_histogram
+        from lora_kit.evaluation.figures import diff_histogram
         return diff_histogram(self, adapter, metric, split)
 
     def control_changes(self, adapter: str | None = None):
-        from lora_kit.eval_figures import control_changes
+        from lora_kit.evaluation.figures import control_changes
         return control_changes(self, adapter)
 
     def examples_table(self, adapter: str | None = None, split: str | None = None, changed_only: bool = False):
-        from lora_kit.eval_figures import examples_table
+        from lora_kit.evaluation.figures import examples_table
         return examples_table(self, adapter, split, changed_only)
 
     def figures(self) -> dict:
-        from lora_kit.eval_figures import all_figures
+        from lora_kit.evaluation.figures import all_figures
         return all_figures(self)
 
 
@@ -84,7 +84,7 @@ def load_result(run_dir: str | os.PathLike) -> EvalResult:
     """The :class:`EvalResult` written by ``evaluate(run_dir=...)``, for figures without re-running."""
     d = Path(run_dir) / EVAL_DIR
     if not (d / "eval.json").is_file():
-        raise ValueError(f"no evaluation in {str(d)!r}; run lora_kit.evaluate(run_dir={os.fspath(run_dir)!r}) first.")
+        raise ValueError(f"no evaluation in {str(d)!r}; run lora_kit.evaluation.evaluate(run_dir={os.fspath(run_dir)!r}) first.")
     from lora_kit.results import read_json
     summary = read_json(d / "eval.json")
     text = ["split", "task", "prompt", "reference"] + [f"pred:{s}" for s in [C.BASE, *summary["adapters"]]]
@@ -361,8 +361,3 @@ def _versions() -> dict:
     import torch
     import transformers
     return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
-
-
-from lora_kit._callable import make_callable  # noqa: E402  (lk.evaluate(...) in any import order)
-
-make_callable(__name__)

@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from .results import read_json, write_json_atomic
-from .settings import Settings
+from lora_kit.results import read_json, write_json_atomic
+from lora_kit.settings import Settings
 
 PIPELINE = (
     "00_stack_check.ipynb",
@@ -33,8 +33,8 @@ class PipelineError(RuntimeError):
 
 def notebooks_dir() -> Path:
     """The notebooks folder: the repository's ``notebooks/`` (editable install) or package data."""
-    here = Path(__file__).resolve().parent
-    for cand in (here.parent / "notebooks", here / "notebooks"):
+    package = Path(__file__).resolve().parents[1]
+    for cand in (package.parent / "notebooks", package / "notebooks"):
         if (cand / PIPELINE[0]).is_file():
             return cand
     raise FileNotFoundError("notebooks not found; run from a lora_kit checkout or pass --notebooks DIR.")
@@ -114,7 +114,7 @@ def run_pipeline(settings: Settings, out_dir: str | Path, notebooks: str | Path 
 
 def _build_report_safely(out: Path, log) -> None:
     try:
-        from .report import build_report
+        from lora_kit.ui.run_card import build_report
         paths = build_report(out)
         log(f"run card: {paths['md']}")
     except Exception as exc:  # the report must never hide the run's own outcome

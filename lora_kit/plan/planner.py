@@ -5,7 +5,7 @@ the remaining memory on sequence length and batch; compare LoRA on a bigger, pri
 on a smaller, cheaper one by *total cost*, since QLoRA is slower per step; several GPUs do not pool
 their memory unless the states are sharded (``sharding``), so every number here is per GPU.
 
-- :func:`sweep` evaluates any grid of ``lora_kit.estimate`` arguments (plus ``gpu``) with one
+- :func:`sweep` evaluates any grid of ``lora_kit.memory.estimate`` arguments (plus ``gpu``) with one
   vectorized ``estimate_arrays`` call per combination of categorical settings: 10,000 rows take
   milliseconds (``benchmarks/planner_speed.py``), and every row equals ``estimate(...)`` exactly.
 - :func:`max_fit` finds the exact largest ``seq_len`` / ``batch_size`` / ``lora_rank`` that fits
@@ -17,7 +17,7 @@ their memory unless the states are sharded (``sharding``), so every number here 
   tokens/s, time and cost per epoch and a plain-language recommendation.
 
 "Fits" means ``device_total_bytes <= (1 - margin) * capacity_bytes`` of the GPU (see
-:mod:`lora_kit.gpus` for capacity); headroom is ``usable - device_total`` (negative: short by).
+:mod:`lora_kit.plan.gpus` for capacity); headroom is ``usable - device_total`` (negative: short by).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from .settings import METHODS
+from lora_kit.settings import METHODS
 
 GIB = 2 ** 30
 ARRAY_ARGS = ("seq_len", "batch_size", "lora_rank", "num_gpus")
@@ -46,7 +46,7 @@ def _estimate_defaults() -> dict:
 
 @functools.lru_cache(maxsize=1)
 def _defaults() -> dict:
-    from .estimate import estimate
+    from lora_kit.memory.estimate import estimate
     return {k: p.default for k, p in inspect.signature(estimate).parameters.items()
             if p.default is not inspect.Parameter.empty}
 
@@ -66,7 +66,7 @@ def check_margin(margin) -> float:
 
 def fit_verdict(device_total_bytes, gpu: str, margin: float = 0.10) -> dict:
     """Does ``device_total_bytes`` (int or array) fit ``gpu`` with ``margin``? Headroom in bytes and %."""
-    from .gpus import get_gpu
+    from lora_kit.plan.gpus import get_gpu
     g = get_gpu(gpu)
     cap = int(g["capacity_bytes"])
     usable = cap * (1 - check_margin(margin))
@@ -108,8 +108,8 @@ def sweep(model, gpu=None, margin: float = 0.10, **grid) -> pd.DataFrame:
     be a list too. Example: ``sweep("llama-3.1-8b", method=["lora", "qlora"], seq_len=[512, 1024,
     2048], batch_size=[1, 2, 4, 8], gpu=["L4", "A100-80GB"])``.
     """
-    from .estimate import estimate_arrays
-    from .specs import model_spec
+    from lora_kit.memory.estimate import estimate_arrays
+    from lora_kit.memory.specs import model_spec
     defaults = _estimate_defaults()
     valid = set(ARRAY_ARGS) | set(CATEGORICAL_ARGS) | set(PASSTHROUGH_ARGS)
     unknown = sorted(set(grid) - valid)
@@ -165,8 +165,8 @@ def _codes_column(values: list, idx: np.ndarray):
 
 
 def _device_totals(model, param: str, values: np.ndarray, kwargs: dict) -> np.ndarray:
-    from .estimate import estimate_arrays
-    from .specs import model_spec
+    from lora_kit.memory.estimate import estimate_arrays
+    from lora_kit.memory.specs import model_spec
     defaults = _estimate_defaults()
     cats = {k: kwargs.get(k, defaults.get(k)) for k in CATEGORICAL_ARGS}
     arrays = {k: np.asarray(kwargs.get(k, defaults.get(k)), dtype=np.int64) for k in ARRAY_ARGS}
@@ -188,7 +188,7 @@ def max_fit(param: str, model, gpu: str, margin: float = 0.10, low: int = 1, hig
     searchable parameter, so the answer is exact: ``value`` fits and ``value + multiple_of`` does not
     (checked with ``estimate`` when ``verify``), unless ``high`` (default: a generous cap) itself fits.
     """
-    from .estimate import estimate
+    from lora_kit.memory.estimate import estimate
     if param not in FIT_PARAMS:
         raise ValueError(f"max_fit: param must be one of {list(FIT_PARAMS)}, got {param!r}.")
     unknown = sorted(set(kwargs) - set(ARRAY_ARGS) - set(CATEGORICAL_ARGS) - set(PASSTHROUGH_ARGS))
@@ -202,7 +202,7 @@ def max_fit(param: str, model, gpu: str, margin: float = 0.10, low: int = 1, hig
     if high is None:
         high = FIT_PARAMS[param]
         if param == "lora_rank":  # estimate refuses a rank above the smallest adapted layer width
-            from .specs import model_spec
+            from lora_kit.memory.specs import model_spec
             high = min(min(lin.in_features, lin.out_features) for lin in model_spec(model).linears)
     lo_k, hi_k = -(-low // multiple_of), high // multiple_of
 
@@ -264,7 +264,7 @@ def fixes(gpu: str, margin: float = 0.10, model=None, first_only: bool = False, 
 
     Each dict: ``change`` (text), ``settings`` (the changed arguments), ``device_total_bytes``, ``why``.
     """
-    from .gpus import gpu_table
+    from lora_kit.plan.gpus import gpu_table
     defaults = _estimate_defaults()
     kw = {k: kwargs.get(k, defaults.get(k)) for k in (*ARRAY_ARGS, *CATEGORICAL_ARGS) if k in kwargs or k in defaults}
     usable = fit_verdict(0, gpu, margin)["usable_bytes"]
@@ -342,7 +342,7 @@ def fixes(gpu: str, margin: float = 0.10, model=None, first_only: bool = False, 
 
 def check_plan(model, gpu: str, margin: float = 0.10, **kwargs) -> dict:
     """One plan: its estimate, the fit verdict on ``gpu`` and, when it does not fit, the cheapest fix."""
-    from .estimate import estimate
+    from lora_kit.memory.estimate import estimate
     est = estimate(model, **for_estimate(kwargs))
     v = fit_verdict(est.device_total_bytes, gpu, margin)
     fits = bool(v["fits"])
@@ -375,14 +375,14 @@ def compare_methods(model, gpus=None, seq_len: int = 2048, batch_size="max", num
     guide's "spend the remaining memory on batch"; an int uses that micro-batch everywhere.
     An epoch is ``num_examples`` padded to ``seq_len`` (or ``dataset_tokens`` packed into rows of
     ``seq_len`` when given). ``prices`` maps GPU -> your price per GPU-hour; missing GPUs use the
-    catalog's *example* price and ``price_source`` says so. Time uses :mod:`lora_kit.timing`
+    catalog's *example* price and ``price_source`` says so. Time uses :mod:`lora_kit.plan.timing`
     (``time_model``: a calibrated one from a smoke run, else the assumed utilization).
     The plain-language recommendation is in ``df.attrs["recommendation"]`` (and :func:`recommend`).
     """
-    from .estimate import estimate
-    from .gpus import get_gpu, resolve_prices
-    from .settings import Settings
-    from .timing import TimeModel, step_time
+    from lora_kit.memory.estimate import estimate
+    from lora_kit.plan.gpus import get_gpu, resolve_prices
+    from lora_kit.settings import Settings
+    from lora_kit.plan.timing import TimeModel, step_time
     check_margin(margin)
     gpus = list(gpus or Settings().gpus)
     if num_examples is None or num_examples <= 0:

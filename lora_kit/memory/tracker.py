@@ -4,7 +4,7 @@
 storage counted once (views share a storage), each storage rounded up to 512 bytes as the CUDA
 caching allocator rounds its blocks, and a weak-reference callback subtracts it when the storage dies.
 It works the same on real CPU tensors and under ``FakeTensorMode`` (where nothing is allocated),
-which is what makes ``lora_kit.simulate`` possible without a GPU.
+which is what makes ``lora_kit.memory.simulate`` possible without a GPU.
 
 Trade-offs, stated:
 

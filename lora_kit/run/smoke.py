@@ -8,7 +8,7 @@ prompts with base and adapter side by side. Every phase rewrites ``<run_dir>/smo
 atomically, so a crash keeps what was measured and says where it stopped.
 
 The loop is our own plain PyTorch loop, not ``transformers.Trainer`` -- see
-:mod:`lora_kit.smoke_train` for why and for what the instrumentation costs. Memory: CUDA
+:mod:`lora_kit.run.loop` for why and for what the instrumentation costs. Memory: CUDA
 ``max_memory_allocated``/``reserved`` per step on a GPU; on CPU the live-bytes tracker on the first
 ``measure_steps`` steps (all steps when ``memory_limit_bytes`` emulates a smaller device). The
 step that ``estimate`` and ``simulate`` describe is the *second* step (index 1); their numbers are
@@ -18,7 +18,7 @@ Out of memory in any phase is caught: the phase and memory at failure are record
 freed, results are written and the changes that would fit are listed, ranked by the saving
 ``estimate`` predicts. Other errors are recorded and re-raised.
 
-Under ``torchrun --nproc_per_node N -m lora_kit.smoke --params run.yaml`` each rank trains its
+Under ``torchrun --nproc_per_node N -m lora_kit.run.smoke --params run.yaml`` each rank trains its
 share of the data with DDP; rank 0 gathers every rank's peaks and writes the one result.
 """
 from __future__ import annotations
@@ -31,11 +31,13 @@ from pathlib import Path
 
 import torch
 
-from lora_kit import distributed as dist_util
+from lora_kit.run import distributed as dist_util
+from lora_kit.memory.estimate import estimate
+from lora_kit.memory.simulate import simulate as simulate_step
 from lora_kit.results import write_json_atomic
 
 PHASES = ("load", "quantize", "adapter", "train", "save", "reload", "verify", "generate")
-log = logging.getLogger("lora_kit.smoke")
+log = logging.getLogger("lora_kit.run.smoke")
 
 
 @dataclass
@@ -148,12 +150,11 @@ def _control_prompts(s, n: int = 4) -> tuple[list[str], str]:
 
 def _memory_model(s, model_path: str, measured: int | None, world: int, simulate: bool) -> dict:
     """estimate / simulate beside the measured peak (per-GPU ddp / fsdp too when several processes run)."""
-    import importlib
     kw = {**s.estimate_kwargs(), "model": model_path}
     out = {}
-    for name in ("estimate", "simulate") if simulate else ("estimate",):
+    models = {"estimate": estimate, "simulate": simulate_step} if simulate else {"estimate": estimate}
+    for name, fn in models.items():
         try:
-            fn = getattr(importlib.import_module(f"lora_kit.{name}"), name)
             r = fn(**{**kw, "num_gpus": 1, "sharding": "none"})
             out[name] = {"peak_allocated_bytes": int(r.peak_allocated_bytes), "breakdown": dict(r.breakdown),
                          "phase": getattr(r, "phase", None)}
@@ -164,7 +165,6 @@ def _memory_model(s, model_path: str, measured: int | None, world: int, simulate
     if world > 1:
         for sharding in ("ddp", "fsdp"):
             try:
-                from lora_kit.estimate import estimate
                 r = estimate(**{**kw, "num_gpus": world, "sharding": sharding})
                 out[f"estimate_{sharding}_per_gpu"] = int(r.peak_allocated_bytes)
             except Exception as e:  # noqa: BLE001
@@ -188,7 +188,7 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     ``memory_limit_bytes``: emulate a device of that size on CPU (the live-bytes tracker raises
     ``torch.OutOfMemoryError`` past it; the tracker then runs on every step -- slower).
     ``measure_steps``: how many leading steps the tracker measures on CPU (>= 2 to include the
-    second step, the one estimates describe). ``simulate``: also run ``lora_kit.simulate``.
+    second step, the one estimates describe). ``simulate``: also run ``lora_kit.memory.simulate``.
     ``cpu_threads``: torch CPU threads for this run (restored after). On a CPU shared with other
     jobs, 1 thread can be several times faster than 2 (OpenMP threads spin waiting for each other);
     None keeps torch's setting.
@@ -206,14 +206,14 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     created = dist_util.init_if_launched()
     rank, world = dist_util.rank(), dist_util.world_size()
     out = Path(s.run_dir) / "smoke"
-    from lora_kit.stack import versions
-    record = {"kind": "lora_kit.smoke", "status": "running", "settings": s.to_dict(), "stack": versions(),
+    from lora_kit.check.stack import versions
+    record = {"kind": "lora_kit.run.smoke", "status": "running", "settings": s.to_dict(), "stack": versions(),
               "launch": {"world_size": world, "device": str(dist_util.device()),
                          "torch_threads": torch.get_num_threads(), "memory_limit_bytes": memory_limit_bytes},
               "phases": {p: {"status": "pending"} for p in PHASES},
               "measurement": {
                   "method": "cuda max_memory_allocated per step" if torch.cuda.is_available()
-                  else "live-bytes tracker (lora_kit.tracker)",
+                  else "live-bytes tracker (lora_kit.memory.tracker)",
                   "tracked_steps": "all" if memory_limit_bytes else list(range(min(measure_steps, s.max_steps))),
                   "design_step": 1 if s.max_steps > 1 else 0,
                   "note": "peak of the second step (index 1) is what estimate/simulate describe; batches are "
@@ -229,7 +229,7 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
         log.setLevel(logging.INFO)
     tracker = None
     if memory_limit_bytes is not None or not torch.cuda.is_available():
-        from lora_kit.tracker import LiveBytesTracker
+        from lora_kit.memory.tracker import LiveBytesTracker
         tracker = LiveBytesTracker(limit_bytes=memory_limit_bytes)
     state: dict = {}
     result = SmokeResult(record, out)
@@ -243,7 +243,7 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
         record["status"] = "complete"
         result.model = state.get("reloaded")
     except BaseException as e:
-        from lora_kit.oom import free_memory, is_oom, memory_now
+        from lora_kit.run.oom import free_memory, is_oom, memory_now
         phase = getattr(run, "current", "load")
         record["phases"][phase].update(status="failed", error=f"{type(e).__name__}: {e}"[:2000])
         record["status"] = f"failed at {phase}"
@@ -261,7 +261,7 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
         free_memory()
         record["oom"]["memory_after_free"] = memory_now(tracker)
         try:
-            from lora_kit.oom import fit_suggestions
+            from lora_kit.run.oom import fit_suggestions
             limit = memory_limit_bytes or (torch.cuda.get_device_properties(0).total_memory
                                            if torch.cuda.is_available() else None)
             record["oom"]["suggestions"] = fit_suggestions(
@@ -284,9 +284,9 @@ def _close(handler, created: bool, threads: int) -> None:
 
 
 def _phases(s, run, state, tracker, always_on, examples, control_prompts, measure_steps, simulate, progress):
-    from lora_kit import smoke_data
+    from lora_kit.run import batches as smoke_data
     from lora_kit.loading import fix_bnb_cpu_repack, load_model, load_tokenizer, resolve_model
-    from lora_kit.smoke_train import train_steps
+    from lora_kit.run.loop import train_steps
     from lora_kit.training import attach_adapter, build_optimizer
     rec, rank, world, dev = run.record, dist_util.rank(), dist_util.world_size(), dist_util.device()
     qlora = s.method == "qlora"
@@ -371,7 +371,7 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     if rank == 0:
         rec["memory_model"] = _memory_model(s, path, measured, world, simulate)
     if (world > 1 or s.num_gpus > 1) and rank == 0:  # the launch config for the multi-GPU run this plans
-        from lora_kit.accelerate_config import write_accelerate_config
+        from lora_kit.run.accelerate_config import write_accelerate_config
         rec["accelerate_config"] = str(write_accelerate_config(
             run.out / "accelerate_config.yaml", sharding=s.sharding if s.sharding != "none" else "ddp",
             num_gpus=max(world, s.num_gpus), cpu_offload=s.cpu_offload,
@@ -394,7 +394,8 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
 
 
 def _verify_phases(s, run, state, tracker, tok, mine, path, control_prompts):
-    from lora_kit import adapter_io, smoke_data
+    from lora_kit.run import adapter_io
+    from lora_kit.run import batches as smoke_data
     from lora_kit.loading import fix_bnb_cpu_repack, load_model
     rec, dev, model = run.record, dist_util.device(), state["model"]
     probe = smoke_data.collate(mine[:4], s.seq_len, tok.pad_token_id)
@@ -444,13 +445,13 @@ def _verify_phases(s, run, state, tracker, tok, mine, path, control_prompts):
 
 
 def main(argv=None) -> int:
-    """``python -m lora_kit.smoke --params run.yaml [-p key value ...]`` (works under torchrun)."""
-    p = argparse.ArgumentParser(prog="python -m lora_kit.smoke", description=__doc__.split("\n\n")[0])
+    """``python -m lora_kit.run.smoke --params run.yaml [-p key value ...]`` (works under torchrun)."""
+    p = argparse.ArgumentParser(prog="python -m lora_kit.run.smoke", description=__doc__.split("\n\n")[0])
     p.add_argument("--params", help="YAML params file (Settings fields)")
     p.add_argument("-p", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"), help="override a setting")
     p.add_argument("--memory-limit-bytes", type=int, default=None, help="emulate a device of this size (CPU)")
     p.add_argument("--measure-steps", type=int, default=3, help="steps the CPU tracker measures")
-    p.add_argument("--no-simulate", action="store_true", help="skip lora_kit.simulate")
+    p.add_argument("--no-simulate", action="store_true", help="skip lora_kit.memory.simulate")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     a = p.parse_args(argv)
     from lora_kit.settings import load_settings

@@ -69,8 +69,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .settings import ATTN_IMPLEMENTATIONS, DTYPES, METHODS, OPTIMIZERS, SHARDINGS
-from .specs import ModelSpec, model_spec, valid_targets
+from lora_kit.settings import ATTN_IMPLEMENTATIONS, DTYPES, METHODS, OPTIMIZERS, SHARDINGS
+from lora_kit.memory.specs import ModelSpec, model_spec, valid_targets
 
 BREAKDOWN_KEYS = ("weights", "quant_constants", "adapters", "gradients", "optimizer_states", "activations")
 PHASES = ("forward", "backward", "optimizer")
@@ -423,8 +423,3 @@ def estimate(model="tiny", method="lora", dtype="bfloat16", autocast=False, doub
                     device_total_bytes=int(arrays["device_total_bytes"]),
                     breakdown={k: int(arrays[k]) for k in BREAKDOWN_KEYS}, phase=str(arrays["phase"]),
                     settings=settings)
-
-
-from lora_kit._callable import make_callable  # noqa: E402  (lk.estimate(...) in any import order)
-
-make_callable(__name__)
