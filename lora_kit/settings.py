@@ -1,26 +1,135 @@
-"""The one settings definition.
+"""The one settings definition, and the one step schema and validator.
 
-Every knob of a lora_kit run is defined once here, with its default and a one-line docstring
-(the comment after each field is extracted as its help text). Notebook ``parameters`` cells,
-the CLI flags, the YAML params files and the widgets' choices are derived from or checked
-against :class:`Settings` (``tests/test_settings_sync.py`` keeps them in sync).
+Every knob of a lora_kit run is defined once here, in :class:`Settings`, with its default and a
+one-line comment (extracted as its help text). Notebook ``parameters`` cells, the CLI flags, the
+YAML params files and the widgets' choices are derived from or checked against it
+(``tests/test_settings.py`` and ``tests/test_step_schema.py`` keep them in sync).
 
-Defaults describe the embedded default: the tiny model shipped with the package, on a CPU.
+**The step schema.** The settings that define one training step's memory -- :data:`STEP_FIELDS` --
+are checked by one validator, :func:`check_step`, which :class:`Settings`, ``estimate``,
+``simulate``, ``measure_config``, the planner, the OOM advice and the CLI all call; nothing else
+re-checks them. Two honest default sets, each stated where it applies:
+
+- :data:`EMBEDDED_DEFAULTS` (the :class:`Settings` defaults): the tiny model shipped in the
+  package, trained on a CPU in minutes -- float32, 64 tokens, micro-batch 16, no checkpointing.
+- :data:`PLANNING_DEFAULTS` (the defaults of ``estimate`` / ``simulate`` / ``measure_config`` and of
+  ``lora-kit estimate``): planning a real model on a GPU -- bfloat16 weights, 2048 tokens,
+  micro-batch 1, gradient checkpointing on (the planner's first no-quality-cost saving), AdamW.
 """
 from __future__ import annotations
 
 import ast
 import dataclasses
 import inspect
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 METHODS = ("full", "lora", "qlora")
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd", "adafactor")
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+# The fields that define one training step (``model`` aside), in the order of estimate's signature.
+STEP_FIELDS = ("method", "dtype", "autocast", "double_quant", "seq_len", "batch_size", "lora_rank", "lora_alpha",
+               "lora_targets", "gradient_checkpointing", "attn_implementation", "optimizer", "num_gpus", "sharding",
+               "cpu_offload", "grad_accum")
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")  # meaningless with method="full"
+CHOICES = {"method": METHODS, "dtype": DTYPES, "attn_implementation": ATTN_IMPLEMENTATIONS, "optimizer": OPTIMIZERS,
+           "sharding": SHARDINGS}
+BOOLS = ("autocast", "double_quant", "gradient_checkpointing", "cpu_offload")
+# positive integers and the largest value that makes sense (beyond it a typo is likelier than a plan)
+INT_BOUNDS = {"seq_len": 1 << 24, "batch_size": 1 << 16, "lora_rank": 1 << 16, "lora_alpha": 1 << 20,
+              "num_gpus": 1 << 16, "grad_accum": 1 << 16}
+PLANNING_DEFAULTS = dict(method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
+                         batch_size=1, lora_rank=16, lora_alpha=32, lora_targets="all-linear",
+                         gradient_checkpointing=True, attn_implementation="sdpa", optimizer="adamw", num_gpus=1,
+                         sharding="none", cpu_offload=False, grad_accum=1)
+
+
+def parse_bool(name: str, value: Any) -> bool:
+    """A boolean setting: True/False, or one of the words the CLI accepts; anything else is refused."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in TRUE_WORDS + FALSE_WORDS:
+        return value.strip().lower() in TRUE_WORDS
+    raise ValueError(f"{name} must be true or false, got {value!r}.")
+
+
+def _check_int(name: str, value: Any, lo: int = 1, hi: int | None = None):
+    """A bounded integer setting (scalar, or a numpy array of them for sweeps)."""
+    hi = INT_BOUNDS.get(name) if hi is None else hi
+    arr = np.asarray(value)
+    ok = arr.dtype.kind in "iu" and arr.size > 0 and not isinstance(value, (bool, np.bool_))
+    if ok and (arr.min() < lo or (hi is not None and arr.max() > hi)):
+        ok = False
+    if not ok:
+        kind = "a positive integer" if lo == 1 else "a non-negative integer" if lo == 0 else f"an integer >= {lo}"
+        raise ValueError(f"{name} must be {kind}" + (f" (at most {hi:,})" if hi is not None else "") + f", got {value!r}.")
+    return int(value) if arr.ndim == 0 else value
+
+
+def _check_targets(value: Any):
+    if value == "all-linear":
+        return value
+    if isinstance(value, str) and value.strip():
+        value = [t.strip() for t in value.strip("[]").replace("'", "").replace('"', "").split(",") if t.strip()]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(t, str) and t for t in value):
+        return list(value)
+    raise ValueError(f"lora_targets must be 'all-linear' or a non-empty list of module names, e.g. "
+                     f"['q_proj', 'v_proj']; got {value!r}.")
+
+
+def check_step(values: dict, defaults: dict | None = None) -> dict:
+    """The one validator of step settings: ``values`` (any subset of :data:`STEP_FIELDS`, plus extra
+    keys passed through) checked and normalised; missing fields come from ``defaults``
+    (:data:`PLANNING_DEFAULTS` unless given). Raises ValueError naming the setting to change.
+
+    Checks: choices; booleans (True/False or CLI words, nothing else); integers bounded to what
+    makes sense (numpy arrays allowed for sweeps); LoRA settings left at their defaults with
+    ``method="full"``; sharding needs several GPUs; CPU offload needs sharded states. What needs
+    the model (target names, rank vs layer width) is checked by ``lora_kit.memory.specs.check_targets``.
+    """
+    defaults = PLANNING_DEFAULTS if defaults is None else defaults
+    s = {**{k: defaults[k] for k in STEP_FIELDS if k in defaults}, **values}
+    for name, choices in CHOICES.items():
+        if s[name] not in choices:
+            raise ValueError(f"{name}={s[name]!r} is not valid; choose one of {', '.join(map(repr, choices))}.")
+    for name in BOOLS:
+        s[name] = parse_bool(name, s[name])
+    for name in INT_BOUNDS:
+        s[name] = _check_int(name, s[name])
+    s["lora_targets"] = _check_targets(s["lora_targets"])
+    if s["method"] == "full":
+        changed = [k for k in LORA_FIELDS if s[k] != PLANNING_DEFAULTS[k] and np.any(s[k] != PLANNING_DEFAULTS[k])]
+        if changed:
+            raise ValueError(f"{', '.join(changed)} only appl{'y' if len(changed) > 1 else 'ies'} to method='lora' "
+                             f"or 'qlora'; leave "
+                             f"{'them' if len(changed) > 1 else 'it'} at the default with method='full', "
+                             "or choose a LoRA method.")
+    if s["sharding"] != "none" and np.any(np.asarray(s["num_gpus"]) < 2):
+        raise ValueError(f"sharding={s['sharding']!r} needs num_gpus > 1; set num_gpus or use sharding='none'.")
+    if s["cpu_offload"] and s["sharding"] not in ("zero1", "zero2", "zero3", "fsdp"):
+        raise ValueError("cpu_offload=True needs sharding='zero1', 'zero2', 'zero3' or 'fsdp'; set sharding, "
+                         "or cpu_offload=False.")
+    return s
+
+
+def step_kwargs(source, method: str | None = None) -> dict:
+    """The step fields of ``source`` (Settings or dict), ready for estimate / simulate / measure:
+    with ``method`` (default: the source's), LoRA fields are left out for method="full"."""
+    d = source.to_dict() if hasattr(source, "to_dict") else dict(source)
+    out = {k: d[k] for k in STEP_FIELDS if k in d}
+    if method is not None:
+        out["method"] = method
+    if out.get("method") == "full":
+        out = {k: v for k, v in out.items() if k not in LORA_FIELDS}
+    return out
 
 
 @dataclass
@@ -84,12 +193,10 @@ class Settings:
         return self.model if self.plan_model == "same" else self.plan_model
 
     def estimate_kwargs(self) -> dict:
-        """The subset of settings that ``lora_kit.memory.estimate`` / ``simulate`` accept."""
-        keys = ("model", "method", "dtype", "autocast", "double_quant", "seq_len", "batch_size",
-                "lora_rank", "lora_alpha", "lora_targets", "gradient_checkpointing",
-                "attn_implementation", "optimizer", "num_gpus", "sharding", "cpu_offload")
-        d = self.to_dict()
-        return {k: d[k] for k in keys}
+        """``model`` plus the step fields: the arguments ``estimate`` / ``simulate`` accept."""
+        return {"model": self.model, **step_kwargs(self)}
+
+EMBEDDED_DEFAULTS = {f.name: f.default for f in fields(Settings) if f.name in STEP_FIELDS}
 
 
 def field_help() -> dict[str, str]:
@@ -109,27 +216,23 @@ def field_names() -> list[str]:
     return [f.name for f in fields(Settings)]
 
 
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid; choose one of {', '.join(map(repr, choices))}.")
-
-
 def validate(s: Settings) -> None:
-    """Raise ValueError naming the field to change. Cheap checks only (no model loading)."""
-    _check_choice("method", s.method, METHODS)
-    _check_choice("dtype", s.dtype, DTYPES)
-    _check_choice("optimizer", s.optimizer, OPTIMIZERS)
-    _check_choice("sharding", s.sharding, SHARDINGS)
-    _check_choice("attn_implementation", s.attn_implementation, ATTN_IMPLEMENTATIONS)
-    for name in ("lora_rank", "lora_alpha", "seq_len", "batch_size", "grad_accum", "num_gpus", "max_steps",
-                 "max_new_tokens"):
-        v = getattr(s, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+    """Raise ValueError naming the field to change. Cheap checks only (no model loading); the step
+    fields go through :func:`check_step`, the same validator ``estimate`` and ``simulate`` use."""
+    step = check_step({k: getattr(s, k) for k in STEP_FIELDS}, EMBEDDED_DEFAULTS)
+    for k, v in step.items():
+        setattr(s, k, v)
+    for name in ("max_steps", "max_new_tokens"):
+        setattr(s, name, _check_int(name, getattr(s, name), 1, 1 << 24))
     for name in ("eval_examples", "control_examples", "seed"):
-        v = getattr(s, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {v!r}.")
+        setattr(s, name, _check_int(name, getattr(s, name), 0, (1 << 32) - 1))
+    for name in ("autocast", "double_quant", "trust_remote_code", "interactive"):
+        setattr(s, name, parse_bool(name, getattr(s, name)))
+    lr = s.learning_rate
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or not 0 < lr < 1:
+        raise ValueError(f"learning_rate must be a number in (0, 1), e.g. 2e-4; got {lr!r}.")
+    if s.method == "full" and s.lora_dropout != 0.0:
+        raise ValueError("lora_dropout only applies to method='lora' or 'qlora'; leave it at 0 with method='full'.")
     if not 0 <= s.margin < 1:
         raise ValueError(f"margin must be in [0, 1), e.g. 0.10 for a 10 % safety margin; got {s.margin!r}.")
     for name in ("base_mix", "compare_base_mix"):
@@ -138,11 +241,6 @@ def validate(s: Settings) -> None:
                              f"got {getattr(s, name)!r}.")
     if not 0 <= s.lora_dropout < 1:
         raise ValueError(f"lora_dropout must be in [0, 1), got {s.lora_dropout!r}.")
-    if s.sharding != "none" and s.num_gpus < 2:
-        raise ValueError(f"sharding={s.sharding!r} needs num_gpus > 1; set num_gpus or use sharding='none'.")
-    if not (s.lora_targets == "all-linear" or (isinstance(s.lora_targets, (list, tuple))
-                                               and s.lora_targets and all(isinstance(t, str) for t in s.lora_targets))):
-        raise ValueError(f"lora_targets must be 'all-linear' or a non-empty list of module names, got {s.lora_targets!r}.")
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -152,18 +250,14 @@ def _coerce(name: str, value: Any) -> Any:
     if not isinstance(value, str) or isinstance(default, str) and name != "lora_targets":
         return value
     if isinstance(default, bool):
-        if value.lower() in ("true", "1", "yes", "on"):
-            return True
-        if value.lower() in ("false", "0", "no", "off"):
-            return False
-        raise ValueError(f"{name} expects true/false, got {value!r}.")
+        return parse_bool(name, value)
     if isinstance(default, (int, float)) and not isinstance(default, bool):
         try:
             return type(default)(value) if isinstance(default, float) else int(value)
         except ValueError:
             raise ValueError(f"{name} expects a {type(default).__name__}, got {value!r}.") from None
-    if name == "lora_targets" and value != "all-linear":
-        return [t.strip() for t in value.strip("[]").replace("'", "").replace('"', "").split(",") if t.strip()]
+    if name == "lora_targets":
+        return _check_targets(value)
     if isinstance(default, list):
         try:
             v = ast.literal_eval(value)
@@ -184,8 +278,8 @@ def from_dict(d: dict) -> Settings:
     for k, v in d.items():
         v = _coerce(k, v)
         t = types[k]
-        if isinstance(t, bool) and not isinstance(v, bool):
-            raise ValueError(f"{k} expects true/false, got {v!r}.")
+        if isinstance(t, bool):
+            v = parse_bool(k, v)
         if isinstance(t, float) and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
         clean[k] = v

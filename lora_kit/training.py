@@ -9,6 +9,12 @@ The same choices users make with peft + transformers, in the order that matters:
   adapter initialisation whatever happened before (data loading, model loading).
 - Gradient checkpointing as the HF Trainer does it: non-reentrant, input gradients enabled when
   the embedding is frozen. Trade-off: ~30 % more compute for activations of one layer at a time.
+- **The one training step** (:func:`train_step`) is what ``design.md`` defines and what the kit
+  predicts, measures and runs everywhere -- ``measure``, ``simulate`` (on fake tensors), the smoke
+  run's loop, the tiny-model story harness and the build script: forward with labels keeping only
+  the loss (as the HF Trainer's ``compute_loss``), ``backward`` of ``loss / grad_accum`` per
+  micro-batch, an optional gradient clip and scheduler step, ``optimizer.step()``,
+  ``optimizer.zero_grad(set_to_none=True)``.
 - Optimizers: ``adamw`` (torch, foreach), ``adamw_8bit`` / ``paged_adamw_8bit`` /
   ``paged_adamw_32bit`` (bitsandbytes; 8-bit states are 4x smaller than fp32, paged states can
   spill to host memory under pressure on CUDA), ``sgd`` (no state, usually worse results),
@@ -16,9 +22,12 @@ The same choices users make with peft + transformers, in the order that matters:
 """
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 
-from lora_kit.loading import fix_bnb_cpu_repack
+from lora_kit.loading import DTYPE_MAP, fix_bnb_cpu_repack
 
 
 def lora_config(rank: int, alpha: int, dropout: float, targets):
@@ -79,3 +88,64 @@ def build_optimizer(params, name: str, lr: float):
         return getattr(bnb.optim, bnb_names[name])(params, lr=lr)
     raise ValueError(f"optimizer={name!r} is unknown; choose adamw, adamw_8bit, paged_adamw_8bit, "
                      "paged_adamw_32bit, sgd or adafactor.")
+
+
+def optimizer_for(params, name: str, device_type: str = "cpu", lr: float = 1e-4):
+    """:func:`build_optimizer`, except that off CUDA a paged bitsandbytes optimizer becomes its non-paged
+    twin (same state layout; paging needs CUDA managed memory)."""
+    if name.startswith("paged_") and device_type != "cuda":
+        import bitsandbytes as bnb
+        twin = bnb.optim.AdamW8bit if name == "paged_adamw_8bit" else bnb.optim.AdamW32bit
+        return twin([p for p in params if p.requires_grad], lr=lr, is_paged=False)
+    return build_optimizer(params, name, lr)
+
+
+def autocast_context(autocast: bool, dtype: str, device_type: str = "cpu"):
+    """Mixed precision as the Trainer's bf16/fp16 flags do (bf16 compute when ``dtype`` is float32)."""
+    if not autocast:
+        return contextlib.nullcontext()
+    compute = DTYPE_MAP[dtype] if dtype != "float32" else torch.bfloat16
+    return torch.autocast(device_type=device_type, dtype=compute)
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # mean loss over the micro-batches (detached)
+    tokens: int  # real (attention-mask) tokens trained on
+    padded_tokens: int  # tokens including padding (what the GPU computes)
+
+
+def train_step(model, micro_batches, optimizer, *, tracker=None, on_grads=None, autocast_ctx=None,
+               scheduler=None, max_grad_norm: float | None = None) -> StepOutput:
+    """One optimizer step over ``micro_batches`` (a batch dict, or a list of them for gradient
+    accumulation). ``tracker.phase`` is set per phase ("forward", "backward", "optimizer") when a
+    live-bytes tracker is given; ``on_grads()`` runs between the last backward and the optimizer
+    step (the tracker labels the fresh gradients there). The model output, and with it the logits,
+    is dropped as soon as the loss is taken."""
+    batches = [micro_batches] if isinstance(micro_batches, dict) else list(micro_batches)
+
+    def phase(name):
+        if tracker is not None:
+            tracker.phase = name
+    losses, tokens, padded = [], 0, 0
+    for batch in batches:
+        phase("forward")
+        with autocast_ctx or contextlib.nullcontext():
+            loss = model(**batch).loss
+        phase("backward")
+        (loss / len(batches)).backward() if len(batches) > 1 else loss.backward()
+        losses.append(loss.detach())
+        padded += batch["input_ids"].numel()
+        tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+        del loss, batch
+    if on_grads is not None:
+        on_grads()
+    phase("optimizer")
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_grad_norm)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+    return StepOutput(loss, tokens, padded)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import lora_kit
-from lora_kit.memory.estimate import BREAKDOWN_KEYS, estimate, estimate_arrays
+from lora_kit.memory.breakdown import BREAKDOWN_KEYS
+from lora_kit.memory.estimate import estimate, estimate_arrays
 from lora_kit.memory.specs import model_spec
 
 R = lambda n: (n + 511) // 512 * 512  # noqa: E731 - the CUDA allocator's 512-byte granularity
@@ -99,7 +99,8 @@ def test_breakdown_sums_to_peak_and_estimate_equals_the_vectorized_core():
 
 
 def test_what_users_expect_of_an_8b_plan():
-    base = dict(model="llama-3.1-8b", seq_len=2048)
+    assert estimate("llama-3.1-8b").settings["gradient_checkpointing"] is True  # the planning default
+    base = dict(model="llama-3.1-8b", seq_len=2048, gradient_checkpointing=False)
     peak = lambda **kw: estimate(**{**base, **kw}).peak_allocated_bytes  # noqa: E731
     assert peak(method="qlora") < peak(method="lora") < peak(method="full")
     assert peak(gradient_checkpointing=True) < peak()
@@ -121,7 +122,8 @@ def test_agrees_with_simulate_on_a_tiny_llama():
     """The accuracy matrix lives in benchmarks/memory_accuracy.py; this is its smallest CI-sized check."""
     simulate = pytest.importorskip("lora_kit.memory.simulate").simulate
     cfg = tiny_config(vocab_size=512)
-    for kw in (dict(method="lora", seq_len=64, batch_size=2), dict(method="full", seq_len=32, batch_size=2)):
+    for kw in (dict(method="lora", seq_len=64, batch_size=2, gradient_checkpointing=False),
+               dict(method="full", seq_len=32, batch_size=2, gradient_checkpointing=False)):
         e, s = estimate(cfg, **kw), simulate(cfg, **kw)
         assert abs(e.peak_allocated_bytes - s.peak_allocated_bytes) <= 0.02 * s.peak_allocated_bytes, (kw, e, s)
 
@@ -133,8 +135,8 @@ def test_agrees_with_simulate_on_a_tiny_llama():
     (dict(lora_rank=0), "lora_rank must be a positive integer"),
     (dict(num_gpus=0), "num_gpus must be a positive integer"),
     (dict(lora_rank=5000), r"lora_rank=5000 is larger than the smallest targeted layer dimension \(512\)"),
-    (dict(method="full", lora_rank=8), "lora_rank only apply to method='lora' or 'qlora'"),
-    (dict(method="full", lora_targets=["q_proj"]), "lora_targets only apply"),
+    (dict(method="full", lora_rank=8), "lora_rank only applies to method='lora' or 'qlora'"),
+    (dict(method="full", lora_targets=["q_proj"]), "lora_targets only applies"),
     (dict(sharding="zero2"), "needs num_gpus > 1"),
     (dict(optimizer="adam"), "optimizer='adam' is not valid; choose one of 'adamw'"),
     (dict(lora_targets=["q_proj", "qkv"]), r"\['qkv'\] are not linear layers.*valid names: \['q_proj'"),

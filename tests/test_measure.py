@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lora_kit.memory.measure import BREAKDOWN_KEYS, measure_step
+from lora_kit.memory.breakdown import BREAKDOWN_KEYS
+from lora_kit.memory.measure import measure_step
 from lora_kit.memory.tracker import round_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

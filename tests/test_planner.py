@@ -2,7 +2,6 @@
 import math
 import random
 
-import numpy as np
 import pytest
 
 from lora_kit.memory.estimate import estimate

@@ -73,7 +73,7 @@ def test_from_dict_rejects_unknown_and_wrong_types():
         from_dict({"seq_length": 128})
     with pytest.raises(ValueError, match="seq_len"):
         from_dict({"seq_len": "long"})
-    with pytest.raises(ValueError, match="gradient_checkpointing expects true/false"):
+    with pytest.raises(ValueError, match="gradient_checkpointing must be true or false"):
         from_dict({"gradient_checkpointing": "maybe"})
 
 

@@ -69,10 +69,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from lora_kit.settings import ATTN_IMPLEMENTATIONS, DTYPES, METHODS, OPTIMIZERS, SHARDINGS
-from lora_kit.memory.specs import ModelSpec, model_spec, valid_targets
+from lora_kit.memory.breakdown import BREAKDOWN_KEYS
+from lora_kit.memory.specs import ModelSpec, check_targets, model_spec
+from lora_kit.settings import check_step
 
-BREAKDOWN_KEYS = ("weights", "quant_constants", "adapters", "gradients", "optimizer_states", "activations")
 PHASES = ("forward", "backward", "optimizer")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CUDA_CONTEXT_BYTES = 512 * 2**20  # assumption (see module docstring) until gpu_validate measures it
@@ -81,11 +81,6 @@ NF4_BLOCK = 64  # bitsandbytes 4-bit blocksize
 DQ_BLOCK = 256  # double-quant: absmax of the absmax, per 256 blocks
 OPT8_BLOCK = 256  # bitsandbytes 8-bit optimizer blocksize
 OPT8_MIN_SIZE = 4096
-SDPA_UNSUPPORTED = ("gemma2",)  # transformers 5.24 refuses sdpa for these (attention soft-capping)  # bitsandbytes keeps tensors smaller than this in 32-bit states
-DEFAULTS = dict(method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048, batch_size=1,
-                lora_rank=16, lora_alpha=32, lora_targets="all-linear", gradient_checkpointing=False,
-                attn_implementation="sdpa", optimizer="adamw", num_gpus=1, sharding="none", cpu_offload=False,
-                grad_accum=1)
 
 
 @dataclass
@@ -110,21 +105,6 @@ def _r(nbytes):
 def _param_bytes(spec: ModelSpec, groups, bytes_per_elem: float) -> int:
     return int(sum(count * int(_r(int(np.ceil(numel * bytes_per_elem)))) for g, numel, count in spec.param_tensors()
                    if g in groups))
-
-
-def _targets(spec: ModelSpec, lora_targets) -> tuple:
-    names = valid_targets(spec)
-    if lora_targets == "all-linear":
-        return tuple(names)
-    if isinstance(lora_targets, str):
-        lora_targets = [lora_targets]
-    if not isinstance(lora_targets, (list, tuple)) or not lora_targets:
-        raise ValueError(f"lora_targets must be 'all-linear' or a non-empty list of module names from {names}.")
-    unknown = [t for t in lora_targets if t not in names]
-    if unknown:
-        raise ValueError(f"lora_targets {unknown} are not linear layers of {spec.name} ({spec.model_type}); "
-                         f"valid names: {names} or 'all-linear'.")
-    return tuple(t for t in names if t in lora_targets)
 
 
 @lru_cache(maxsize=1024)
@@ -290,22 +270,8 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             "backward_end": _r(T * h * 4) + (_r(T * h * e) + (2 if e == 4 else 1) * _r(V * h * 4) if not lora else 0)}
 
 
-def _check_positive(name, value):
-    arr = np.asarray(value)
-    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer) or np.any(arr <= 0):
-        raise ValueError(f"{name} must be a positive integer (or an array of them), got {value!r}.")
-
-
-def _check_choices(**kwargs):
-    choices = {"method": METHODS, "dtype": DTYPES, "optimizer": OPTIMIZERS, "sharding": SHARDINGS,
-               "attn_implementation": ATTN_IMPLEMENTATIONS}
-    for name, v in kwargs.items():
-        if v not in choices[name]:
-            raise ValueError(f"{name}={v!r} is not valid; choose one of {', '.join(map(repr, choices[name]))}.")
-
-
 def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
-                    batch_size=1, lora_rank=16, lora_targets="all-linear", gradient_checkpointing=False,
+                    batch_size=1, lora_rank=16, lora_targets="all-linear", gradient_checkpointing=True,
                     attn_implementation="sdpa", optimizer="adamw", num_gpus=1, sharding="none",
                     cpu_offload=False) -> dict:
     """Vectorized core of :func:`estimate` (the planner's engine).
@@ -315,22 +281,14 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
     ``device_total_bytes`` as int64 arrays, and ``phase`` as an array of phase names.
     """
     spec = model_spec(spec)
-    for name, v in (("seq_len", seq_len), ("batch_size", batch_size), ("lora_rank", lora_rank),
-                    ("num_gpus", num_gpus)):
-        _check_positive(name, v)
-    _check_choices(method=method, dtype=dtype, optimizer=optimizer, sharding=sharding,
-                   attn_implementation=attn_implementation)
-    if sharding != "none" and np.any(np.asarray(num_gpus) < 2):
-        raise ValueError(f"sharding={sharding!r} needs num_gpus > 1; set num_gpus=2 or more, or sharding='none'.")
-    if attn_implementation == "sdpa" and spec.model_type in SDPA_UNSUPPORTED:
-        raise ValueError(f"transformers runs {spec.model_type} with eager attention only; "
-                         "set attn_implementation='eager'.")
-    targets = () if method == "full" else _targets(spec, lora_targets)
-    if targets:
-        smallest = min(min(lin.in_features, lin.out_features) for lin in spec.linears if lin.name in targets)
-        if np.any(np.asarray(lora_rank) > smallest):
-            raise ValueError(f"lora_rank={int(np.max(lora_rank))} is larger than the smallest targeted layer "
-                             f"dimension ({smallest}) of {spec.name}; use lora_rank <= {smallest}.")
+    s = check_step(dict(method=method, dtype=dtype, autocast=autocast, double_quant=double_quant, seq_len=seq_len,
+                        batch_size=batch_size, gradient_checkpointing=gradient_checkpointing,
+                        attn_implementation=attn_implementation, optimizer=optimizer, num_gpus=num_gpus,
+                        sharding=sharding, cpu_offload=cpu_offload,
+                        **({} if method == "full" else dict(lora_rank=lora_rank, lora_targets=lora_targets))))
+    autocast, double_quant, gradient_checkpointing, cpu_offload = (
+        s["autocast"], s["double_quant"], s["gradient_checkpointing"], s["cpu_offload"])
+    targets = check_targets(spec, method, lora_rank, s["lora_targets"], attn_implementation)
     S, B, r, N = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (seq_len, batch_size, lora_rank,
                                                                                num_gpus)))
     T = B * S
@@ -389,36 +347,22 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
 
 
 def estimate(model="tiny", method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
-             batch_size=1, lora_rank=16, lora_alpha=32, lora_targets="all-linear", gradient_checkpointing=False,
+             batch_size=1, lora_rank=16, lora_alpha=32, lora_targets="all-linear", gradient_checkpointing=True,
              attn_implementation="sdpa", optimizer="adamw", num_gpus=1, sharding="none", cpu_offload=False,
              grad_accum=1) -> Estimate:
     """Peak GPU memory of one training step, per GPU, by arithmetic (see the module docstring).
 
     ``model``: catalog name, "tiny", local folder / config.json, hub id (online) or PretrainedConfig.
-    ``grad_accum`` does not change the peak (gradient buffers exist after the first micro-batch anyway);
-    it is accepted for API symmetry. ``lora_alpha`` only scales the update and costs no memory.
-    Raises ValueError saying what to change for bad input.
+    The other arguments are the step schema (``lora_kit.settings.STEP_FIELDS``, validated by
+    ``check_step``); their defaults are ``PLANNING_DEFAULTS``: a real model on a GPU, bf16, 2048
+    tokens, micro-batch 1, gradient checkpointing on. ``grad_accum`` does not change the peak
+    (gradient buffers exist after the first micro-batch anyway); ``lora_alpha`` only scales the
+    update and costs no memory. Raises ValueError saying what to change for bad input.
     """
-    settings = dict(model=model if isinstance(model, str) else getattr(model, "name_or_path", repr(model)),
-                    method=method, dtype=dtype, autocast=autocast, double_quant=double_quant, seq_len=seq_len,
-                    batch_size=batch_size, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets,
-                    gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation,
-                    optimizer=optimizer, num_gpus=num_gpus, sharding=sharding, cpu_offload=cpu_offload,
-                    grad_accum=grad_accum)
-    for name in ("seq_len", "batch_size", "lora_rank", "lora_alpha", "num_gpus", "grad_accum"):
-        v = settings[name]
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}.")
-    if method == "full":
-        changed = [k for k in ("lora_rank", "lora_alpha", "lora_targets") if settings[k] != DEFAULTS[k]]
-        if changed:
-            raise ValueError(f"{', '.join(changed)} only apply to method='lora' or 'qlora'; remove them or "
-                             f"change method (got method='full').")
+    s = check_step({k: v for k, v in locals().items() if k != "model"})
+    settings = {"model": model if isinstance(model, str) else getattr(model, "name_or_path", repr(model)), **s}
     spec = model_spec(model)
-    arrays = estimate_arrays(spec, method=method, dtype=dtype, autocast=autocast, double_quant=double_quant,
-                             seq_len=seq_len, batch_size=batch_size, lora_rank=lora_rank, lora_targets=lora_targets,
-                             gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation,
-                             optimizer=optimizer, num_gpus=num_gpus, sharding=sharding, cpu_offload=cpu_offload)
+    arrays = estimate_arrays(spec, **{k: v for k, v in s.items() if k not in ("lora_alpha", "grad_accum")})
     return Estimate(peak_allocated_bytes=int(arrays["peak_allocated_bytes"]),
                     device_total_bytes=int(arrays["device_total_bytes"]),
                     breakdown={k: int(arrays[k]) for k in BREAKDOWN_KEYS}, phase=str(arrays["phase"]),

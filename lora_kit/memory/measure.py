@@ -16,17 +16,17 @@ slower than an untracked one; use tiny models.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from lora_kit.loading import DTYPE_MAP
-from lora_kit.memory.tracker import LiveBytesTracker, optimizer_state_tensors
+from lora_kit.loading import DTYPE_MAP, load_model
+from lora_kit.memory.breakdown import label_training_state, to_breakdown
+from lora_kit.memory.specs import check_model_step, load_config
+from lora_kit.memory.tracker import LiveBytesTracker
+from lora_kit.training import attach_adapter, autocast_context, optimizer_for, train_step
 
-BREAKDOWN_KEYS = ("weights", "quant_constants", "adapters", "gradients", "optimizer_states", "activations")
-PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages a state buffer only for params with >= 1e5 elements
 
 
 @dataclass
@@ -41,85 +41,6 @@ class MeasureResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-# -- the step ---------------------------------------------------------------------------------
-def autocast_context(autocast: bool, dtype: str, device_type: str = "cpu"):
-    """Mixed precision as the Trainer's bf16/fp16 flags do (bf16 compute when ``dtype`` is float32)."""
-    if not autocast:
-        return contextlib.nullcontext()
-    compute = DTYPE_MAP[dtype] if dtype != "float32" else torch.bfloat16
-    return torch.autocast(device_type=device_type, dtype=compute)
-
-
-def train_step(model, batch: dict, optimizer, tracker=None, on_grads=None, autocast_ctx=None):
-    """One step; returns the loss (detached). ``tracker.phase`` is set per phase; ``on_grads()`` runs
-    between backward and the optimizer step (to label the fresh gradients)."""
-    def phase(name):
-        if tracker is not None:
-            tracker.phase = name
-    phase("forward")
-    with autocast_ctx or contextlib.nullcontext():
-        loss = model(**batch).loss
-    phase("backward")
-    loss.backward()
-    value = loss.detach()
-    del loss
-    if on_grads is not None:
-        on_grads()
-    phase("optimizer")
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return value
-
-
-# -- categories -------------------------------------------------------------------------------
-def quant_state_tensors(model):
-    """absmax / code / offset tensors of every bitsandbytes 4-bit weight (nested state included)."""
-    seen = set()
-    for m in model.modules():
-        qs = getattr(getattr(m, "weight", None), "quant_state", None)
-        while qs is not None and id(qs) not in seen:
-            seen.add(id(qs))
-            for name in ("absmax", "code", "offset"):
-                t = getattr(qs, name, None)
-                if isinstance(t, torch.Tensor):
-                    yield t
-            qs = getattr(qs, "state2", None)
-
-
-def paged_state_tensors(optimizer):
-    """State buffers a paged bitsandbytes optimizer keeps in CUDA managed memory (which
-    ``max_memory_allocated`` does not count)."""
-    for p, state in optimizer.state.items():
-        if p.numel() >= PAGED_MIN_NUMEL:
-            yield from (state[k] for k in ("state1", "state2") if isinstance(state.get(k), torch.Tensor))
-
-
-def label_training_state(tracker: LiveBytesTracker, model, optimizer=None, paged: bool = False) -> None:
-    """Label live storages with the breakdown keys (call before the step and after backward).
-
-    Order matters (a storage keeps its first label): paged states, quantization constants,
-    adapters (``lora_`` parameters), weights (other parameters and buffers), gradients, optimizer
-    states. Everything unlabelled is counted as activations.
-    """
-    if optimizer is not None and paged:
-        tracker.label(paged_state_tensors(optimizer), "paged_optimizer_states")
-    tracker.label(quant_state_tensors(model), "quant_constants")
-    named = list(model.named_parameters(remove_duplicate=True))
-    tracker.label((p for n, p in named if "lora_" in n), "adapters")
-    tracker.label((p for n, p in named if "lora_" not in n), "weights")
-    tracker.label(model.buffers(), "weights")
-    tracker.label((p.grad for _, p in named if p.grad is not None), "gradients")
-    if optimizer is not None:
-        tracker.label(optimizer_state_tensors(optimizer), "optimizer_states")
-
-
-def to_breakdown(raw: dict) -> dict:
-    """Tracker categories -> the six estimate keys (unlabelled "other" = activations)."""
-    out = {k: int(raw.get(k, 0)) for k in BREAKDOWN_KEYS}
-    out["activations"] += int(raw.get("other", 0))
-    return out
 
 
 # -- measuring --------------------------------------------------------------------------------
@@ -137,12 +58,12 @@ def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, aut
     device = torch.device(device) if device is not None else next(model.parameters()).device
     losses = []
     for _ in range(steps - 1):
-        losses.append(float(train_step(model, batch, optimizer, autocast_ctx=autocast_ctx)))
+        losses.append(float(train_step(model, batch, optimizer, autocast_ctx=autocast_ctx).loss))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        losses.append(float(train_step(model, batch, optimizer, autocast_ctx=autocast_ctx)))
+        losses.append(float(train_step(model, batch, optimizer, autocast_ctx=autocast_ctx).loss))
         torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
         return MeasureResult(int(torch.cuda.max_memory_allocated(device)),
@@ -153,8 +74,8 @@ def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, aut
     tracker.reset_peak()
     t0 = time.perf_counter()
     with tracker:
-        losses.append(float(train_step(model, batch, optimizer, tracker, autocast_ctx=autocast_ctx,
-                                       on_grads=lambda: label_training_state(tracker, model))))
+        losses.append(float(train_step(model, batch, optimizer, tracker=tracker, autocast_ctx=autocast_ctx,
+                                       on_grads=lambda: label_training_state(tracker, model)).loss))
     wall = time.perf_counter() - t0
     raw = tracker.peak_breakdown()
     paged_bytes = raw.pop("paged_optimizer_states", 0)
@@ -164,22 +85,18 @@ def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, aut
 
 def measure_config(model, method: str = "lora", dtype: str = "bfloat16", autocast: bool = False,
                    double_quant: bool = True, seq_len: int = 2048, batch_size: int = 1, lora_rank: int = 16,
-                   lora_alpha: int = 32, lora_targets="all-linear", gradient_checkpointing: bool = False,
+                   lora_alpha: int = 32, lora_targets="all-linear", gradient_checkpointing: bool = True,
                    attn_implementation: str = "sdpa", optimizer: str = "adamw", num_gpus: int = 1,
                    sharding: str = "none", cpu_offload: bool = False, grad_accum: int = 1,
                    device: str = "cpu", seed: int = 0, steps: int = 2) -> MeasureResult:
     """Build a random-init real model from ``model``'s config (same arguments as ``estimate``) and
     measure one real step on ``device``. QLoRA quantizes with bitsandbytes (saved to a temporary
     folder and loaded as users load it). Only small models make sense on a CPU."""
-    s = {k: v for k, v in locals().items() if k not in ("device", "seed", "steps")}
-    from lora_kit.memory.simulate import check_args, load_config
-    s = check_args(**s)
-    cfg = load_config(model)
-    built = build_real_model(cfg, s, device=device, seed=seed)
-    net, opt, batch = built
-    ctx = autocast_context(autocast, dtype, torch.device(device).type)
+    s = check_model_step(**{k: v for k, v in locals().items() if k not in ("device", "seed", "steps")})
+    net, opt, batch = build_real_model(load_config(model), s, device=device, seed=seed)
+    ctx = autocast_context(s["autocast"], s["dtype"], torch.device(device).type)
     return measure_step(net, batch, opt, steps=steps, device=device, autocast_ctx=ctx,
-                        paged=optimizer.startswith("paged_") and torch.device(device).type != "cuda")
+                        paged=s["optimizer"].startswith("paged_") and torch.device(device).type != "cuda")
 
 
 def build_real_model(cfg, s: dict, device: str = "cpu", seed: int = 0):
@@ -188,9 +105,6 @@ def build_real_model(cfg, s: dict, device: str = "cpu", seed: int = 0):
 
     from transformers import AutoModelForCausalLM
 
-    from lora_kit.loading import load_model
-    from lora_kit.memory.simulate import optimizer_for
-    from lora_kit.training import attach_adapter
     torch.manual_seed(seed)
     weight_dtype = "float32" if s["method"] == "full" and s["autocast"] else s["dtype"]
     with torch.device(device):  # initialise on the device: fast on a GPU, no host copy

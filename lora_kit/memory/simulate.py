@@ -43,15 +43,15 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lora_kit.loading import DTYPE_MAP
-from lora_kit.memory.measure import (BREAKDOWN_KEYS, autocast_context, label_training_state, to_breakdown,
-                      train_step)
-from lora_kit.settings import (ATTN_IMPLEMENTATIONS, DTYPES, METHODS, OPTIMIZERS, SHARDINGS)
+from lora_kit.loading import DTYPE_MAP, bnb_config
+from lora_kit.memory.breakdown import BREAKDOWN_KEYS, label_training_state, to_breakdown
+from lora_kit.memory.estimate import CUDA_CONTEXT_BYTES, RESERVE_FRACTION
+from lora_kit.memory.specs import check_model_step, load_config
 from lora_kit.memory.tracker import LiveBytesTracker
+from lora_kit.training import attach_adapter, autocast_context, optimizer_for, train_step
 
-CUDA_CONTEXT_BYTES = 512 * 2**20  # fallback only: lora_kit.memory.estimate owns the device-total model
-LORA_DEFAULTS = {"lora_rank": 16, "lora_alpha": 32, "lora_targets": "all-linear"}
 
 
 @dataclass
@@ -66,79 +66,6 @@ class SimResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def check_args(model, method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
-               batch_size=1, lora_rank=16, lora_alpha=32, lora_targets="all-linear",
-               gradient_checkpointing=False, attn_implementation="sdpa", optimizer="adamw", num_gpus=1,
-               sharding="none", cpu_offload=False, grad_accum=1) -> dict:
-    """The settings dict, validated; ValueError says what to change."""
-    s = dict(locals())
-    for name, choices in (("method", METHODS), ("dtype", DTYPES), ("optimizer", OPTIMIZERS),
-                          ("sharding", SHARDINGS), ("attn_implementation", ATTN_IMPLEMENTATIONS)):
-        if s[name] not in choices:
-            raise ValueError(f"{name}={s[name]!r} is not valid; choose one of {', '.join(map(repr, choices))}.")
-    for name in ("seq_len", "batch_size", "lora_rank", "lora_alpha", "num_gpus", "grad_accum"):
-        v = s[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}.")
-    if method == "full" and any(s[k] != v for k, v in LORA_DEFAULTS.items()):
-        raise ValueError("lora_rank / lora_alpha / lora_targets apply to method='lora' or 'qlora'; "
-                         "leave them at their defaults with method='full' (or choose a LoRA method).")
-    if sharding != "none" and num_gpus < 2:
-        raise ValueError(f"sharding={sharding!r} needs num_gpus > 1; set num_gpus or use sharding='none'.")
-    if cpu_offload and sharding not in ("zero1", "zero2", "zero3", "fsdp"):
-        raise ValueError("cpu_offload=True needs sharding='zero1'/'zero2'/'zero3'/'fsdp'; set sharding or cpu_offload=False.")
-    if not (lora_targets == "all-linear" or (isinstance(lora_targets, (list, tuple)) and lora_targets
-                                             and all(isinstance(t, str) for t in lora_targets))):
-        raise ValueError(f"lora_targets must be 'all-linear' or a non-empty list of module names, got {lora_targets!r}.")
-    if not isinstance(model, str):
-        s["model"] = getattr(model, "name_or_path", "") or type(model).__name__
-    if isinstance(lora_targets, tuple):
-        s["lora_targets"] = list(lora_targets)
-    return s
-
-
-def load_config(model):
-    """A transformers config for ``model`` (PretrainedConfig, catalog name, "tiny", path, hub id)."""
-    from transformers import AutoConfig, PretrainedConfig
-    if isinstance(model, PretrainedConfig):
-        return model
-    from lora_kit.memory.specs import _config_dict
-    _, c = _config_dict(model)
-    c = {k: v for k, v in c.items() if k not in ("transformers_version", "architectures", "_name_or_path")}
-    return AutoConfig.for_model(c.pop("model_type"), **c)
-
-
-def check_targets(cfg, s: dict) -> None:
-    """Unknown LoRA target names / rank larger than a targeted layer -> ValueError."""
-    if s["method"] == "full":
-        return
-    from lora_kit.memory.specs import model_spec, valid_targets
-    spec = model_spec(cfg)
-    names = valid_targets(spec)
-    targets = names if s["lora_targets"] == "all-linear" else s["lora_targets"]
-    unknown = [t for t in targets if t not in names]
-    if unknown:
-        raise ValueError(f"lora_targets {unknown} are not linear layers of this model; valid names: {names} "
-                         "(or 'all-linear').")
-    for lin in spec.linears:
-        if lin.name in targets and s["lora_rank"] > min(lin.in_features, lin.out_features):
-            raise ValueError(f"lora_rank={s['lora_rank']} is larger than layer {lin.name} "
-                             f"({lin.in_features}x{lin.out_features}); choose lora_rank <= "
-                             f"{min(lin.in_features, lin.out_features)}.")
-
-
-def optimizer_for(params, name: str, device_type: str = "cpu"):
-    """training.build_optimizer's optimizer; on CPU / fake tensors a paged bitsandbytes optimizer is
-    replaced by its non-paged twin (same state layout; paging needs CUDA managed memory)."""
-    from lora_kit.training import build_optimizer
-    lr = 1e-4
-    if name.startswith("paged_") and device_type != "cuda":
-        import bitsandbytes as bnb
-        twin = bnb.optim.AdamW8bit if name == "paged_adamw_8bit" else bnb.optim.AdamW32bit
-        return twin([p for p in params if p.requires_grad], lr=lr, is_paged=False)
-    return build_optimizer(params, name, lr)
 
 
 def _meta_model(cfg, s: dict):
@@ -158,7 +85,6 @@ def _meta_model(cfg, s: dict):
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
         from transformers.quantizers.base import get_keys_to_not_convert
 
-        from lora_kit.loading import bnb_config
         replace_with_bnb_linear(m, modules_to_not_convert=get_keys_to_not_convert(m),
                                 quantization_config=bnb_config(s["dtype"], s["double_quant"]))
         m.is_loaded_in_4bit = True
@@ -232,16 +158,12 @@ def _no_packed_sequences():
 
 def _device_total(peak: int) -> int:
     """Peak + CUDA context + allocator reserve, with estimate's constants (one model of that part)."""
-    try:
-        from lora_kit.memory.estimate import CUDA_CONTEXT_BYTES as context, RESERVE_FRACTION as reserve
-    except ImportError:  # estimate not importable: its documented defaults
-        context, reserve = CUDA_CONTEXT_BYTES, 0.08
-    return int(peak + context + math.ceil(reserve * peak))
+    return int(peak + CUDA_CONTEXT_BYTES + math.ceil(RESERVE_FRACTION * peak))
 
 
 def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: bool = False,
              double_quant: bool = True, seq_len: int = 2048, batch_size: int = 1, lora_rank: int = 16,
-             lora_alpha: int = 32, lora_targets="all-linear", gradient_checkpointing: bool = False,
+             lora_alpha: int = 32, lora_targets="all-linear", gradient_checkpointing: bool = True,
              attn_implementation: str = "sdpa", optimizer: str = "adamw", num_gpus: int = 1,
              sharding: str = "none", cpu_offload: bool = False, grad_accum: int = 1) -> SimResult:
     """Peak memory of one steady-state training step, from a real step on fake tensors.
@@ -250,26 +172,24 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
     the peak (each micro-step frees its activations; gradients are accumulated in place) and is
     recorded only. See the module docstring for what is exact and what is not.
     """
-    s = check_args(**locals())
+    s = check_model_step(**locals())
     t0 = time.perf_counter()
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from lora_kit.training import attach_adapter
+    method, dtype, autocast, sharding = s["method"], s["dtype"], s["autocast"], s["sharding"]
     if sharding not in ("none", "ddp"):
         raise ValueError(f"simulate covers sharding='none' and 'ddp' (one GPU's view); for sharding={sharding!r} "
                          "use lora_kit.memory.estimate, or simulate with sharding='none' for the unsharded step.")
     cfg = load_config(model)
-    check_targets(cfg, s)
     net = _meta_model(cfg, s)
     with torch.device("meta"):
-        net = attach_adapter(net, method, 0, lora_rank, lora_alpha, 0.0, s["lora_targets"], gradient_checkpointing)
+        net = attach_adapter(net, method, 0, s["lora_rank"], s["lora_alpha"], 0.0, s["lora_targets"],
+                             s["gradient_checkpointing"])
     net.train()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fakeify(net, fake_mode, DTYPE_MAP[dtype])
-    paged = optimizer.startswith("paged_")
-    opt = optimizer_for(net.parameters(), optimizer, device_type="cpu")  # bnb builds real lookup maps
+    paged = s["optimizer"].startswith("paged_")
+    opt = optimizer_for(net.parameters(), s["optimizer"], device_type="cpu")  # bnb builds real lookup maps
     with fake_mode:
-        ids = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
+        ids = torch.randint(0, cfg.vocab_size, (s["batch_size"], s["seq_len"]))
     batch = {"input_ids": ids, "labels": ids}
     ctx = autocast_context(autocast, dtype, "cpu")
     tracker = LiveBytesTracker()
@@ -279,7 +199,7 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
         tracker.track(ids)
         tracker.reset_peak()
         with tracker:
-            train_step(net, batch, opt, tracker, autocast_ctx=ctx,
+            train_step(net, batch, opt, tracker=tracker, autocast_ctx=ctx,
                        on_grads=lambda: label_training_state(tracker, net))
     raw = tracker.peak_breakdown()
     notes = []

@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
+
+from lora_kit.settings import check_step
+
 CATALOG_PATH = Path(__file__).parents[1] / "catalog" / "models.json"
 GATED_MLP_TYPES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "qwen3", "olmo2", "granite")
 KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox")
@@ -240,3 +244,53 @@ def valid_targets(spec) -> list[str]:
     """LoRA target module names of one block (what ``lora_targets`` accepts besides "all-linear")."""
     spec = model_spec(spec)
     return [lin.name for lin in spec.linears]
+
+
+SDPA_UNSUPPORTED = ("gemma2",)  # transformers 5.24 refuses sdpa for these (attention soft-capping)
+
+
+def check_targets(spec, method: str, lora_rank=16, lora_targets="all-linear",
+                  attn_implementation: str = "sdpa") -> tuple:
+    """The model-dependent half of the step validator (``lora_kit.settings.check_step`` is the other):
+    LoRA target names that exist in ``spec``, a rank no larger than the smallest targeted layer, an
+    attention implementation transformers runs for this architecture. Returns the targeted layer
+    names in the model's order (empty for full fine-tuning). ValueError says what to change."""
+    spec = model_spec(spec)
+    if attn_implementation == "sdpa" and spec.model_type in SDPA_UNSUPPORTED:
+        raise ValueError(f"transformers runs {spec.model_type} with eager attention only; "
+                         "set attn_implementation='eager'.")
+    if method == "full":
+        return ()
+    names = valid_targets(spec)
+    wanted = names if lora_targets == "all-linear" else [lora_targets] if isinstance(lora_targets, str) else lora_targets
+    unknown = [t for t in wanted if t not in names]
+    if unknown:
+        raise ValueError(f"lora_targets {unknown} are not linear layers of {spec.name} ({spec.model_type}); "
+                         f"valid names: {names} or 'all-linear'.")
+    targets = tuple(n for n in names if n in wanted)
+    smallest = min(min(lin.in_features, lin.out_features) for lin in spec.linears if lin.name in targets)
+    if np.any(np.asarray(lora_rank) > smallest):
+        raise ValueError(f"lora_rank={int(np.max(lora_rank))} is larger than the smallest targeted layer "
+                         f"dimension ({smallest}) of {spec.name}; use lora_rank <= {smallest}.")
+    return targets
+
+
+def load_config(model):
+    """A transformers config for ``model`` (PretrainedConfig, catalog name, "tiny", path, hub id)."""
+    from transformers import AutoConfig, PretrainedConfig
+    if isinstance(model, PretrainedConfig):
+        return model
+    _, c = _config_dict(model)
+    c = {k: v for k, v in c.items() if k not in ("transformers_version", "architectures", "_name_or_path")}
+    return AutoConfig.for_model(c.pop("model_type"), **c)
+
+
+def check_model_step(model, **step) -> dict:
+    """The step settings for ``model``, checked by the one validator (``lora_kit.settings.check_step``,
+    defaults ``PLANNING_DEFAULTS``) and against the model (:func:`check_targets`); the model is
+    recorded by name. What ``simulate`` and ``measure_config`` record as their settings."""
+    s = check_step(step)
+    spec = model_spec(model) if isinstance(model, (str, os.PathLike, ModelSpec)) else model_spec(load_config(model))
+    check_targets(spec, s["method"], s["lora_rank"], s["lora_targets"], s["attn_implementation"])
+    name = model if isinstance(model, str) else getattr(model, "name_or_path", "") or type(model).__name__
+    return {"model": name, **s}
