@@ -69,6 +69,9 @@ def _check_int(name: str, value: Any, lo: int = 1, hi: int | None = None):
     if ok and (arr.min() < lo or (hi is not None and arr.max() > hi)):
         ok = False
     if not ok:
+        if arr.ndim and arr.size:  # a sweep axis: name the first offending value
+            bad = [v for v in arr.ravel().tolist() if not isinstance(v, int) or v < lo or (hi is not None and v > hi)]
+            value = bad[0] if bad else value
         kind = "a positive integer" if lo == 1 else "a non-negative integer" if lo == 0 else f"an integer >= {lo}"
         raise ValueError(f"{name} must be {kind}" + (f" (at most {hi:,})" if hi is not None else "") + f", got {value!r}.")
     return int(value) if arr.ndim == 0 else value
@@ -243,7 +246,7 @@ def validate(s: Settings) -> None:
         raise ValueError(f"lora_dropout must be in [0, 1), got {s.lora_dropout!r}.")
 
 
-def _coerce(name: str, value: Any) -> Any:
+def coerce_value(name: str, value: Any) -> Any:
     """Coerce a string (CLI ``-p key value``) to the type of the field's default."""
     default = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
                for f in fields(Settings)}[name]
@@ -276,7 +279,7 @@ def from_dict(d: dict) -> Settings:
     types = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in fields(Settings)}
     clean = {}
     for k, v in d.items():
-        v = _coerce(k, v)
+        v = coerce_value(k, v)
         t = types[k]
         if isinstance(t, bool):
             v = parse_bool(k, v)
@@ -286,17 +289,33 @@ def from_dict(d: dict) -> Settings:
     return Settings(**clean)
 
 
+def read_params(params_file: str | Path) -> dict:
+    """The settings mapping in a YAML params file; ValueError names the file, and the line for bad
+    YAML (python tags and other non-plain YAML are refused: ``yaml.safe_load``) or bad encoding."""
+    import yaml
+    p = Path(params_file)
+    if not p.is_file():
+        raise ValueError(f"params file {str(p)!r} does not exist.")
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"params file {str(p)!r} is not UTF-8 text (line {line}); save it as UTF-8.") from None
+    try:
+        loaded = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"params file {str(p)!r} is not valid YAML{where}: {problem}.") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"params file {str(p)!r} must hold a mapping of setting: value.")
+    return loaded
+
+
 def load_settings(params_file: str | Path | None = None, overrides: dict | None = None) -> Settings:
     """Settings from a YAML params file plus ``overrides`` (later wins), validated."""
-    d: dict = {}
-    if params_file is not None:
-        import yaml
-        p = Path(params_file)
-        if not p.is_file():
-            raise ValueError(f"params file {str(p)!r} does not exist.")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"params file {str(p)!r} must hold a mapping of setting: value.")
-        d.update(loaded)
+    d: dict = read_params(params_file) if params_file is not None else {}
     d.update(overrides or {})
     return from_dict(d)

@@ -23,8 +23,9 @@ def test_cli_estimate_json_matches_library(capsys):
     import lora_kit as lk
     assert main(["estimate", "--model", "qwen2.5-0.5b", "--seq-len", "512", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    est = lk.estimate(model="qwen2.5-0.5b", seq_len=512, dtype="float32", batch_size=16)
-    assert got["peak_allocated_bytes"] == est.peak_allocated_bytes
+    est = lk.estimate(model="qwen2.5-0.5b", seq_len=512)  # the planning defaults, as the CLI assumes
+    assert got["peak_allocated_bytes"] == est.peak_allocated_bytes and got["settings"] == est.settings
+    assert "seq_len" not in got["assumed"] and "batch_size" in got["assumed"]
 
 
 @pytest.mark.parametrize("argv,msg", [

@@ -56,7 +56,7 @@ def test_sweep_multi_gpu_sharding_and_margin():
 def test_sweep_bad_input():
     with pytest.raises(ValueError, match="unknown argument"):
         sweep(M, seqlen=[1])
-    with pytest.raises(ValueError, match="positive integers"):
+    with pytest.raises(ValueError, match="seq_len must be a positive integer .*got -1"):
         sweep(M, seq_len=[-1, 5])
     with pytest.raises(ValueError, match="empty list"):
         sweep(M, batch_size=[])

@@ -29,7 +29,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from lora_kit.settings import METHODS
+from lora_kit.settings import LORA_FIELDS, METHODS, check_step
 
 GIB = 2 ** 30
 ARRAY_ARGS = ("seq_len", "batch_size", "lora_rank", "num_gpus")
@@ -93,10 +93,7 @@ def _values(name: str, v) -> list:
 
 
 def _int_axis(name: str, vals: list) -> np.ndarray:
-    arr = np.asarray(vals)
-    if arr.dtype.kind not in "iu" or (arr <= 0).any():
-        raise ValueError(f"{name} must be positive integers, got {vals!r}.")
-    return arr.astype(np.int64)
+    return np.asarray(check_step({name: np.asarray(vals)})[name], dtype=np.int64)
 
 
 def sweep(model, gpu=None, margin: float = 0.10, **grid) -> pd.DataFrame:
@@ -117,6 +114,10 @@ def sweep(model, gpu=None, margin: float = 0.10, **grid) -> pd.DataFrame:
         raise ValueError(f"sweep: unknown argument(s) {unknown}; sweepable: model, gpu, {', '.join(sorted(valid))}.")
     check_margin(margin)
     axes = {k: _values(k, grid.get(k, defaults.get(k))) for k in (*CATEGORICAL_ARGS, *PASSTHROUGH_ARGS)}
+    if set(axes["method"]) == {"full"}:  # LoRA settings with full fine-tuning only: refused as everywhere
+        single = {k: _values(k, grid[k]) for k in LORA_FIELDS if k in grid}
+        check_step({"method": "full", **{k: list(v[0]) if isinstance(v[0], tuple) else v[0]
+                                         for k, v in single.items() if len(v) == 1}})
     nums = [_int_axis(k, _values(k, grid.get(k, defaults.get(k)))) for k in ARRAY_ARGS]
     mesh = [m.ravel() for m in np.meshgrid(*nums, indexing="ij")]
     n = mesh[0].size

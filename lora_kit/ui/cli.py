@@ -15,18 +15,23 @@ import json
 import sys
 from pathlib import Path
 
-from lora_kit.settings import Settings, field_help, field_names, load_settings
+from lora_kit.memory.estimate import estimate
+from lora_kit.plan.planner import fit_verdict
+from lora_kit.settings import (LORA_FIELDS, PLANNING_DEFAULTS, STEP_FIELDS, Settings, check_step, field_help,
+                               coerce_value, field_names, load_settings, read_params)
+
 
 GiB = 1024 ** 3
 
 
-def _add_setting_flags(p: argparse.ArgumentParser, names=None) -> None:
+def _add_setting_flags(p: argparse.ArgumentParser, names=None, defaults=None, title=None) -> None:
     helps = field_help()
-    defaults = Settings().to_dict()
-    g = p.add_argument_group("settings (defaults: the embedded tiny model on CPU)")
+    defaults = Settings().to_dict() if defaults is None else defaults
+    g = p.add_argument_group(title or "settings (defaults: the embedded tiny model on CPU)")
     for name in names or field_names():
+        shown = f" [default: {defaults[name]!r}]" if name in defaults else ""
         g.add_argument("--" + name.replace("_", "-"), dest="s_" + name, default=None, metavar="VALUE",
-                       help=f"{helps.get(name, '')} [default: {defaults[name]!r}]")
+                       help=f"{helps.get(name, '')}{shown}")
 
 
 def _settings_from_args(args, names=None) -> dict:
@@ -58,43 +63,57 @@ def cmd_run(args) -> int:
     return 0
 
 
-ESTIMATE_FIELDS = tuple(Settings().estimate_kwargs()) + ("gpu", "margin")
+ESTIMATE_FIELDS = ("model", *STEP_FIELDS, "gpu", "margin")
+
+
+def estimate_plan(given: dict) -> tuple[dict, list[str]]:
+    """The plan ``lora-kit estimate`` sizes: ``given`` (params file + flags) over the planning
+    defaults (``PLANNING_DEFAULTS``: bf16, 2048 tokens, micro-batch 1, checkpointing on), the target
+    GPU and margin from Settings. Returns (plan, names of the values that were assumed)."""
+    unknown = sorted(set(given) - set(ESTIMATE_FIELDS))
+    if unknown:
+        raise ValueError(f"lora-kit estimate does not use {unknown}; it takes {', '.join(ESTIMATE_FIELDS)}.")
+    if "model" not in given:
+        raise ValueError("--model is required: a catalog name (e.g. llama-3.1-8b), a local model folder or a hub id.")
+    given = {k: coerce_value(k, v) for k, v in given.items()}
+    defaults = {**PLANNING_DEFAULTS, "gpu": Settings.gpu, "margin": Settings.margin}
+    plan = {**defaults, **given}
+    plan["margin"] = float(plan["margin"])
+    if plan["method"] == "full":  # LoRA fields do not apply; only refuse them when the user set them
+        plan = {k: v for k, v in plan.items() if k not in LORA_FIELDS or k in given}
+    plan.update(check_step({k: v for k, v in plan.items() if k in STEP_FIELDS}))
+    return plan, [k for k in ESTIMATE_FIELDS if k not in given and k in plan]
 
 
 def cmd_estimate(args) -> int:
-    from lora_kit.memory.estimate import estimate
     try:
-        s = load_settings(args.params, {**_settings_from_args(args, ESTIMATE_FIELDS), **_parse_p(args.p)})
-        est = estimate(**s.estimate_kwargs())
+        given = {**(read_params(args.params) if args.params else {}), **_settings_from_args(args, ESTIMATE_FIELDS),
+                 **_parse_p(args.p)}
+        plan, assumed = estimate_plan(given)
+        est = estimate(**{k: v for k, v in plan.items() if k in ("model", *STEP_FIELDS)})
+        fit = fit_verdict(est.device_total_bytes, plan["gpu"], plan["margin"])
     except ValueError as exc:
         print(f"lora-kit estimate: {exc}", file=sys.stderr)
         return 2
-    fit = None
-    try:
-        from lora_kit.plan.gpus import get_gpu
-        g = get_gpu(s.gpu)
-        cap = int(g["memory_bytes"])
-        fit = {"gpu": s.gpu, "capacity_bytes": cap, "fits": est.device_total_bytes <= cap * (1 - s.margin),
-               "headroom_bytes": int(cap * (1 - s.margin) - est.device_total_bytes)}
-    except Exception:  # the GPU catalog is optional for the estimate itself
-        pass
     if args.json:
-        print(json.dumps({"settings": s.estimate_kwargs(), "peak_allocated_bytes": est.peak_allocated_bytes,
+        print(json.dumps({"settings": est.settings, "assumed": assumed, "gpu": plan["gpu"], "margin": plan["margin"],
+                          "peak_allocated_bytes": est.peak_allocated_bytes,
                           "device_total_bytes": est.device_total_bytes, "breakdown": est.breakdown,
-                          "fit": fit}, indent=2))
+                          "phase": est.phase, "fit": fit}, indent=2))
         return 0
-    print(f"{s.model} · {s.method} · seq_len {s.seq_len} · batch {s.batch_size} · "
-          f"{s.optimizer} · checkpointing {'on' if s.gradient_checkpointing else 'off'} · "
-          f"{s.num_gpus} GPU(s) {s.sharding}")
+    print(f"lora-kit estimate: {plan['model']}, one training step, per GPU")
+    print("  values (* = assumed, not given; defaults for planning a real model on a GPU):")
+    for k in ESTIMATE_FIELDS:
+        if k in plan:
+            print(f"    {'*' if k in assumed else ' '} {k:<24}{plan[k]!r}")
     width = max(len(k) for k in est.breakdown) + 2
     for k, v in est.breakdown.items():
         print(f"  {k:<{width}}{v / GiB:10.3f} GiB")
-    print(f"  {'peak allocated':<{width}}{est.peak_allocated_bytes / GiB:10.3f} GiB  (per GPU)")
+    print(f"  {'peak allocated':<{width}}{est.peak_allocated_bytes / GiB:10.3f} GiB  (per GPU, in {est.phase})")
     print(f"  {'device total':<{width}}{est.device_total_bytes / GiB:10.3f} GiB  (+ CUDA context, allocator reserve)")
-    if fit:
-        verdict = "fits" if fit["fits"] else "does NOT fit"
-        print(f"  {s.gpu}: {verdict} with a {s.margin:.0%} margin "
-              f"(headroom {fit['headroom_bytes'] / GiB:+.2f} GiB of {fit['capacity_bytes'] / GiB:.1f} GiB)")
+    verdict = "fits" if fit["fits"] else "does NOT fit"
+    print(f"  {fit['gpu']}: {verdict} with a {plan['margin']:.0%} margin "
+          f"(headroom {fit['headroom_bytes'] / GiB:+.2f} GiB of {fit['capacity_bytes'] / GiB:.1f} GiB)")
     return 0
 
 
@@ -129,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--params", help="YAML file of settings")
     e.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"), help="override one setting")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    _add_setting_flags(e, ESTIMATE_FIELDS)
+    _add_setting_flags(e, ESTIMATE_FIELDS, {**PLANNING_DEFAULTS, "gpu": Settings.gpu, "margin": Settings.margin},
+                       "plan (defaults: planning a real model on a GPU; every assumed value is printed)")
     e.set_defaults(func=cmd_estimate)
 
     c = sub.add_parser("check", help="versions, hardware and real probes of the training stack")
