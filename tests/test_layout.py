@@ -99,3 +99,13 @@ def test_no_module_shadows_a_public_function():
     for name, module in lora_kit._MODULES.items():
         assert inspect.ismodule(getattr(lora_kit, name)) and getattr(lora_kit, name).__name__ == module
     assert set(lora_kit.__all__) >= set(lora_kit._LAZY) | {"stack", "DEFAULT_MODEL"}
+
+
+def test_planning_imports_stay_torch_free():
+    """estimate / sweep / the CLI's estimate answer in a fraction of a second: torch is not imported."""
+    import subprocess
+    import sys
+    code = ("import sys, lora_kit.memory.estimate, lora_kit.plan.planner, lora_kit.plan.figures; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

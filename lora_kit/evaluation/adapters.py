@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from lora_kit.loading import resolve_model
+
 
 def _same_base(recorded: str | None, base: str, resolved: str) -> bool:
     if not recorded:
@@ -20,7 +22,6 @@ def _same_base(recorded: str | None, base: str, resolved: str) -> bool:
     if recorded in (base, resolved):
         return True
     try:
-        from lora_kit.loading import resolve_model
         r = resolve_model(recorded)
         if os.path.exists(r) and os.path.exists(resolved) and os.path.realpath(r) == os.path.realpath(resolved):
             return True

@@ -8,9 +8,15 @@ temporaries, logits and loss).
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from lora_kit.memory.tracker import LiveBytesTracker, optimizer_state_tensors
+if TYPE_CHECKING:  # torch is imported lazily: ``estimate`` uses this vocabulary and stays torch-free
+    from lora_kit.memory.tracker import LiveBytesTracker
+
+def _is_tensor(x) -> bool:
+    import torch
+    return isinstance(x, torch.Tensor)
+
 
 BREAKDOWN_KEYS = ("weights", "quant_constants", "adapters", "gradients", "optimizer_states", "activations")
 PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages a state buffer only for params with >= 1e5 elements
@@ -25,7 +31,7 @@ def quant_state_tensors(model):
             seen.add(id(qs))
             for name in ("absmax", "code", "offset"):
                 t = getattr(qs, name, None)
-                if isinstance(t, torch.Tensor):
+                if _is_tensor(t):
                     yield t
             qs = getattr(qs, "state2", None)
 
@@ -35,7 +41,7 @@ def paged_state_tensors(optimizer):
     ``max_memory_allocated`` does not count)."""
     for p, state in optimizer.state.items():
         if p.numel() >= PAGED_MIN_NUMEL:
-            yield from (state[k] for k in ("state1", "state2") if isinstance(state.get(k), torch.Tensor))
+            yield from (state[k] for k in ("state1", "state2") if _is_tensor(state.get(k)))
 
 
 def label_training_state(tracker: LiveBytesTracker, model, optimizer=None, paged: bool = False) -> None:
@@ -54,7 +60,8 @@ def label_training_state(tracker: LiveBytesTracker, model, optimizer=None, paged
     tracker.label(model.buffers(), "weights")
     tracker.label((p.grad for _, p in named if p.grad is not None), "gradients")
     if optimizer is not None:
-        tracker.label(optimizer_state_tensors(optimizer), "optimizer_states")
+        tracker.label((v for state in optimizer.state.values() for v in state.values() if _is_tensor(v)),
+                      "optimizer_states")
 
 
 def to_breakdown(raw: dict) -> dict:

@@ -113,7 +113,7 @@ def _config_dict(model) -> tuple[str, dict]:
     for name, facts in cat.items():
         if key == name or key == facts["hub_id"].lower():
             return name, {k: v for k, v in facts.items() if k not in ("hub_id", "params")}
-    from lora_kit.loading import TINY_ALIASES, resolve_model
+    from lora_kit.loading import TINY_ALIASES, resolve_model  # lazy: reading a spec needs no torch
     p = Path(model).expanduser()
     if model in TINY_ALIASES or p.exists():
         path = Path(resolve_model(model)) if not p.is_file() else p

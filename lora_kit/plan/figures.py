@@ -15,6 +15,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from lora_kit.plan.gpus import get_gpu
+from lora_kit.plan.planner import fit_verdict
+
 GIB = 2 ** 30
 PART_COLORS = {"weights": "#4C78A8", "quant_constants": "#72B7B2", "adapters": "#54A24B", "gradients": "#F58518",
                "optimizer_states": "#E45756", "activations": "#B279A2"}
@@ -48,7 +51,6 @@ def breakdown_bar(estimate, simulated=None, measured=None, gpu: str | None = Non
     fig.add_scatter(x=[n for n, _ in bars], y=totals, mode="text", text=[f"{t:.2f} GiB" for t in totals],
                     textposition="top center", showlegend=False, hoverinfo="skip")
     if gpu is not None:
-        from lora_kit.plan.planner import fit_verdict
         v = fit_verdict(0, gpu, margin)
         fig.add_hline(y=v["usable_bytes"] / GIB, line_dash="dash", line_color="black",
                       annotation_text=f"{v['gpu']} usable ({margin:.0%} margin): {v['usable_bytes'] / GIB:.1f} GiB")
@@ -75,7 +77,6 @@ def memory_vs_seq_len(sweep_df: pd.DataFrame, gpus=None, margin: float = 0.10, t
         fig.add_scatter(x=g["seq_len"], y=g[y], mode="lines+markers", name=label,
                         line_color=METHOD_COLORS.get(key[0]) if not varying else None,
                         hovertemplate=f"{label}<br>seq_len %{{x}}<br>%{{y:.2f}} GiB<extra></extra>")
-    from lora_kit.plan.planner import fit_verdict
     for gname in ([gpus] if isinstance(gpus, str) else list(gpus or [])):
         v = fit_verdict(0, gname, margin)
         fig.add_hline(y=v["usable_bytes"] / GIB, line_dash="dot", line_color="gray",
@@ -94,7 +95,6 @@ def fits_heatmap(sweep_df: pd.DataFrame, gpu: str | None = None, title: str | No
         raise ValueError(f"fits_heatmap needs a sweep with a gpu (columns {sorted(need)}); pass gpu= to sweep().")
     df = sweep_df
     if gpu is not None:
-        from lora_kit.plan.gpus import get_gpu
         df = df[df["gpu"] == get_gpu(gpu)["name"]]
     if df["gpu"].nunique() != 1:
         raise ValueError(f"fits_heatmap shows one GPU; the sweep has {sorted(df['gpu'].unique())}: pass gpu=.")

@@ -29,6 +29,10 @@ import html
 
 import ipywidgets as w
 
+from lora_kit.memory.specs import catalog, valid_targets
+from lora_kit.plan.figures import PART_COLORS
+from lora_kit.plan.gpus import get_gpu, known_gpus
+from lora_kit.plan.planner import check_plan, verdict_text
 from lora_kit.settings import DTYPES, METHODS, OPTIMIZERS, SHARDINGS, Settings
 
 GIB = 2 ** 30
@@ -38,7 +42,6 @@ _LAYOUT = w.Layout(width="440px")
 
 
 def _model_options(current: str) -> list[str]:
-    from lora_kit.memory.specs import catalog
     opts = ["tiny"] + sorted(catalog())
     return opts if current in opts else [current] + opts
 
@@ -47,7 +50,6 @@ class PlannerPanel:
     """Controls for one plan, a live stacked breakdown (``.figure``) and a verdict (``.verdict``)."""
 
     def __init__(self, settings: Settings | None = None):
-        from lora_kit.plan.gpus import get_gpu, known_gpus
         from lora_kit.plan.planner import GIB as _  # noqa: F401  (fail early if the planner is unavailable)
         s = settings or Settings()
         self._plan_field = "model" if getattr(s, "plan_model", "same") in (None, "", "same") else "plan_model"
@@ -106,7 +108,6 @@ class PlannerPanel:
                 self.lora_rank, self.targets, self.checkpointing, self.optimizer, self.num_gpus, self.sharding]
 
     def _set_target_options(self, lora_targets) -> None:
-        from lora_kit.memory.specs import valid_targets
         try:
             names = valid_targets(self.model.value)
         except ValueError:
@@ -121,7 +122,6 @@ class PlannerPanel:
 
     def _make_figure(self):
         import plotly.graph_objects as go
-        from lora_kit.plan.figures import PART_COLORS
         fig = go.FigureWidget()
         for part in PARTS:
             fig.add_bar(name=part.replace("_", " "), x=["estimate"], y=[0], marker_color=PART_COLORS[part],
@@ -161,7 +161,6 @@ class PlannerPanel:
 
     def update(self) -> None:
         """Recompute the plan from the widgets and refresh the verdict and the figure in place."""
-        from lora_kit.plan.planner import check_plan, verdict_text
         try:
             s = self.settings()
             plan = check_plan(gpu=s.gpu, margin=s.margin, **self.plan_kwargs())
