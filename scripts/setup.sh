@@ -7,7 +7,20 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # Torch first and pinned, so that nothing drags in a multi-GB CUDA build on a CPU machine.
+# Off a GPU machine the CPU build comes from PyTorch's CPU index (plain PyPI serves the multi-GB CUDA
+# build on Linux; `torch==X` then resolves to `X+cpu`). Where that index is unreachable (offline mirrors,
+# this project's CI, which has torch on local disk) plain pip is used. On a GPU machine nothing changes:
+# set TORCH_SPEC / TORCH_INDEX for your CUDA version (README: "On a rented GPU").
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-.venv/bin/python -m pip install -q "$TORCH_SPEC"
+TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+TORCH_ARGS=()
+if ! command -v nvidia-smi >/dev/null 2>&1 && .venv/bin/python - "$TORCH_INDEX" <<'PY' 2>/dev/null
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1] + "/torch/", timeout=5)
+PY
+then
+  TORCH_ARGS=(--extra-index-url "$TORCH_INDEX")
+fi
+.venv/bin/python -m pip install -q "${TORCH_ARGS[@]}" "$TORCH_SPEC"
 .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[dev]"
 .venv/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null

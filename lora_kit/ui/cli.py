@@ -31,7 +31,7 @@ def _add_setting_flags(p: argparse.ArgumentParser, names=None, defaults=None, ti
     for name in names or field_names():
         shown = f" [default: {defaults[name]!r}]" if name in defaults else ""
         g.add_argument("--" + name.replace("_", "-"), dest="s_" + name, default=None, metavar="VALUE",
-                       help=f"{helps.get(name, '')}{shown}")
+                       help=f"{helps.get(name, '')}{shown}".replace("%", "%%"))  # argparse formats %
 
 
 def _settings_from_args(args, names=None) -> dict:
