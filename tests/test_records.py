@@ -1,0 +1,30 @@
+"""plan.json / sweeps.json are built by the package with their assumptions stated."""
+from __future__ import annotations
+
+import json
+
+from lora_kit.memory.estimate import estimate
+from lora_kit.plan.planner import compare_methods
+from lora_kit.plan.records import PLAN_BATCH, plan_record, sweeps_record
+
+
+def test_plan_record_states_every_assumption_and_is_json():
+    table = compare_methods("llama-3.1-8b", gpus=["L4", "A100-80GB"], seq_len=2048, lora_rank=8)
+    rec = plan_record(table, "llama-3.1-8b", 2048, lora_rank=8)
+    json.dumps(rec, allow_nan=False)  # NaN (rows that do not fit) became null
+    a = rec["assumptions"]
+    assert a["dtype"] == "bfloat16" and a["gradient_checkpointing"] is True and a["lora_rank"] == 8
+    assert a["optimizer"] == "adamw" and a["seq_len"] == 2048 and "method" not in a
+    assert rec["epoch"] == {"examples": 10_000, "tokens": 10_000 * 2048, "note": "each example padded to seq_len"}
+    assert rec["batch_size"] == PLAN_BATCH and len(rec["rows"]) == len(table) == 6
+    assert rec["recommendation"] == table.attrs["recommendation"]
+    unfit = [r for r in rec["rows"] if not r["fits"]]
+    assert all(r["epoch_cost"] is None for r in unfit)
+
+
+def test_sweeps_record_keeps_the_estimate_and_its_settings():
+    est = estimate("tiny", seq_len=64, batch_size=16, dtype="float32", gradient_checkpointing=False)
+    rec = sweeps_record("llama-3.1-8b", "A100-80GB", 8192, {"n": 3}, est)
+    json.dumps(rec, allow_nan=False)
+    assert rec["run_estimate"]["peak_allocated_bytes"] == est.peak_allocated_bytes
+    assert rec["run_estimate"]["settings"]["batch_size"] == 16 and rec["run_estimate"]["phase"] == est.phase
