@@ -1,12 +1,54 @@
-"""Results that nothing can lose: atomic JSON writes and a phase-by-phase result record."""
+"""Results that nothing can lose or mix up: atomic writes, run identity, recorded endings.
+
+- **Atomic writes.** :func:`write_text_atomic` / :func:`write_json_atomic` write a temp file in
+  the same folder and rename it: a reader sees the old file or the new one, never half of one.
+  A full disk raises :class:`NotWritten` (an ``OSError``) naming the file that was not written;
+  the previous version stays intact.
+- **Run identity.** Every run (``lora-kit run``, ``smoke_run``, ``evaluate``) has an id and a
+  start time (:func:`run_identity`). ``lora-kit run`` puts its identity in the environment
+  (:func:`entered_run`), so the notebook kernels it starts inherit it: every JSON result written
+  inside that run's folder carries ``"run": {"id", "started", ...}`` and a reader (the run card)
+  can tell this run's results from leftovers of another.
+- **Every ending recorded.** Records that say ``"running"`` also hold the writer's ``process``
+  (pid, host, process start time) and ``updated`` (last write); :func:`settled` turns "running"
+  with a dead process into "died". :func:`interrupts` turns SIGTERM (what ``timeout``, Docker,
+  Slurm and Kubernetes send) into :class:`Interrupted`, a ``KeyboardInterrupt``, so a run
+  records "interrupted" the same way for Ctrl-C and SIGTERM.
+- **Confinement.** :func:`check_run_name` (one plain path component) and :func:`check_output_dir`
+  (never inside the package or the notebooks folder; the path and the reason when it cannot be made).
+"""
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import re
+import secrets
+import signal
+import socket
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
+
+RUN_ENV = "LORA_KIT_RUN"  # JSON identity of the active run, inherited by notebook kernels
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+# ----------------------------------------------------------------------------------------------
+# atomic writes
+# ----------------------------------------------------------------------------------------------
+class NotWritten(OSError):
+    """A result file could not be written (disk full, read-only, ...); the previous file is intact."""
+
+    def __init__(self, path: Path, exc: OSError):
+        self.path = Path(path)
+        reason = "no space left on device" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror or str(exc)
+        super().__init__(exc.errno, f"{self.path} was not written: {reason}; the previous version of the file "
+                                    "(if any) is kept. Free space or choose another runs folder.")
 
 
 def _default(o: Any):
@@ -36,28 +78,247 @@ def _clean(o: Any):
 
 
 def write_json_atomic(path: str | Path, data: Any) -> Path:
-    """Write ``data`` as JSON to ``path`` atomically (temp file in the same folder + rename)."""
+    """Write ``data`` as JSON to ``path`` atomically (temp file in the same folder + rename).
+
+    A dict written inside the folder of the active ``lora-kit run`` (see :func:`entered_run`)
+    without a ``"run"`` key gets that run's identity, so notebook results say which run made them.
+    """
+    if isinstance(data, dict) and "run" not in data:
+        ident = active_run(Path(path).parent)
+        if ident is not None:
+            data = {"run": ident, **data}
     return write_text_atomic(path, json.dumps(_clean(data), indent=2, default=_default) + "\n")
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` atomically: a reader sees the old file or the new one, never half."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
-        with os.fdopen(fd, "w") as f:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
         os.replace(tmp, path)
+    except OSError as exc:
+        _unlink_quietly(tmp)
+        raise NotWritten(path, exc) from exc
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _unlink_quietly(tmp)
         raise
     return path
 
 
+def _unlink_quietly(tmp) -> None:
+    if tmp and os.path.exists(tmp):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
 def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text())
+
+
+def read_record(path: str | Path) -> dict | None:
+    """A JSON record, or None when it is absent or unreadable (a reader never crashes on a result)."""
+    try:
+        rec = read_json(path)
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+# ----------------------------------------------------------------------------------------------
+# run identity
+# ----------------------------------------------------------------------------------------------
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def new_run(kind: str, run_dir: str | Path | None = None) -> dict:
+    """A fresh identity: ``{"id", "started", "kind", "dir"}``; ids sort by start time."""
+    return {"id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3),
+            "started": now_iso(), "kind": kind,
+            "dir": str(Path(run_dir).resolve()) if run_dir is not None else None}
+
+
+def active_run(path: str | Path | None) -> dict | None:
+    """The identity of the ``lora-kit run`` whose folder holds ``path`` (from the environment), or None."""
+    raw = os.environ.get(RUN_ENV)
+    if not raw or path is None:
+        return None
+    try:
+        ident = json.loads(raw)
+        root = Path(ident["dir"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    p = Path(path).resolve()
+    return ident if p == root or root in p.parents else None
+
+
+def run_identity(kind: str, run_dir: str | Path | None) -> dict:
+    """This run's identity: the enclosing ``lora-kit run``'s when ``run_dir`` lies in its folder
+    (a smoke run inside the pipeline belongs to the pipeline's run), else a new one."""
+    return active_run(run_dir) or new_run(kind, run_dir)
+
+
+@contextlib.contextmanager
+def entered_run(identity: dict):
+    """Make ``identity`` the active run for this process and the kernels it starts."""
+    before = os.environ.get(RUN_ENV)
+    os.environ[RUN_ENV] = json.dumps(identity)
+    try:
+        yield identity
+    finally:
+        if before is None:
+            os.environ.pop(RUN_ENV, None)
+        else:
+            os.environ[RUN_ENV] = before
+
+
+def same_run(record: dict | None, identity: dict | None) -> bool:
+    """True when ``record`` carries the id of ``identity``."""
+    return bool(record and identity and (record.get("run") or {}).get("id") == identity.get("id"))
+
+
+# ----------------------------------------------------------------------------------------------
+# processes: alive, dead, settled
+# ----------------------------------------------------------------------------------------------
+def _proc_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def process_info(pid: int | None = None) -> dict:
+    pid = os.getpid() if pid is None else pid
+    return {"pid": pid, "host": socket.gethostname(), "proc_start": _proc_start(pid)}
+
+
+def process_alive(proc: dict | None) -> bool | None:
+    """True/False for a process recorded on this host; None when it cannot be told (other host)."""
+    if not proc or not isinstance(proc.get("pid"), int):
+        return None
+    if proc.get("host") not in (None, socket.gethostname()):
+        return None
+    try:
+        os.kill(proc["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, owned by someone else
+    started = proc.get("proc_start")
+    now = _proc_start(proc["pid"])
+    if started and now and started != now:
+        return False  # the pid was reused by another process
+    if now is not None:
+        with contextlib.suppress(OSError):  # a zombie is dead for our purpose
+            if Path(f"/proc/{proc['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+    return True
+
+
+def touch(record: dict) -> dict:
+    """Stamp the writer (pid, host) and the time of this write on ``record`` (in place)."""
+    record["process"] = record.get("process") if (record.get("process") or {}).get("pid") == os.getpid() \
+        else process_info()
+    record["updated"] = now_iso()
+    return record
+
+
+def settled(record: dict | None) -> dict | None:
+    """``record`` as a reader should see it: "running" whose process is gone becomes "died"."""
+    if not record or record.get("status") != "running":
+        return record
+    if process_alive(record.get("process")) is not False:
+        return record
+    proc = record["process"]
+    where = record.get("current") or record.get("current_phase")
+    return {**record, "status": "died" + (f" at {where}" if where else ""),
+            "ending": f"process {proc['pid']} on {proc.get('host')} is gone without recording an ending "
+                      f"(last update {record.get('updated', '?')}): killed (SIGKILL, out of memory) or crashed"}
+
+
+# ----------------------------------------------------------------------------------------------
+# signals
+# ----------------------------------------------------------------------------------------------
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped by a signal (SIGINT = Ctrl-C, or SIGTERM); ``.signal`` names it."""
+
+    def __init__(self, signame: str = "SIGINT"):
+        super().__init__(signame)
+        self.signal = signame
+
+
+def signal_name(exc: BaseException) -> str:
+    return getattr(exc, "signal", "SIGINT")
+
+
+@contextlib.contextmanager
+def interrupts(sigint: bool = True):
+    """Inside: SIGTERM (and SIGINT unless ``sigint=False``) raise :class:`Interrupted` once; a second
+    signal during the clean-up that follows is ignored. Outside the main thread: does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = [signal.SIGTERM] + ([signal.SIGINT] if sigint else [])
+    before = {s: signal.getsignal(s) for s in sigs}
+    fired = []
+
+    def handler(signum, _frame):
+        if fired:
+            return
+        fired.append(signum)
+        raise Interrupted(signal.Signals(signum).name)
+    for s in sigs:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+# ----------------------------------------------------------------------------------------------
+# confinement
+# ----------------------------------------------------------------------------------------------
+_NAME = re.compile(r"^[^\W_][\w.+-]*$")
+
+
+def check_run_name(name: str) -> str:
+    """A run name is one plain path component: letters, digits, ``._+-``, not starting with a dot."""
+    if not isinstance(name, str) or not _NAME.match(name) or name in (".", "..") or len(name) > 128:
+        raise ValueError(f"run name {name!r} is not a plain folder name; use letters, digits and . _ + - "
+                         "(e.g. --name qlora-a100), not a path: the run goes under --runs-dir.")
+    return name
+
+
+def protected_dirs(*extra) -> list[Path]:
+    """Folders no run may write into: the package, the repository's notebooks/, and ``extra``."""
+    dirs = [PACKAGE_DIR, PACKAGE_DIR.parent / "notebooks", *(Path(e) for e in extra if e)]
+    return [d.resolve() for d in dirs]
+
+
+def check_output_dir(path: str | Path, *extra_protected, create: bool = True) -> Path:
+    """``path`` resolved; ValueError naming the path and the reason when it is inside the package or a
+    notebooks folder, or cannot be created / written."""
+    p = Path(path).expanduser().resolve()
+    for d in protected_dirs(*extra_protected):
+        if p == d or d in p.parents:
+            raise ValueError(f"output folder {str(p)!r} is inside {str(d)!r}; runs must not write there. "
+                             "Choose another --runs-dir / run_dir (default: runs/).")
+    if create:
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"cannot create output folder {str(p)!r}: {exc.strerror or exc}; choose another "
+                             "--runs-dir / run_dir.") from None
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ValueError(f"output folder {str(p)!r} is not writable; choose another --runs-dir / run_dir.")
+    return p

@@ -37,7 +37,7 @@ from lora_kit.evaluation.adapters import check_adapter, local_adapter
 from lora_kit.generation import generate, reference_nll
 from lora_kit.evaluation.hygiene import check_heldout, overlap_report
 from lora_kit.prompting import encode_example, encode_prompt
-from lora_kit.results import write_json_atomic, write_text_atomic
+from lora_kit.results import check_output_dir, read_record, run_identity, settled, write_json_atomic, write_text_atomic
 
 EVAL_DIR = "eval"
 SMOKE_ADAPTER = Path("smoke") / "adapter"
@@ -153,6 +153,21 @@ def _adapters(adapters, run_dir) -> dict[str, str]:
     return {str(k): os.fspath(v) for k, v in adapters.items()}
 
 
+def _adapter_run(name: str, path: str, allow_incomplete: bool) -> dict | None:
+    """The smoke run that saved the adapter at ``path`` (its ``smoke.json`` one folder up), or None when
+    there is no such record (an adapter from elsewhere). ValueError when that run did not complete."""
+    rec = settled(read_record(Path(path).parent / "smoke.json"))
+    if rec is None:
+        return None
+    status = rec.get("status")
+    if status != "complete" and not allow_incomplete:
+        raise ValueError(f"adapter {name!r} at {path!r}: the smoke run that wrote it says {status!r} "
+                         f"({Path(path).parent / 'smoke.json'}), so the adapter may be a leftover of another run or "
+                         "unverified. Run the smoke run to completion, or pass allow_incomplete_adapter=True to "
+                         "evaluate it anyway.")
+    return {"run": rec.get("run"), "status": status}
+
+
 def _check_lengths(tokenizer, rows, name, max_new_tokens, context) -> None:
     if not context:
         return
@@ -213,7 +228,7 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
              prompt_field: str = "prompt", response_field: str = "response", do_sample: bool = False,
              temperature: float = 1.0, confidence: float = 0.95, n_resamples: int = 2000,
              check_base_name: bool = True, trust_remote_code: bool = False, progress: bool = True,
-             device: str | None = None) -> EvalResult:
+             device: str | None = None, allow_incomplete_adapter: bool = False) -> EvalResult:
     """Compare ``base_model`` with each adapter on held-out and control examples.
 
     Parameters (the rest mirror :class:`lora_kit.Settings`):
@@ -228,6 +243,9 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
         allow_overlap: evaluate even when held-out prompts occur in training; the result is then
             marked ``summary["heldout"]["is_heldout"] = False`` and the sentence says so.
         method: "lora" (base in ``dtype``) or "qlora" (4-bit NF4 base, as it was trained).
+        allow_incomplete_adapter: evaluate an adapter whose smoke run record (``smoke.json`` beside it)
+            does not say "complete" (killed, failed, still running); refused by default, because such
+            an adapter may be another run's leftover or unverified.
     Writes ``<run_dir>/eval/eval.json`` (atomic) and ``per_example.csv`` when ``run_dir`` is set.
     """
     for name, v in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("n_resamples", n_resamples)):
@@ -239,7 +257,11 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
         raise ValueError(f"method={method!r}: evaluate compares adapters on a base loaded for 'lora' (weights in "
                          "dtype) or 'qlora' (4-bit); for a full fine-tune pass its folder as base_model and adapters=None.")
     t0, c0 = time.perf_counter(), time.process_time()
+    if run_dir is not None:
+        check_output_dir(run_dir, create=False)
+    identity = run_identity("evaluate", run_dir)
     adapter_paths = _adapters(adapters, run_dir)
+    adapter_runs = {name: _adapter_run(name, path, allow_incomplete_adapter) for name, path in adapter_paths.items()}
     systems = [C.BASE] + list(adapter_paths)
 
     fields = dict(prompt_field=prompt_field, response_field=response_field)
@@ -280,6 +302,7 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
 
     stats = dict(confidence=confidence, n_resamples=n_resamples, seed=seed)
     summary = {
+        "run": identity, "adapter_runs": adapter_runs,
         "base_model": base_model, "adapters": adapter_paths, "method": method, "dtype": dtype,
         "adapter_base_models": {k: v.get("base_model_name_or_path") for k, v in adapter_cfgs.items()},
         "decoding": {"do_sample": do_sample, "temperature": temperature if do_sample else None,

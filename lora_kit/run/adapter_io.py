@@ -9,6 +9,7 @@ the trained model's, and the adapter changes the outputs versus the base.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -17,13 +18,48 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def save_adapter(model, out_dir, is_main_process: bool = True) -> dict:
-    """Save the adapter with safetensors; returns {file: bytes} of what is on disk."""
+    """Save the adapter with safetensors, atomically; returns {file: bytes} of what is on disk.
+
+    The files are written into a temporary folder beside ``out_dir`` and renamed into place only when
+    complete, so ``out_dir`` never holds half an adapter (a kill during the save leaves the previous
+    adapter, or none). Files are 0644 like every result; ``adapter_config.json`` is rewritten with
+    sorted keys and sorted ``target_modules`` (peft writes a set, whose order changes per process),
+    so identical adapters are identical bytes.
+    """
+    import shutil
+    import tempfile
     out = Path(out_dir)
-    model.save_pretrained(str(out), safe_serialization=True, is_main_process=is_main_process)
-    card = out / "README.md"
-    if card.exists():
-        card.unlink()
+    if not is_main_process:
+        return {}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.saving-", dir=out.parent))
+    old = out.parent / f".{out.name}.replaced-{tmp.name.rsplit('-', 1)[-1]}"
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        card = tmp / "README.md"
+        if card.exists():
+            card.unlink()
+        _deterministic_config(tmp / "adapter_config.json")
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     return {p.name: p.stat().st_size for p in sorted(out.iterdir())}
+
+
+def _deterministic_config(path: Path) -> None:
+    cfg = json.loads(path.read_text())
+    for k in ("target_modules", "modules_to_save", "exclude_modules"):
+        if isinstance(cfg.get(k), list):
+            cfg[k] = sorted(cfg[k])
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def check_adapter_files(adapter_dir) -> dict:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,8 @@ import torch
 from lora_kit.run import distributed as dist_util
 from lora_kit.memory.estimate import estimate
 from lora_kit.memory.simulate import simulate as simulate_step
-from lora_kit.results import write_json_atomic
+from lora_kit.results import (NotWritten, check_output_dir, interrupts, run_identity, signal_name, touch,
+                              write_json_atomic)
 
 PHASES = ("load", "quantize", "adapter", "train", "save", "reload", "verify", "generate")
 log = logging.getLogger("lora_kit.run.smoke")
@@ -93,16 +95,24 @@ class _Run:
 
     def write(self) -> None:
         if self.write_enabled:
-            write_json_atomic(self.out / "smoke.json", self.record)
+            write_json_atomic(self.out / "smoke.json", touch(self.record))
             self._last_write = time.monotonic()
 
+    def write_ending(self) -> None:
+        """The last write; a full disk is logged, not raised over the run's own outcome."""
+        try:
+            self.write()
+        except NotWritten as e:
+            log.error("%s", e)
+
     def start(self, phase: str, tracker=None) -> None:
-        self.current = phase
+        self.current = self.record["current"] = phase
         if tracker is not None:
             tracker.phase = phase
         self.record["phases"][phase] = {"status": "running", "started": time.time()}
         self.t0 = time.perf_counter()
         log.info("phase %s started", phase)
+        self.write()  # a reader sees which phase is running (and, with the pid, whether it still is)
 
     def done(self, phase: str, status: str = "done", note: str | None = None) -> None:
         rec = self.record["phases"][phase]
@@ -195,6 +205,7 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     Out of memory returns a result with ``status == "failed at <phase>"``; other errors re-raise.
     """
     s = _settings(settings, overrides)
+    check_output_dir(s.run_dir, create=False)
     if measure_steps < 1:
         raise ValueError(f"measure_steps must be >= 1, got {measure_steps}.")
     if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
@@ -207,7 +218,8 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     rank, world = dist_util.rank(), dist_util.world_size()
     out = Path(s.run_dir) / "smoke"
     from lora_kit.check.stack import versions
-    record = {"kind": "lora_kit.run.smoke", "status": "running", "settings": s.to_dict(), "stack": versions(),
+    record = {"run": run_identity("smoke_run", s.run_dir), "kind": "lora_kit.run.smoke", "status": "running",
+              "settings": s.to_dict(), "stack": versions(),
               "launch": {"world_size": world, "device": str(dist_util.device()),
                          "torch_threads": torch.get_num_threads(), "memory_limit_bytes": memory_limit_bytes},
               "phases": {p: {"status": "pending"} for p in PHASES},
@@ -235,13 +247,22 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     result = SmokeResult(record, out)
     try:
         run.write()
-        if tracker is not None and memory_limit_bytes is not None:
-            with tracker:  # an emulated device: everything, every phase, counts against the limit
-                _phases(s, run, state, tracker, True, examples, control_prompts, measure_steps, simulate, progress)
-        else:
-            _phases(s, run, state, tracker, False, examples, control_prompts, measure_steps, simulate, progress)
+        with interrupts(sigint=False):  # SIGTERM -> Interrupted; Ctrl-C is a KeyboardInterrupt already
+            _phases_measured(s, run, state, tracker, memory_limit_bytes, examples, control_prompts, measure_steps,
+                             simulate, progress)
         record["status"] = "complete"
+        record.pop("current", None)
         result.model = state.get("reloaded")
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: record the ending, keep the steps so far, stop
+        phase = getattr(run, "current", "load")
+        if record["phases"][phase].get("status") == "running":
+            record["phases"][phase]["status"] = "interrupted"
+        record["status"] = f"interrupted at {phase}"
+        record["ending"] = f"{signal_name(e)} during {phase}; {len(record['steps'])} steps recorded"
+        log.error("smoke run interrupted (%s) during %s", signal_name(e), phase)
+        run.write_ending()
+        _close(handler, created, threads_before)
+        raise
     except BaseException as e:
         from lora_kit.run.oom import free_memory, is_oom, memory_now
         phase = getattr(run, "current", "load")
@@ -250,7 +271,7 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
         if not is_oom(e):
             record["error"] = f"{type(e).__name__}: {e}"[:2000]
             log.exception("smoke run failed at %s", phase)
-            run.write()
+            run.write_ending()
             _close(handler, created, threads_before)
             raise
         record["oom"] = {"phase": phase, "step_phase": getattr(tracker, "phase", None),
@@ -270,7 +291,7 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
         except Exception as se:  # noqa: BLE001 - suggestions are advice; the failure record matters more
             record["oom"]["suggestions"] = {"error": f"{type(se).__name__}: {se}"}
         log.error("out of memory in phase %s: %s", phase, e)
-    run.write()
+    run.write_ending()
     _close(handler, created, threads_before)
     return result
 
@@ -281,6 +302,15 @@ def _close(handler, created: bool, threads: int) -> None:
         log.removeHandler(handler)
         handler.close()
     dist_util.shutdown(created)
+
+
+def _phases_measured(s, run, state, tracker, memory_limit_bytes, examples, control_prompts, measure_steps,
+                     simulate, progress):
+    if tracker is not None and memory_limit_bytes is not None:
+        with tracker:  # an emulated device: everything, every phase, counts against the limit
+            _phases(s, run, state, tracker, True, examples, control_prompts, measure_steps, simulate, progress)
+    else:
+        _phases(s, run, state, tracker, False, examples, control_prompts, measure_steps, simulate, progress)
 
 
 def _phases(s, run, state, tracker, always_on, examples, control_prompts, measure_steps, simulate, progress):
@@ -455,9 +485,17 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     a = p.parse_args(argv)
     from lora_kit.settings import load_settings
-    s = load_settings(a.params, dict(a.p))
-    r = smoke_run(s, memory_limit_bytes=a.memory_limit_bytes, measure_steps=a.measure_steps,
-                  simulate=not a.no_simulate, cpu_threads=a.cpu_threads)
+    try:
+        s = load_settings(a.params, dict(a.p))
+        r = smoke_run(s, memory_limit_bytes=a.memory_limit_bytes, measure_steps=a.measure_steps,
+                      simulate=not a.no_simulate, cpu_threads=a.cpu_threads)
+    except KeyboardInterrupt as e:  # one line, not a traceback: smoke.json holds the record
+        print(f"smoke run interrupted ({signal_name(e)}); what was measured is in smoke/smoke.json",
+              file=sys.stderr)
+        return 143 if signal_name(e) == "SIGTERM" else 130
+    except ValueError as e:
+        print(f"smoke run: {e}", file=sys.stderr)
+        return 2
     if dist_util.rank() == 0:
         print(summary(r.record))
     return 0 if r.ok else 1

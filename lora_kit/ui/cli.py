@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
 from lora_kit.memory.estimate import estimate
 from lora_kit.plan.planner import fit_verdict
+from lora_kit.results import check_run_name, signal_name
 from lora_kit.settings import (LORA_FIELDS, PLANNING_DEFAULTS, STEP_FIELDS, Settings, check_step, field_help,
                                coerce_value, field_names, load_settings, read_params)
 
@@ -51,15 +53,33 @@ def cmd_run(args) -> int:
     except ValueError as exc:
         print(f"lora-kit run: invalid settings: {exc}", file=sys.stderr)
         return 2
-    name = args.name or Path(settings.run_dir).name or "default"
-    out = Path(args.runs_dir) / name
-    print(f"lora-kit run -> {out} (model={settings.model}, method={settings.method})")
+    out = None
     try:
-        rec = run_pipeline(settings, out, notebooks=args.notebooks, only=args.only)
+        name = check_run_name(args.name if args.name is not None else Path(settings.run_dir).name or "default")
+        out = Path(args.runs_dir) / name
+        print(f"lora-kit run -> {out} (model={settings.model}, method={settings.method})")
+        rec = run_pipeline(settings, out, notebooks=args.notebooks, only=args.only,
+                           overwrite=args.overwrite, resume=args.resume)
+    except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM: recorded in pipeline.json, card built; one line here
+        where = f"; results so far and the run card are in {out}" if out is not None and out.exists() else ""
+        # the interrupted kernel client leaves asyncio tasks that would log at exit
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        print(f"lora-kit run: interrupted ({signal_name(exc)}){where}", file=sys.stderr)
+        return 143 if signal_name(exc) == "SIGTERM" else 130
     except PipelineError as exc:
         print(f"lora-kit run: FAILED\n  {exc}", file=sys.stderr)
         return 1
-    print(f"done in {rec['seconds']:.1f} s; results in {out}")
+    except ValueError as exc:  # bad input: nothing ran
+        print(f"lora-kit run: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # disk full, permissions: the message names the file
+        print(f"lora-kit run: {exc}", file=sys.stderr)
+        return 1
+    if rec["status"] != "complete":
+        print(f"done in {rec['seconds']:.1f} s: {rec['status']} (not run: {', '.join(rec['not_run'])}); "
+              f"results in {out}")
+    else:
+        print(f"done in {rec['seconds']:.1f} s; results in {out}")
     return 0
 
 
@@ -141,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--runs-dir", default="runs", help="parent folder of run folders [default: runs]")
     r.add_argument("--only", nargs="+", help="run only these notebooks (prefixes, e.g. 00 03)")
     r.add_argument("--notebooks", help="folder of the notebooks [default: the kit's notebooks/]")
+    r.add_argument("--overwrite", action="store_true",
+                   help="the run folder holds a run: move it aside (<name>.replaced-<id>) and start afresh")
+    r.add_argument("--resume", action="store_true",
+                   help="the run folder holds a run with the same settings: keep its notebooks that completed, "
+                        "run the rest")
     _add_setting_flags(r)
     r.set_defaults(func=cmd_run)
 

@@ -1,17 +1,40 @@
 """The main job: run the notebooks in order with papermill into ``runs/<name>/``.
 
 Each notebook is executed headless with the same validated settings (``interactive=False``),
-written next to its HTML export; the run card is built at the end. A failing notebook stops the
-run with a clear message; everything produced so far (executed notebooks, HTML, JSON results,
-``pipeline.json`` marked ``failed``) is kept.
+written next to its HTML export; the run card is built at the end, whatever the ending.
+
+One run, one record (``pipeline.json``):
+
+- the run has an id and a start time; the notebooks' kernels inherit them (see
+  :mod:`lora_kit.results`), so every result file says which run wrote it and the card shows only
+  this run's results;
+- a folder that already holds a run is refused unless ``overwrite`` (the old run is moved aside
+  to ``<name>.replaced-<id>``, never merged) or ``resume`` (same settings; only notebooks whose
+  results prove them complete in that run are kept, the rest is moved aside and run again);
+- every ending is recorded: "complete" (all notebooks ran and passed in this run), "partial" (those
+  asked for passed; ``not_run`` lists the others), "failed at <nb>", "kernel died at <nb>" (with
+  "likely out of host memory" when the kernel was SIGKILLed), "interrupted at <nb>" (SIGINT or
+  SIGTERM: the kernel is interrupted so its own records say so, then stopped). A process killed
+  outright leaves "running" with its pid and last update, which readers turn into "died";
+- nothing is written into the notebooks folder or the package; a disk that fills up keeps the
+  previous files and the record says what was not written.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
-from lora_kit.results import read_json, write_json_atomic
+from jupyter_client.manager import AsyncKernelManager
+
+from lora_kit.results import (NotWritten, active_run, check_output_dir, entered_run, new_run, now_iso, process_alive,
+                              read_record, same_run, settled, signal_name, touch, write_json_atomic,
+                              write_text_atomic, interrupts)
 from lora_kit.settings import Settings
 
 PIPELINE = (
@@ -21,6 +44,12 @@ PIPELINE = (
     "03_smoke_run.ipynb",
     "04_evaluate.ipynb",
 )
+# the files whose records prove a notebook complete in a run, and the folders it owns
+PROOF = {"00_stack_check.ipynb": "stack.json", "01_choose_method.ipynb": "plan.json",
+         "02_memory_sweeps.ipynb": "sweeps.json", "03_smoke_run.ipynb": "smoke/smoke.json",
+         "04_evaluate.ipynb": "eval/eval.json"}
+OWNED = {"03_smoke_run.ipynb": ("smoke",), "04_evaluate.ipynb": ("eval", "mix")}
+SETTINGS_NOT_COMPARED = ("run_dir", "interactive")  # differ between runs of the same plan
 
 
 class PipelineError(RuntimeError):
@@ -29,6 +58,10 @@ class PipelineError(RuntimeError):
     def __init__(self, message: str, notebook: str):
         super().__init__(message)
         self.notebook = notebook
+
+
+class RunExists(ValueError):
+    """The run folder already holds a run and neither overwrite nor resume was asked."""
 
 
 def notebooks_dir() -> Path:
@@ -40,76 +73,401 @@ def notebooks_dir() -> Path:
     raise FileNotFoundError("notebooks not found; run from a lora_kit checkout or pass --notebooks DIR.")
 
 
+def select_notebooks(only: list[str] | None) -> list[str]:
+    """The notebooks ``only`` names (prefixes such as "03" or full names); ValueError for one that matches none."""
+    if not only:
+        return list(PIPELINE)
+    unknown = [o for o in only if not any(n.startswith(str(o)) for n in PIPELINE)]
+    if unknown:
+        raise ValueError(f"--only {' '.join(map(str, unknown))} matches no notebook; choose from "
+                         f"{', '.join(n.split('_')[0] for n in PIPELINE)} ({', '.join(PIPELINE)}).")
+    return [n for n in PIPELINE if any(n.startswith(str(o)) for o in only)]
+
+
+def check_notebooks(nb_dir: str | Path, names: list[str]) -> Path:
+    d = Path(nb_dir).expanduser()
+    if not d.is_dir():
+        raise ValueError(f"--notebooks {str(nb_dir)!r} is not a folder; pass the folder holding {names[0]} "
+                         "(default: the kit's notebooks/).")
+    missing = [n for n in names if not (d / n).is_file()]
+    if missing:
+        raise ValueError(f"--notebooks {str(nb_dir)!r} lacks {', '.join(missing)}; pass the folder holding the "
+                         "kit's notebooks.")
+    return d.resolve()
+
+
 def export_html(nb_path: Path) -> Path | None:
-    """HTML export next to the executed notebook (figures embedded); None if export fails."""
+    """HTML export next to the executed notebook (figures embedded), written atomically; None if it fails."""
     try:
         import nbformat
         from nbconvert import HTMLExporter
         body, _ = HTMLExporter().from_notebook_node(nbformat.read(nb_path, as_version=4))
-        out = nb_path.with_suffix(".html")
-        out.write_text(body)
-        return out
+        return write_text_atomic(nb_path.with_suffix(".html"), body)
     except Exception as exc:  # an export problem must not lose the run
         print(f"  (HTML export of {nb_path.name} failed: {exc})", file=sys.stderr)
         return None
 
 
-def _failure_text(exc: Exception) -> str:
+def _failure_text(exc: BaseException) -> str:
     ename = getattr(exc, "ename", type(exc).__name__)
     evalue = getattr(exc, "evalue", str(exc))
     return f"{ename}: {evalue}".strip()
 
 
+# ----------------------------------------------------------------------------------------------
+# kernels: known by pid, so an interrupted run can stop them and a dead one can be explained
+# ----------------------------------------------------------------------------------------------
+class TrackedKernelManager(AsyncKernelManager):
+    """papermill's kernel manager, remembering each kernel it starts (pid, exit code)."""
+    started: list = []
+
+    kernel_pid: int | None = None
+    returncode: int | None = None
+
+    async def _async_launch_kernel(self, kernel_cmd, **kw):
+        # the kernel process's own messages (not cell outputs) go to kernels.log in the run folder
+        # (papermill runs it with the run folder as working directory), not over the terminal
+        ident = active_run(os.getcwd())
+        if ident and "stderr" not in kw:
+            with open(Path(ident["dir"]) / "kernels.log", "ab") as log:
+                kw.update(stderr=log, stdout=log)
+                await super()._async_launch_kernel(kernel_cmd, **kw)
+        else:
+            await super()._async_launch_kernel(kernel_cmd, **kw)
+        self.kernel_pid = self.provisioner.process.pid
+        TrackedKernelManager.started.append(self)
+
+    def exit_code(self) -> int | None:
+        """The kernel's exit code once it ended (negative: killed by that signal), else None."""
+        proc = getattr(self.provisioner, "process", None)
+        if proc is not None and proc.poll() is not None:
+            self.returncode = proc.returncode
+        return self.returncode
+
+    def alive(self) -> bool:
+        return self.kernel_pid is not None and self.exit_code() is None and \
+            process_alive({"pid": self.kernel_pid}) is True
+
+
+def oom_kills() -> int | None:
+    """How many times the kernel's out-of-memory killer ran (host + this cgroup), or None if unreadable."""
+    total, seen = 0, False
+    try:
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                total, seen = total + int(line.split()[1]), True
+    except (OSError, ValueError):
+        pass
+    try:
+        cg = Path("/proc/self/cgroup").read_text().splitlines()[0].split("::", 1)[1]
+        for line in (Path("/sys/fs/cgroup") / cg.lstrip("/") / "memory.events").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                total, seen = total + int(line.split()[1]), True
+    except (OSError, IndexError, ValueError):
+        pass
+    return total if seen else None
+
+
+def kernel_death(exit_code: int | None, oom_before: int | None, oom_after: int | None) -> str:
+    """Why a kernel died, in words: SIGKILL with the OOM killer running (or unobservable) is likely OOM."""
+    if exit_code is not None and exit_code < 0:
+        how = f"killed by {signal.Signals(-exit_code).name}"
+    else:
+        how = "exited" + (f" with code {exit_code}" if exit_code is not None else "")
+    oom_ran = oom_before is not None and oom_after is not None and oom_after > oom_before
+    if oom_ran or (exit_code == -signal.SIGKILL and oom_after is None):
+        return (f"the kernel died ({how}): likely out of host memory -- lower batch_size / seq_len or use a "
+                "machine with more RAM" + (" (the out-of-memory killer ran)" if oom_ran else ""))
+    return f"the kernel died ({how})"
+
+
+def _stop_kernel(km: TrackedKernelManager, out: Path, signame: str, grace: float = 5.0) -> None:
+    """Pass the signal on to the kernel (so a smoke run records its own "interrupted"), then kill its
+    process group."""
+    pid = km.kernel_pid
+    if not km.alive():
+        return
+    try:
+        os.kill(pid, getattr(signal, signame, signal.SIGINT))
+        t_end = time.monotonic() + grace
+        while time.monotonic() < t_end and _running_records(out, pid):
+            time.sleep(0.1)
+        time.sleep(0.2)
+        os.killpg(pid, signal.SIGKILL)  # the kernel leads its own session: this takes its children too
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        km.provisioner.process.wait(timeout=10)
+    except Exception:  # noqa: BLE001 - best effort; the pid check below settles the records anyway
+        pass
+
+
+def _running_records(out: Path, pid: int | None = None) -> list[Path]:
+    found = []
+    for p in sorted(out.rglob("smoke.json")):
+        rec = read_record(p)
+        if rec and rec.get("status") == "running" and (pid is None or (rec.get("process") or {}).get("pid") == pid):
+            found.append(p)
+    return found
+
+
+def _settle_children(out: Path, ending: str) -> None:
+    """Records under the run that still say "running" from a process that is gone get ``ending``."""
+    for p in _running_records(out):
+        rec = read_record(p)
+        if rec is None or process_alive(rec.get("process")) is not False:
+            continue
+        where = rec.get("current")
+        rec.update(status="interrupted" + (f" at {where}" if where else ""), ending=ending)
+        if where and (rec.get("phases") or {}).get(where, {}).get("status") == "running":
+            rec["phases"][where]["status"] = "interrupted"
+        try:
+            write_json_atomic(p, touch(rec))
+        except NotWritten:
+            pass
+
+
+# ----------------------------------------------------------------------------------------------
+# the run folder: fresh, overwritten (old run moved aside) or resumed (proven parts kept)
+# ----------------------------------------------------------------------------------------------
+def _aside(out: Path, label: str) -> Path:
+    dest = out.parent / f"{out.name}.{label}"
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = out.parent / f"{out.name}.{label}-{n}"
+    return dest
+
+
+def _proven(out: Path, entry: dict, ident: dict) -> bool:
+    name = entry.get("notebook")
+    if entry.get("status") != "ok" or name not in PROOF or not (out / name).is_file():
+        return False
+    rec = read_record(out / PROOF[name])
+    return same_run(rec, ident) and rec.get("status", "complete") == "complete"
+
+
+def prepare_run_dir(out: Path, params: dict, overwrite: bool, resume: bool, log) -> tuple[dict, list[dict], list]:
+    """(identity, kept notebook entries, resumed history) for ``out``; moves an old run aside when asked."""
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other; choose one.")
+    if not out.exists() or not any(out.iterdir()):
+        return new_run("lora-kit run", out), [], []
+    old_raw = read_record(out / "pipeline.json")
+    old = settled(old_raw)
+    what = (f"a run ({old.get('status')}, id {(old.get('run') or {}).get('id')}, started "
+            f"{(old.get('run') or {}).get('started')})" if old else "files")
+    if old and old.get("status") == "running":
+        pid = (old.get("process") or {}).get("pid")
+        raise RunExists(f"{out} holds a run that is still running (pid {pid}); wait for it, stop it, or choose "
+                        "another --name.")
+    if resume:
+        if not old or not old.get("run"):
+            raise RunExists(f"--resume: {out} holds {what} but no pipeline record to resume; use --overwrite "
+                            "(moves them aside) or another --name.")
+        before = {k: v for k, v in (old.get("settings") or {}).items() if k not in SETTINGS_NOT_COMPARED}
+        now = {k: v for k, v in params.items() if k not in SETTINGS_NOT_COMPARED}
+        diff = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        if diff:
+            raise RunExists(f"--resume: settings differ from the run in {out} ({', '.join(diff)}); a resumed run "
+                            "keeps one set of settings. Use --overwrite or another --name to run these settings.")
+        ident = old["run"]
+        kept = [e for e in old.get("notebooks", []) if _proven(out, e, ident)]
+        keep = {"pipeline.json", "settings.json"}
+        windows = []
+        for e in kept:
+            keep |= {e["notebook"], Path(e["notebook"]).with_suffix(".html").name, PROOF[e["notebook"]].split("/")[0],
+                     *OWNED.get(e["notebook"], ())}
+            windows.append((e.get("started_unix", 0), e.get("ended_unix", 0)))
+        aside = _aside(out, f"aside-{time.strftime('%Y%m%dT%H%M%S')}")
+        moved = []
+        for p in sorted(out.iterdir()):
+            if p.name == "figures" and p.is_dir():
+                for f in sorted(p.iterdir()):  # a figure belongs to the notebook that ran when it was written
+                    if not any(a <= f.stat().st_mtime <= b + 1 for a, b in windows):
+                        (aside / "figures").mkdir(parents=True, exist_ok=True)
+                        shutil.move(str(f), aside / "figures" / f.name)
+                        moved.append(f"figures/{f.name}")
+            elif p.name not in keep:
+                aside.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(p), aside / p.name)
+                moved.append(p.name)
+        log(f"resuming run {ident['id']}: kept {', '.join(e['notebook'] for e in kept) or 'nothing'}"
+            + (f"; moved {len(moved)} unproven file(s) to {aside}" if moved else ""))
+        return ident, kept, list(old.get("resumed", [])) + [{"at": now_iso(), "kept": [e["notebook"] for e in kept],
+                                                              "moved_aside": str(aside) if moved else None}]
+    if overwrite:
+        old_id = ((old or {}).get("run") or {}).get("id") or time.strftime("%Y%m%dT%H%M%S")
+        dest = _aside(out, f"replaced-{old_id}")
+        os.replace(out, dest)
+        log(f"moved the previous run aside: {dest}")
+        return new_run("lora-kit run", out), [], []
+    raise RunExists(f"{out} already holds {what}. Pass --overwrite to move it aside and start afresh, --resume to "
+                    "keep its completed notebooks, or choose another --name.")
+
+
+# ----------------------------------------------------------------------------------------------
+# the job
+# ----------------------------------------------------------------------------------------------
 def run_pipeline(settings: Settings, out_dir: str | Path, notebooks: str | Path | None = None,
-                 only: list[str] | None = None, log=print) -> dict:
-    """Execute the notebooks into ``out_dir``; returns the pipeline record (also ``pipeline.json``)."""
-    import logging
+                 only: list[str] | None = None, log=print, overwrite: bool = False, resume: bool = False) -> dict:
+    """Execute the notebooks into ``out_dir``; returns the pipeline record (also ``pipeline.json``).
 
+    Raises ValueError (bad input: nothing was run), :class:`PipelineError` (a notebook failed or its
+    kernel died; outputs kept, card built) or :class:`lora_kit.results.Interrupted` /
+    ``KeyboardInterrupt`` (recorded as "interrupted", card built).
+    """
     import papermill as pm
-    # Every notebook receives all settings (one definition); papermill warns about those a notebook
-    # does not declare in its parameters cell -- expected here, so keep its log to errors.
-    logging.getLogger("papermill").setLevel(logging.ERROR)
 
-    out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    nb_dir = Path(notebooks) if notebooks else notebooks_dir()
-    names = [n for n in PIPELINE if not only or any(n.startswith(o) or n == o for o in only)]
-    if not names:
-        raise ValueError(f"--only {only} matches no notebook; notebooks are: {', '.join(PIPELINE)}.")
+    names = select_notebooks(only)
+    nb_dir = check_notebooks(notebooks if notebooks else notebooks_dir(), names)
+    out = check_output_dir(out_dir, nb_dir, create=False)
     settings = settings.replace(run_dir=str(out), interactive=False)
     params = settings.to_dict()
-    write_json_atomic(out / "settings.json", params)
-    record = {"status": "running", "run_dir": str(out), "notebooks": [], "settings": params}
-    write_json_atomic(out / "pipeline.json", record)
-    t_all = time.perf_counter()
-    for i, name in enumerate(names, 1):
-        src = nb_dir / name
-        dst = out / name
-        log(f"[{i}/{len(names)}] {name} ...")
-        t0 = time.perf_counter()
-        entry = {"notebook": name, "status": "running"}
-        record["notebooks"].append(entry)
-        try:
-            pm.execute_notebook(str(src), str(dst), parameters=params, kernel_name="python3",
-                                cwd=str(out), progress_bar=False, log_output=False)
-        except Exception as exc:
-            entry.update(status="failed", seconds=round(time.perf_counter() - t0, 2), error=_failure_text(exc))
-            record.update(status=f"failed at {name}", seconds=round(time.perf_counter() - t_all, 2))
-            if dst.exists():
-                export_html(dst)
-            write_json_atomic(out / "pipeline.json", record)
-            _build_report_safely(out, log)
-            raise PipelineError(f"{name} failed: {entry['error']}\n  executed notebook kept at {dst}\n"
-                                f"  all outputs so far are in {out}", name) from exc
-        entry.update(status="ok", seconds=round(time.perf_counter() - t0, 2))
-        html = export_html(dst)
-        entry["html"] = html.name if html else None
-        write_json_atomic(out / "pipeline.json", record)
-        log(f"      ok in {entry['seconds']:.1f} s")
-    record.update(status="complete", seconds=round(time.perf_counter() - t_all, 2))
-    write_json_atomic(out / "pipeline.json", record)
+    ident, kept, resumed = prepare_run_dir(out, params, overwrite, resume, log)
+    check_output_dir(out, nb_dir)
+    done = {e["notebook"] for e in kept}
+    todo = [n for n in names if n not in done]
+    record = {"run": ident, "kind": "lora_kit.pipeline", "status": "running", "run_dir": str(out),
+              "requested": names, "notebooks": list(kept), "not_run": [], "settings": params}
+    if resumed:
+        record["resumed"] = resumed
+    with entered_run(ident), _papermill_log(out):
+        write_json_atomic(out / "settings.json", params)
+        _save(out, record)
+        t_all = time.perf_counter()
+        with interrupts():  # SIGINT / SIGTERM -> Interrupted once; a repeat during the clean-up is ignored
+            try:
+                for i, name in enumerate(todo, 1):
+                    log(f"[{i}/{len(todo)}] {name} ...")
+                    _run_one(pm, nb_dir, out, name, params, record)
+                    log(f"      ok in {record['notebooks'][-1]['seconds']:.1f} s")
+            except KeyboardInterrupt as exc:
+                _end_interrupted(out, record, exc, todo)
+                _finish(out, record, t_all, log)
+                raise
+            except _NotebookFailed as exc:
+                _finish(out, record, t_all, log)
+                raise PipelineError(exc.message, exc.name) from exc.__cause__
+        ran_ok = {e["notebook"] for e in record["notebooks"] if e["status"] == "ok"}
+        record["not_run"] = [n for n in PIPELINE if n not in ran_ok]
+        record["status"] = "complete" if not record["not_run"] else "partial"
+        _finish(out, record, t_all, log)
+    return record
+
+
+@contextlib.contextmanager
+def _papermill_log(out: Path):
+    """papermill's and nbclient's messages go to ``pipeline.log`` in the run folder; the terminal gets
+    our one-line progress and outcome. Every notebook receives all settings (one definition), so
+    papermill's warnings about parameters a notebook does not declare are expected: errors only."""
+    logger = logging.getLogger("papermill")
+    handler = logging.FileHandler(out / "pipeline.log", delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    before = logger.level, logger.propagate
+    logger.setLevel(logging.ERROR)
+    logger.propagate = False
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+        logger.setLevel(before[0])
+        logger.propagate = before[1]
+
+
+class _NotebookFailed(Exception):
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name, self.message = name, message
+
+
+def _run_one(pm, nb_dir: Path, out: Path, name: str, params: dict, record: dict) -> None:
+    dst = out / name
+    t0 = time.perf_counter()
+    entry = {"notebook": name, "status": "running", "started": now_iso(), "started_unix": time.time()}
+    record["notebooks"].append(entry)
+    record["current"] = name
+    _save(out, record)
+    n_kernels, oom_before = len(TrackedKernelManager.started), oom_kills()
+    try:
+        pm.execute_notebook(str(nb_dir / name), str(dst), parameters=params, kernel_name="python3",
+                            cwd=str(out), progress_bar=False, log_output=False,
+                            kernel_manager_class=TrackedKernelManager)
+    except Exception as exc:
+        entry.update(seconds=round(time.perf_counter() - t0, 2), ended_unix=time.time())
+        kms = TrackedKernelManager.started[n_kernels:]
+        if type(exc).__name__ == "DeadKernelError":
+            why = kernel_death(kms[-1].exit_code() if kms else None, oom_before, oom_kills())
+            entry.update(status="kernel died", error=why)
+            record["status"] = f"kernel died at {name}"
+            _settle_children(out, f"{why} during {name}")
+        else:
+            entry.update(status="failed", error=_failure_text(exc))
+            record["status"] = f"failed at {name}"
+        full = _disk_full(exc)
+        if full:
+            entry["error"] += " (disk full)"
+            record["status"] += " (disk full)"
+        record["not_run"] = [n for n in record["requested"] if n not in {e["notebook"] for e in record["notebooks"]}]
+        if dst.exists():
+            entry["html"] = getattr(export_html(dst), "name", None)
+        kept = f"\n  executed notebook kept at {dst}" if dst.exists() else ""
+        raise _NotebookFailed(name, f"{name} {entry['status']}: {entry['error']}{kept}\n"
+                                    f"  all outputs so far are in {out}") from exc
+    entry.update(status="ok", seconds=round(time.perf_counter() - t0, 2), ended_unix=time.time())
+    html = export_html(dst)
+    entry["html"] = html.name if html else None
+    record.pop("current", None)
+    _save(out, record)
+
+
+def _disk_full(exc: BaseException | None) -> bool:
+    import errno
+    while exc is not None:
+        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(exc) \
+                or "no space left" in str(getattr(exc, "evalue", "")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _end_interrupted(out: Path, record: dict, exc: BaseException, todo: list[str]) -> None:
+    sig = signal_name(exc)
+    current = record.get("current")
+    for km in TrackedKernelManager.started:
+        _stop_kernel(km, out, sig)
+    where = f"during {current}" if current else "between notebooks"
+    _settle_children(out, f"the run was interrupted ({sig}) {where}; its kernel was stopped")
+    where += "; its kernel was interrupted and shut down" if current else ""
+    for e in record["notebooks"]:
+        if e["status"] == "running":
+            e.update(status="interrupted", ended_unix=time.time())
+            if (out / e["notebook"]).exists():
+                e["html"] = getattr(export_html(out / e["notebook"]), "name", None)
+    ran = {e["notebook"] for e in record["notebooks"]}
+    record["not_run"] = [n for n in todo if n not in ran]
+    record["status"] = "interrupted" + (f" at {current}" if current else "")
+    record["ending"] = f"{sig} {where}"
+
+
+def _save(out: Path, record: dict) -> None:
+    """Write pipeline.json; a full disk is recorded in memory (``not_written``) and reported at the end."""
+    try:
+        write_json_atomic(out / "pipeline.json", touch(record))
+    except NotWritten as exc:
+        record.setdefault("not_written", []).append(str(exc))
+
+
+def _finish(out: Path, record: dict, t_all: float, log) -> None:
+    record.pop("current", None)
+    record["seconds"] = round(time.perf_counter() - t_all, 2)
+    record["ended"] = now_iso()
+    _save(out, record)
     _build_report_safely(out, log)
-    return read_json(out / "pipeline.json")
+    for line in record.get("not_written", []):
+        log(f"disk full: {line}")
 
 
 def _build_report_safely(out: Path, log) -> None:

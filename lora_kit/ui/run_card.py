@@ -3,22 +3,20 @@ renting a GPU, built from the results the notebooks wrote (missing parts are mar
 
 Sources in the run directory: ``settings.json`` (pipeline), ``stack.json`` (00), ``plan.json`` (01),
 ``sweeps.json`` (02), ``smoke/smoke.json`` (03, written by ``smoke_run``), ``eval/eval.json`` (04).
+
+When ``pipeline.json`` names a run, the card shows only results that carry that run's id (a file
+left by another run is listed as excluded, never shown as this run's) and only figures written
+while this run's notebooks executed; it says which notebooks ran in this run and which did not.
+A record still saying "running" from a process that is gone is shown as "died".
 """
 from __future__ import annotations
 
-import json
+import time
 from pathlib import Path
 
-from lora_kit.results import write_json_atomic, write_text_atomic
+from lora_kit.results import read_record, same_run, settled, write_json_atomic, write_text_atomic
 
 GiB = 1024 ** 3
-
-
-def _load(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _gib(b) -> str:
@@ -32,18 +30,29 @@ def _pct(x) -> str:
     return "—" if x is None else f"{x:+.1f} %"
 
 
+PARTS = {"settings": "settings.json", "stack": "stack.json", "plan": "plan.json", "sweeps": "sweeps.json",
+         "smoke": "smoke/smoke.json", "eval": "eval/eval.json"}
+
+
 def collect(run_dir: str | Path) -> dict:
-    """Everything the run card needs, from the files present (None where a part did not run)."""
+    """Everything the run card needs, from the files of this run (None where a part did not run in it)."""
     d = Path(run_dir)
-    return {
-        "settings": _load(d / "settings.json"),
-        "pipeline": _load(d / "pipeline.json"),
-        "stack": _load(d / "stack.json"),
-        "plan": _load(d / "plan.json"),
-        "sweeps": _load(d / "sweeps.json"),
-        "smoke": _load(d / "smoke" / "smoke.json"),
-        "eval": _load(d / "eval" / "eval.json"),
-    }
+    pipe = settled(read_record(d / "pipeline.json"))
+    ident = (pipe or {}).get("run")
+    card = {"run": ident, "pipeline": pipe, "excluded": {}}
+    for part, rel in PARTS.items():
+        rec = settled(read_record(d / rel))
+        if rec is not None and ident is not None and not same_run(rec, ident):
+            other = rec.get("run") or {}
+            card["excluded"][part] = (f"{rel} is not from this run (it carries run id {other.get('id', 'none')}, "
+                                      f"started {other.get('started', '?')}); not shown")
+            rec = None
+        card[part] = rec
+    if card["settings"] is not None:
+        card["settings"] = {k: v for k, v in card["settings"].items() if k != "run"}
+    elif pipe:
+        card["settings"] = pipe.get("settings")
+    return card
 
 
 def memory_rows(smoke: dict | None) -> list[dict]:
@@ -94,13 +103,39 @@ def _md_table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
     return head + "".join("| " + " | ".join(str(r.get(k, "—")) for k, _ in cols) + " |\n" for r in rows)
 
 
+def run_lines(card: dict) -> list[str]:
+    """Which run this card is, how it ended, which notebooks ran in it and which did not."""
+    pipe = card["pipeline"] or {}
+    if not pipe:
+        return []
+    run = card.get("run") or {}
+    lines = [f"Run `{run.get('id', '?')}`, started {run.get('started', '?')}. Pipeline status: "
+             f"**{pipe.get('status')}**" + (f" in {pipe['seconds']:.0f} s" if pipe.get("seconds") else "")]
+    if pipe.get("ending"):
+        lines.append(f"Ending: {pipe['ending']}.")
+    lines.append("")
+    ran = pipe.get("notebooks") or []
+    lines += ["| notebook | in this run |", "|---|---|"]
+    for e in ran:
+        detail = f"{e.get('status')}" + (f" ({e['seconds']:.0f} s)" if e.get("seconds") is not None else "")
+        if e.get("error"):
+            detail += f": {str(e['error'])[:200]}"
+        lines.append(f"| {e.get('notebook')} | {detail} |")
+    seen = {e.get("notebook") for e in ran}
+    for n in pipe.get("not_run") or []:
+        if n not in seen:
+            lines.append(f"| {n} | did not run |")
+    for line in pipe.get("not_written") or []:
+        lines.append(f"\n_Disk full: {line}_")
+    for why in (card.get("excluded") or {}).values():
+        lines.append(f"\n_Excluded: {why}._")
+    return lines + [""]
+
+
 def render_markdown(card: dict) -> str:
     s = card["settings"] or {}
     lines = [f"# Run card: {s.get('model', '?')} · {s.get('method', '?')}", ""]
-    pipe = card["pipeline"] or {}
-    if pipe:
-        lines += [f"Pipeline status: **{pipe.get('status')}**"
-                  + (f" in {pipe['seconds']:.0f} s" if pipe.get("seconds") else ""), ""]
+    lines += run_lines(card)
     # --- the request --------------------------------------------------------------------------
     lines += ["## The request", ""]
     plan = card["plan"]
@@ -208,14 +243,23 @@ def render_markdown(card: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _figures(d: Path) -> dict:
-    """PNG figures when a browser can render them (one batch), else the HTML files."""
+def _figures(d: Path, pipe: dict | None) -> dict:
+    """PNG figures when a browser can render them (one batch), else the HTML files; with a pipeline
+    record, only figures written while one of this run's notebooks executed."""
     from lora_kit.ui.notebook import export_pngs
     if not (d / "figures").is_dir():
         return {}
     res = export_pngs(d)
     pngs = res.get("png") or []
     files = pngs or sorted(str(p) for p in (d / "figures").glob("*.html"))
+    if pipe:
+        windows = [(e.get("started_unix", 0), e.get("ended_unix") or time.time())
+                   for e in pipe.get("notebooks") or []]
+
+        def stem_time(f):  # the figure's HTML/JSON was written by the notebook; its PNG later, by the card
+            src = [Path(f).with_suffix(x) for x in (".html", ".json")]
+            return min((p.stat().st_mtime for p in src if p.exists()), default=0)
+        files = [f for f in files if any(a - 1 <= stem_time(f) <= b + 1 for a, b in windows)]
     return {"files": [str(Path(f).relative_to(d)) for f in files], "png_error": res.get("error")}
 
 
@@ -223,7 +267,7 @@ def build_report(run_dir: str | Path) -> dict:
     """Write ``report.md`` and ``report.json`` into ``run_dir``; returns their paths."""
     d = Path(run_dir)
     card = collect(d)
-    card["figures"] = _figures(d)
+    card["figures"] = _figures(d, card["pipeline"])
     card["next_checks"] = next_checks(card)
     write_json_atomic(d / "report.json", card)
     write_text_atomic(d / "report.md", render_markdown(card))
