@@ -17,6 +17,7 @@ silently dropped: a dataset the user believes has 1,000 rows trains on 1,000 row
 from __future__ import annotations
 
 import csv
+import io
 import json
 import random
 from pathlib import Path
@@ -40,26 +41,34 @@ def _embedded_path(source: str, split: str | None) -> Path:
     return DATA_DIR / TINY_SOURCES[source].format(split=split)
 
 
+def _read_utf8(path: Path) -> str:
+    """The file's text; ValueError naming the file and the line when it is not UTF-8."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: line {line} is not UTF-8 text (byte {e.start}); save the file as UTF-8.") from None
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {n} is not valid JSON ({e.msg}); fix or remove that line.") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {n} is not a JSON object; each line must be {{\"prompt\": ..., "
-                                 "\"response\": ...}.")
-            rows.append(row)
+    for n, line in enumerate(_read_utf8(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: line {n} is not valid JSON ({e.msg}); fix or remove that line.") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: line {n} is not a JSON object; each line must be {{\"prompt\": ..., "
+                             "\"response\": ...}.")
+        rows.append(row)
     return rows
 
 
 def _read_csv(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8", newline="") as f:
-        return list(csv.DictReader(f))
+    return list(csv.DictReader(io.StringIO(_read_utf8(path), newline="")))
 
 
 def _read_datasets_folder(path: Path, split: str | None) -> list[dict]:

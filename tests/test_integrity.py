@@ -343,3 +343,34 @@ def test_disk_full_keeps_previous_files_and_says_what_was_not_written(tmp_path, 
     stack = read_record(keep / "stack.json")
     assert stack["probes"] == [] and "big" not in stack, "the previous stack.json is intact"
     assert not list(keep.rglob(".*.tmp")), "no temp file left behind"
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input files: the file, the line and what to change -- no traceback, nothing run
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("content,msg", [
+    (b"seq_len: 64\nmodel: \xff\xfe\n", "is not UTF-8 text (line 2)"),
+    (b"seq_len: 64\nmodel: [tiny\nmethod: lora\n", "is not valid YAML at line"),
+    (b"model: !!python/object/apply:os.system ['true']\n", "is not valid YAML at line 1"),
+])
+def test_bad_params_file_names_the_file_and_line(tmp_path, content, msg, capsys):
+    params = tmp_path / "p.yaml"
+    params.write_bytes(content)
+    assert main(["run", "--runs-dir", str(tmp_path / "runs"), "--params", str(params)]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and str(params) in err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_non_utf8_data_names_the_file_and_line(tmp_path, suffix, capsys):
+    from lora_kit.run.smoke import main as smoke_main
+    data = tmp_path / f"d{suffix}"
+    data.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "\xff", "response": "c"}\n' if suffix == ".jsonl"
+                     else b"prompt,response\na,b\n\xff,c\n")
+    run = tmp_path / "run"
+    bad = "2" if suffix == ".jsonl" else "3"
+    assert smoke_main(["-p", "run_dir", str(run), "-p", "dataset", str(data), "-p", "max_steps", "1",
+                       "--no-simulate"]) == 2
+    assert f"{data}: line {bad} is not UTF-8 text" in capsys.readouterr().err
+    assert read_record(run / "smoke" / "smoke.json")["status"] == "failed at load"

@@ -32,6 +32,8 @@ def save_adapter(model, out_dir, is_main_process: bool = True) -> dict:
     if not is_main_process:
         return {}
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.saving-*"):  # left by a save that was killed outright
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.saving-", dir=out.parent))
     old = out.parent / f".{out.name}.replaced-{tmp.name.rsplit('-', 1)[-1]}"
     try:
