@@ -36,7 +36,12 @@ NOTEBOOKS = {
                                       "time.sleep(float(os.environ.get('SLEEP_01', 0)))\n"
                                       "assert not os.environ.get('FAIL_01'), 'asked to fail'\n"
                                       "r.write_json_atomic(f'{run_dir}/plan.json', {'rows': []})",
-    "02_memory_sweeps.ipynb": WRITE + "r.write_json_atomic(f'{run_dir}/sweeps.json', {'n': 1})",
+    "02_memory_sweeps.ipynb": WRITE + "r.write_json_atomic(f'{run_dir}/sweeps.json', {'n': 1})\n"
+                                      "if os.environ.get('FILL_DISK'):  # leave the disk full for the pipeline\n"
+                                      "    with open(f'{run_dir}/filler', 'wb') as f:\n"
+                                      "        try:\n"
+                                      "            while True: f.write(b'0' * 4096); f.flush()\n"
+                                      "        except OSError: pass",
     "03_smoke_run.ipynb": WRITE + "os.kill(os.getpid(), 9)",  # a kernel that dies (as the OOM killer does it)
     "04_evaluate.ipynb": WRITE + "r.write_json_atomic(f'{run_dir}/stack.json', {'big': 'x' * 3_000_000})",
 }
@@ -374,3 +379,29 @@ def test_non_utf8_data_names_the_file_and_line(tmp_path, suffix, capsys):
                        "--no-simulate"]) == 2
     assert f"{data}: line {bad} is not UTF-8 text" in capsys.readouterr().err
     assert read_record(run / "smoke" / "smoke.json")["status"] == "failed at load"
+
+
+def test_disk_full_under_the_pipeline_itself(tmp_path, nb_dir):
+    """02 leaves the disk full: papermill's save of 02 and the pipeline's own writes (HTML export,
+    pipeline.json, card) fail; it says what was not written, exits 1, and every earlier file is intact."""
+    import shlex
+    mount, keep = tmp_path / "small", tmp_path / "keep"
+    mount.mkdir()
+    run = shlex.join([sys.executable, "-m", "lora_kit.ui.cli", "run", "--runs-dir", str(mount), "--name", "x",
+                      "--only", "00", "02", "--notebooks", str(nb_dir)])
+    cmd = _in_small_tmpfs(mount, "2m", f"FILL_DISK=1 {run}; rc=$?; cp -r {shlex.quote(str(mount / 'x'))} {keep}; "
+                                       "exit $rc")
+    if cmd is None:
+        pytest.skip("cannot mount a tmpfs here (needs root or unprivileged user namespaces: `unshare -rm`)")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=240)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert "02_memory_sweeps.ipynb failed: OSError: [Errno 28] No space left on device (disk full)" in r.stderr
+    assert "pipeline.json was not written: no space left on device" in r.stderr
+    assert "HTML export of 02_memory_sweeps.ipynb failed" in r.stderr
+    assert read_record(keep / "stack.json")["probes"] == [] and read_record(keep / "sweeps.json")["n"] == 1
+    rec = read_record(keep / "pipeline.json")  # the last version that could be written, whole
+    assert rec["notebooks"][0]["status"] == "ok" and rec["status"] == "running"
+    assert "</html>" in (keep / "00_stack_check.html").read_text()
+    assert not (keep / "02_memory_sweeps.html").exists(), "no truncated export"
+    assert not list(keep.rglob(".*.tmp")), "no temp file left behind"

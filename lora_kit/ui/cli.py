@@ -75,6 +75,10 @@ def cmd_run(args) -> int:
     except OSError as exc:  # disk full, permissions: the message names the file
         print(f"lora-kit run: {exc}", file=sys.stderr)
         return 1
+    if rec.get("not_written"):  # the run ended but its record could not be saved: say so, fail
+        print(f"lora-kit run: {rec['status']}, but the disk is full: "
+              + "; ".join(rec["not_written"][-2:]), file=sys.stderr)
+        return 1
     if rec["status"] != "complete":
         print(f"done in {rec['seconds']:.1f} s: {rec['status']} (not run: {', '.join(rec['not_run'])}); "
               f"results in {out}")

@@ -348,7 +348,8 @@ def run_pipeline(settings: Settings, out_dir: str | Path, notebooks: str | Path 
                 raise
             except _NotebookFailed as exc:
                 _finish(out, record, t_all, log)
-                raise PipelineError(exc.message, exc.name) from exc.__cause__
+                lost = "".join(f"\n  {line}" for line in record.get("not_written", []))
+                raise PipelineError(exc.message + lost, exc.name) from exc.__cause__
         ran_ok = {e["notebook"] for e in record["notebooks"] if e["status"] == "ok"}
         record["not_run"] = [n for n in PIPELINE if n not in ran_ok]
         record["status"] = "complete" if not record["not_run"] else "partial"
@@ -413,7 +414,8 @@ def _run_one(pm, nb_dir: Path, out: Path, name: str, params: dict, record: dict)
         record["not_run"] = [n for n in record["requested"] if n not in {e["notebook"] for e in record["notebooks"]}]
         if dst.exists():
             entry["html"] = getattr(export_html(dst), "name", None)
-        kept = f"\n  executed notebook kept at {dst}" if dst.exists() else ""
+        kept = (f"\n  executed notebook kept at {dst}" + (" (may be incomplete: the disk is full)" if full else "")
+                if dst.exists() else "")
         raise _NotebookFailed(name, f"{name} {entry['status']}: {entry['error']}{kept}\n"
                                     f"  all outputs so far are in {out}") from exc
     entry.update(status="ok", seconds=round(time.perf_counter() - t0, 2), ended_unix=time.time())
@@ -466,8 +468,6 @@ def _finish(out: Path, record: dict, t_all: float, log) -> None:
     record["ended"] = now_iso()
     _save(out, record)
     _build_report_safely(out, log)
-    for line in record.get("not_written", []):
-        log(f"disk full: {line}")
 
 
 def _build_report_safely(out: Path, log) -> None:
