@@ -15,7 +15,8 @@
   Slurm and Kubernetes send) into :class:`Interrupted`, a ``KeyboardInterrupt``, so a run
   records "interrupted" the same way for Ctrl-C and SIGTERM.
 - **Confinement.** :func:`check_run_name` (one plain path component) and :func:`check_output_dir`
-  (never inside the package or the notebooks folder; the path and the reason when it cannot be made).
+  (never inside the package, never the notebooks folder itself; the path and the reason when it
+  cannot be made).
 """
 from __future__ import annotations
 
@@ -299,20 +300,22 @@ def check_run_name(name: str) -> str:
     return name
 
 
-def protected_dirs(*extra) -> list[Path]:
-    """Folders no run may write into: the package, the repository's notebooks/, and ``extra``."""
-    dirs = [PACKAGE_DIR, PACKAGE_DIR.parent / "notebooks", *(Path(e) for e in extra if e)]
-    return [d.resolve() for d in dirs]
-
-
-def check_output_dir(path: str | Path, *extra_protected, create: bool = True) -> Path:
-    """``path`` resolved; ValueError naming the path and the reason when it is inside the package or a
-    notebooks folder, or cannot be created / written."""
+def check_output_dir(path: str | Path, *notebook_dirs, create: bool = True) -> Path:
+    """``path`` resolved; ValueError naming the path and the reason when it is inside the package or inside
+    a notebooks folder (the kit's or one of ``notebook_dirs``: executed copies would replace the sources),
+    or cannot be created / written. Only ``notebooks/runs/`` (git-ignored) is allowed there: it is where
+    a notebook opened in JupyterLab puts its default relative ``run_dir = "runs/default"``."""
     p = Path(path).expanduser().resolve()
-    for d in protected_dirs(*extra_protected):
-        if p == d or d in p.parents:
-            raise ValueError(f"output folder {str(p)!r} is inside {str(d)!r}; runs must not write there. "
-                             "Choose another --runs-dir / run_dir (default: runs/).")
+    inside = lambda d: p == d or d in p.parents  # noqa: E731
+    if inside(PACKAGE_DIR):
+        raise ValueError(f"output folder {str(p)!r} is inside the lora_kit package {str(PACKAGE_DIR)!r}; runs must "
+                         "not write there. Choose another --runs-dir / run_dir (default: runs/).")
+    for d in (PACKAGE_DIR.parent / "notebooks", *notebook_dirs):
+        d = Path(d).resolve()
+        if inside(d) and not (d / "runs" in p.parents):
+            raise ValueError(f"output folder {str(p)!r} is inside the notebooks folder {str(d)!r}; runs must not "
+                             "write there (executed notebooks would replace the sources). Choose another --name / "
+                             "--runs-dir (default: runs/).")
     if create:
         try:
             p.mkdir(parents=True, exist_ok=True)

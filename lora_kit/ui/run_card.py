@@ -114,17 +114,11 @@ def run_lines(card: dict) -> list[str]:
     if pipe.get("ending"):
         lines.append(f"Ending: {pipe['ending']}.")
     lines.append("")
-    ran = pipe.get("notebooks") or []
-    lines += ["| notebook | in this run |", "|---|---|"]
-    for e in ran:
+    rows = {n: "did not run" for n in pipe.get("not_run") or []}
+    for e in pipe.get("notebooks") or []:
         detail = f"{e.get('status')}" + (f" ({e['seconds']:.0f} s)" if e.get("seconds") is not None else "")
-        if e.get("error"):
-            detail += f": {str(e['error'])[:200]}"
-        lines.append(f"| {e.get('notebook')} | {detail} |")
-    seen = {e.get("notebook") for e in ran}
-    for n in pipe.get("not_run") or []:
-        if n not in seen:
-            lines.append(f"| {n} | did not run |")
+        rows[e.get("notebook")] = detail + (f": {str(e['error'])[:200]}" if e.get("error") else "")
+    lines += ["| notebook | in this run |", "|---|---|"] + [f"| {n} | {d} |" for n, d in sorted(rows.items())]
     for line in pipe.get("not_written") or []:
         lines.append(f"\n_Disk full: {line}_")
     for why in (card.get("excluded") or {}).values():
@@ -176,6 +170,11 @@ def render_markdown(card: dict) -> str:
                                       ("error", "error vs measured"), ("note", "note")]))
         where = ((smoke or {}).get("measurement") or {}).get("method", "")
         lines += ["", f"Measured with: {where}; peak of the second training step (per GPU)."]
+        parts = [{"part": r["part"], **{k: _gib(r.get(k)) for k in ("measured", "estimate", "simulate")}}
+                 for r in (smoke or {}).get("memory_parts") or []]
+        if parts:  # smoke.json's parts: the estimate's vocabulary, measured by part on CPU only
+            lines += ["", "Part by part:", "", _md_table(parts, [("part", "part"), ("measured", "measured"),
+                                                                  ("estimate", "estimated"), ("simulate", "simulated")])]
     else:
         lines.append("_No measured peak (the smoke run did not run or did not reach training)._")
     lines.append("")
@@ -215,7 +214,7 @@ def render_markdown(card: dict) -> str:
         sugg = ((smoke.get("oom") or {}).get("suggestions") or {})
         if isinstance(sugg, dict) and sugg.get("ranked"):
             lines += ["", f"Out of memory in {smoke['oom'].get('phase')}. Changes that would fit "
-                      "(largest estimated saving first):"]
+                      "(the planner's ladder, least loss of quality first):"]
             lines += [f"1. {x.get('change')}" for x in sugg["ranked"]]
     else:
         lines.append("_No smoke run in this run._")
