@@ -342,7 +342,14 @@ def run_pipeline(settings: Settings, out_dir: str | Path, notebooks: str | Path 
                     log(f"[{i}/{len(todo)}] {name} ...")
                     _run_one(pm, nb_dir, out, name, params, record)
                     log(f"      ok in {record['notebooks'][-1]['seconds']:.1f} s")
+                ran_ok = {e["notebook"] for e in record["notebooks"] if e["status"] == "ok"}
+                record["not_run"] = [n for n in PIPELINE if n not in ran_ok]
+                record["status"] = "complete" if not record["not_run"] else "partial"
+                _finish(out, record, t_all, log)
             except KeyboardInterrupt as exc:
+                if record["status"] in ("complete", "partial"):  # every notebook had ended: only the card is lost
+                    _save(out, record)
+                    raise
                 _end_interrupted(out, record, exc, todo)
                 _finish(out, record, t_all, log)
                 raise
@@ -350,10 +357,6 @@ def run_pipeline(settings: Settings, out_dir: str | Path, notebooks: str | Path 
                 _finish(out, record, t_all, log)
                 lost = "".join(f"\n  {line}" for line in record.get("not_written", []))
                 raise PipelineError(exc.message + lost, exc.name) from exc.__cause__
-        ran_ok = {e["notebook"] for e in record["notebooks"] if e["status"] == "ok"}
-        record["not_run"] = [n for n in PIPELINE if n not in ran_ok]
-        record["status"] = "complete" if not record["not_run"] else "partial"
-        _finish(out, record, t_all, log)
     return record
 
 
