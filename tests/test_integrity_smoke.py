@@ -114,6 +114,10 @@ def test_sigkill_while_training_reads_as_died_and_evaluate_refuses_the_old_adapt
     assert files(run / "smoke" / "adapter") == old  # the earlier adapter is untouched ...
     with pytest.raises(ValueError, match="says 'died at train'.*allow_incomplete_adapter=True"):
         evaluate(run_dir=run, n_heldout=4, n_control=4, progress=False)  # ... and not passed off as this run's
+    ev = evaluate(run_dir=run, n_heldout=4, n_control=None, control=None, progress=False,
+                  allow_incomplete_adapter=True)  # asked for explicitly: evaluated, and the record says whose
+    assert ev.summary["adapter_runs"]["adapter"]["status"] == "died at train"
+    assert ev.summary["run"]["kind"] == "evaluate" and read_record(run / "eval" / "eval.json")["run"]["id"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])

@@ -3,7 +3,7 @@
 Out-of-memory errors in fine-tuning often come from a few very long examples, not from the mean:
 memory is set by the longest sequence in a micro-batch. Gradient accumulation cannot help there --
 it splits a batch into more micro-batches but never splits one example. So this module measures the
-token length of every example with the kit's one prompt format (:func:`lora_kit.prompting.encode_example`,
+token length of every example in the run's prompt format (:class:`lora_kit.prompting.PromptFormat`,
 prompt + response + EOS) and, given a model and a GPU, checks the longest example at micro-batch 1 and
 prices the three ways out with the memory estimator:
 
@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import numpy as np
 
-from lora_kit.prompting import encode_example
+from lora_kit.data import is_conversational, load_examples, to_examples
+from lora_kit.prompting import PromptFormat, resolve_prompt_format
 
 
 @dataclass
@@ -57,27 +58,25 @@ class DatasetLengths:
         return d
 
 
-def load_rows(source, split=None, prompt_field: str = "prompt", response_field: str = "response") -> list[dict]:
-    """Rows with ``prompt`` and ``response`` keys from a list of dicts or any source of
-    :func:`lora_kit.data.load_examples` ("tiny:dates", JSONL, CSV, a datasets folder)."""
+def load_rows(source, split=None, prompt_field: str = "prompt", response_field: str = "response",
+              data_format: str = "auto", messages_field: str = "messages") -> list[dict]:
+    """Examples (``prompt``, ``response``[, ``context``]) from a list of rows or any source of
+    :func:`lora_kit.data.load_examples` ("tiny:dates", JSONL, CSV, a datasets folder), in any of its
+    formats (prompt/response with any field names, Alpaca, ``messages``)."""
+    fields = dict(prompt_field=prompt_field, response_field=response_field, data_format=data_format,
+                  messages_field=messages_field)
     if not isinstance(source, (list, tuple)):
-        from lora_kit.data import load_examples
-        return load_examples(source, split=split, prompt_field=prompt_field, response_field=response_field)
+        return load_examples(source, split=split, **fields)
     rows = list(source)
-    if not rows:
-        raise ValueError("the dataset (a list) is empty; it needs at least one example.")
     if not all(isinstance(r, dict) for r in rows):
         raise ValueError("every example must be a mapping of field -> text, e.g. {'prompt': ..., 'response': ...}.")
-    fields = sorted(set().union(*(r.keys() for r in rows)))
-    missing = [f for f in (prompt_field, response_field) if any(f not in r for r in rows)]
-    if missing:
-        raise ValueError(f"dataset has no field(s) {missing} (in some or all rows); its fields are {fields}. "
-                         "Set prompt_field / response_field to the columns holding the prompt and the answer.")
-    return [{"prompt": str(r[prompt_field]), "response": str(r[response_field])} for r in rows]
+    return to_examples(rows, "the dataset (a list)", **fields)
 
 
-def token_lengths(rows: list[dict], tokenizer) -> np.ndarray:
-    return np.array([encode_example(tokenizer, r["prompt"], r["response"])["length"] for r in rows], dtype=np.int64)
+def token_lengths(rows: list[dict], tokenizer, fmt: PromptFormat | None = None) -> np.ndarray:
+    """Tokens per example in the run's prompt format (the one training uses)."""
+    fmt = fmt or PromptFormat(tokenizer)
+    return np.array([fmt.encode(r)["length"] for r in rows], dtype=np.int64)
 
 
 def dataset_lengths(examples_or_source, tokenizer, seq_len: int | None = None, *, prompt_field: str = "prompt",
@@ -86,6 +85,7 @@ def dataset_lengths(examples_or_source, tokenizer, seq_len: int | None = None, *
     """Token-length statistics, the ``top_k`` longest examples, and (with ``model`` and ``gpu``) whether
     the longest example fits at micro-batch 1, with the estimated effect of truncation, checkpointing
     and packing. ``estimate_kwargs`` are the other ``lora_kit.memory.estimate`` arguments (method, dtype...).
+                    data_format: str = "auto", messages_field: str = "messages", prompt_format: str = "auto",
     ``tokenizer`` is a tokenizer object or anything :func:`lora_kit.loading.load_tokenizer` accepts.
     """
     if isinstance(tokenizer, str):
@@ -93,16 +93,18 @@ def dataset_lengths(examples_or_source, tokenizer, seq_len: int | None = None, *
         tokenizer = load_tokenizer(tokenizer)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0):
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}.")
-    rows = load_rows(examples_or_source, split, prompt_field, response_field)
+    rows = load_rows(examples_or_source, split, prompt_field, response_field, data_format, messages_field)
     if limit is not None:
         rows = rows[:limit]
-    lengths = token_lengths(rows, tokenizer)
+    fmt = PromptFormat(tokenizer, resolve_prompt_format(prompt_format, tokenizer, is_conversational(rows)))
+    lengths = token_lengths(rows, tokenizer, fmt)
     order = np.argsort(-lengths, kind="stable")[:top_k]
     p50, p95, p99 = np.percentile(lengths, [50, 95, 99])
     out = DatasetLengths(
         n_examples=len(rows), lengths=lengths, p50=float(p50), p95=float(p95), p99=float(p99),
         max=int(lengths.max()), mean=float(lengths.mean()),
-        longest=[{"index": int(i), "length": int(lengths[i]), **rows[i]} for i in order], seq_len=seq_len)
+        longest=[{"index": int(i), "length": int(lengths[i]), "prompt": rows[i]["prompt"],
+                  "response": rows[i]["response"]} for i in order], seq_len=seq_len)
     if seq_len is not None:
         out.n_over_seq_len = int((lengths > seq_len).sum())
         out.padding_fraction = float(1 - np.minimum(lengths, seq_len).mean() / seq_len)

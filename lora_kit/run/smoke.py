@@ -37,6 +37,9 @@ from lora_kit.memory.estimate import estimate
 from lora_kit.memory.simulate import simulate as simulate_step
 from lora_kit.results import (NotWritten, check_output_dir, interrupts, run_identity, signal_name, touch,
                               write_json_atomic)
+from lora_kit.data import (control_source, field_settings, is_conversational, load_examples, mix_examples, run_data,
+                           to_examples, write_run_data)
+from lora_kit.prompting import PromptFormat, resolve_prompt_format
 
 PHASES = ("load", "quantize", "adapter", "train", "save", "reload", "verify", "generate")
 log = logging.getLogger("lora_kit.run.smoke")
@@ -136,25 +139,35 @@ def _settings(settings, overrides):
     return settings.replace(**overrides) if overrides else settings
 
 
-def _load_examples(s):
-    """Training rows from ``s.dataset`` (+ ``base_mix`` share of base-task rows), fields as in settings."""
-    from lora_kit.data import load_examples, mix_examples
-    rows = load_examples(s.dataset, split="train", prompt_field=s.prompt_field, response_field=s.response_field)
-    rows = [{s.prompt_field: r["prompt"], s.response_field: r["response"]} for r in rows]
+def _load_examples(s, examples=None, write: bool = True) -> tuple[list[dict], dict]:
+    """Training examples of the run (+ ``base_mix`` share of base-task rows) and where they came from.
+
+    ``examples``: rows given to smoke_run (fields as in settings), else the training part of
+    :func:`lora_kit.data.run_data` -- the held-out part (a split of ``dataset`` when no
+    ``heldout_dataset`` is set) is written to ``<run_dir>/data/heldout.jsonl`` so 04 evaluates exactly
+    the rows this run did not train on.
+    """
+    if examples is not None:
+        rows, info = to_examples(list(examples), "examples", **field_settings(s)), {"source": "examples argument"}
+    else:
+        d = run_data(s)
+        rows = d["train"]
+        info = {"source": s.dataset, "heldout": d["heldout_source"], "split": d["split"], "heldout_rows": len(d["heldout"])}
+        if write:
+            info["heldout_file"] = str(write_run_data(s.run_dir, "heldout", d["heldout"]))
     if s.base_mix > 0:
-        base = [{s.prompt_field: r["prompt"], s.response_field: r["response"]}
-                for r in load_examples("tiny:base_mix")]
-        rows = mix_examples(rows, base, s.base_mix, seed=s.seed)
-    return rows
+        rows = mix_examples(rows, load_examples("tiny:base_mix"), s.base_mix, seed=s.seed)
+        info["base_mix"] = s.base_mix
+    return rows, info
 
 
-def _control_prompts(s, n: int = 4) -> tuple[list[str], str]:
+def _control_prompts(s, n: int = 4) -> tuple[list[dict], str]:
+    source = control_source(s.control_dataset, s.model)
     try:
-        from lora_kit.data import load_examples
-        rows = load_examples(s.control_dataset, split=None, limit=n)
-        return [r["prompt"] for r in rows], s.control_dataset
+        fields = {} if source.startswith(("tiny:", "generic:")) else field_settings(s)
+        return load_examples(source, split=None, limit=n, **fields), source
     except Exception as e:  # noqa: BLE001 - no control set: fall back, and say so in smoke.json
-        log.warning("control prompts from %r unavailable (%s); using training prompts", s.control_dataset, e)
+        log.warning("control prompts from %r unavailable (%s); using training prompts", source, e)
         return [], f"unavailable: {e}"
 
 
@@ -328,13 +341,19 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(path, trust_remote_code=s.trust_remote_code)
     smoke_data.check_context(s.seq_len, config)
-    rows = examples if examples is not None else _load_examples(s)
+    rows, source = _load_examples(s, examples, write=rank == 0)
+    fmt = PromptFormat(tok, resolve_prompt_format(s.prompt_format, tok, is_conversational(rows)))
     per_step = s.batch_size * s.grad_accum
     order, rec["data"] = smoke_data.verified_slice(
-        tok, rows, s.seq_len, per_step * s.max_steps * world, seed=s.seed, prompt_field=s.prompt_field,
-        response_field=s.response_field, n_first=s.batch_size * world)
+        tok, rows, s.seq_len, per_step * s.max_steps * world, seed=s.seed, n_first=s.batch_size * world, fmt=fmt,
+        long_examples=s.long_examples)
+    rec["data"].update(source)
+    if rank == 0:  # the rows actually trained on: 04's overlap check compares held-out prompts with them
+        rec["data"]["trained_file"] = str(write_run_data(s.run_dir, "trained", [rows[i] for i in
+                                                                                sorted({e["row"] for e in order})]))
+    log.info("%s", smoke_data.long_examples_line(rec["data"]))
     mine = order[rank::world]
-    state["train_prompts"] = [str(rows[e["row"]][s.prompt_field]) for e in mine[:4]]
+    state["train_prompts"], state["fmt"] = [rows[e["row"]] for e in mine[:4]], fmt
     model = load_model(path, method=s.method, dtype=s.dtype, double_quant=s.double_quant,
                        attn_implementation=s.attn_implementation, trust_remote_code=s.trust_remote_code,
                        device=str(dev))
@@ -470,7 +489,9 @@ def _verify_phases(s, run, state, tracker, tok, mine, path, control_prompts):
         prompts, source = state["train_prompts"], source + " -> first training prompts"
     rec["generations"] = {"source": source, "decoding": "greedy, left padding, stop at EOS or newline",
                           "max_new_tokens": s.max_new_tokens,
-                          "rows": adapter_io.generate_side_by_side(reloaded, tok, prompts, s.max_new_tokens)}
+                          "prompt_format": state["fmt"].kind,
+                          "rows": adapter_io.generate_side_by_side(reloaded, tok, prompts, s.max_new_tokens,
+                                                                   state["fmt"])}
     run.done("generate")
 
 
@@ -524,3 +545,6 @@ def summary(rec: dict) -> str:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+    if rec.get("data"):
+        from lora_kit.run.batches import long_examples_line
+        lines.append("  " + long_examples_line(rec["data"]))
