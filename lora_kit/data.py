@@ -1,18 +1,32 @@
-"""Load prompt/response examples from the embedded data, JSONL, CSV or a ``datasets`` folder.
+"""Load examples from the embedded data, JSONL, CSV or a ``datasets`` folder, in three formats.
 
 Every loader returns the same thing: a list of ``{"prompt": str, "response": str, "task": str}``
-dicts, whatever the source's column names were. Sources:
+dicts (plus ``"context"``, the messages before the answer, for conversational rows), whatever the
+source's format and column names were. Sources:
 
 - ``"tiny:dates"`` (with ``split`` = "train" | "validation" | "test"), ``"tiny:control"``,
   ``"tiny:base_mix"``: the task data shipped with the embedded model (lora_kit/embedded/data);
+  ``"generic:control"``: ~150 short prompts with unambiguous answers (arithmetic, capitals, unit
+  conversions, spelling, dates, simple instructions), the control set for any other model;
 - a ``.jsonl`` file (one JSON object per line) or a ``.csv`` file (header row);
 - a folder written by ``datasets.Dataset.save_to_disk`` (needs the optional ``datasets``
   package; a ``DatasetDict`` folder needs ``split``).
 
+Formats (``data_format``; "auto" picks the one whose fields the rows have):
+
+- ``"prompt_response"``: any two columns, named by ``prompt_field`` / ``response_field``;
+- ``"alpaca"``: ``instruction``, optional ``input`` (appended after a blank line), ``output``;
+- ``"messages"``: a list of ``{"role", "content"}`` (TRL / hub style) in ``messages_field``; the
+  last message is the assistant's answer (the only trained tokens), the ones before are the context.
+
 Problems are reported as ValueError saying what to change: a missing file, an empty dataset,
-a missing column (the message lists the columns that exist) or rows with an empty prompt or
-response (the message gives their row numbers, 1-based, and how many there are). Rows are never
-silently dropped: a dataset the user believes has 1,000 rows trains on 1,000 rows.
+a missing column (the message lists the columns that exist), a format the rows do not have, or
+rows with an empty prompt or response (the message gives their row numbers, 1-based, and how many
+there are). Rows are never silently dropped: a dataset the user believes has 1,000 rows trains on
+1,000 rows.
+
+:func:`split_heldout` holds out a deterministic share of a dataset (by seed; rows whose prompts are
+equal after :func:`normalize` stay on one side, so the split is clean by the overlap check's rule).
 """
 from __future__ import annotations
 
@@ -20,12 +34,16 @@ import csv
 import io
 import json
 import random
+import unicodedata
 from pathlib import Path
 
 from lora_kit.embedded.tasks import DATA_DIR
+from lora_kit.results import write_text_atomic
 
 TINY_SOURCES = {"tiny:dates": "dates_{split}.jsonl", "tiny:control": "control.jsonl",
-                "tiny:base_mix": "base_mix.jsonl"}
+                "tiny:base_mix": "base_mix.jsonl", "generic:control": "generic_control.jsonl"}
+DATA_FORMATS = ("prompt_response", "alpaca", "messages")
+ALPACA_FIELDS = ("instruction", "input", "output")
 DATES_SPLITS = ("train", "validation", "test")
 
 
@@ -86,7 +104,7 @@ def _read_datasets_folder(path: Path, split: str | None) -> list[dict]:
 
 
 def _read_rows(source: str | Path, split: str | None) -> tuple[list[dict], str]:
-    if isinstance(source, str) and source.startswith("tiny:"):
+    if isinstance(source, str) and source in TINY_SOURCES or str(source).startswith("tiny:"):
         path = _embedded_path(source, split)
         if not path.is_file():
             raise ValueError(f"embedded data file {path} is missing; rebuild it with "
@@ -106,34 +124,152 @@ def _read_rows(source: str | Path, split: str | None) -> tuple[list[dict], str]:
     raise ValueError(f"{path} has an unsupported extension {suffix!r}; use .jsonl, .csv or a datasets folder.")
 
 
+def read_source(source: str | Path, split: str | None = None) -> tuple[list[dict], str]:
+    """The raw rows of ``source`` (as stored, no format applied) and its display name."""
+    rows, name = _read_rows(source, split)
+    if not rows:
+        raise ValueError(f"dataset {name!r} is empty; it needs at least one example.")
+    return rows, name
+
+
+def detect_format(rows: list[dict], prompt_field: str = "prompt", messages_field: str = "messages") -> str:
+    """The format the rows are in: "messages" when they hold ``messages_field`` and no ``prompt_field``,
+    "alpaca" when they hold ``instruction`` and ``output`` and no ``prompt_field``, else "prompt_response"."""
+    keys = set(rows[0]) if rows else set()
+    if prompt_field not in keys and messages_field in keys:
+        return "messages"
+    if prompt_field not in keys and {"instruction", "output"} <= keys:
+        return "alpaca"
+    return "prompt_response"
+
+
 def load_examples(source: str | Path, split: str | None = None, prompt_field: str = "prompt",
-                  response_field: str = "response", limit: int | None = None) -> list[dict]:
-    """Examples ``[{"prompt", "response", "task"}]`` from ``source`` (see module docstring).
+                  response_field: str = "response", limit: int | None = None, data_format: str = "auto",
+                  messages_field: str = "messages") -> list[dict]:
+    """Examples ``[{"prompt", "response", "task"[, "context"]}]`` from ``source`` (see module docstring).
 
     ``limit`` keeps the first ``limit`` rows (file order; shuffle yourself if order matters).
     The task name is the row's ``task`` field if it has one, else the source name.
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}.")
-    rows, name = _read_rows(source, split)
+    rows, name = read_source(source, split)
+    out = to_examples(rows, name, prompt_field, response_field, data_format, messages_field)
+    return out[:limit] if limit is not None else out
+
+
+def to_examples(rows: list[dict], name: str = "dataset", prompt_field: str = "prompt",
+                response_field: str = "response", data_format: str = "auto",
+                messages_field: str = "messages") -> list[dict]:
+    """Raw rows in any of the three formats -> ``[{"prompt", "response", "task"[, "context"]}]``.
+
+    Rows that are already examples (``prompt``/``response`` plus a ``context`` list, as this function
+    returns them) pass through unchanged whatever the field settings, so examples can be re-read.
+    """
     if not rows:
         raise ValueError(f"dataset {name!r} is empty; it needs at least one {prompt_field}/{response_field} row.")
-    for field in (prompt_field, response_field):
-        missing = [i for i, r in enumerate(rows, 1) if field not in r]
+    if data_format == "auto":
+        data_format = detect_format(rows, prompt_field, messages_field)
+    if data_format not in DATA_FORMATS:
+        raise ValueError(f"data_format={data_format!r} is not valid; choose 'auto' or one of {', '.join(DATA_FORMATS)}.")
+    present = sorted({k for r in rows for k in r})
+    need = {"prompt_response": (prompt_field, response_field), "alpaca": ("instruction", "output"),
+            "messages": (messages_field,)}[data_format]
+    for f in need:
+        missing = [i for i, r in enumerate(rows, 1) if f not in r]
         if missing:
-            present = sorted({k for r in rows for k in r})
-            raise ValueError(f"dataset {name!r} has no field {field!r} in {len(missing)} row(s) (first: row "
-                             f"{missing[0]}); fields that exist: {present}. Set prompt_field/response_field.")
-    empty = [i for i, r in enumerate(rows, 1)
-             if not str(r[prompt_field] or "").strip() or not str(r[response_field] or "").strip()]
+            hint = {"prompt_response": "Set prompt_field/response_field", "alpaca": "Alpaca rows need "
+                    "instruction, optional input, and output", "messages": "Set messages_field"}[data_format]
+            other = detect_format(rows, prompt_field, messages_field)
+            if other != data_format:
+                hint += f", or data_format={other!r} (the rows look like that format)"
+            raise ValueError(f"dataset {name!r} has no field {f!r} in {len(missing)} row(s) (first: row "
+                             f"{missing[0]}) for data_format={data_format!r}; fields that exist: {present}. {hint}.")
+    out = [_example(r, i, name, data_format, prompt_field, response_field, messages_field)
+           for i, r in enumerate(rows, 1)]
+    empty = [i for i, e in enumerate(out, 1) if not e["prompt"].strip() or not e["response"].strip()]
     if empty:
         shown = ", ".join(map(str, empty[:10])) + (" ..." if len(empty) > 10 else "")
-        raise ValueError(f"dataset {name!r}: {len(empty)} row(s) have an empty {prompt_field!r} or "
-                         f"{response_field!r} (rows {shown}, 1-based); fill or remove them.")
-    if limit is not None:
-        rows = rows[:limit]
-    return [{"prompt": str(r[prompt_field]), "response": str(r[response_field]),
-             "task": str(r.get("task") or name)} for r in rows]
+        what = {"prompt_response": f"{prompt_field!r} or {response_field!r}", "alpaca": "'instruction' or 'output'",
+                "messages": "prompt or final assistant answer"}[data_format]
+        raise ValueError(f"dataset {name!r}: {len(empty)} row(s) have an empty {what} (rows {shown}, 1-based); "
+                         "fill or remove them.")
+    return out
+
+
+def _text(v) -> str:
+    return "" if v is None or (isinstance(v, float) and v != v) else str(v)
+
+
+def _example(r: dict, i: int, name: str, fmt: str, prompt_field: str, response_field: str, messages_field: str) -> dict:
+    task = _text(r.get("task")) or name
+    if fmt == "prompt_response":
+        e = {"prompt": _text(r[prompt_field]), "response": _text(r[response_field]), "task": task}
+        if isinstance(r.get("context"), list):  # an example this module wrote: keep its conversation
+            e["context"] = r["context"]
+        return e
+    if fmt == "alpaca":
+        extra = _text(r.get("input")).strip()
+        return {"prompt": _text(r["instruction"]) + (f"\n\n{extra}" if extra else ""), "response": _text(r["output"]),
+                "task": task}
+    msgs = r[messages_field]
+    if isinstance(msgs, str):  # a CSV cell holding JSON
+        try:
+            msgs = json.loads(msgs)
+        except json.JSONDecodeError:
+            msgs = None
+    bad = (f"dataset {name!r} row {i}: {messages_field!r} must be a list of {{'role', 'content'}} messages ending "
+           "with the assistant's answer, after at least one user message")
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                         for m in msgs):
+        raise ValueError(bad + f"; got {str(msgs)[:80]!r}.")
+    if msgs[-1]["role"] != "assistant" or not any(m["role"] == "user" for m in msgs[:-1]):
+        raise ValueError(bad + f"; its roles are {[m['role'] for m in msgs]}.")
+    context = [{"role": str(m["role"]), "content": _text(m["content"])} for m in msgs[:-1]]
+    users = [m for m in context if m["role"] == "user"]
+    prompt = users[0]["content"] if len(context) == 1 else "\n".join(f"{m['role']}: {m['content']}" for m in context)
+    return {"prompt": prompt, "response": _text(msgs[-1]["content"]), "task": task, "context": context}
+
+
+def is_conversational(examples: list[dict]) -> bool:
+    """True when the examples came from ``messages`` data (they carry their context messages)."""
+    return any("context" in e for e in examples)
+
+
+def normalize(text: str) -> str:
+    """Case-folded text without punctuation, symbols or whitespace ("What is 2 + 2?" -> "whatis22")."""
+    text = unicodedata.normalize("NFKC", str(text)).casefold()
+    return "".join(ch for ch in text if unicodedata.category(ch)[0] not in "PSZ" and not ch.isspace())
+
+
+def split_heldout(examples: list[dict], fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
+    """(train indices, held-out indices) of ``examples``: about ``fraction`` held out, drawn by ``seed``.
+
+    Examples whose prompts are equal after :func:`normalize` form one group and go to the same side,
+    so no held-out prompt occurs in the training part. Both sides keep the dataset's order. At least
+    one group goes to each side; a dataset with a single distinct prompt cannot be split (ValueError).
+    """
+    groups: dict[str, list[int]] = {}
+    for i, e in enumerate(examples):
+        groups.setdefault(normalize(e["prompt"]), []).append(i)
+    keys = list(groups)
+    if len(keys) < 2:
+        raise ValueError(f"dataset has {len(examples)} row(s) but only {len(keys)} distinct prompt(s): it cannot be "
+                         "split into training and held-out parts; set heldout_dataset to a separate file.")
+    random.Random(seed).shuffle(keys)
+    target = min(max(1, round(len(examples) * fraction)), len(examples) - 1)
+    held: list[int] = []
+    for k in keys[:-1]:  # the last group always trains
+        if len(held) >= target:
+            break
+        held += groups[k]
+    held_set = set(held)
+    return [i for i in range(len(examples)) if i not in held_set], sorted(held)
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
+    """``rows`` as JSONL (UTF-8, one object per line), written atomically."""
+    return write_text_atomic(Path(path), "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows))
 
 
 def mix_examples(task_examples: list[dict], base_examples: list[dict], share: float, seed: int = 0) -> list[dict]:
@@ -159,3 +295,58 @@ def mix_examples(task_examples: list[dict], base_examples: list[dict], share: fl
     mixed = list(task_examples) + base
     rng.shuffle(mixed)
     return mixed
+
+
+# ----------------------------------------------------------------------------------------------
+# the data of a run, from its settings
+# ----------------------------------------------------------------------------------------------
+EMBEDDED_MODELS = ("tiny", "lora_kit:tiny", "embedded")
+SPLIT_DIR = "data"  # <run_dir>/data/{heldout,trained}.jsonl: the rows a run held out and trained on
+
+
+def control_source(control_dataset: str, model: str) -> str:
+    """``control_dataset`` made concrete: "auto" is the embedded model's own control set for "tiny",
+    the shipped generic set ("generic:control") for any other model."""
+    if control_dataset != "auto":
+        return control_dataset
+    return "tiny:control" if model in EMBEDDED_MODELS else "generic:control"
+
+
+def field_settings(s) -> dict:
+    """The data-format keyword arguments of :func:`load_examples` from a Settings."""
+    return dict(prompt_field=s.prompt_field, response_field=s.response_field, data_format=s.data_format,
+                messages_field=s.messages_field)
+
+
+def run_data(s) -> dict:
+    """Training and held-out examples of a run (``s`` is a :class:`lora_kit.Settings`).
+
+    - ``heldout_dataset`` set: all of ``dataset`` trains, ``heldout_dataset`` is held out;
+    - ``dataset`` embedded with splits ("tiny:dates"): its "train" split trains, "test" is held out;
+    - otherwise: ``heldout_fraction`` of ``dataset`` is held out by ``seed`` (:func:`split_heldout`).
+    Returns ``{"train", "heldout", "heldout_source", "split"}`` (``split``: how it was made).
+    """
+    fields = field_settings(s)
+    embedded_split = isinstance(s.dataset, str) and s.dataset == "tiny:dates"
+    train = load_examples(s.dataset, split="train" if embedded_split or Path(str(s.dataset)).is_dir() else None,
+                          **fields)
+    if s.heldout_dataset:
+        return {"train": train, "heldout": load_examples(s.heldout_dataset, **fields),
+                "heldout_source": s.heldout_dataset, "split": "heldout_dataset"}
+    if embedded_split:
+        return {"train": train, "heldout": load_examples(s.dataset, split="test", **fields),
+                "heldout_source": f"{s.dataset}:test", "split": "embedded test split"}
+    keep, held = split_heldout(train, s.heldout_fraction, s.seed)
+    return {"train": [train[i] for i in keep], "heldout": [train[i] for i in held],
+            "heldout_source": f"{s.dataset} (heldout_fraction={s.heldout_fraction}, seed={s.seed})",
+            "split": f"{len(held)} of {len(train)} rows held out by seed {s.seed}"}
+
+
+def write_run_data(run_dir: str | Path, name: str, examples: list[dict]) -> Path:
+    """``<run_dir>/data/<name>.jsonl``: examples as this module returns them (re-readable by load_examples)."""
+    return write_jsonl(Path(run_dir) / SPLIT_DIR / f"{name}.jsonl", examples)
+
+
+def run_data_file(run_dir: str | Path, name: str) -> Path | None:
+    p = Path(run_dir) / SPLIT_DIR / f"{name}.jsonl"
+    return p if p.is_file() else None

@@ -33,6 +33,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd", "adafactor")
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+DATA_FORMATS = ("auto", "prompt_response", "alpaca", "messages")
+PROMPT_FORMATS = ("auto", "plain", "chat")  # or a user template holding {prompt}
+LONG_EXAMPLES = ("truncate", "drop", "error")
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 # The fields that define one training step (``model`` aside), in the order of estimate's signature.
@@ -169,7 +172,13 @@ class Settings:
     dataset: str = "tiny:dates"  # "tiny:dates" (embedded), or a JSONL / CSV file / datasets folder
     prompt_field: str = "prompt"  # dataset column holding the prompt
     response_field: str = "response"  # dataset column holding the reference answer
-    control_dataset: str = "tiny:control"  # prompts the fine-tune is not about (behaviour changes)
+    data_format: str = "auto"  # "auto" | "prompt_response" | "alpaca" (instruction/input/output) | "messages" (role/content lists)
+    messages_field: str = "messages"  # dataset column holding the conversation when data_format is "messages"
+    prompt_format: str = "auto"  # "auto" | "plain" (prompt, newline, "Answer: ") | "chat" (the tokenizer's chat template) | a template with {prompt}
+    long_examples: str = "truncate"  # examples longer than seq_len: "truncate" | "drop" | "error"
+    heldout_dataset: str = ""  # held-out file/folder for evaluation (empty: the embedded test split, or heldout_fraction of dataset)
+    heldout_fraction: float = 0.1  # share of dataset held out (split by seed) when heldout_dataset is empty and dataset is your own
+    control_dataset: str = "auto"  # prompts the fine-tune is not about ("auto": tiny:control for tiny, the shipped generic:control otherwise)
     base_mix: float = 0.0  # share of control-task examples mixed into training (limits forgetting)
     compare_base_mix: float = 0.25  # notebook 04 also trains an adapter with this share of base-task rows and compares (0 skips)
     # --- smoke run and evaluation --------------------------------------------------------
@@ -244,6 +253,20 @@ def validate(s: Settings) -> None:
                              f"got {getattr(s, name)!r}.")
     if not 0 <= s.lora_dropout < 1:
         raise ValueError(f"lora_dropout must be in [0, 1), got {s.lora_dropout!r}.")
+    for name, choices in (("data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES)):
+        if getattr(s, name) not in choices:
+            raise ValueError(f"{name}={getattr(s, name)!r} is not valid; choose one of {', '.join(map(repr, choices))}.")
+    if s.prompt_format not in PROMPT_FORMATS and "{prompt}" not in str(s.prompt_format):
+        raise ValueError(f"prompt_format={s.prompt_format!r} is not valid; choose 'auto', 'plain', 'chat' or a template "
+                         "holding {prompt}, e.g. '### Question: {prompt}\\n### Answer: '.")
+    hf = s.heldout_fraction
+    if isinstance(hf, bool) or not isinstance(hf, (int, float)) or not 0 < hf < 1:
+        raise ValueError(f"heldout_fraction must be in (0, 1), e.g. 0.1 to hold out 10 % of dataset; got {hf!r}.")
+    for name in ("dataset", "prompt_field", "response_field", "messages_field", "control_dataset"):
+        if not isinstance(getattr(s, name), str) or not getattr(s, name).strip():
+            raise ValueError(f"{name} must be a non-empty string, got {getattr(s, name)!r}.")
+    if not isinstance(s.heldout_dataset, str):
+        raise ValueError(f"heldout_dataset must be a path (or '' for a split of dataset), got {s.heldout_dataset!r}.")
 
 
 def coerce_value(name: str, value: Any) -> Any:

@@ -70,15 +70,25 @@ def test_base_only_summary():
     assert s["summary_sentence"].startswith("Base model only") and s["comparisons"] == {}
 
 
-def test_settings_kwargs_match_evaluate_signature():
+def test_settings_kwargs_match_evaluate_signature(tmp_path):
     import inspect
+    from lora_kit.data import load_examples
     from lora_kit.evaluation.evaluate import evaluate, settings_kwargs
     from lora_kit.settings import Settings
-    kw = settings_kwargs(Settings(eval_examples=50, run_dir="runs/x"))
+    kw = settings_kwargs(Settings(eval_examples=50, run_dir=str(tmp_path / "x")))
     assert set(kw) <= set(inspect.signature(evaluate).parameters)
-    assert (kw["heldout"], kw["heldout_split"], kw["n_heldout"], kw["control"]) == ("tiny:dates", "test", 50, "tiny:control")
-    own = settings_kwargs(Settings(dataset="my.jsonl"))
-    assert own["heldout"] == own["train_examples"] == "my.jsonl"  # no held-out split: overlap check refuses
+    assert kw["heldout"] == load_examples("tiny:dates", split="test") and kw["n_heldout"] == 50
+    assert kw["control"] == load_examples("tiny:control") and kw["source_names"]["control"] == "tiny:control"
+    # your own data with no held-out file: a seeded split, and the overlap check sees only the training part
+    rows = [{"q": f"question {i}", "a": str(i)} for i in range(40)]
+    (tmp_path / "my.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    s = Settings(model=str(tmp_path / "m"), dataset=str(tmp_path / "my.jsonl"), prompt_field="q", response_field="a",
+                 heldout_fraction=0.25, seed=3, run_dir=str(tmp_path / "y"))
+    own = settings_kwargs(s)
+    assert len(own["heldout"]) == 10 and len(own["train_examples"]) == 30
+    assert not {r["prompt"] for r in own["heldout"]} & {r["prompt"] for r in own["train_examples"]}
+    assert own["heldout"] == settings_kwargs(s)["heldout"] != settings_kwargs(s.replace(seed=4))["heldout"]
+    assert own["source_names"]["control"] == "generic:control" and len(own["control"]) >= 150
 
 
 def test_subsets_take_every_task_in_turn():

@@ -24,6 +24,7 @@ generation; base and adapter see identical batches, so the comparison stays fair
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 import time
@@ -36,7 +37,9 @@ from lora_kit.evaluation import compare as C
 from lora_kit.evaluation.adapters import check_adapter, local_adapter
 from lora_kit.generation import generate, reference_nll
 from lora_kit.evaluation.hygiene import check_heldout, overlap_report
-from lora_kit.prompting import encode_example, encode_prompt
+from lora_kit.data import control_source, field_settings, is_conversational, load_examples, run_data, run_data_file
+from lora_kit.prompting import PromptFormat, resolve_prompt_format
+from lora_kit.settings import Settings
 from lora_kit.results import check_output_dir, read_record, run_identity, settled, write_json_atomic, write_text_atomic
 
 EVAL_DIR = "eval"
@@ -98,7 +101,8 @@ def load_result(run_dir: str | os.PathLike) -> EvalResult:
 # inputs
 # ----------------------------------------------------------------------------------------------
 def _rows(source, split: str | None = None, name: str = "heldout", prompt_field: str = "prompt",
-          response_field: str = "response", n: int | None = None) -> list[dict]:
+          response_field: str = "response", n: int | None = None, data_format: str = "auto",
+          messages_field: str = "messages") -> list[dict]:
     """The first ``n`` examples (0/None = all) as ``[{"prompt", "response", "task"}]``.
 
     ``source``: a list of dicts, a DataFrame, a ``(source, split)`` tuple or a source name/path for
@@ -110,7 +114,8 @@ def _rows(source, split: str | None = None, name: str = "heldout", prompt_field:
         source, split = source
     if isinstance(source, (str, os.PathLike)):
         from lora_kit.data import load_examples
-        rows = load_examples(os.fspath(source), split=split, prompt_field=prompt_field, response_field=response_field)
+        rows = load_examples(os.fspath(source), split=split, prompt_field=prompt_field, response_field=response_field,
+                             data_format=data_format, messages_field=messages_field)
         prompt_field, response_field = "prompt", "response"
     else:
         rows = source.to_dict("records") if isinstance(source, pd.DataFrame) else [dict(r) for r in source]
@@ -126,8 +131,8 @@ def _rows(source, split: str | None = None, name: str = "heldout", prompt_field:
             raise ValueError(f"{name} example {i} has no reference answer in field {response_field!r}: "
                              "evaluation needs a reference for every example; fill it in, drop the example, "
                              "or pass response_field=... naming the answer column.")
-    return [{"prompt": r[prompt_field], "response": str(r[response_field]).strip(),
-             "task": str(r.get("task") or name)} for r in rows]
+    return [{"prompt": r[prompt_field], "response": str(r[response_field]).strip(), "task": str(r.get("task") or name),
+             **({"context": r["context"]} if isinstance(r.get("context"), list) else {})} for r in rows]
 
 
 def _round_robin(rows: list[dict]) -> list[dict]:
@@ -168,12 +173,12 @@ def _adapter_run(name: str, path: str, allow_incomplete: bool) -> dict | None:
     return {"run": rec.get("run"), "status": status}
 
 
-def _check_lengths(tokenizer, rows, name, max_new_tokens, context) -> None:
+def _check_lengths(fmt, rows, name, max_new_tokens, context) -> None:
     if not context:
         return
     for i, r in enumerate(rows):
-        n_prompt = len(encode_prompt(tokenizer, r["prompt"]))
-        n_ref = len(encode_example(tokenizer, r["prompt"], r["response"])["input_ids"])
+        n_prompt = len(fmt.prompt_ids(r))
+        n_ref = fmt.encode(r)["length"]
         need = max(n_prompt + max_new_tokens, n_ref)
         if need > context:
             raise ValueError(
@@ -199,7 +204,7 @@ def _active(model, system: str):
 
 
 def _run_split(model, tokenizer, split: str, rows: list[dict], systems: list[str], gen: dict, bar,
-               timing: dict) -> pd.DataFrame:
+               timing: dict, fmt) -> pd.DataFrame:
     """Outputs and reference losses of every system on one split, scored (one row per example)."""
     df = pd.DataFrame({"split": split, "task": [r["task"] for r in rows], "index": range(len(rows)),
                        "prompt": [r["prompt"] for r in rows], "reference": [r["response"] for r in rows]})
@@ -208,9 +213,8 @@ def _run_split(model, tokenizer, split: str, rows: list[dict], systems: list[str
         if bar is not None:
             bar.set_description(f"{split}: {s}")
         with _active(model, s):
-            df[f"pred:{s}"] = generate(model, tokenizer, df["prompt"].tolist(), bar=bar, **gen)
-            nll, ntok = reference_nll(model, tokenizer, df["prompt"].tolist(), df["reference"].tolist(),
-                                      gen["batch_size"], bar)
+            df[f"pred:{s}"] = generate(model, tokenizer, rows, bar=bar, fmt=fmt, **gen)
+            nll, ntok = reference_nll(model, tokenizer, rows, df["reference"].tolist(), gen["batch_size"], bar, fmt)
         df[f"ref_nll:{s}"], df["ref_tokens"] = nll, ntok
         df[f"ref_loss:{s}"] = [a / max(b, 1) for a, b in zip(nll, ntok)]
         timing[f"{split}:{s}_wall_s"] = time.perf_counter() - ts
@@ -220,7 +224,7 @@ def _run_split(model, tokenizer, split: str, rows: list[dict], systems: list[str
 # ----------------------------------------------------------------------------------------------
 # the entry point
 # ----------------------------------------------------------------------------------------------
-def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = None,
+def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str] | None = None,
              heldout="tiny:dates", heldout_split: str | None = "test", control="tiny:control",
              run_dir: str | os.PathLike | None = None, n_heldout: int | None = 200, n_control: int | None = 200,
              max_new_tokens: int = 16, batch_size: int = 32, seed: int = 0, method: str = "lora",
@@ -228,8 +232,14 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
              prompt_field: str = "prompt", response_field: str = "response", do_sample: bool = False,
              temperature: float = 1.0, confidence: float = 0.95, n_resamples: int = 2000,
              check_base_name: bool = True, trust_remote_code: bool = False, progress: bool = True,
-             device: str | None = None, allow_incomplete_adapter: bool = False) -> EvalResult:
+             device: str | None = None, allow_incomplete_adapter: bool = False, prompt_format: str = "auto",
+             data_format: str = "auto", messages_field: str = "messages",
+             source_names: dict | None = None) -> EvalResult:
     """Compare ``base_model`` with each adapter on held-out and control examples.
+
+    ``evaluate(settings, ...)`` with a :class:`lora_kit.Settings` evaluates that run (see
+    :func:`settings_kwargs`: its held-out rows, its control set, the rows it trained on); other
+    arguments given beside it override it (an argument left at its default keeps the settings' value).
 
     Parameters (the rest mirror :class:`lora_kit.Settings`):
         adapters: an adapter folder, ``{name: folder}`` for several, or None (= ``<run_dir>/smoke/adapter``
@@ -243,11 +253,17 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
         allow_overlap: evaluate even when held-out prompts occur in training; the result is then
             marked ``summary["heldout"]["is_heldout"] = False`` and the sentence says so.
         method: "lora" (base in ``dtype``) or "qlora" (4-bit NF4 base, as it was trained).
+        prompt_format: "auto" (chat template for conversational data when the tokenizer has one, else
+            plain), "plain", "chat" or a template with ``{prompt}`` -- as in training.
+        source_names: names of in-memory ``heldout`` / ``control`` lists for the record.
         allow_incomplete_adapter: evaluate an adapter whose smoke run record (``smoke.json`` beside it)
             does not say "complete" (killed, failed, still running); refused by default, because such
             an adapter may be another run's leftover or unverified.
     Writes ``<run_dir>/eval/eval.json`` (atomic) and ``per_example.csv`` when ``run_dir`` is set.
     """
+    if isinstance(base_model, Settings):
+        given = {k: v for k, v in locals().items() if k in _DEFAULTS and k != "base_model" and not _same(v, _DEFAULTS[k])}
+        return evaluate(**{**settings_kwargs(base_model), **given})
     for name, v in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("n_resamples", n_resamples)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name} must be a positive integer, got {v!r}.")
@@ -264,7 +280,8 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
     adapter_runs = {name: _adapter_run(name, path, allow_incomplete_adapter) for name, path in adapter_paths.items()}
     systems = [C.BASE] + list(adapter_paths)
 
-    fields = dict(prompt_field=prompt_field, response_field=response_field)
+    fields = dict(prompt_field=prompt_field, response_field=response_field, data_format=data_format,
+                  messages_field=messages_field)
     ho_rows = _rows(heldout, heldout_split, "heldout", n=n_heldout, **fields)
     ctl_rows = _rows(control, None, "control", n=n_control, **fields) if control is not None else []
     hygiene = _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fields)
@@ -274,8 +291,9 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
     tokenizer = load_tokenizer(base_model, trust_remote_code=trust_remote_code, padding_side="left")
     model = load_model(base_model, method=method, dtype=dtype, trust_remote_code=trust_remote_code, device=device)
     context = getattr(model.config, "max_position_embeddings", None)
-    _check_lengths(tokenizer, ho_rows, "heldout", max_new_tokens, context)
-    _check_lengths(tokenizer, ctl_rows, "control", max_new_tokens, context)
+    fmt = PromptFormat(tokenizer, resolve_prompt_format(prompt_format, tokenizer, is_conversational(ho_rows)))
+    _check_lengths(fmt, ho_rows, "heldout", max_new_tokens, context)
+    _check_lengths(fmt, ctl_rows, "control", max_new_tokens, context)
     adapter_cfgs = {}
     for name, path in adapter_paths.items():
         adapter_paths[name] = local_adapter(path)
@@ -295,7 +313,7 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
     gen = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, do_sample=do_sample,
                temperature=temperature, seed=seed)
     timing: dict = {}
-    per_example = pd.concat([_run_split(model, tokenizer, split, rows, systems, gen, bar, timing)
+    per_example = pd.concat([_run_split(model, tokenizer, split, rows, systems, gen, bar, timing, fmt)
                              for split, rows in splits.items() if rows], ignore_index=True)
     if bar is not None:
         bar.close()
@@ -307,12 +325,14 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
         "adapter_base_models": {k: v.get("base_model_name_or_path") for k, v in adapter_cfgs.items()},
         "decoding": {"do_sample": do_sample, "temperature": temperature if do_sample else None,
                      "max_new_tokens": max_new_tokens, "batch_size": batch_size, "padding": "left",
-                     "stop": ["eos", "newline"], "seed": seed},
+                     "stop": ["eos", "newline"] if fmt.stop_at_newline else ["eos", "end of turn"], "seed": seed,
+                     "prompt_format": fmt.kind},
         "statistics": {"confidence": confidence, "n_resamples": n_resamples, "seed": seed,
                        "interval": "percentile bootstrap over examples (paired for differences)"},
-        "heldout": {"source": _describe(heldout), "split": heldout_split, "n": len(ho_rows),
+        "heldout": {"source": (source_names or {}).get("heldout") or _describe(heldout), "split": heldout_split,
+                    "n": len(ho_rows),
                     "hygiene": hygiene, "is_heldout": bool(hygiene.get("heldout", True))},
-        "control": {"source": _describe(control), "n": len(ctl_rows)},
+        "control": {"source": (source_names or {}).get("control") or _describe(control), "n": len(ctl_rows)},
     }
     summary.update(C.summarize(per_example, list(adapter_paths), summary["heldout"]["is_heldout"], **stats))
     timing.update(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
@@ -335,18 +355,32 @@ def evaluate(base_model: str = "tiny", adapters: str | dict[str, str] | None = N
 def settings_kwargs(settings) -> dict:
     """:func:`evaluate` arguments from a :class:`lora_kit.Settings` (for notebooks and the CLI).
 
-    The embedded data (``"tiny:..."``) is evaluated on its ``"test"`` split. Any other dataset has no
-    held-out split in Settings, so it is passed as both held-out and training data: the overlap check
-    then refuses it -- call :func:`evaluate` with ``heldout=`` your held-out file instead.
+    Held-out rows: ``<run_dir>/data/heldout.jsonl`` when the smoke run wrote it (exactly the rows it
+    held out), else :func:`lora_kit.data.run_data` (``heldout_dataset``, the embedded test split, or
+    the ``heldout_fraction`` split of ``dataset`` by ``seed``). Overlap is checked against the rows
+    the smoke run actually trained on (``<run_dir>/data/trained.jsonl``), else the training part.
+    Control: ``control_dataset`` ("auto": the embedded model's own set for "tiny", the shipped
+    generic set otherwise). Everything is loaded here, so the data field settings apply once.
     """
     s = settings
-    embedded = isinstance(s.dataset, str) and s.dataset.startswith("tiny:")
+    held_file, trained_file = run_data_file(s.run_dir, "heldout"), run_data_file(s.run_dir, "trained")
+    d = None if held_file and trained_file else run_data(s)
+    heldout = load_examples(held_file) if held_file else d["heldout"]
+    train = load_examples(trained_file) if trained_file else d["train"]
+    ctl = control_source(s.control_dataset, s.model)
+    control = load_examples(ctl, **({} if ctl.startswith(("tiny:", "generic:")) else field_settings(s)))
     return dict(base_model=s.model, method=s.method, dtype=s.dtype, run_dir=s.run_dir,
-                heldout=s.dataset, heldout_split="test" if embedded else None,
-                train_examples=None if embedded else s.dataset, control=s.control_dataset or None,
+                heldout=heldout, heldout_split=None, train_examples=train, control=control,
+                source_names={"heldout": str(held_file) if held_file else d["heldout_source"], "control": ctl},
                 n_heldout=s.eval_examples, n_control=s.control_examples, max_new_tokens=s.max_new_tokens,
-                seed=s.seed, prompt_field=s.prompt_field, response_field=s.response_field,
-                trust_remote_code=s.trust_remote_code)
+                seed=s.seed, prompt_format=s.prompt_format, trust_remote_code=s.trust_remote_code)
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a is b or (type(a) is type(b) and a == b))
+    except Exception:  # noqa: BLE001 - e.g. a DataFrame: never "the default"
+        return False
 
 
 def _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fields) -> dict:
@@ -360,6 +394,9 @@ def _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fie
     else:
         train = _rows(train_examples, None, "train", **fields)
     return {"checked": True, **check_heldout(overlap_report(train, ho_rows), allow_overlap)}
+
+
+_DEFAULTS = {k: v.default for k, v in inspect.signature(evaluate).parameters.items()}
 
 
 def _progress(total: int, enabled: bool):

@@ -12,15 +12,9 @@ overrides it, in which case the result must be marked as not held-out.
 """
 from __future__ import annotations
 
-import unicodedata
+from lora_kit.data import normalize
 
 MAX_SHOWN = 5
-
-
-def normalize(text: str) -> str:
-    """Case-folded text without punctuation, symbols or whitespace ("What is 2 + 2?" -> "whatis22")."""
-    text = unicodedata.normalize("NFKC", str(text)).casefold()
-    return "".join(ch for ch in text if unicodedata.category(ch)[0] not in "PSZ" and not ch.isspace())
 
 
 def _prompts(examples, prompt_field: str) -> list[str]:

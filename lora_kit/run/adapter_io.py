@@ -138,12 +138,13 @@ def compare_logits(trained: torch.Tensor, reloaded: torch.Tensor, base: torch.Te
 
 
 @torch.no_grad()
-def generate_side_by_side(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[dict]:
+def generate_side_by_side(model, tokenizer, prompts: list, max_new_tokens: int, fmt=None) -> list[dict]:
     """Base (adapter disabled) and adapter answers per prompt, with evaluate's generation
-    (greedy, left padding, stop at EOS or newline) so the smoke run and 04 read alike."""
+    (greedy, left padding, stop at EOS or newline; prompt format ``fmt``) so the smoke run and 04 read alike."""
     from lora_kit.generation import generate
     model.eval()
     with model.disable_adapter():
-        base = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
-    tuned = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
-    return [{"prompt": p, "base": b, "adapter": a} for p, b, a in zip(prompts, base, tuned)]
+        base = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, fmt=fmt)
+    tuned = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, fmt=fmt)
+    return [{"prompt": p if isinstance(p, str) else p["prompt"], "base": b, "adapter": a}
+            for p, b, a in zip(prompts, base, tuned)]

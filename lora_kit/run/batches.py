@@ -2,12 +2,16 @@
 
 Out-of-memory errors come from the longest examples, not the mean, so the slice is built from the
 whole dataset sorted by token length: the longest examples go first (they are in the first,
-measured steps), the rest follow shuffled with the seed. Every example is checked:
+measured steps), the rest follow shuffled with the seed. Every example is encoded in the run's
+prompt format (:class:`lora_kit.prompting.PromptFormat`, the one evaluation and generation use) and
+checked:
 
 - rows with an empty prompt or response are a ValueError naming them (1-based, as
   ``lora_kit.data.load_examples`` does): rows are never silently dropped;
-- examples longer than ``seq_len`` are truncated from the right and counted; examples whose
-  response is cut away entirely are skipped (they would train on nothing);
+- examples longer than ``seq_len`` follow ``long_examples``: "truncate" (from the right; an example
+  whose whole answer is cut away is skipped, it would train on nothing), "drop" (left out) or
+  "error" (a ValueError saying how many and how long). Either way they are counted: the report's
+  ``long_examples`` says how many, what share, the longest, and what was done;
 - ``seq_len`` beyond the model's context (``max_position_embeddings``) is a ValueError.
 
 Batches are padded to ``seq_len`` (right padding, pad tokens masked in labels and attention).
@@ -20,7 +24,9 @@ import random
 
 import torch
 
-from lora_kit.prompting import IGNORE_INDEX, encode_example
+from lora_kit.prompting import IGNORE_INDEX, PromptFormat
+
+LONG_SHARE_WARN = 0.03  # above this share of long examples, the run card lists it under "check next"
 
 
 def _empty(v) -> bool:
@@ -34,13 +40,7 @@ def check_context(seq_len: int, config) -> None:
                          f"(max_position_embeddings={ctx}); lower seq_len to at most {ctx}.")
 
 
-def verified_slice(tokenizer, examples, seq_len: int, n_examples: int, seed: int = 0,
-                   prompt_field: str = "prompt", response_field: str = "response", n_first: int = 1):
-    """(encoded examples in training order, report). ``n_first`` longest examples lead the order.
-
-    The list has exactly ``n_examples`` items (the dataset is repeated, reshuffled, if it is
-    smaller). The report holds counts, the longest lengths and how many were truncated/skipped.
-    """
+def _checked(examples, prompt_field: str, response_field: str) -> list[dict]:
     if not examples:
         raise ValueError("the dataset is empty; pass a dataset with prompt/response rows.")
     first = examples[0]
@@ -54,22 +54,54 @@ def verified_slice(tokenizer, examples, seq_len: int, n_examples: int, seed: int
         shown = ", ".join(map(str, empty_rows[:10])) + (" ..." if len(empty_rows) > 10 else "")
         raise ValueError(f"{len(empty_rows)} row(s) have an empty {prompt_field!r} or {response_field!r} "
                          f"(rows {shown}, 1-based); fill or remove them.")
-    encoded, cut_away = [], []
-    for i, row in enumerate(examples):
-        p, r = row[prompt_field], row[response_field]
-        e = encode_example(tokenizer, str(p), str(r), max_len=None)
+    return [{"prompt": str(r[prompt_field]), "response": str(r[response_field]),
+             **({"context": r["context"]} if isinstance(r.get("context"), list) else {})} for r in examples]
+
+
+def verified_slice(tokenizer, examples, seq_len: int, n_examples: int, seed: int = 0,
+                   prompt_field: str = "prompt", response_field: str = "response", n_first: int = 1,
+                   fmt: PromptFormat | None = None, long_examples: str = "truncate"):
+    """(encoded examples in training order, report). ``n_first`` longest examples lead the order.
+
+    The list has exactly ``n_examples`` items (the dataset is repeated, reshuffled, if it is
+    smaller). The report holds counts, the longest lengths, the prompt format, and ``long_examples``
+    (how many are longer than ``seq_len``, their share, the longest, how many were truncated,
+    dropped or lost their whole answer).
+    """
+    if long_examples not in ("truncate", "drop", "error"):
+        raise ValueError(f"long_examples={long_examples!r} is not valid; choose 'truncate', 'drop' or 'error'.")
+    fmt = fmt or PromptFormat(tokenizer)
+    rows = _checked(examples, prompt_field, response_field)
+    encoded, cut_away, dropped, long_rows, all_lengths = [], [], [], [], []
+    for i, row in enumerate(rows):
+        e = fmt.encode(row)
         e["row"] = i
         e["full_length"] = e["length"]
+        all_lengths.append(e["length"])
         if e["length"] > seq_len:
+            long_rows.append(i)
+            if long_examples == "drop":
+                dropped.append(i)
+                continue
             e["input_ids"], e["labels"] = e["input_ids"][:seq_len], e["labels"][:seq_len]
             e["length"], e["truncated"] = seq_len, True
         if all(t == IGNORE_INDEX for t in e["labels"]):
             cut_away.append(i)
             continue
         encoded.append(e)
+    longest = max(range(len(rows)), key=lambda i: all_lengths[i])
+    long_report = {"policy": long_examples, "seq_len": seq_len, "count": len(long_rows),
+                   "share": len(long_rows) / len(rows), "longest_tokens": all_lengths[longest],
+                   "longest_row": longest, "rows": long_rows[:20], "truncated": sum(e["truncated"] for e in encoded),
+                   "dropped": len(dropped), "answer_cut_away": len(cut_away)}
+    if long_examples == "error" and long_rows:
+        raise ValueError(f"{len(long_rows)} of {len(rows)} examples ({long_report['share']:.1%}) are longer than "
+                         f"seq_len={seq_len} (longest: {all_lengths[longest]} tokens, row {longest + 1}, 1-based); "
+                         "raise seq_len, or set long_examples='truncate' or 'drop'.")
     if not encoded:
-        raise ValueError(f"no usable example: all {len(cut_away)} lose their whole response at "
-                         f"seq_len={seq_len}; raise seq_len.")
+        why = (f"all {len(dropped)} are longer than seq_len={seq_len} and long_examples='drop'" if dropped and
+               not cut_away else f"all {len(cut_away) + len(dropped)} lose their whole response at seq_len={seq_len}")
+        raise ValueError(f"no usable example: {why}; raise seq_len.")
     by_len = sorted(encoded, key=lambda e: -e["full_length"])
     n_first = min(n_first, len(by_len), n_examples)
     lead, rest = by_len[:n_first], by_len[n_first:]
@@ -83,13 +115,29 @@ def verified_slice(tokenizer, examples, seq_len: int, n_examples: int, seed: int
     order = order[:n_examples]
     lengths = [e["full_length"] for e in by_len]
     report = {
-        "rows": len(examples), "usable": len(encoded), "used": len(order),
+        "rows": len(rows), "usable": len(encoded), "used": len(order), "prompt_format": fmt.kind,
         "skipped_response_cut_away": len(cut_away), "skipped_response_cut_away_rows": cut_away[:20],
-        "truncated": sum(e["truncated"] for e in encoded), "seq_len": seq_len,
+        "truncated": long_report["truncated"], "dropped_long": len(dropped), "seq_len": seq_len,
         "longest_lengths": lengths[:5], "longest_rows": [e["row"] for e in by_len[:5]],
         "mean_length": sum(lengths) / len(lengths), "lead_examples_are_longest": n_first,
+        "long_examples": long_report,
     }
     return order, report
+
+
+def long_examples_line(report: dict) -> str:
+    """One line on the examples longer than ``seq_len`` (the data report of :func:`verified_slice`)."""
+    lx = report.get("long_examples") or {}
+    if not lx:
+        return ""
+    if not lx["count"]:
+        return f"data: {report['rows']} rows, none longer than seq_len={lx['seq_len']} (longest {lx['longest_tokens']} tokens)"
+    done = {"truncate": f"truncated ({lx['answer_cut_away']} lost their whole answer and were skipped)",
+            "drop": "dropped", "error": "refused"}[lx["policy"]]
+    warn = "  <- check: above a few percent" if lx["share"] > LONG_SHARE_WARN else ""
+    return (f"data: {lx['count']} of {report['rows']} rows ({lx['share']:.1%}) longer than seq_len={lx['seq_len']} "
+            f"(longest {lx['longest_tokens']} tokens, row {lx['longest_row'] + 1}): {done} "
+            f"[long_examples={lx['policy']!r}]{warn}")
 
 
 def collate(batch, seq_len: int, pad_id: int) -> dict:
