@@ -306,13 +306,12 @@ def check_output_dir(path: str | Path, *notebook_dirs, create: bool = True) -> P
     or cannot be created / written. Only ``notebooks/runs/`` (git-ignored) is allowed there: it is where
     a notebook opened in JupyterLab puts its default relative ``run_dir = "runs/default"``."""
     p = Path(path).expanduser().resolve()
-    inside = lambda d: p == d or d in p.parents  # noqa: E731
-    if inside(PACKAGE_DIR):
+    if p == PACKAGE_DIR or PACKAGE_DIR in p.parents:
         raise ValueError(f"output folder {str(p)!r} is inside the lora_kit package {str(PACKAGE_DIR)!r}; runs must "
                          "not write there. Choose another --runs-dir / run_dir (default: runs/).")
     for d in (PACKAGE_DIR.parent / "notebooks", *notebook_dirs):
         d = Path(d).resolve()
-        if inside(d) and not (d / "runs" in p.parents):
+        if (p == d or d in p.parents) and d / "runs" not in p.parents:
             raise ValueError(f"output folder {str(p)!r} is inside the notebooks folder {str(d)!r}; runs must not "
                              "write there (executed notebooks would replace the sources). Choose another --name / "
                              "--runs-dir (default: runs/).")

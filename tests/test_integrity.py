@@ -8,7 +8,6 @@ file was lost. The real notebooks under signals are in tests/test_integrity_run.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -20,8 +19,15 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from lora_kit.results import (check_output_dir, check_run_name, new_run, process_info, read_record, settled,
-                              write_json_atomic)
+from lora_kit.results import (
+    check_output_dir,
+    check_run_name,
+    new_run,
+    process_info,
+    read_record,
+    settled,
+    write_json_atomic,
+)
 from lora_kit.ui.cli import main
 from lora_kit.ui.pipeline import PIPELINE, kernel_death
 
@@ -177,7 +183,7 @@ def test_signal_during_a_notebook_records_interrupted_and_builds_the_card(tmp_pa
     wait_for(lambda: (run / "started_01").exists())
     stack = (run / "stack.json").read_bytes()
     p.send_signal(sig)
-    out, err = p.communicate(timeout=60)
+    _, err = p.communicate(timeout=60)
     assert p.returncode == rc
     assert err.strip().splitlines() == [f"lora-kit run: interrupted ({sig.name}); results so far and the run card "
                                         f"are in {run}"], err

@@ -25,7 +25,7 @@ def test_sigterm_during_the_real_smoke_notebook(tmp_path):
         assert time.monotonic() < t_end and p.poll() is None, p.communicate()
         time.sleep(0.1)
     p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=120)
+    _, err = p.communicate(timeout=120)
     assert p.returncode == 143, err
     assert err.strip().splitlines() == [f"lora-kit run: interrupted (SIGTERM); results so far and the run card are "
                                         f"in {run}"]

@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_integrity import wait_for  # tests/ is on sys.path (rootdir conftest)
 
 from lora_kit.evaluation.evaluate import evaluate
 from lora_kit.results import read_record, settled
-from test_integrity import wait_for  # tests/ is on sys.path (rootdir conftest)
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
        "TQDM_DISABLE": "1"}
@@ -66,7 +66,7 @@ def complete_runs(tmp_path_factory):
     dirs = [tmp_path_factory.mktemp(f"complete{i}") for i in (1, 2)]
     procs = [smoke(d, 2, env={"PYTHONHASHSEED": str(i)}) for i, d in enumerate(dirs, 1)]
     for p in procs:
-        out, err = p.communicate(timeout=300)
+        _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
     return dirs
 

@@ -29,12 +29,13 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 from jupyter_client.manager import AsyncKernelManager
 
-from lora_kit.results import (NotWritten, active_run, check_output_dir, entered_run, new_run, now_iso, process_alive,
-                              read_record, same_run, settled, signal_name, touch, write_json_atomic,
-                              write_text_atomic, interrupts)
+from lora_kit.results import (NotWritten, active_run, check_output_dir, entered_run, interrupts, new_run, now_iso,
+                              process_alive, read_record, same_run, settled, signal_name, touch, write_json_atomic,
+                              write_text_atomic)
 from lora_kit.settings import Settings
 
 PIPELINE = (
@@ -119,7 +120,7 @@ def _failure_text(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------------------------
 class TrackedKernelManager(AsyncKernelManager):
     """papermill's kernel manager, remembering each kernel it starts (pid, exit code)."""
-    started: list = []
+    started: ClassVar[list] = []
 
     kernel_pid: int | None = None
     returncode: int | None = None
