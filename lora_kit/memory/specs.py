@@ -39,6 +39,7 @@ class Linear:
     out_features: int
     bias: bool
     kind: str  # "attn_in" (q/k/v or fused qkv), "attn_out", "mlp_in", "mlp_out"
+    layers: int = 0  # blocks that hold this layer; 0 = every block (DeepSeek: the dense MLP of block 0 only)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class ModelSpec:
     final_softcap: bool = False  # gemma2: tanh soft-capping of the logits
     embed_scale: bool = False  # gemma: embeddings multiplied by sqrt(hidden)
     exact: bool = True  # False: layers read from a meta-device build, activations assume Llama-like
-    extra_params: tuple = ()  # (numel, count) of parameter tensors outside the scheme above (generic only)
+    extra_params: tuple = ()  # (numel, count) of tensors outside the scheme above (generic; qwen3 q/k norms)
     config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def param_tensors(self) -> list[tuple[str, int, int]]:
@@ -77,9 +78,9 @@ class ModelSpec:
         if not self.tied_embeddings:
             out.append(("lm_head", self.vocab_size * h, 1))
         for lin in self.linears:
-            out.append(("linear", lin.in_features * lin.out_features, n))
+            out.append(("linear", lin.in_features * lin.out_features, lin.layers or n))
             if lin.bias:
-                out.append(("bias", lin.out_features, n))
+                out.append(("bias", lin.out_features, lin.layers or n))
         if self.exact:  # generic specs carry every non-linear tensor in extra_params
             out.append(("norm", h, (self.norms_per_layer * n + 1) * (2 if self.norm_bias else 1)))
         out.extend(("norm", numel, count) for numel, count in self.extra_params)
@@ -89,15 +90,72 @@ class ModelSpec:
     def num_params(self) -> int:
         return sum(numel * count for _, numel, count in self.param_tensors())
 
+    @property
+    def moe(self) -> dict:
+        """Mixture-of-experts facts of the config (:func:`moe_facts`); empty for a dense model."""
+        return moe_facts(self.config)
+
+
+CATALOG_META = ("hub_id", "params")  # catalog fields that are not config.json fields
+
 
 def catalog() -> dict[str, dict]:
-    """Catalog name -> config facts (offline), as shipped in ``lora_kit/catalog/models.json``."""
-    return _catalog()
+    """Catalog name -> config facts (offline), as shipped in ``lora_kit/catalog/models.json``.
+
+    Each entry holds the architecture fields of the model's published ``config.json`` plus ``hub_id``
+    and ``params`` (the exact parameter count, equal to the model built on the meta device);
+    :func:`catalog_source` says where each entry's numbers were read. Mixture-of-experts entries are the
+    ones with a non-empty :func:`moe_facts`."""
+    return _catalog_file()["models"]
+
+
+def catalog_config(name: str) -> dict:
+    """The config.json fields of catalog entry ``name`` (what ``AutoConfig.for_model`` takes)."""
+    return {k: v for k, v in catalog()[name].items() if k not in CATALOG_META}
+
+
+def catalog_source(name: str) -> dict:
+    """Where catalog entry ``name`` was read: ``config`` (the hub config.json), ``read`` (the copies and
+    tables the numbers were taken from, with commit or URL), ``published_params`` where a model card or
+    paper states a count, and a ``note`` on anything not literally in the config. Entries that predate the
+    sources section have none ({})."""
+    return _catalog_file().get("sources", {}).get(name, {})
 
 
 @lru_cache(maxsize=1)
-def _catalog() -> dict:
-    return json.loads(CATALOG_PATH.read_text())["models"]
+def _catalog_file() -> dict:
+    return json.loads(CATALOG_PATH.read_text())
+
+
+MOE_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def moe_facts(c: dict) -> dict:
+    """Mixture-of-experts fields of a config dict under their family names (Mixtral ``num_local_experts``,
+    Qwen-MoE ``num_experts`` / ``decoder_sparse_step`` / ``mlp_only_layers`` / shared expert, DeepSeek
+    ``n_routed_experts`` / ``n_shared_experts`` / ``first_k_dense_replace`` / ``moe_layer_freq``), as
+    ``experts``, ``experts_per_token``, ``expert_intermediate_size``, ``shared_experts`` (count),
+    ``shared_intermediate_size`` (total width of the shared experts) and ``moe_layers`` (block indices
+    with experts). Empty dict for a dense model."""
+    if "text_config" in c and "hidden_size" not in c:
+        c = c["text_config"]
+    experts = next((int(c[k]) for k in MOE_EXPERT_KEYS if c.get(k)), 0)
+    if not experts:
+        return {}
+    n = int(c["num_hidden_layers"])
+    if "n_routed_experts" in c:  # DeepSeek: dense blocks first, then every moe_layer_freq-th block
+        k, freq = int(c.get("first_k_dense_replace") or 0), int(c.get("moe_layer_freq") or 1)
+        layers = [i for i in range(n) if i >= k and i % freq == 0]
+        shared = int(c.get("n_shared_experts") or 0)
+        shared_width = shared * int(c["moe_intermediate_size"])
+    else:  # Mixtral: every block; Qwen-MoE: every decoder_sparse_step-th block not in mlp_only_layers
+        step, dense = int(c.get("decoder_sparse_step") or 1), set(c.get("mlp_only_layers") or ())
+        layers = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+        shared_width = int(c.get("shared_expert_intermediate_size") or 0)
+        shared = 1 if shared_width else 0
+    return {"experts": experts, "experts_per_token": int(c["num_experts_per_tok"]),
+            "expert_intermediate_size": int(c.get("moe_intermediate_size") or c["intermediate_size"]),
+            "shared_experts": shared, "shared_intermediate_size": shared_width, "moe_layers": layers}
 
 
 def _config_dict(model) -> tuple[str, dict]:
@@ -108,11 +166,11 @@ def _config_dict(model) -> tuple[str, dict]:
         model = os.fspath(model)
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a catalog name, a local path, a hub id or a PretrainedConfig; got {model!r}.")
-    cat = _catalog()
+    cat = catalog()
     key = model.lower()
     for name, facts in cat.items():
         if key == name or key == facts["hub_id"].lower():
-            return name, {k: v for k, v in facts.items() if k not in ("hub_id", "params")}
+            return name, catalog_config(name)
     from lora_kit.loading import TINY_ALIASES, resolve_model  # lazy: reading a spec needs no torch
     p = Path(model).expanduser()
     if model in TINY_ALIASES or p.exists():
@@ -123,7 +181,7 @@ def _config_dict(model) -> tuple[str, dict]:
         raise ValueError(
             f"Unknown model {model!r} and the hub is offline (HF_HUB_OFFLINE is set). Pass a "
             f"transformers PretrainedConfig, a local folder holding config.json (or the config.json path), "
-            f"or a catalog name such as {', '.join(sorted(cat)[:6])} (all: lora_kit.memory.specs.catalog()).")
+            f"or one of the {len(cat)} catalog names such as {', '.join(list(cat)[:6])} (all: lora_kit.memory.specs.catalog()).")
     from transformers import AutoConfig
     try:
         cfg = AutoConfig.from_pretrained(model, trust_remote_code=False)
@@ -169,11 +227,15 @@ def spec_from_config(c: dict, name: str = "") -> ModelSpec:
         parallel_residual=mt == "gpt_neox" and bool(c.get("use_parallel_residual", True)),
         attn_softcap=mt == "gemma2" and c.get("attn_logit_softcapping") is not None,
         final_softcap=mt == "gemma2" and c.get("final_logit_softcapping") is not None,
-        embed_scale=mt in ("gemma", "gemma2"), config=dict(c))
+        embed_scale=mt in ("gemma", "gemma2"),
+        extra_params=((d, 2 * n),) if mt == "qwen3" else (),  # qwen3: q_norm and k_norm (head_dim each) per block
+        config=dict(c))
 
 
 def _generic_spec(c: dict, name: str) -> ModelSpec:
-    """Any other causal LM: build it once on the meta device and read one block's linears."""
+    """Any other causal LM: build it once on the meta device and read its blocks' linears (a linear found in
+    only some blocks, like DeepSeek's dense MLP in block 0, records how many); every other tensor (norms,
+    MoE routers, fused expert weights) is counted in ``extra_params``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg_kwargs = {k: v for k, v in c.items() if k not in ("model_type", "transformers_version", "architectures")}
@@ -185,15 +247,19 @@ def _generic_spec(c: dict, name: str) -> ModelSpec:
         raise ValueError(f"Cannot build model_type={c.get('model_type')!r} with transformers ({e}). Pass a config "
                          "of a causal LM transformers knows, or a catalog name.") from None
     layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
-    block = layers[0]
+    found = {}  # (path in block, in, out, bias) -> number of blocks holding it, in order of first appearance
+    for block in layers:
+        for lname, mod in block.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                key = (lname, mod.in_features, mod.out_features, mod.bias is not None)
+                found[key] = found.get(key, 0) + 1
     linears = []
-    for lname, mod in block.named_modules():
-        if isinstance(mod, torch.nn.Linear):
-            short = lname.rsplit(".", 1)[-1]
-            kind = ("attn_out" if short in ("o_proj", "dense", "out_proj", "c_proj") and "attn" in lname
-                    else "attn_in" if "attn" in lname or "attention" in lname
-                    else "mlp_out" if short in ("down_proj", "fc2", "dense_4h_to_h", "c_proj", "w2") else "mlp_in")
-            linears.append(Linear(short, mod.in_features, mod.out_features, mod.bias is not None, kind))
+    for (lname, fin, fout, bias), count in found.items():
+        short = lname.rsplit(".", 1)[-1]
+        kind = ("attn_out" if short in ("o_proj", "dense", "out_proj", "c_proj") and "attn" in lname
+                else "attn_in" if "attn" in lname or "attention" in lname
+                else "mlp_out" if short in ("down_proj", "fc2", "dense_4h_to_h", "c_proj", "w2") else "mlp_in")
+        linears.append(Linear(short, fin, fout, bias, kind, 0 if count == len(layers) else count))
     seen, extra = set(), {}
     h = int(cfg.hidden_size)
     V = int(cfg.vocab_size)
@@ -243,7 +309,7 @@ def model_spec(model) -> ModelSpec:
 def valid_targets(spec) -> list[str]:
     """LoRA target module names of one block (what ``lora_targets`` accepts besides "all-linear")."""
     spec = model_spec(spec)
-    return [lin.name for lin in spec.linears]
+    return list(dict.fromkeys(lin.name for lin in spec.linears))  # a name can recur (DeepSeek: dense and shared MLP)
 
 
 SDPA_UNSUPPORTED = ("gemma2",)  # transformers 5.24 refuses sdpa for these (attention soft-capping)
@@ -268,7 +334,8 @@ def check_targets(spec, method: str, lora_rank=16, lora_targets="all-linear",
         raise ValueError(f"lora_targets {unknown} are not linear layers of {spec.name} ({spec.model_type}); "
                          f"valid names: {names} or 'all-linear'.")
     targets = tuple(n for n in names if n in wanted)
-    smallest = min(min(lin.in_features, lin.out_features) for lin in spec.linears if lin.name in targets)
+    smallest = min((min(lin.in_features, lin.out_features) for lin in spec.linears if lin.name in targets
+                    and min(lin.in_features, lin.out_features) > 1), default=1)  # 1-wide: a MoE shared-expert gate
     if np.any(np.asarray(lora_rank) > smallest):
         raise ValueError(f"lora_rank={int(np.max(lora_rank))} is larger than the smallest targeted layer "
                          f"dimension ({smallest}) of {spec.name}; use lora_rank <= {smallest}.")
