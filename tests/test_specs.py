@@ -7,8 +7,16 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from lora_kit.memory.specs import (catalog, catalog_config, catalog_source, check_targets, model_spec, moe_facts,
-                                   spec_from_config, valid_targets)
+from lora_kit.memory.specs import (
+    catalog,
+    catalog_config,
+    catalog_source,
+    check_targets,
+    model_spec,
+    moe_facts,
+    spec_from_config,
+    valid_targets,
+)
 
 
 def _meta_params(cfg) -> int:
@@ -90,13 +98,15 @@ def test_mixture_of_experts_entries():
     own config names (Mixtral, Qwen-MoE with and without a shared expert, DeepSeek with a dense first block)."""
     assert [n for n in sorted(catalog()) if moe_facts(catalog_config(n))] == sorted(MOE)
     m = model_spec("mixtral-8x7b").moe
-    assert (m["experts"], m["experts_per_token"], m["expert_intermediate_size"], m["shared_experts"]) == (8, 2, 14336, 0)
+    assert (m["experts"], m["experts_per_token"], m["expert_intermediate_size"], m["shared_experts"]) == (8, 2, 14336,
+                                                                                                        0)
     assert m["moe_layers"] == list(range(32))
     q = model_spec("qwen3-235b-a22b").moe
     assert (q["experts"], q["experts_per_token"], q["expert_intermediate_size"], len(q["moe_layers"])) == (128, 8, 1536,
                                                                                                            94)
     s = model_spec("qwen1.5-moe-a2.7b").moe
-    assert (s["experts"], s["experts_per_token"], s["shared_experts"], s["shared_intermediate_size"]) == (60, 4, 1, 5632)
+    assert (s["experts"], s["experts_per_token"], s["shared_experts"], s["shared_intermediate_size"]) == (60, 4, 1,
+                                                                                                        5632)
     d = model_spec("deepseek-v2-lite")
     assert d.moe["moe_layers"] == list(range(1, 27)) and d.moe["shared_intermediate_size"] == 2 * 1408
     widths = {(lin.name, lin.out_features): lin.layers for lin in d.linears if lin.kind == "mlp_in"}

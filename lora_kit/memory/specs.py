@@ -181,7 +181,8 @@ def _config_dict(model) -> tuple[str, dict]:
         raise ValueError(
             f"Unknown model {model!r} and the hub is offline (HF_HUB_OFFLINE is set). Pass a "
             f"transformers PretrainedConfig, a local folder holding config.json (or the config.json path), "
-            f"or one of the {len(cat)} catalog names such as {', '.join(list(cat)[:6])} (all: lora_kit.memory.specs.catalog()).")
+            f"or one of the {len(cat)} catalog names such as {', '.join(list(cat)[:6])} "
+            "(all: lora_kit.memory.specs.catalog()).")
     from transformers import AutoConfig
     try:
         cfg = AutoConfig.from_pretrained(model, trust_remote_code=False)
