@@ -117,12 +117,13 @@ class StepOutput:
 
 def train_step(model, micro_batches, optimizer, *, tracker=None, on_grads=None, autocast_ctx=None,
                scheduler=None, max_grad_norm: float | None = None) -> StepOutput:
-    """One optimizer step over ``micro_batches`` (a batch dict, or a list of them for gradient
-    accumulation). ``tracker.phase`` is set per phase ("forward", "backward", "optimizer") when a
+    """One optimizer step over ``micro_batches`` (a batch dict, or a sequence of them for gradient
+    accumulation; a lazy sequence builds each micro-batch only when its turn comes, so only one is
+    live at a time). ``tracker.phase`` is set per phase ("forward", "backward", "optimizer") when a
     live-bytes tracker is given; ``on_grads()`` runs between the last backward and the optimizer
     step (the tracker labels the fresh gradients there). The model output, and with it the logits,
     is dropped as soon as the loss is taken."""
-    batches = [micro_batches] if isinstance(micro_batches, dict) else list(micro_batches)
+    batches = [micro_batches] if isinstance(micro_batches, dict) else micro_batches
 
     def phase(name):
         if tracker is not None:

@@ -13,8 +13,9 @@ What it does, from one seed:
 3. trains a character-level tokenizer with the ``tokenizers`` library (trainer picks the alphabet
    from the corpus, every printable ASCII character is covered, padded with reserved tokens to a
    vocabulary that is a multiple of 64); BOS is added by the post-processor;
-4. pretrains a standard LlamaForCausalLM on the base tasks (loss on responses only; control
-   prompts are excluded from pretraining where the task's input space allows), then
+4. pretrains a standard LlamaForCausalLM on the base tasks with the kit's one training step
+   (``lora_kit.training.train_step``; loss on responses only; control prompts are excluded from
+   pretraining where the task's input space allows), then
 5. saves model (safetensors) + tokenizer with ``save_pretrained``, measures base exact match per
    task on the control set and on the dates test split, and writes build_info.json (settings,
    measured accuracies, file sizes and sha256 of every shipped file).
@@ -38,6 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from lora_kit import training  # noqa: E402
 from lora_kit.embedded import story, tasks  # noqa: E402
 from lora_kit.evaluation.hygiene import normalize  # noqa: E402
 from lora_kit.results import write_json_atomic, write_text_atomic  # noqa: E402
@@ -194,14 +196,9 @@ def pretrain(a, tok, held_out: set[str]):
     model.train()
     t0, c0 = time.perf_counter(), time.process_time()
     losses = []
-    for step in range(a.steps):
-        loss = model(**story.collate(tok, batch_rows())).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    for step in range(a.steps):  # the kit's one training step, gradients clipped to norm 1
+        out = training.train_step(model, story.collate(tok, batch_rows()), opt, scheduler=sched, max_grad_norm=1.0)
+        losses.append(out.loss.item())
         if (step + 1) % 50 == 0 or step + 1 == a.steps:
             print(f"step {step + 1}/{a.steps} loss {sum(losses[-50:]) / len(losses[-50:]):.4f} "
                   f"wall {time.perf_counter() - t0:.0f} s cpu {time.process_time() - c0:.0f} s", flush=True)

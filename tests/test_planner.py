@@ -5,9 +5,8 @@ import random
 import pytest
 
 from lora_kit.memory.estimate import estimate
-from lora_kit.plan.planner import (check_plan, compare_methods, fit_verdict, fixes, for_estimate, max_fit, sweep,
-                              verdict_text)
-from lora_kit.settings import METHODS
+from lora_kit.plan.planner import check_plan, compare_methods, fit_verdict, fixes, max_fit, sweep, verdict_text
+from lora_kit.settings import METHODS, step_kwargs
 
 M = "llama-3.2-1b"
 
@@ -19,7 +18,7 @@ def _row_kwargs(row) -> dict:
     kw = {k: (row[k].item() if hasattr(row[k], "item") else row[k]) for k in keys}
     if isinstance(kw["lora_targets"], tuple):
         kw["lora_targets"] = list(kw["lora_targets"])
-    return for_estimate(kw)
+    return step_kwargs(kw)
 
 
 def test_sweep_agrees_with_estimate_on_random_rows():
@@ -104,7 +103,7 @@ def test_fixes_and_verdict():
         if "gpu" in f["settings"]:
             assert fit_verdict(f["device_total_bytes"], f["settings"]["gpu"])["fits"]
         else:
-            e = estimate(M, **for_estimate({**kw, **f["settings"]}))
+            e = estimate(M, **{**kw, **f["settings"]})
             assert e.device_total_bytes == f["device_total_bytes"] and fit_verdict(e.device_total_bytes, "L4")["fits"]
     ok = check_plan(M, "H200", **{**kw, "batch_size": 1})
     assert ok["fits"] and ok["fix"] is None and "Fits on H200" in verdict_text(ok)
@@ -120,15 +119,14 @@ def test_compare_methods_table_and_recommendation():
     ok = df[df["fits"]]
     assert len(ok) >= 3
     for _, r in ok.iterrows():
-        e = estimate("llama-3.1-8b", **for_estimate(dict(method=r["method"], seq_len=1024, dtype="bfloat16",
-                                                          gradient_checkpointing=True, batch_size=int(r["batch_size"]))))
+        e = estimate("llama-3.1-8b", method=r["method"], seq_len=1024, dtype="bfloat16", gradient_checkpointing=True,
+                     batch_size=int(r["batch_size"]))
         assert r["device_total_gib"] == pytest.approx(e.device_total_bytes / 2 ** 30)
         assert r["epoch_hours"] == pytest.approx(r["steps_per_epoch"] * r["step_seconds"] / 3600)
         assert r["epoch_cost"] == pytest.approx(r["epoch_hours"] * r["price_per_hour"])
         if r["batch_size"] < 64:  # the largest micro-batch that fits
-            e2 = estimate("llama-3.1-8b", **for_estimate(dict(method=r["method"], seq_len=1024, dtype="bfloat16",
-                                                               gradient_checkpointing=True,
-                                                               batch_size=int(r["batch_size"]) + 1)))
+            e2 = estimate("llama-3.1-8b", method=r["method"], seq_len=1024, dtype="bfloat16",
+                          gradient_checkpointing=True, batch_size=int(r["batch_size"]) + 1)
             assert not fit_verdict(e2.device_total_bytes, r["gpu"])["fits"]
     h = df[df["gpu"] == "H100-SXM"]
     assert (h["price_source"] == "yours").all() and (df[df["gpu"] == "L4"]["price_source"] == "example").all()
@@ -145,5 +143,45 @@ def test_compare_methods_table_and_recommendation():
         compare_methods(M, gpus=["L4"], prices={"L4": -1})
     with pytest.raises(ValueError, match="margin"):
         compare_methods(M, gpus=["L4"], margin=-0.5)
-    with pytest.raises(ValueError, match="methods"):
+    with pytest.raises(ValueError, match="method='dora' is not valid"):
         compare_methods(M, gpus=["L4"], methods=["dora"])
+
+
+@pytest.mark.parametrize("bad", [dict(method="dora"), dict(seq_len=0), dict(batch_size=-2), dict(optimizer="adam"),
+                                 dict(gradient_checkpointing="maybe"), dict(lora_targets=[])])
+def test_planner_oom_and_timing_refuse_bad_steps_with_the_one_validator(bad):
+    """No own positivity or choice checks: the planner, the OOM advice and the time model all answer
+    with check_step's message."""
+    from lora_kit.plan.gpus import get_gpu
+    from lora_kit.plan.timing import step_time
+    from lora_kit.run.oom import fit_suggestions
+    from lora_kit.settings import PLANNING_DEFAULTS, check_step
+    with pytest.raises(ValueError) as want:
+        check_step(bad)
+    calls = [lambda: fixes("L4", model=M, **bad), lambda: check_plan(M, "L4", **bad),
+             lambda: step_time(M, get_gpu("L4"), **bad),
+             lambda: fit_suggestions({"model": M, **PLANNING_DEFAULTS, **bad}, 10**9, cuda=True)]
+    if "method" in bad:
+        calls.append(lambda: compare_methods(M, gpus=["L4"], methods=[bad["method"]]))
+    for call in calls:
+        with pytest.raises(ValueError) as got:
+            call()
+        assert str(got.value) == str(want.value)
+
+
+def test_dataset_fit_suggestions_are_the_planner_ladder():
+    """The dataset check offers the rungs of planner.fixes, in its order, a seq_len cut as truncation + packing."""
+    from lora_kit.loading import load_tokenizer
+    from lora_kit.plan.dataset_fit import dataset_lengths
+    rows = [{"prompt": "x" * 60_000, "response": "y"}, {"prompt": "short", "response": "z"}]
+    st = dataset_lengths(rows, load_tokenizer("tiny"), model="llama-3.1-8b", gpu="T4", method="lora",
+                         gradient_checkpointing=False)
+    ladder = fixes("T4", model="llama-3.1-8b", method="lora", gradient_checkpointing=False, seq_len=st.max,
+                   batch_size=1)
+    assert st.longest_fits is False and ladder
+    rungs = [s["settings"] for s in st.suggestions]
+    assert [dict(t) for t in dict.fromkeys(tuple(r.items()) for r in rungs)] == [f["settings"] for f in ladder]
+    cut = [s for s in st.suggestions if "seq_len" in s["settings"]]
+    assert cut[0]["settings"] == cut[1]["settings"] and "truncate to seq_len=" in cut[0]["change"] \
+        and "pack/chunk into rows of" in cut[1]["change"] and "lose their tail" in cut[0]["effect"]
+    assert all(fit_verdict(s["device_total_bytes"], s["settings"].get("gpu", "T4"))["fits"] for s in st.suggestions)

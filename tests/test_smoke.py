@@ -109,9 +109,10 @@ def test_tokenizer_without_pad_token_is_handled(no_pad_model_dir, tmp_path):
 
 def test_full_fine_tuning_trains_every_parameter_and_skips_adapter_phases(random_llama_dir, tmp_path):
     rows = [{"prompt": f"Q{i}", "response": f"A{i}"} for i in range(8)]
+    lora_free = {k: v for k, v in FAST.items() if k not in ("lora_rank", "lora_alpha")}  # refused with method='full'
     r = smoke_run(model=str(random_llama_dir), method="full", run_dir=str(tmp_path), examples=rows, progress=False,
-                  simulate=False, measure_steps=2, **{**FAST, "max_steps": 2})
+                  simulate=False, measure_steps=2, **{**lora_free, "max_steps": 2})
     assert r.ok and r.record["model"]["trainable_parameters"] == r.record["model"]["parameters"]
     assert [r.record["phases"][p]["status"] for p in ("save", "reload", "verify", "generate")] == ["not applicable"] * 4
     n = r.record["model"]["parameters"]
-    assert r.record["peaks"]["breakdown_at_design_step"]["optimizer_state"] >= 2 * 4 * n  # AdamW: 2 fp32 moments
+    assert r.record["peaks"]["breakdown_at_design_step"]["optimizer_states"] >= 2 * 4 * n  # AdamW: 2 fp32 moments

@@ -1,14 +1,19 @@
 """Out of memory and crashes: the smoke run keeps what it measured and says where it stopped."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from lora_kit.run import adapter_io
-from lora_kit.run.oom import candidate_changes, fit_suggestions, is_oom
+from lora_kit.memory.estimate import estimate
+from lora_kit.plan.gpus import get_gpu
+from lora_kit.plan.planner import check_plan, fit_verdict, fixes
 from lora_kit.results import read_json
-from lora_kit.settings import Settings
-from lora_kit.run.smoke import smoke_run
+from lora_kit.run import adapter_io
+from lora_kit.run.oom import fit_suggestions, is_oom
+from lora_kit.run.smoke import smoke_run, summary
+from lora_kit.settings import Settings, step_kwargs
 
 ROWS = [{"prompt": f"Name {i}", "response": f"n{i}"} for i in range(30)]
 FAST = dict(max_steps=2, batch_size=4, seq_len=48, lora_rank=8, lora_alpha=16, max_new_tokens=2, cpu_threads=1)
@@ -31,12 +36,18 @@ def test_oom_in_training_is_recorded_with_ranked_fixes(random_llama_dir, tmp_pat
     assert oom["memory_at_failure"]["tracked_peak_bytes"] > 1_500_000  # the failing allocation is counted
     assert oom["memory_after_free"]["tracked_live_bytes"] < 1_500_000 // 4  # model, optimizer, activations freed
     assert "OutOfMemoryError" in rec["phases"]["train"]["error"]
-    ranked = oom["suggestions"]["ranked"]
-    savings = [x["estimated_saving_bytes"] for x in ranked]
-    assert savings == sorted(savings, reverse=True) and len(ranked) >= 5
-    assert {"gradient_checkpointing", "seq_len", "method", "optimizer", "lora_rank"} <= \
-        {k for x in ranked for k in x["settings"]}
-    assert all(isinstance(x["fits"], bool) for x in ranked)
+    # the advice is the planner's one ladder, on the emulated device (no CUDA context: its total is the peak)
+    sugg = oom["suggestions"]
+    device = {"name": sugg["device"], "capacity_bytes": 1_500_000, "cuda": False}
+    step = step_kwargs({**rec["settings"], "model": str(random_llama_dir)})
+    assert sugg["ranked"] == json.loads(json.dumps(fixes(device, 0.10, model=str(random_llama_dir), **step)))
+    assert sugg["ranked"] and not sugg["estimate_fits"] and sugg["usable_bytes"] == 0.9 * 1_500_000
+    usable = fit_verdict(0, device, 0.10)["usable_bytes"]
+    for fix in sugg["ranked"]:  # every rung fits by the one rule: the estimated peak within the usable bytes
+        assert estimate(str(random_llama_dir), **{**step, **fix["settings"]}).peak_allocated_bytes \
+            == fix["device_total_bytes"] <= usable
+    assert sugg["ranked"][0]["settings"] == {"batch_size": 1}  # quality first: same effective batch
+    assert "micro-batch 4 -> 1" in summary(rec)
 
 
 def test_oom_while_loading(random_llama_dir, tmp_path):
@@ -65,17 +76,16 @@ def test_is_oom_recognises_torch_and_allocator_errors():
     assert not is_oom(ValueError("bad seq_len"))
 
 
-def test_candidate_changes_only_offer_what_changes_something():
-    s = Settings(method="qlora", gradient_checkpointing=True, batch_size=1, optimizer="paged_adamw_8bit",
-                 lora_rank=4).to_dict()
-    assert [c[1] for c in candidate_changes(s, ["q_proj", "v_proj"])] == [{"seq_len": 32},
-                                                                          {"lora_targets": ["q_proj", "v_proj"]}]
-
-
-def test_fit_suggestions_combine_when_no_single_change_fits(random_llama_dir):
-    s = {**Settings(batch_size=16, seq_len=128).to_dict(), "model": str(random_llama_dir)}
-    tight = fit_suggestions(s, limit_bytes=1, target_names=["q_proj", "v_proj"])
-    assert not any(r["fits"] for r in tight["ranked"])
-    assert tight["combined"]["fits"] is False and tight["combined"]["changes"]
-    loose = fit_suggestions(s, limit_bytes=10**12)
-    assert all(r["fits"] for r in loose["ranked"]) and loose["combined"] is None
+def test_oom_advice_on_a_gpu_is_the_planner_ladder_for_that_gpu():
+    """After an OOM on a CUDA device of an L4's size the advice is exactly planner.fixes for the L4."""
+    s = Settings(model="llama-3.1-8b", method="lora", dtype="bfloat16", seq_len=4096, batch_size=8, margin=0.15)
+    advice = fit_suggestions(s, get_gpu("L4")["capacity_bytes"], cuda=True, name="L4")
+    ladder = fixes("L4", 0.15, model="llama-3.1-8b", **step_kwargs(s))
+    assert advice["ranked"] == ladder and len(ladder) >= 3 and advice["estimate_fits"] is False
+    assert advice["estimated_device_total_bytes"] == estimate("llama-3.1-8b", **step_kwargs(s)).device_total_bytes
+    assert check_plan("llama-3.1-8b", "L4", 0.15, **step_kwargs(s))["fix"] == ladder[0]
+    full = fit_suggestions(s.replace(method="full", lora_rank=16), get_gpu("L4")["capacity_bytes"], cuda=True,
+                           name="L4")
+    assert full["ranked"] == fixes("L4", 0.15, model="llama-3.1-8b", **step_kwargs(s, method="full"))
+    unknown = fit_suggestions(s, None)
+    assert unknown["ranked"] == [] and "no device size" in unknown["note"]

@@ -19,10 +19,14 @@ def _build_module():
     return mod
 
 
+# shipped beside the built data but written by hand, not by the build script (lora_kit.data: "generic:control")
+HAND_WRITTEN = {"generic_control.jsonl"}
+
+
 def _check_folder(model_dir: Path, data_dir: Path, info: dict) -> None:
     """Every file build_info lists exists with its size and sha256; no unlisted shipped files."""
     for folder, table in ((model_dir, info["model_files"]), (data_dir, info["data_files"])):
-        listed = set(table) | {"build_info.json", "MODEL_CARD.md"}
+        listed = set(table) | {"build_info.json", "MODEL_CARD.md"} | HAND_WRITTEN
         present = {p.name for p in folder.iterdir() if p.is_file()}
         assert present <= listed, f"unlisted files in {folder}: {present - listed}"
         for name, meta in table.items():

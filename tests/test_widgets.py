@@ -3,7 +3,6 @@ import pytest
 
 from lora_kit.memory.estimate import estimate
 from lora_kit.plan.gpus import known_gpus
-from lora_kit.plan.planner import for_estimate
 from lora_kit.settings import DTYPES, METHODS, OPTIMIZERS, SHARDINGS, Settings
 from lora_kit.memory.specs import valid_targets
 from lora_kit.ui.widgets import PARTS, PlannerPanel
@@ -36,7 +35,7 @@ def test_change_updates_verdict_figure_and_settings(panel):
     panel.seq_len.value = 512
     assert panel.verdict.value.count("Fits on L4") == 1 and "headroom" in panel.verdict.value
     s = panel.settings()
-    e = estimate(**for_estimate(panel.plan_kwargs()))
+    e = estimate(**panel.plan_kwargs())
     assert _bars_total(panel) == pytest.approx(e.peak_allocated_bytes / GIB)
     assert panel.figure.layout.shapes[0].y0 == pytest.approx(panel.last_plan["usable_bytes"] / GIB)
     panel.seq_len.value = 16384
@@ -45,7 +44,7 @@ def test_change_updates_verdict_figure_and_settings(panel):
     assert "GiB" in panel.verdict.value and "%" in panel.verdict.value
     s = panel.settings()
     assert (s.seq_len, s.batch_size, s.gpu, s.plan_model, s.model) == (16384, 8, "L4", "llama-3.2-1b", "tiny")
-    e = estimate(**for_estimate(panel.plan_kwargs()))
+    e = estimate(**panel.plan_kwargs())
     assert _bars_total(panel) == pytest.approx(e.peak_allocated_bytes / GIB)
     panel.gpu.value = "H200"
     panel.checkpointing.value = True

@@ -11,9 +11,11 @@ from __future__ import annotations
 import random
 import time
 
+from lora_kit import training
 from lora_kit.embedded.tasks import (BASE_TASKS, DATA_DIR, MONTHS, TINY_DIR, base_example,  # noqa: F401
                                      date_example, sha256_file)
 from lora_kit.prompting import encode_example
+from lora_kit.run.adapter_io import save_adapter
 
 # ----------------------------------------------------------------------------------------------
 # batching, training, evaluation
@@ -27,7 +29,8 @@ def collate(tokenizer, rows: list[dict], max_len: int = 64) -> dict:
 
 def train_adapter(model, tokenizer, examples: list[dict], steps: int, batch_size: int = 32,
                   lr: float = 2e-3, seed: int = 0, warmup: int = 20, log_every: int = 0) -> dict:
-    """Train the trainable parameters of ``model`` (e.g. a peft LoRA) with AdamW; plain loop.
+    """Train the trainable parameters of ``model`` (e.g. a peft LoRA) with AdamW: a plain loop of the
+    kit's one training step (:func:`lora_kit.training.train_step`, gradients clipped to norm 1).
 
     Batches are drawn by a seeded shuffle that cycles through ``examples``; the learning rate
     warms up linearly for ``warmup`` steps, then decays linearly to 10 %. Returns
@@ -62,13 +65,8 @@ def train_adapter(model, tokenizer, examples: list[dict], steps: int, batch_size
             order += fresh
         batch = collate(tokenizer, [examples[i] for i in order[:batch_size]])
         del order[:batch_size]
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        out = training.train_step(model, batch, opt, scheduler=sched, max_grad_norm=1.0)
+        losses.append(out.loss.item())
         if log_every and (step + 1) % log_every == 0:
             print(f"step {step + 1}/{steps} loss {losses[-1]:.4f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -111,7 +109,7 @@ def round_robin_by_task(rows: list[dict]) -> list[dict]:
 
 def story_run(method: str = "lora", steps: int = 300, batch_size: int = 32, lr: float = 3e-3,
               base_share: float = 0.0, seed: int = 0, test_examples: int = 200, control_examples: int = 320,
-              lora_rank: int = 16, model: str = "tiny") -> dict:
+              lora_rank: int = 16, model: str = "tiny", adapter_dir: str | None = None) -> dict:
     """The embedded default's story, measured: base vs LoRA/QLoRA adapter on the dates task.
 
     Loads the base (``method`` "lora": fp32; "qlora": NF4 via bitsandbytes, CPU repack fix applied),
@@ -120,6 +118,7 @@ def story_run(method: str = "lora", steps: int = 300, batch_size: int = 32, lr: 
     all-linear adapter for ``steps`` steps on dates_train (plus ``base_share`` of base_mix rows,
     see ``lora_kit.data.mix_examples``), and measures both again. Returns accuracies before/after,
     per-task control accuracy, losses and wall/CPU seconds of training. Seeds are set before the adapter is created.
+    With ``adapter_dir``, the trained adapter is saved there (the kit's atomic save) and its path returned as "adapter_dir".
     """
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -145,6 +144,8 @@ def story_run(method: str = "lora", steps: int = 300, batch_size: int = 32, lr: 
     fix_bnb_cpu_repack(model_)
     trained = train_adapter(model_, tok, train, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
     after = {"dates": exact_match(model_, tok, test), "control": exact_match(model_, tok, control)}
+    if adapter_dir is not None:
+        save_adapter(model_, adapter_dir)
 
     def summary(r):
         return {"exact_match": r["exact_match"], "per_task": r["per_task"], "n": r["n"]}
@@ -154,4 +155,5 @@ def story_run(method: str = "lora", steps: int = 300, batch_size: int = 32, lr: 
             "dates_before": before["dates"]["exact_match"], "dates_after": after["dates"]["exact_match"],
             "control_before": summary(before["control"]), "control_after": summary(after["control"]),
             "dates_predictions_after": after["dates"]["predictions"][:5],
-            "losses": trained["losses"], "train_wall_s": trained["wall_s"], "train_cpu_s": trained["cpu_s"]}
+            "losses": trained["losses"], "train_wall_s": trained["wall_s"], "train_cpu_s": trained["cpu_s"],
+            "adapter_dir": None if adapter_dir is None else str(adapter_dir)}

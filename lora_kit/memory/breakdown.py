@@ -69,3 +69,13 @@ def to_breakdown(raw: dict) -> dict:
     out = {k: int(raw.get(k, 0)) for k in BREAKDOWN_KEYS}
     out["activations"] += int(raw.get("other", 0))
     return out
+
+
+def tracked_peak(tracker: LiveBytesTracker) -> tuple[int, dict]:
+    """The tracker's peak and its breakdown in :data:`BREAKDOWN_KEYS` (the breakdown sums to the peak).
+
+    Paged optimizer states (labelled by ``label_training_state(..., paged=True)``) live in CUDA
+    managed memory, which ``max_memory_allocated`` does not count: they are left out of both."""
+    raw = tracker.peak_breakdown()
+    paged_bytes = raw.pop("paged_optimizer_states", 0)
+    return int(tracker.peak_bytes - paged_bytes), to_breakdown(raw)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from lora_kit.loading import DTYPE_MAP, load_model
-from lora_kit.memory.breakdown import label_training_state, to_breakdown
+from lora_kit.memory.breakdown import label_training_state, tracked_peak
 from lora_kit.memory.specs import check_model_step, load_config
 from lora_kit.memory.tracker import LiveBytesTracker
 from lora_kit.training import attach_adapter, autocast_context, optimizer_for, train_step
@@ -77,10 +77,8 @@ def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, aut
         losses.append(float(train_step(model, batch, optimizer, tracker=tracker, autocast_ctx=autocast_ctx,
                                        on_grads=lambda: label_training_state(tracker, model)).loss))
     wall = time.perf_counter() - t0
-    raw = tracker.peak_breakdown()
-    paged_bytes = raw.pop("paged_optimizer_states", 0)
-    return MeasureResult(tracker.peak_bytes - paged_bytes, None, to_breakdown(raw), tracker.peak_phase,
-                         str(device), wall, losses)
+    peak, breakdown = tracked_peak(tracker)
+    return MeasureResult(peak, None, breakdown, tracker.peak_phase, str(device), wall, losses)
 
 
 def measure_config(model, method: str = "lora", dtype: str = "bfloat16", autocast: bool = False,

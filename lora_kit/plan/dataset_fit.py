@@ -18,8 +18,11 @@ fast tokenizer); pass ``limit`` to look at the first examples only (then the max
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import numpy as np
 
+from lora_kit.memory.estimate import estimate
+from lora_kit.plan.planner import fit_verdict, fixes
 from lora_kit.data import is_conversational, load_examples, to_examples
 from lora_kit.prompting import PromptFormat, resolve_prompt_format
 
@@ -40,7 +43,7 @@ class DatasetLengths:
     padding_fraction: float | None = None  # share of a padded seq_len batch that is padding
     longest_fits: bool | None = None  # longest example at micro-batch 1 on the GPU (None: not checked)
     warnings: list = field(default_factory=list)
-    suggestions: list = field(default_factory=list)  # [{"change", "effect", "fits"}]
+    suggestions: list = field(default_factory=list)  # [{"change", "effect", "fits", "settings", "device_total_bytes"}]
 
     def summary(self) -> str:
         lines = [f"{self.n_examples} examples; tokens p50 {self.p50:.0f}, p95 {self.p95:.0f}, "
@@ -81,11 +84,11 @@ def token_lengths(rows: list[dict], tokenizer, fmt: PromptFormat | None = None) 
 
 def dataset_lengths(examples_or_source, tokenizer, seq_len: int | None = None, *, prompt_field: str = "prompt",
                     response_field: str = "response", split=None, limit: int | None = None, top_k: int = 5,
+                    data_format: str = "auto", messages_field: str = "messages", prompt_format: str = "auto",
                     model=None, gpu: str | None = None, margin: float = 0.10, **estimate_kwargs) -> DatasetLengths:
     """Token-length statistics, the ``top_k`` longest examples, and (with ``model`` and ``gpu``) whether
     the longest example fits at micro-batch 1, with the estimated effect of truncation, checkpointing
     and packing. ``estimate_kwargs`` are the other ``lora_kit.memory.estimate`` arguments (method, dtype...).
-                    data_format: str = "auto", messages_field: str = "messages", prompt_format: str = "auto",
     ``tokenizer`` is a tokenizer object or anything :func:`lora_kit.loading.load_tokenizer` accepts.
     """
     if isinstance(tokenizer, str):
@@ -117,9 +120,10 @@ def dataset_lengths(examples_or_source, tokenizer, seq_len: int | None = None, *
 
 
 def _check_longest(out: DatasetLengths, model, gpu: str, margin: float, kw: dict) -> None:
-    from lora_kit.memory.estimate import estimate
-    from lora_kit.plan.planner import fit_verdict, for_estimate, max_fit
-    kw = for_estimate({k: v for k, v in kw.items() if k not in ("seq_len", "batch_size")})
+    """Does the longest example fit at micro-batch 1 (the planner's one fit rule)? If not, the
+    planner's one fix ladder (:func:`lora_kit.plan.planner.fixes`) in this dataset's terms: a shorter
+    ``seq_len`` becomes truncation (how many examples lose their tail) and, beside it, packing."""
+    kw = {k: v for k, v in kw.items() if k not in ("seq_len", "batch_size")}
     need = out.max if out.seq_len is None else min(out.max, out.seq_len)
     est = estimate(model, seq_len=need, batch_size=1, **kw)
     v = fit_verdict(est.device_total_bytes, gpu, margin)
@@ -131,23 +135,30 @@ def _check_longest(out: DatasetLengths, model, gpu: str, margin: float, kw: dict
         f"the longest example ({need} tokens) does not fit on {v['gpu']} even at micro-batch 1: it needs "
         f"{est.device_total_bytes / gib:.1f} GiB of {v['usable_bytes'] / gib:.1f} GiB usable ({margin:.0%} margin). "
         "Gradient accumulation cannot help: it splits a batch into micro-batches but never splits an example.")
-    fit_len = max_fit("seq_len", model=model, gpu=gpu, margin=margin, batch_size=1, **kw)
-    if fit_len > 0:
-        cut = int((out.lengths > fit_len).sum())
-        e = estimate(model, seq_len=fit_len, batch_size=1, **kw)
-        out.suggestions.append({"change": f"truncate to seq_len={fit_len}", "fits": True, "effect": (
-            f"{e.device_total_bytes / gib:.1f} GiB at micro-batch 1; {cut} example(s) "
-            f"({cut / out.n_examples:.1%}) lose their tail")})
-        out.suggestions.append({"change": f"pack/chunk into rows of {fit_len} tokens", "fits": True, "effect": (
-            f"same memory as truncation ({e.device_total_bytes / gib:.1f} GiB) with no padding and no token "
-            f"dropped; the {cut} longer example(s) are split and lose attention across the split")})
-    else:
-        out.suggestions.append({"change": "truncate", "fits": False, "effect": (
-            "even 1 token does not fit: the weights/optimizer alone exceed the GPU; use QLoRA, sharding "
-            "or a bigger GPU first")})
-    if not kw.get("gradient_checkpointing", False):
-        e = estimate(model, seq_len=need, batch_size=1, **{**kw, "gradient_checkpointing": True})
-        ok = fit_verdict(e.device_total_bytes, gpu, margin)["fits"]
-        out.suggestions.append({"change": "gradient_checkpointing=True", "fits": ok, "effect": (
-            f"{e.device_total_bytes / gib:.1f} GiB for the longest example at micro-batch 1 "
-            f"({'fits' if ok else 'still does not fit'}); ~30 % more compute per step")})
+    ladder = fixes(gpu, margin, model=model, seq_len=need, batch_size=1, **kw)
+    for f in ladder:
+        out.suggestions += _in_dataset_terms(f, out)
+    if not ladder:
+        out.suggestions.append({"change": "no change in the fix ladder", "fits": False, "settings": {},
+                                "device_total_bytes": None, "effect": (
+                                    "not even 1 token fits with any single change or bigger catalog GPU: shard "
+                                    "across GPUs (sharding, num_gpus) or offload to CPU")})
+
+
+def _in_dataset_terms(fix: dict, out: DatasetLengths) -> list[dict]:
+    """One rung of the planner's ladder as dataset suggestions (a seq_len cut: truncation, then packing)."""
+    gib = 2 ** 30
+    row = {"settings": fix["settings"], "device_total_bytes": fix["device_total_bytes"], "fits": True,
+           "change": fix["change"], "effect": f"{fix['device_total_bytes'] / gib:.1f} GiB at micro-batch 1; {fix['why']}"}
+    if "seq_len" not in fix["settings"]:
+        return [row]
+    n = fix["settings"]["seq_len"]
+    cut = int((out.lengths > n).sum())
+    parts = fix["change"].split(" + ")  # one part per changed setting, in the order of fix["settings"]
+    at = list(fix["settings"]).index("seq_len")
+    truncate = {**row, "change": " + ".join(parts[:at] + [f"truncate to seq_len={n}"] + parts[at + 1:]),
+                "effect": f"{row['effect']}; {cut} example(s) ({cut / out.n_examples:.1%}) lose their tail"}
+    pack = {**row, "change": " + ".join(parts[:at] + [f"pack/chunk into rows of {n} tokens"] + parts[at + 1:]),
+            "effect": (f"same memory as truncation ({fix['device_total_bytes'] / gib:.1f} GiB) with no padding and "
+                       f"no token dropped; the {cut} longer example(s) are split and lose attention across the split")}
+    return [truncate, pack]

@@ -18,44 +18,29 @@ their memory unless the states are sharded (``sharding``), so every number here 
 
 "Fits" means ``device_total_bytes <= (1 - margin) * capacity_bytes`` of the GPU (see
 :mod:`lora_kit.plan.gpus` for capacity); headroom is ``usable - device_total`` (negative: short by).
+That is the kit's one fit rule (:func:`fit_verdict`), and :func:`fixes` its one ranked fix ladder:
+the OOM advice after a failed smoke run (``lora_kit.run.oom.fit_suggestions``) and the dataset
+check (``lora_kit.plan.dataset_fit``) call them. A "GPU" is a catalog name or any device described
+by its capacity (:func:`device_of`), e.g. the CUDA device a smoke run ran on, or the smaller device
+a CPU smoke run emulates. Step arguments are checked only by ``lora_kit.settings.check_step``.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import itertools
 import math
 
 import numpy as np
 import pandas as pd
 
-from lora_kit.settings import LORA_FIELDS, METHODS, check_step
+from lora_kit.plan.gpus import get_gpu, gpu_table
+from lora_kit.settings import LORA_FIELDS, METHODS, PLANNING_DEFAULTS, STEP_FIELDS, check_step, step_kwargs
 
 GIB = 2 ** 30
 ARRAY_ARGS = ("seq_len", "batch_size", "lora_rank", "num_gpus")
 CATEGORICAL_ARGS = ("method", "dtype", "autocast", "double_quant", "lora_targets", "gradient_checkpointing",
                     "attn_implementation", "optimizer", "sharding", "cpu_offload")
 PASSTHROUGH_ARGS = ("lora_alpha", "grad_accum")  # accepted by estimate, no effect on memory
-BREAKDOWN_KEYS = ("weights", "quant_constants", "adapters", "gradients", "optimizer_states", "activations")
 FIT_PARAMS = {"seq_len": 1 << 20, "batch_size": 1 << 14, "lora_rank": 1 << 14}  # searchable -> default upper bound
-
-
-def _estimate_defaults() -> dict:
-    return dict(_defaults())
-
-
-@functools.lru_cache(maxsize=1)
-def _defaults() -> dict:
-    from lora_kit.memory.estimate import estimate
-    return {k: p.default for k, p in inspect.signature(estimate).parameters.items()
-            if p.default is not inspect.Parameter.empty}
-
-
-def for_estimate(kwargs: dict) -> dict:
-    """``kwargs`` ready for ``estimate``: LoRA-only arguments dropped when method="full" (estimate refuses them)."""
-    if kwargs.get("method") == "full":
-        return {k: v for k, v in kwargs.items() if k not in ("lora_rank", "lora_alpha", "lora_targets")}
-    return dict(kwargs)
 
 
 def check_margin(margin) -> float:
@@ -64,11 +49,27 @@ def check_margin(margin) -> float:
     return float(margin)
 
 
-def fit_verdict(device_total_bytes, gpu: str, margin: float = 0.10) -> dict:
-    """Does ``device_total_bytes`` (int or array) fit ``gpu`` with ``margin``? Headroom in bytes and %."""
-    from lora_kit.plan.gpus import get_gpu
+def device_of(gpu) -> dict:
+    """The device a plan must fit: a catalog GPU name (:func:`lora_kit.plan.gpus.get_gpu`), or a dict
+    ``{"name", "capacity_bytes"}`` for any other device. ``"cuda": False`` in the dict marks a device
+    with no CUDA context and no caching allocator (the CPU device a smoke run emulates with
+    ``memory_limit_bytes``): its "device total" is the peak allocated bytes. Returns ``name``,
+    ``capacity_bytes`` and ``total`` (the estimate field that is this device's total)."""
+    if isinstance(gpu, dict):
+        cap = gpu.get("capacity_bytes")
+        if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap <= 0:
+            raise ValueError(f"a device needs capacity_bytes, a positive number of bytes; got {cap!r}.")
+        return {"name": str(gpu.get("name", "device")), "capacity_bytes": int(cap),
+                "total": "device_total_bytes" if gpu.get("cuda", True) else "peak_allocated_bytes"}
     g = get_gpu(gpu)
-    cap = int(g["capacity_bytes"])
+    return {"name": g["name"], "capacity_bytes": int(g["capacity_bytes"]), "total": "device_total_bytes"}
+
+
+def fit_verdict(device_total_bytes, gpu, margin: float = 0.10) -> dict:
+    """Does ``device_total_bytes`` (int or array) fit ``gpu`` (see :func:`device_of`) with ``margin``?
+    Headroom in bytes and %. The kit's one fit rule."""
+    g = device_of(gpu)
+    cap = g["capacity_bytes"]
     usable = cap * (1 - check_margin(margin))
     head = usable - np.asarray(device_total_bytes)
     fits = head >= 0
@@ -107,7 +108,7 @@ def sweep(model, gpu=None, margin: float = 0.10, **grid) -> pd.DataFrame:
     """
     from lora_kit.memory.estimate import estimate_arrays
     from lora_kit.memory.specs import model_spec
-    defaults = _estimate_defaults()
+    defaults = PLANNING_DEFAULTS
     valid = set(ARRAY_ARGS) | set(CATEGORICAL_ARGS) | set(PASSTHROUGH_ARGS)
     unknown = sorted(set(grid) - valid)
     if unknown:
@@ -165,23 +166,24 @@ def _codes_column(values: list, idx: np.ndarray):
     return pd.Categorical.from_codes(codes, categories=pd.Index(cats, dtype=object, tupleize_cols=False))
 
 
-def _device_totals(model, param: str, values: np.ndarray, kwargs: dict) -> np.ndarray:
+def _device_totals(model, param: str, values: np.ndarray, kwargs: dict,
+                   total: str = "device_total_bytes") -> np.ndarray:
     from lora_kit.memory.estimate import estimate_arrays
     from lora_kit.memory.specs import model_spec
-    defaults = _estimate_defaults()
+    defaults = PLANNING_DEFAULTS
     cats = {k: kwargs.get(k, defaults.get(k)) for k in CATEGORICAL_ARGS}
     arrays = {k: np.asarray(kwargs.get(k, defaults.get(k)), dtype=np.int64) for k in ARRAY_ARGS}
     arrays[param] = values.astype(np.int64)
-    return np.asarray(estimate_arrays(model_spec(model), **cats, **arrays)["device_total_bytes"])
+    return np.asarray(estimate_arrays(model_spec(model), **cats, **arrays)[total])
 
 
-def _device_total(model, kwargs: dict) -> int:
-    """``estimate(model, **kwargs).device_total_bytes`` through the vectorized core (same number, less overhead)."""
-    return int(_device_totals(model, "seq_len", np.asarray([kwargs.get("seq_len", _estimate_defaults()["seq_len"])]),
-                              kwargs)[0])
+def _device_total(model, kwargs: dict, total: str = "device_total_bytes") -> int:
+    """``estimate(model, **kwargs).<total>`` through the vectorized core (same number, less overhead)."""
+    return int(_device_totals(model, "seq_len", np.asarray([kwargs.get("seq_len", PLANNING_DEFAULTS["seq_len"])]),
+                              kwargs, total)[0])
 
 
-def max_fit(param: str, model, gpu: str, margin: float = 0.10, low: int = 1, high: int | None = None,
+def max_fit(param: str, model, gpu, margin: float = 0.10, low: int = 1, high: int | None = None,
             multiple_of: int = 1, verify: bool = True, **kwargs) -> int:
     """The largest ``param`` ("seq_len", "batch_size" or "lora_rank") that fits ``gpu``; 0 if ``low`` does not.
 
@@ -199,7 +201,7 @@ def max_fit(param: str, model, gpu: str, margin: float = 0.10, low: int = 1, hig
         raise ValueError("max_fit('lora_rank') needs method='lora' or 'qlora'.")
     if multiple_of < 1 or low < 1:
         raise ValueError("max_fit: low and multiple_of must be >= 1.")
-    usable = fit_verdict(0, gpu, margin)["usable_bytes"]
+    usable, total = fit_verdict(0, gpu, margin)["usable_bytes"], device_of(gpu)["total"]
     if high is None:
         high = FIT_PARAMS[param]
         if param == "lora_rank":  # estimate refuses a rank above the smallest adapted layer width
@@ -208,7 +210,7 @@ def max_fit(param: str, model, gpu: str, margin: float = 0.10, low: int = 1, hig
     lo_k, hi_k = -(-low // multiple_of), high // multiple_of
 
     def fits(ks: np.ndarray) -> np.ndarray:
-        return _device_totals(model, param, ks * multiple_of, kwargs) <= usable
+        return _device_totals(model, param, ks * multiple_of, kwargs, total) <= usable
 
     if lo_k > hi_k or not fits(np.array([lo_k]))[0]:
         return 0
@@ -228,12 +230,11 @@ def max_fit(param: str, model, gpu: str, margin: float = 0.10, low: int = 1, hig
     value = lo * multiple_of
     if not verify:
         return int(value)
-    full = for_estimate(kwargs)
     # the boundary, checked with the scalar estimator (the one users call)
-    while value > 0 and estimate(model, **{**full, param: value}).device_total_bytes > usable:
+    while value > 0 and getattr(estimate(model, **{**kwargs, param: value}), total) > usable:
         value -= multiple_of
     while value + multiple_of <= high and \
-            estimate(model, **{**full, param: value + multiple_of}).device_total_bytes <= usable:
+            getattr(estimate(model, **{**kwargs, param: value + multiple_of}), total) <= usable:
         value += multiple_of
     return int(value)
 
@@ -249,8 +250,9 @@ WHY = {
 }
 
 
-def fixes(gpu: str, margin: float = 0.10, model=None, first_only: bool = False, **kwargs) -> list[dict]:
-    """Changes that make a plan fit ``gpu``, cheapest first; [] when it already fits.
+def fixes(gpu, margin: float = 0.10, model=None, first_only: bool = False, **kwargs) -> list[dict]:
+    """Changes that make a plan fit ``gpu`` (a catalog name or a device, see :func:`device_of`),
+    cheapest first; [] when it already fits. The kit's one ranked fix ladder.
 
     Cheapest means the least loss of result quality, then of speed, then of money:
 
@@ -261,15 +263,19 @@ def fixes(gpu: str, margin: float = 0.10, model=None, first_only: bool = False, 
        with the largest micro-batch that then fits;
     3. changes that cost quality: a lower LoRA rank, a shorter ``seq_len`` (alone, then on top of
        the whole ladder);
-    4. the smallest bigger GPU in the catalog that fits the plan unchanged.
+    4. the smallest bigger GPU in the catalog that fits the plan unchanged (CUDA devices only).
 
-    Each dict: ``change`` (text), ``settings`` (the changed arguments), ``device_total_bytes``, ``why``.
+    ``kwargs`` are step settings (``lora_kit.settings.STEP_FIELDS``, checked by ``check_step``;
+    missing ones are ``PLANNING_DEFAULTS``). Each dict: ``change`` (text), ``settings`` (the changed
+    arguments), ``device_total_bytes`` (the device's total: the peak on a non-CUDA device), ``why``.
     """
-    from lora_kit.plan.gpus import gpu_table
-    defaults = _estimate_defaults()
-    kw = {k: kwargs.get(k, defaults.get(k)) for k in (*ARRAY_ARGS, *CATEGORICAL_ARGS) if k in kwargs or k in defaults}
-    usable = fit_verdict(0, gpu, margin)["usable_bytes"]
-    total = _device_total(model, kw)
+    unknown = sorted(set(kwargs) - set(STEP_FIELDS))
+    if unknown:
+        raise ValueError(f"fixes: unknown argument(s) {unknown}; step settings are {', '.join(STEP_FIELDS)}.")
+    kw = check_step(kwargs)
+    dev = device_of(gpu)
+    usable, key = fit_verdict(0, gpu, margin)["usable_bytes"], dev["total"]
+    total = _device_total(model, kw, key)
     if total <= usable:
         return []
     out: list[dict] = []
@@ -289,7 +295,7 @@ def fixes(gpu: str, margin: float = 0.10, model=None, first_only: bool = False, 
         return " + ".join(parts)
 
     def fits(ch: dict) -> bool:
-        return _device_total(model, {**kw, **ch}) <= usable
+        return _device_total(model, {**kw, **ch}, key) <= usable
 
     def attempt(ch: dict, shrink: str | None = None) -> None:
         """Add ``ch`` if it fits; else, with ``shrink``, the largest smaller value of that setting that fits.
@@ -309,7 +315,7 @@ def fixes(gpu: str, margin: float = 0.10, model=None, first_only: bool = False, 
             rest = {j: x for j, x in ch.items() if j != k}
             if fits(rest):
                 ch = rest
-        out.append({"change": describe(ch), "settings": ch, "device_total_bytes": _device_total(model, {**kw, **ch}),
+        out.append({"change": describe(ch), "settings": ch, "device_total_bytes": _device_total(model, {**kw, **ch}, key),
                     "why": "; ".join(WHY[k] for k in ch)})
 
     free = []  # quality-free steps in ladder order
@@ -331,12 +337,12 @@ def fixes(gpu: str, margin: float = 0.10, model=None, first_only: bool = False, 
     attempt({}, shrink="seq_len")
     if ladder:
         attempt(dict(ladder), shrink="seq_len")
-    if not done():
+    if not done() and key == "device_total_bytes":
         table = gpu_table().sort_values("capacity_bytes")
         ok = table[table["capacity_bytes"] * (1 - margin) >= total]
         if len(ok):
             g = ok.iloc[0]
-            out.append({"change": f"GPU {gpu} -> {g['name']} ({g['capacity_gib']:.0f} GiB)",
+            out.append({"change": f"GPU {dev['name']} -> {g['name']} ({g['capacity_gib']:.0f} GiB)",
                         "settings": {"gpu": g["name"]}, "device_total_bytes": int(total), "why": WHY["gpu"]})
     return out[:1] if first_only else out
 
@@ -344,7 +350,7 @@ def fixes(gpu: str, margin: float = 0.10, model=None, first_only: bool = False, 
 def check_plan(model, gpu: str, margin: float = 0.10, **kwargs) -> dict:
     """One plan: its estimate, the fit verdict on ``gpu`` and, when it does not fit, the cheapest fix."""
     from lora_kit.memory.estimate import estimate
-    est = estimate(model, **for_estimate(kwargs))
+    est = estimate(model, **kwargs)
     v = fit_verdict(est.device_total_bytes, gpu, margin)
     fits = bool(v["fits"])
     fix = None if fits else next(iter(fixes(gpu, margin, model=model, first_only=True, **kwargs)), None)
@@ -381,7 +387,7 @@ def compare_methods(model, gpus=None, seq_len: int = 2048, batch_size="max", num
     The plain-language recommendation is in ``df.attrs["recommendation"]`` (and :func:`recommend`).
     """
     from lora_kit.memory.estimate import estimate
-    from lora_kit.plan.gpus import get_gpu, resolve_prices
+    from lora_kit.plan.gpus import resolve_prices
     from lora_kit.settings import Settings
     from lora_kit.plan.timing import TimeModel, step_time
     check_margin(margin)
@@ -390,9 +396,11 @@ def compare_methods(model, gpus=None, seq_len: int = 2048, batch_size="max", num
         raise ValueError(f"num_examples must be a positive integer, got {num_examples!r}.")
     if dataset_tokens is not None and dataset_tokens <= 0:
         raise ValueError(f"dataset_tokens must be positive, got {dataset_tokens!r}.")
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise ValueError(f"methods {bad} unknown; choose from {list(METHODS)}.")
+    unknown = sorted(set(estimate_kwargs) - set(STEP_FIELDS))
+    if unknown:
+        raise ValueError(f"compare_methods: unknown argument(s) {unknown}; step settings are {', '.join(STEP_FIELDS)}.")
+    for m in methods:  # each method's step, checked by the one validator (LoRA fields dropped for "full")
+        check_step(step_kwargs({**estimate_kwargs, "seq_len": seq_len}, method=m))
     price = resolve_prices(gpus, prices)
     user_priced = {get_gpu(k)["name"] for k in (prices or {})}
     num_gpus = int(estimate_kwargs.get("num_gpus", 1))
@@ -400,13 +408,13 @@ def compare_methods(model, gpus=None, seq_len: int = 2048, batch_size="max", num
     for method in methods:
         for g in gpus:
             gname = get_gpu(g)["name"]
-            kw = {**estimate_kwargs, "method": method, "seq_len": seq_len}
+            kw = step_kwargs({**estimate_kwargs, "seq_len": seq_len}, method=method)
             if batch_size == "max":
                 b = max_fit("batch_size", model=model, gpu=gname, margin=margin, high=max_batch,
                             **{k: v for k, v in kw.items() if k != "batch_size"})
             else:
                 b = int(batch_size)
-            e = estimate(model, **for_estimate({**kw, "batch_size": max(b, 1)}))
+            e = estimate(model, **{**kw, "batch_size": max(b, 1)})
             v = fit_verdict(e.device_total_bytes, gname, margin)
             row = {"method": method, "gpu": gname, "fits": bool(v["fits"]) and b > 0, "batch_size": max(b, 1),
                    "peak_gib": e.peak_allocated_bytes / GIB, "device_total_gib": e.device_total_bytes / GIB,

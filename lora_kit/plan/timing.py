@@ -56,6 +56,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from lora_kit.memory.specs import check_targets, model_spec
+from lora_kit.settings import check_step
+
 DEQUANT_BYTES_PER_WEIGHT = 2.5  # NF4 read (0.5 B) + compute-dtype write (2 B)
 OPTIMIZER_BYTES = {"adamw": 16, "paged_adamw_32bit": 16, "adamw_8bit": 10, "paged_adamw_8bit": 10,
                    "sgd": 8, "adafactor": 12}  # bytes moved per trainable parameter in optimizer.step()
@@ -86,15 +89,10 @@ class TimeModel:
         return asdict(self)
 
 
-def _targets(spec, lora_targets) -> list:
-    if lora_targets == "all-linear":
-        return list(spec.linears)
-    names = [lora_targets] if isinstance(lora_targets, str) else list(lora_targets)
-    known = {lin.name for lin in spec.linears}
-    unknown = sorted(set(names) - known)
-    if unknown:
-        raise ValueError(f"lora_targets {unknown} are not linears of this model; choose from {sorted(known)} "
-                         "or 'all-linear'.")
+def _targets(spec, lora_targets, lora_rank: int = 1) -> list:
+    """The adapted linears, checked by the one validator and the one model check (as ``estimate`` does)."""
+    s = check_step({"lora_targets": lora_targets, "lora_rank": lora_rank})
+    names = check_targets(spec, "lora", s["lora_rank"], s["lora_targets"], "eager")  # attention is not checked here
     return [lin for lin in spec.linears if lin.name in names]
 
 
@@ -102,10 +100,9 @@ def flops_per_step(spec, method: str = "lora", seq_len: int = 2048, batch_size: 
                    lora_targets="all-linear", gradient_checkpointing: bool = False,
                    attn_implementation: str = "sdpa") -> dict:
     """FLOPs of one step on one GPU, by part (see the module docstring for each formula)."""
-    from lora_kit.memory.specs import model_spec
     spec = model_spec(spec)
-    if method not in ("full", "lora", "qlora"):
-        raise ValueError(f"method={method!r}; choose 'full', 'lora' or 'qlora'.")
+    check_step({"method": method, "seq_len": seq_len, "batch_size": batch_size,
+                "gradient_checkpointing": gradient_checkpointing, "attn_implementation": attn_implementation})
     T = batch_size * seq_len
     p_lin = sum(lin.in_features * lin.out_features for lin in spec.linears) * spec.num_layers
     p_head = spec.vocab_size * spec.hidden_size
@@ -118,7 +115,7 @@ def flops_per_step(spec, method: str = "lora", seq_len: int = 2048, batch_size: 
         bwd = 2 * (fwd_blocks + fwd_head)
         recompute_adapters = 0.0
     else:
-        ad = sum(lora_rank * (lin.in_features + lin.out_features) for lin in _targets(spec, lora_targets))
+        ad = sum(lora_rank * (lin.in_features + lin.out_features) for lin in _targets(spec, lora_targets, lora_rank))
         adapters = 6.0 * T * ad * spec.num_layers
         recompute_adapters = 2.0 * T * ad * spec.num_layers
         bwd = 2.0 * T * (p_lin + p_head) + 2 * attn
@@ -131,11 +128,11 @@ def flops_per_step(spec, method: str = "lora", seq_len: int = 2048, batch_size: 
 
 
 def trainable_params(spec, method: str, lora_rank: int, lora_targets) -> int:
-    from lora_kit.memory.specs import model_spec
     spec = model_spec(spec)
     if method == "full":
         return spec.num_params
-    return sum(lora_rank * (lin.in_features + lin.out_features) for lin in _targets(spec, lora_targets)) * spec.num_layers
+    return sum(lora_rank * (lin.in_features + lin.out_features)
+               for lin in _targets(spec, lora_targets, lora_rank)) * spec.num_layers
 
 
 def peak_flops(gpu: dict, dtype: str = "bfloat16", autocast: bool = False) -> float:
@@ -160,6 +157,7 @@ def step_time(spec, gpu: dict, method: str = "lora", dtype: str = "bfloat16", au
     arguments (``lora_alpha``, ``sharding``...) are accepted and do not change the time.
     """
     tm = time_model or TimeModel()
+    check_step({"dtype": dtype, "autocast": autocast, "optimizer": optimizer, "num_gpus": num_gpus})
     f = flops_per_step(spec, method, seq_len, batch_size, lora_rank, lora_targets, gradient_checkpointing,
                        attn_implementation)
     compute_s = f["total"] / (peak_flops(gpu, dtype, autocast) * tm.mfu)
@@ -173,7 +171,6 @@ def step_time(spec, gpu: dict, method: str = "lora", dtype: str = "bfloat16", au
 
 
 def _memory_bound_seconds(spec, method, lora_rank, lora_targets, gradient_checkpointing, optimizer, bw) -> dict:
-    from lora_kit.memory.specs import model_spec
     spec = model_spec(spec)
     dequant = 0.0
     if method == "qlora":

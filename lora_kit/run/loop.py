@@ -1,9 +1,11 @@
 """The smoke run's training loop: plain PyTorch, instrumented cheaply.
 
 Why our own loop and not ``transformers.Trainer``: the step must be exactly the one
-``estimate`` / ``simulate`` predict (forward with labels, ``loss.backward()``, ``optimizer.step()``,
-``optimizer.zero_grad(set_to_none=True)``), an out-of-memory error must say in which phase it
-happened (forward, backward, optimizer), and the peak must be measured per step. Trainer hides
+``estimate`` / ``simulate`` predict -- it *is* the kit's one training step,
+:func:`lora_kit.training.train_step`, which ``measure`` and ``simulate`` run too -- an
+out-of-memory error must say in which phase it happened (forward, backward, optimizer), and the
+peak must be measured per step, broken down in the estimate's parts
+(:data:`lora_kit.memory.breakdown.BREAKDOWN_KEYS`, labelled by ``label_training_state``). Trainer hides
 those boundaries behind callbacks. The operations are the same ones Trainer runs (same peft model,
 same optimizer classes, same checkpointing flags), so what runs here runs under Trainer.
 
@@ -18,9 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
+
+from lora_kit import training
+from lora_kit.memory.breakdown import label_training_state, tracked_peak
 
 
 def rss_bytes() -> int | None:
@@ -32,55 +38,66 @@ def rss_bytes() -> int | None:
         return None
 
 
+class MicroBatches(Sequence):
+    """The ``n`` micro-batches of optimizer step ``step``, built one at a time as the step reaches
+    them (``micro_batches(step, k)``), so only one is live, as in a data loader."""
+
+    def __init__(self, micro_batches, step: int, n: int):
+        self.micro_batches, self.step, self.n = micro_batches, step, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, k: int) -> dict:
+        if not 0 <= k < self.n:
+            raise IndexError(k)
+        return self.micro_batches(self.step, k)
+
+    def __iter__(self):  # keeps no reference to a micro-batch it handed out (Sequence's default does)
+        return (self.micro_batches(self.step, k) for k in range(self.n))
+
+
 def train_steps(model, optimizer, micro_batches, max_steps: int, grad_accum: int, tracker=None,
                 measure_steps: int = 3, tracker_always_on: bool = False, progress: bool = True,
-                on_step=None, label_module=None) -> list[dict]:
-    """Run ``max_steps`` optimizer steps; returns one metrics dict per step.
+                on_step=None, label_module=None, autocast_ctx=None, paged: bool = False) -> list[dict]:
+    """Run ``max_steps`` optimizer steps of :func:`lora_kit.training.train_step`; returns one metrics
+    dict per step.
 
     ``micro_batches(step, k)`` returns the k-th micro-batch of optimizer step ``step``.
-    ``label_module`` is the unwrapped module whose params/grads the tracker labels (DDP wraps).
-    ``on_step(metrics)`` is called after each step (the caller rewrites its results there).
+    ``label_module`` is the unwrapped module whose parameters / gradients the tracker labels (DDP
+    wraps). ``autocast_ctx``: a mixed-precision context for the forward passes. ``paged``: the
+    optimizer is a paged bitsandbytes one off CUDA (its paged states are left out of the peak, as
+    ``max_memory_allocated`` leaves managed memory out). ``on_step(metrics)`` is called after each
+    step (the caller rewrites its results there). A measured step records ``peak_bytes``,
+    ``peak_phase`` and ``peak_breakdown`` (the estimate's parts, summing to ``peak_bytes``).
     """
     cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
+    labelled = label_module if label_module is not None else model
     steps = []
     model.train()
     bar = tqdm(range(max_steps), desc="smoke steps", disable=not progress, leave=False)
     for step in bar:
         measured = tracker is not None and (tracker_always_on or step < measure_steps)
         if measured:
-            tracker.label_module(label_module if label_module is not None else model, optimizer)
+            label_training_state(tracker, labelled, optimizer, paged=paged)
             tracker.reset_peak()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         mode = tracker if measured and not tracker_always_on else contextlib.nullcontext()
         t0 = time.perf_counter()
-        losses, tokens, padded = [], 0, 0
         with mode:
-            for k in range(grad_accum):
-                batch = micro_batches(step, k)
-                if tracker is not None:
-                    tracker.phase = "forward"
-                loss = model(**batch).loss
-                if tracker is not None:
-                    tracker.phase = "backward"
-                (loss / grad_accum).backward()
-                losses.append(loss.detach())
-                tokens += int(batch["attention_mask"].sum())
-                padded += batch["input_ids"].numel()
-                del loss, batch
-            if tracker is not None:
-                tracker.phase = "optimizer"
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        loss_value = float(torch.stack(losses).mean())
+            out = training.train_step(model, MicroBatches(micro_batches, step, grad_accum), optimizer,
+                                      tracker=tracker, autocast_ctx=autocast_ctx,
+                                      on_grads=(lambda: label_training_state(tracker, labelled)) if measured else None)
+        loss_value, tokens, padded = float(out.loss), out.tokens, out.padded_tokens
+        del out  # its loss tensor would otherwise be live (and counted) during the next step
         seconds = time.perf_counter() - t0
         m = {"step": step, "seconds": seconds, "loss": loss_value, "tokens": tokens,
              "tokens_per_s": tokens / seconds, "padded_tokens_per_s": padded / seconds,
              "measured": measured, "rss_bytes": rss_bytes()}
         if measured:
-            m["peak_bytes"] = int(tracker.peak_bytes)
+            m["peak_bytes"], m["peak_breakdown"] = tracked_peak(tracker)
             m["peak_phase"] = tracker.peak_phase
-            m["peak_breakdown"] = tracker.peak_breakdown()
         if cuda:
             m["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
             m["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()

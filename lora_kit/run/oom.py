@@ -1,17 +1,22 @@
 """Out of memory: recognise it, record it, free memory, and say what change would fit.
 
-``fit_suggestions`` asks ``lora_kit.memory.estimate`` for the peak of each single change a user can make
-(gradient checkpointing, shorter seq_len, smaller micro-batch with more accumulation so the
-effective batch stays, QLoRA, 8-bit / paged optimizer, fewer LoRA targets, lower rank) and ranks
-them by estimated saving. If no single change fits, the changes are combined greedily, largest
-saving first, until the estimate fits. The estimate is analytic, so the ranking is a plan to
-try, not a promise: the smoke run then measures it.
+``fit_suggestions`` is the planner's one ranked fix ladder (:func:`lora_kit.plan.planner.fixes`:
+quality first -- a smaller micro-batch with more accumulation, gradient checkpointing, an 8-bit
+optimizer, LoRA / QLoRA, then rank and seq_len, then a bigger GPU) on the device that ran out of
+memory, with the planner's one fit rule (device total vs usable memory, ``fit_verdict``). On a
+GPU the device is the CUDA device itself; on a CPU smoke run that emulates a smaller device
+(``memory_limit_bytes``) it is that device, which has no CUDA context or caching allocator, so
+its total is the estimated peak. The estimate is analytic, so the ladder is a plan to try, not a
+promise: the smoke run then measures it.
 """
 from __future__ import annotations
 
 import gc
 
 import torch
+
+from lora_kit.plan.planner import device_of, fit_verdict, fixes
+from lora_kit.settings import step_kwargs
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -39,64 +44,30 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def candidate_changes(s: dict, target_names: list[str] | None = None) -> list[tuple[str, dict]]:
-    """(description, settings changes) a user could make, each valid for the settings ``s``."""
-    out = []
-    if not s["gradient_checkpointing"]:
-        out.append(("turn on gradient checkpointing", {"gradient_checkpointing": True}))
-    if s["seq_len"] >= 16:
-        out.append((f"halve seq_len to {s['seq_len'] // 2} (check your longest examples)", {"seq_len": s["seq_len"] // 2}))
-    if s["batch_size"] > 1:
-        b, a = max(1, s["batch_size"] // 2), s.get("grad_accum", 1) * 2
-        out.append((f"batch_size {b} with grad_accum {a} (same effective batch)", {"batch_size": b, "grad_accum": a}))
-        if b > 1:
-            out.append((f"batch_size 1 with grad_accum {s['batch_size'] * s.get('grad_accum', 1)}",
-                        {"batch_size": 1, "grad_accum": s["batch_size"] * s.get("grad_accum", 1)}))
-    if s["method"] in ("full", "lora"):
-        out.append(("QLoRA: 4-bit NF4 base", {"method": "qlora"}))
-    if s["method"] == "full":
-        out.append(("LoRA instead of full fine-tuning", {"method": "lora"}))
-    if s["optimizer"] in ("adamw", "paged_adamw_32bit", "adafactor"):
-        out.append(("8-bit paged optimizer (paged_adamw_8bit)", {"optimizer": "paged_adamw_8bit"}))
-    if s["method"] != "full" and s["lora_targets"] == "all-linear" and target_names:
-        fewer = [n for n in ("q_proj", "v_proj") if n in target_names] or target_names[:2]
-        out.append((f"fewer LoRA targets {fewer}", {"lora_targets": fewer}))
-    if s["method"] != "full" and s["lora_rank"] > 4:
-        r = s["lora_rank"] // 2
-        out.append((f"lower LoRA rank to {r}", {"lora_rank": r, "lora_alpha": max(1, s["lora_alpha"] // 2)}))
-    return out
+def oom_device(limit_bytes: int, cuda: bool, name: str | None = None) -> dict:
+    """The device that ran out of memory, for :func:`lora_kit.plan.planner.fixes`."""
+    return {"name": name or (f"CUDA device ({limit_bytes / 2**30:.1f} GiB)" if cuda else
+                             f"emulated device ({limit_bytes:,} bytes)"),
+            "capacity_bytes": int(limit_bytes), "cuda": cuda}
 
 
-def fit_suggestions(settings: dict, limit_bytes: int | None, target_names: list[str] | None = None,
-                    estimate_fn=None) -> dict:
-    """Changes ranked by estimated saving, each with its estimated peak and whether it fits ``limit_bytes``."""
-    if estimate_fn is None:
-        from lora_kit.memory.estimate import estimate as estimate_fn
-    keys = ("model", "method", "dtype", "autocast", "double_quant", "seq_len", "batch_size", "lora_rank",
-            "lora_alpha", "lora_targets", "gradient_checkpointing", "attn_implementation", "optimizer",
-            "num_gpus", "sharding", "cpu_offload", "grad_accum")
-
-    def peak(s):
-        return int(estimate_fn(**{k: s[k] for k in keys if k in s}).peak_allocated_bytes)
-
-    current = peak(settings)
-    rows = []
-    for desc, change in candidate_changes(settings, target_names):
-        p = peak({**settings, **change})
-        rows.append({"change": desc, "settings": change, "estimated_peak_bytes": p,
-                     "estimated_saving_bytes": current - p,
-                     "fits": None if limit_bytes is None else p <= limit_bytes})
-    rows.sort(key=lambda r: -r["estimated_saving_bytes"])
-    combined = None
-    if limit_bytes is not None and not any(r["fits"] for r in rows):
-        s, applied = dict(settings), []
-        for r in rows:
-            if r["estimated_saving_bytes"] <= 0:
-                continue
-            s.update(r["settings"])
-            applied.append(r["change"])
-            p = peak(s)
-            if p <= limit_bytes:
-                break
-        combined = {"changes": applied, "estimated_peak_bytes": peak(s), "fits": peak(s) <= limit_bytes}
-    return {"limit_bytes": limit_bytes, "estimated_peak_bytes": current, "ranked": rows, "combined": combined}
+def fit_suggestions(settings, limit_bytes: int | None, cuda: bool = False, name: str | None = None) -> dict:
+    """The planner's fix ladder for ``settings`` (a Settings or a dict with ``model``, the step fields
+    and optionally ``margin``) on a device of ``limit_bytes``: ``ranked`` is exactly
+    ``planner.fixes(device, margin, model=..., **step)``, cheapest in quality first. ``cuda``: the
+    device is a CUDA GPU (its total includes the CUDA context and allocator reserve) rather than
+    the device a CPU run emulates. Without a known device size there is nothing to rank."""
+    d = settings.to_dict() if hasattr(settings, "to_dict") else dict(settings)
+    margin = d.get("margin", 0.10)
+    step = step_kwargs(d)
+    if limit_bytes is None:
+        return {"device": None, "limit_bytes": None, "margin": margin, "ranked": [],
+                "note": "no device size known (CPU without memory_limit_bytes): nothing to rank against"}
+    dev = oom_device(limit_bytes, cuda, name)
+    from lora_kit.memory.estimate import estimate
+    est = estimate(d["model"], **step)
+    total = getattr(est, device_of(dev)["total"])
+    v = fit_verdict(total, dev, margin)
+    return {"device": v["gpu"], "limit_bytes": int(limit_bytes), "margin": margin, "usable_bytes": v["usable_bytes"],
+            "estimated_device_total_bytes": int(total), "estimate_fits": bool(v["fits"]),
+            "ranked": fixes(dev, margin, model=d["model"], **step)}

@@ -15,8 +15,13 @@ step that ``estimate`` and ``simulate`` describe is the *second* step (index 1);
 shown beside its measured peak with the relative error.
 
 Out of memory in any phase is caught: the phase and memory at failure are recorded, memory is
-freed, results are written and the changes that would fit are listed, ranked by the saving
-``estimate`` predicts. Other errors are recorded and re-raised.
+freed, results are written and the changes that would fit are listed: the planner's one fix
+ladder (``lora_kit.plan.planner.fixes``, least loss of quality first) on the device that ran out.
+Other errors are recorded and re-raised.
+
+Memory parts: a measured step's ``peak_breakdown`` (and ``peaks.breakdown_at_design_step``) uses
+the estimate's six parts (``lora_kit.memory.breakdown.BREAKDOWN_KEYS``) and sums to the measured
+peak, so :func:`breakdown_rows` lays measured, estimated and simulated parts side by side.
 
 Under ``torchrun --nproc_per_node N -m lora_kit.run.smoke --params run.yaml`` each rank trains its
 share of the data with DDP; rank 0 gathers every rank's peaks and writes the one result.
@@ -32,14 +37,15 @@ from pathlib import Path
 
 import torch
 
+from lora_kit.data import (control_source, field_settings, is_conversational, load_examples, mix_examples, run_data,
+                           to_examples, write_run_data)
+from lora_kit.prompting import PromptFormat, resolve_prompt_format
 from lora_kit.run import distributed as dist_util
+from lora_kit.memory.breakdown import BREAKDOWN_KEYS
 from lora_kit.memory.estimate import estimate
 from lora_kit.memory.simulate import simulate as simulate_step
 from lora_kit.results import (NotWritten, check_output_dir, interrupts, run_identity, signal_name, touch,
                               write_json_atomic)
-from lora_kit.data import (control_source, field_settings, is_conversational, load_examples, mix_examples, run_data,
-                           to_examples, write_run_data)
-from lora_kit.prompting import PromptFormat, resolve_prompt_format
 
 PHASES = ("load", "quantize", "adapter", "train", "save", "reload", "verify", "generate")
 log = logging.getLogger("lora_kit.run.smoke")
@@ -81,6 +87,12 @@ class SmokeResult:
                 rows.append({"source": k, "peak_bytes": v if isinstance(v, int) else None, "note": None
                              if isinstance(v, int) else v})
         return pd.DataFrame(rows)
+
+    def breakdown_frame(self):
+        """DataFrame, part by part: bytes measured at the design step beside estimate and simulate."""
+        import pandas as pd
+        rows = self.record.get("memory_parts") or breakdown_rows(self.record)
+        return pd.DataFrame(rows).set_index("part").astype(float)  # NaN where a source has no number
 
     def summary(self) -> str:
         return summary(self.record)
@@ -195,6 +207,22 @@ def _memory_model(s, model_path: str, measured: int | None, world: int, simulate
     return out
 
 
+def breakdown_rows(rec: dict) -> list[dict]:
+    """The peak's parts (:data:`~lora_kit.memory.breakdown.BREAKDOWN_KEYS`, then "total") in bytes:
+    measured at the design step beside ``estimate`` and ``simulate`` (None where a source has no
+    number: on CUDA only the measured total is known). One vocabulary, so the parts line up;
+    smoke.json keeps them as ``memory_parts`` for the run card."""
+    models = rec.get("memory_model") or {}
+    totals = {"measured": (rec.get("peaks") or {}).get("design_step_peak_bytes")}
+    parts = {"measured": (rec.get("peaks") or {}).get("breakdown_at_design_step")}
+    for name in ("estimate", "simulate"):
+        v = models.get(name)
+        if isinstance(v, dict):
+            totals[name], parts[name] = v.get("peak_allocated_bytes"), v.get("breakdown")
+    rows = [{"part": k, **{n: (b or {}).get(k) for n, b in parts.items()}} for k in BREAKDOWN_KEYS]
+    return rows + [{"part": "total", **totals}]
+
+
 def _linear_names(model) -> list[str]:
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     return sorted(names - {"lm_head"})
@@ -296,11 +324,11 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
         record["oom"]["memory_after_free"] = memory_now(tracker)
         try:
             from lora_kit.run.oom import fit_suggestions
-            limit = memory_limit_bytes or (torch.cuda.get_device_properties(0).total_memory
-                                           if torch.cuda.is_available() else None)
+            on_gpu = torch.cuda.is_available() and not memory_limit_bytes
+            limit = memory_limit_bytes or (torch.cuda.get_device_properties(0).total_memory if on_gpu else None)
             record["oom"]["suggestions"] = fit_suggestions(
-                {**s.to_dict(), "model": record.get("model", {}).get("path", s.model)}, limit,
-                record.get("model", {}).get("linear_names"))
+                {**s.to_dict(), "model": record.get("model", {}).get("path", s.model)}, limit, cuda=on_gpu,
+                name=torch.cuda.get_device_name(0) if on_gpu else None)
         except Exception as se:  # noqa: BLE001 - suggestions are advice; the failure record matters more
             record["oom"]["suggestions"] = {"error": f"{type(se).__name__}: {se}"}
         log.error("out of memory in phase %s: %s", phase, e)
@@ -330,7 +358,7 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     from lora_kit.run import batches as smoke_data
     from lora_kit.loading import fix_bnb_cpu_repack, load_model, load_tokenizer, resolve_model
     from lora_kit.run.loop import train_steps
-    from lora_kit.training import attach_adapter, build_optimizer
+    from lora_kit.training import attach_adapter, autocast_context, build_optimizer
     rec, rank, world, dev = run.record, dist_util.rank(), dist_util.world_size(), dist_util.device()
     qlora = s.method == "qlora"
 
@@ -400,7 +428,8 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
 
     train_steps(train_model, optimizer, micro, s.max_steps, s.grad_accum, tracker=tracker,
                 measure_steps=measure_steps, tracker_always_on=always_on, progress=progress and rank == 0,
-                on_step=on_step, label_module=model)
+                on_step=on_step, label_module=model, autocast_ctx=autocast_context(s.autocast, s.dtype, dev.type),
+                paged=s.optimizer.startswith("paged_") and dev.type != "cuda")
     steps = rec["steps"]
     key = "cuda_max_allocated_bytes" if torch.cuda.is_available() else "peak_bytes"
     design = rec["measurement"]["design_step"]
@@ -419,6 +448,7 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
                                  "under the tracker and are slower on CPU"}
     if rank == 0:
         rec["memory_model"] = _memory_model(s, path, measured, world, simulate)
+        rec["memory_parts"] = breakdown_rows(rec)
     if (world > 1 or s.num_gpus > 1) and rank == 0:  # the launch config for the multi-GPU run this plans
         from lora_kit.run.accelerate_config import write_accelerate_config
         rec["accelerate_config"] = str(write_accelerate_config(
@@ -526,6 +556,9 @@ def summary(rec: dict) -> str:
     """A few lines: status, per-rank measured peaks beside estimate / simulate (and ddp / fsdp per GPU)."""
     mib = lambda b: f"{b / 2**20:.2f} MiB" if isinstance(b, (int, float)) else str(b)  # noqa: E731
     lines = [f"smoke run: {rec['status']}"]
+    if rec.get("data"):
+        from lora_kit.run.batches import long_examples_line
+        lines.append("  " + long_examples_line(rec["data"]))
     peaks = rec.get("peaks") or {}
     for r in peaks.get("per_rank", []):
         lines.append(f"  rank {r['rank']}: measured peak (step {rec['measurement']['design_step']}) "
@@ -545,6 +578,3 @@ def summary(rec: dict) -> str:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-    if rec.get("data"):
-        from lora_kit.run.batches import long_examples_line
-        lines.append("  " + long_examples_line(rec["data"]))
