@@ -1,8 +1,10 @@
-"""Probes: each runs one real operation on this machine's device and says pass / fail / not applicable.
+"""Probes: each runs one real operation on this machine's device and says what it found.
 
-A probe function returns a detail string (pass), raises :class:`NotApplicable` (with why), or raises
-anything else (fail, with the error text). Models are tiny and built from configs: the whole set
-takes seconds on a CPU.
+A probe function returns a detail string (``pass``), raises :class:`WorkedAround` (``worked-around``:
+a known trap is present on this stack and the kit's own workaround, checked by the probe, avoids it),
+raises :class:`NotApplicable` (with why), or raises anything else (``fail``, with the error text).
+Whether a failure matters depends on the plan: :func:`lora_kit.check.stack.verdict` decides. Models
+are tiny and built from configs: the whole set takes seconds on a CPU.
 """
 from __future__ import annotations
 
@@ -11,11 +13,18 @@ import warnings
 
 import torch
 
-PASS, FAIL, NA = "pass", "fail", "not applicable"
+from lora_kit import loading
+
+PASS, FAIL, NA, WORKED_AROUND = "pass", "fail", "not applicable", "worked-around"
+STATUSES = (PASS, WORKED_AROUND, NA, FAIL)
 
 
 class NotApplicable(Exception):
     """The probe does not apply to this device (the message says why)."""
+
+
+class WorkedAround(Exception):
+    """A known trap is present here and the kit's workaround avoids it (the message explains both)."""
 
 
 def device() -> torch.device:
@@ -61,15 +70,20 @@ def _bnb():
     return bnb
 
 
-def _linear4bit(bnb, fix: bool = True, force_repack_path: bool = False):
+def _linear4bit(bnb, fix: bool = True):
     torch.manual_seed(0)
     layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4").to(device())
-    if force_repack_path:  # tests: take the AVX512-BF16 repack path even on CPUs without it
-        layer.support_avx512bf16_for_cpu = True
     if fix:
-        from lora_kit.loading import fix_bnb_cpu_repack
-        fix_bnb_cpu_repack(layer)
+        loading.fix_bnb_cpu_repack(layer)
     return layer
+
+
+def bnb_repacks_here(bnb) -> bool:
+    """Whether bitsandbytes, as shipped, repacks 4-bit weights after a no-grad forward on this device:
+    ``Linear4bit`` sets ``support_avx512bf16_for_cpu`` from its CPU backend's AVX512-BF16 detection
+    (``bitsandbytes.nn.modules.has_avx512bf16``), and only CPU inputs take that path."""
+    return device().type == "cpu" and bool(getattr(bnb.nn.Linear4bit(64, 64, bias=False),
+                                                   "support_avx512bf16_for_cpu", False))
 
 
 def bnb_4bit_matmul():
@@ -87,16 +101,18 @@ def bnb_4bit_matmul():
     return f"NF4 forward+backward on {device().type}, input-gradient error {err:.1e}"
 
 
-def bnb_grad_after_eval(fix: bool = True, force_repack_path: bool = False):
-    """Train a Linear4bit+LoRA for 3 steps *after* a no-grad eval forward; the input gradient must be right."""
+def bnb_grad_after_eval(fix: bool = True):
+    """Train a Linear4bit+LoRA for 3 steps *after* a no-grad eval forward; the input gradient must be right.
+
+    ``fix=True`` is the kit's way (:func:`lora_kit.loading.fix_bnb_cpu_repack` on the model);
+    ``fix=False`` is bitsandbytes as shipped."""
     bnb = _bnb()
     from peft import LoraConfig, get_peft_model
-    wrapper = torch.nn.Sequential(_linear4bit(bnb, fix=fix, force_repack_path=force_repack_path))
+    wrapper = torch.nn.Sequential(_linear4bit(bnb, fix=fix))
     model = get_peft_model(wrapper, LoraConfig(r=4, lora_alpha=8, target_modules=["0"]))
     layer = model.base_model.model[0]
     if fix:
-        from lora_kit.loading import fix_bnb_cpu_repack
-        fix_bnb_cpu_repack(model)
+        loading.fix_bnb_cpu_repack(model)
     ref_w = bnb.functional.dequantize_4bit(layer.base_layer.weight.data, layer.base_layer.weight.quant_state).float()
     x = torch.randn(8, 64, device=device())
     model.eval()
@@ -123,11 +139,26 @@ def bnb_grad_after_eval(fix: bool = True, force_repack_path: bool = False):
 
 
 def bnb_grad_after_eval_raw():
-    from bitsandbytes.nn.modules import has_avx512bf16
-    detail = bnb_grad_after_eval(fix=False)
-    if not has_avx512bf16() and device().type == "cpu":
-        detail += "; this CPU has no AVX512-BF16, so the repack trap cannot occur here"
-    return detail
+    """bitsandbytes as shipped: on AVX512-BF16 CPUs the trap is present (``worked-around`` when the
+    kit's fix, tried right here, avoids it); elsewhere it cannot occur (``pass``)."""
+    bnb = _bnb()
+    repacks = bnb_repacks_here(bnb)
+    try:
+        detail = bnb_grad_after_eval(fix=False)
+    except AssertionError as trap:
+        if not repacks:
+            raise  # not the known trap: a real failure
+        kit = bnb_grad_after_eval(fix=True)  # raises (a failure) if the kit's workaround does not hold either
+        raise WorkedAround(
+            "trap present: this CPU has AVX512-BF16, so bitsandbytes repacks 4-bit weights after a no-grad "
+            f"forward and cuts the gradient to the layer input ({str(trap).split(';')[0]}). lora_kit turns the "
+            f"repack off on every 4-bit model it builds (fix_bnb_cpu_repack): {kit}. Only code that builds "
+            "its own 4-bit model without that call is exposed.") from None
+    if repacks:
+        return detail + "; the repack path is on here (AVX512-BF16) yet gradients stay correct"
+    if device().type == "cpu":
+        return detail + "; this CPU has no AVX512-BF16, so the repack trap cannot occur here"
+    return detail + f"; the repack trap is CPU-only (inputs on {device().type})"
 
 
 def _bnb_optimizer(name: str):
@@ -214,6 +245,8 @@ def run_probe(name: str, fn) -> dict:
     """Run one probe; never raises (a crash is the probe's 'fail' with the error text)."""
     try:
         return {"name": name, "status": PASS, "detail": fn(), "error": None}
+    except WorkedAround as e:
+        return {"name": name, "status": WORKED_AROUND, "detail": str(e), "error": None}
     except NotApplicable as e:
         return {"name": name, "status": NA, "detail": str(e), "error": None}
     except Exception as e:  # noqa: BLE001 - any failure is the probe's result

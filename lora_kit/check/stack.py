@@ -1,10 +1,17 @@
-"""Stack check: exact versions, the hardware, and probes that try the real thing.
+"""Stack check: exact versions, the hardware, probes that try the real thing, and a verdict for the plan.
 
 A lookup table ("bitsandbytes supports ARM64 since x.y") is not proof: each probe runs the real
-operation on this machine's device and reports ``pass``, ``fail`` (with the error text) or
-``not applicable`` (with why). The probes take a few seconds on a CPU; they build tiny models from
-configs (nothing is downloaded). ``report()`` returns a JSON-ready dict, ``format_table()`` the
-table ``lora-kit check`` prints.
+operation on this machine's device and reports ``pass``, ``worked-around`` (a known trap is present
+and the kit's own workaround, tried by the probe, avoids it), ``not applicable`` (with why) or
+``fail`` (with the error text). The probes take a few seconds on a CPU; they build tiny models from
+configs (nothing is downloaded).
+
+Whether a result stops a run depends on what the run does: :func:`verdict` is the one place that
+decides (``lora-kit check`` and notebook 00 both call it). A 4-bit failure blocks ``method="qlora"``,
+not LoRA; a bf16 failure blocks ``dtype="bfloat16"``; an 8-bit optimizer failure blocks that
+optimizer; and so on (:data:`NEEDS`). Failures the plan does not need, and traps worked around,
+are warnings. ``report(settings)`` returns a JSON-ready dict with the verdict, ``format_table()``
+the table ``lora-kit check`` prints.
 """
 from __future__ import annotations
 
@@ -17,6 +24,8 @@ import time
 import torch
 
 from lora_kit.check import probes as stack_probes
+from lora_kit.settings import Settings
+
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "tokenizers")
 
 
@@ -89,11 +98,84 @@ def notes(info: dict, probes: list[dict]) -> list[str]:
     return out
 
 
-def report(probes: bool = True) -> dict:
-    """Versions, hardware, probe results and notes, as a JSON-ready dict."""
+_QLORA = ("method='qlora'", lambda s: s.method == "qlora",
+          "use method='lora', or install a bitsandbytes build with kernels for this device")
+# probe -> (what in the plan needs it, predicate on Settings, what to change when it fails)
+NEEDS = {
+    "bf16 matmul": ("dtype='bfloat16' (or autocast)", lambda s: s.dtype == "bfloat16" or (s.autocast and s.dtype != "float16"),
+                    "set dtype='float32' (or 'float16' on a GPU) and autocast=False"),
+    "bnb 4-bit matmul fwd+bwd": _QLORA,
+    "bnb 4-bit grad after eval (raw)": _QLORA,
+    "bnb 4-bit grad after eval (kit)": _QLORA,
+    "bnb 8-bit optimizer step": ("an 8-bit optimizer", lambda s: s.optimizer in ("adamw_8bit", "paged_adamw_8bit"),
+                                 "set optimizer='adamw'"),
+    "bnb paged optimizer step": ("a paged optimizer", lambda s: s.optimizer.startswith("paged_"),
+                                 "set optimizer='adamw' (or 'adamw_8bit' if its probe passes)"),
+    "gradient checkpointing": ("gradient_checkpointing=True", lambda s: s.gradient_checkpointing,
+                               "set gradient_checkpointing=False (needs more activation memory: re-check the plan)"),
+    "LoRA training step": ("method='lora' or 'qlora'", lambda s: s.method in ("lora", "qlora"),
+                           "fix the torch / peft install (see the error), or use method='full'"),
+}
+# probes no setting requires: what a failure costs instead
+FALLBACKS = {"SDPA flash": "PyTorch falls back to another attention kernel (slower; with neither flash nor "
+                           "memory-efficient, the math kernel keeps seq_len x seq_len scores: more memory than planned)"}
+FALLBACKS["SDPA memory-efficient"] = FALLBACKS["SDPA flash"]
+PLAN_FIELDS = ("method", "dtype", "autocast", "optimizer", "gradient_checkpointing", "attn_implementation")
+
+
+def verdict(probes: list[dict], settings: Settings | None = None, device: str | None = None) -> dict:
+    """Does this stack run this plan? The one judge of probe results, used by ``lora-kit check`` and notebook 00.
+
+    A probe the plan needs (:data:`NEEDS`) blocks unless it passed or was worked around (``not
+    applicable`` blocks too: e.g. QLoRA without bitsandbytes). Other failures and every workaround
+    become warnings with their explanation. ``device`` is where the probes ran (this machine's).
+    Returns ``{"ok", "blocking": [{probe, status, needed_by, error, change}], "warnings", "plan", "device"}``.
+    """
+    s = settings if settings is not None else Settings()
+    device = device or stack_probes.device().type
+    blocking, warnings = [], []
+    for p in probes:
+        need = NEEDS.get(p["name"])
+        needed = need is not None and bool(need[1](s))
+        why = p.get("error") or p.get("detail") or ""
+        if p["status"] == stack_probes.WORKED_AROUND:
+            warnings.append(f"{p['name']}: {why}")
+        elif needed and p["status"] in (stack_probes.FAIL, stack_probes.NA):
+            blocking.append({"probe": p["name"], "status": p["status"], "needed_by": need[0], "error": why,
+                             "change": need[2]})
+        elif p["status"] == stack_probes.FAIL:
+            uses = f"only {need[0]} needs it" if need else FALLBACKS.get(p["name"], "no setting requires it")
+            warnings.append(f"{p['name']} failed ({why}); not needed by this plan: {uses}.")
+    scope = (f"this machine's {device}" + ("" if device != "cpu" else
+             f"; the planned GPU ({s.gpu}) is not here: run `lora-kit check` with the same settings on it"))
+    return {"ok": not blocking, "blocking": blocking, "warnings": warnings, "device": device, "scope": scope,
+            "plan": {k: getattr(s, k) for k in PLAN_FIELDS}}
+
+
+def report(settings: Settings | None = None, probes: bool = True) -> dict:
+    """Versions, hardware, probe results, notes and the :func:`verdict` for ``settings`` (default: the
+    embedded default plan), as a JSON-ready dict."""
     info = versions()
     results = stack_probes.run_all() if probes else []
-    return {**info, "probes": results, "notes": notes(info, results), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {**info, "probes": results, "notes": notes(info, results),
+            "verdict": verdict(results, settings), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def exit_code(rep: dict) -> int:
+    """``lora-kit check``'s exit status: 1 when a probe the plan needs failed, else 0 (warnings included)."""
+    return 0 if rep["verdict"]["ok"] else 1
+
+
+def format_verdict(v: dict) -> list[str]:
+    plan = ", ".join(f"{k}={val!r}" for k, val in v["plan"].items())
+    head = (f"Verdict for {plan} on {v['device']}: "
+            + ("OK" if v["ok"] else f"BLOCKED by {len(v['blocking'])} probe(s)")
+            + (f", {len(v['warnings'])} warning(s)" if v["warnings"] else ""))
+    lines = [head, f"  scope   {v['scope']}"]
+    lines += [f"  BLOCKS  {b['probe']} ({b['status']}: {b['error']}); {b['needed_by']} needs it -- {b['change']}."
+              for b in v["blocking"]]
+    lines += [f"  warning {w}" for w in v["warnings"]]
+    return lines
 
 
 def format_table(rep: dict) -> str:
@@ -115,6 +197,8 @@ def format_table(rep: dict) -> str:
             lines.append(f"  {p['name']:<{w}}{p['status']:<16}{detail}")
     lines.append("Notes")
     lines += [f"  - {n}" for n in rep["notes"]]
+    if rep.get("verdict"):
+        lines += format_verdict(rep["verdict"])
     return "\n".join(lines)
 
 

@@ -141,14 +141,23 @@ def cmd_estimate(args) -> int:
     return 0
 
 
+CHECK_FIELDS = ("method", "dtype", "autocast", "optimizer", "gradient_checkpointing", "attn_implementation", "gpu")
+
+
 def cmd_check(args) -> int:
+    """Probes, then the verdict for the planned settings; exit 1 when a probe the plan needs failed."""
     from lora_kit.check import stack
-    rep = stack.report()
+    try:
+        s = load_settings(args.params, {**_settings_from_args(args, CHECK_FIELDS), **_parse_p(args.p)})
+    except ValueError as exc:
+        print(f"lora-kit check: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    rep = stack.report(s)
     if args.json:
         from lora_kit.results import write_json_atomic
         write_json_atomic(args.json, rep)
     print(stack.format_table(rep))
-    return 0
+    return stack.exit_code(rep)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,8 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "plan (defaults: planning a real model on a GPU; every assumed value is printed)")
     e.set_defaults(func=cmd_estimate)
 
-    c = sub.add_parser("check", help="versions, hardware and real probes of the training stack")
+    c = sub.add_parser("check", help="versions, hardware and real probes of the training stack; exit 1 when a "
+                                     "probe the planned settings need failed")
+    c.add_argument("--params", help="YAML file of settings: the plan the verdict is for")
+    c.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"), help="override one setting")
     c.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
+    _add_setting_flags(c, CHECK_FIELDS)
     c.set_defaults(func=cmd_check)
     return p
 
