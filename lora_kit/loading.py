@@ -3,6 +3,9 @@
 - ``model="tiny"`` (or :data:`lora_kit.DEFAULT_MODEL`) resolves to the embedded model shipped
   inside the package; a local directory is used as is; anything else is treated as a hub id
   (needs network access and, for gated models, the user's own login -- never stored by the kit).
+  A path that does not exist is reported as such; a hub id is checked with one request before
+  anything loads, so ``HF_HUB_OFFLINE=1`` without a cached copy, or an unreachable hub, fails at
+  once with what to do (huggingface_hub would otherwise retry for ~25 s).
 - Weights are loaded with safetensors only (``use_safetensors=True``): pickled ``.bin`` weights are
   refused, never unpickled. ``trust_remote_code`` stays off unless the caller sets it.
 - QLoRA on CPU: bitsandbytes 0.50 on AVX512-BF16 CPUs repacks ``Linear4bit`` weights after any
@@ -36,7 +39,60 @@ def resolve_model(model: str | os.PathLike) -> str:
         if not (p / "config.json").is_file():
             raise ValueError(f"{str(p)!r} has no config.json: pass a folder written by save_pretrained.")
         return str(p)
+    if looks_like_path(model):
+        raise ValueError(f"model folder {model!r} does not exist (looked at {str(p.resolve())!r}); set model to a "
+                         "folder written by save_pretrained, a hub id such as 'Qwen/Qwen2.5-0.5B', or 'tiny'.")
+    check_hub(model)
     return model
+
+
+def looks_like_path(model: str) -> bool:
+    """True for what can only be a local path (a hub id is ``name`` or ``org/name``)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    if model.startswith((".", "/", "~")) or "\\" in model or model.count("/") > 1 or model.endswith("/"):
+        return True
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        return True
+    return False
+
+
+_HUB_OK: set[str] = set()  # hub ids already found reachable in this process (one request per id)
+
+
+def _download_hint(repo_id: str) -> str:
+    return (f"download it where the hub is reachable, with your own login for gated models (`hf auth login`, then "
+            f"`hf download {repo_id} --local-dir models/{repo_id.split('/')[-1]}`), and set model to that folder")
+
+
+def check_hub(repo_id: str, timeout: float = 5.0) -> None:
+    """Fail at once, saying what to do, when ``repo_id`` cannot be loaded from the hub or its cache.
+
+    Offline (``HF_HUB_OFFLINE=1``): passes only if the cache holds the model's config.json. Online:
+    one request without retries (huggingface_hub's own downloads retry for ~25 s on a dead network);
+    any HTTP answer counts as reachable (a missing or gated repo is reported by transformers itself).
+    """
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    if repo_id in _HUB_OK:
+        return
+    here = f"{repo_id!r} is not a local folder (none at {str(Path(repo_id).resolve())!r})"
+    cached = isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    if constants.HF_HUB_OFFLINE:
+        if cached:
+            return
+        raise ValueError(f"{here} and HF_HUB_OFFLINE=1 with no cached copy of it: {_download_hint(repo_id)}, "
+                         "or unset HF_HUB_OFFLINE.")
+    try:
+        model_info(repo_id, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - network errors come from the HTTP client huggingface_hub uses
+        if getattr(e, "response", None) is not None:  # the hub answered (404, 401, gated): reachable
+            _HUB_OK.add(repo_id)
+            return
+        again = " A copy is in your cache: set HF_HUB_OFFLINE=1 to use it." if cached else ""
+        raise ValueError(f"{here} and the hub ({constants.ENDPOINT}) is unreachable ({type(e).__name__}: "
+                         f"{str(e)[:200]}): {_download_hint(repo_id)}.{again}") from None
+    _HUB_OK.add(repo_id)
 
 
 def check_weights(path: str) -> None:
