@@ -137,16 +137,25 @@ def test_rerun_is_refused_then_overwrite_moves_the_old_run_aside(tmp_path, nb_di
     assert second["run"]["id"] in card and first["run"]["id"] not in card
 
 
-def test_card_excludes_results_of_another_run(tmp_path, nb_dir):
+def test_card_excludes_results_of_another_run(tmp_path, nb_dir, monkeypatch):
     r = run_cli(tmp_path, "--name", "x", "--only", "00", nb=nb_dir)
     assert r.returncode == 0, r.stderr
     run = tmp_path / "x"
     # a result left by another run (e.g. copied in, or written by a run that died) is never shown as this run's
     stale = {"run": new_run("smoke_run", run), "status": "complete", "steps": [{"loss": 1.0, "seconds": 1.0}]}
     write_json_atomic(run / "smoke" / "smoke.json", stale)
+    import plotly.graph_objects as go
+
+    from lora_kit.ui import notebook
+    from lora_kit.ui.notebook import save_figure
     from lora_kit.ui.run_card import build_report
+    monkeypatch.setattr(notebook, "chromium_path", lambda: None)  # HTML figures only: no browser start
+    old = save_figure(go.Figure(go.Bar(x=["a"], y=[1])), "from_before", run)  # a figure older than this run
+    for f in old.values():
+        os.utime(f, (time.time() - 3600, time.time() - 3600))
     md = Path(build_report(run)["md"]).read_text()
     assert "_No smoke run in this run._" in md and "smoke/smoke.json is not from this run" in md
+    assert "from_before" not in md, "figures not written while this run's notebooks executed are not shown"
     assert "03_smoke_run.ipynb | did not run" in md
 
 
