@@ -1,18 +1,15 @@
 """evaluate(): base vs adapters on a tiny random Llama with a quickly trained LoRA (real peft, no mocks).
 
-Toy task: "Is <word> ok?" -> "yes". A random base answers garbage; 60 LoRA steps (~5 s) make the
-adapter answer "yes" on held-out words. The control set's references are the *base* model's own
+Toy task (the ``toy_adapters`` fixture, tests/conftest.py, trained once per session): "Is <word> ok?"
+-> "yes". A random base answers garbage; 60 LoRA steps (~5 s) make the adapter answer "yes" on
+held-out words. The control set's references are the *base* model's own
 greedy answers to other prompts, so the base scores 100 % there and any change the adapter makes
 shows up as a regression -- the behaviour-change path is exercised for real.
 """
 from __future__ import annotations
 
-import functools
 import json
-import random
 import shutil
-import string
-import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -21,77 +18,30 @@ import pytest
 from lora_kit.evaluation.adapters import check_adapter
 from lora_kit.generation import generate
 from lora_kit.evaluation.evaluate import evaluate, load_result
+from conftest import torch_threads
 
 N_RESAMPLES = 500
 
 
-def _words(n: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    out: list[str] = []
-    while len(out) < n:
-        w = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 6)))
-        if w not in out:
-            out.append(w)
-    return out
-
-
-def _train_lora(base_dir: str, examples: list[dict], steps: int, out_dir: Path, seed: int = 0) -> str:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from lora_kit.loading import load_model, load_tokenizer
-    from lora_kit.embedded.story import train_adapter
-    tok, model = load_tokenizer(base_dir), load_model(base_dir)
-    torch.manual_seed(seed)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
-    train_adapter(model, tok, examples, steps=steps, batch_size=16, lr=1e-2, seed=seed, warmup=5)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
-    return str(out_dir)
-
-
-@functools.lru_cache(maxsize=None)
-def toy(base_dir: str) -> dict:
-    """Training/held-out/control rows and two adapters (trained 60 and 2 steps) for ``base_dir``."""
-    from lora_kit.loading import load_model, load_tokenizer
-    root = Path(tempfile.mkdtemp(prefix="lora_kit_eval_"))
-    words = _words(260)
-    rows = [{"prompt": f"Is {w} ok?", "response": "yes"} for w in words]
-    train, heldout = rows[:220], rows[220:244]
-    control_prompts = [f"Say {w}" for w in words[244:260]]
-    base_answers = generate(load_model(base_dir), load_tokenizer(base_dir), control_prompts, max_new_tokens=8)
-    control = [{"prompt": p, "response": a, "task": "say" if i % 2 else "echo"}
-               for i, (p, a) in enumerate(zip(control_prompts, base_answers)) if a]
-    good = _train_lora(base_dir, train, 60, root / "good")
-    weak = _train_lora(base_dir, train, 2, root / "weak")
-    return {"root": root, "train": train, "heldout": heldout, "control": control, "good": good, "weak": weak}
-
-
-@functools.lru_cache(maxsize=None)
-def toy_eval(base_dir: str):
-    """One evaluate() run with both adapters, shared by the tests that only read its result."""
-    t = toy(base_dir)
-    return evaluate(base_dir, {"lora": t["good"], "weak": t["weak"]}, heldout=t["heldout"], heldout_split=None,
-                    control=t["control"], train_examples=t["train"], run_dir=t["root"] / "run", max_new_tokens=8,
-                    batch_size=16, n_resamples=N_RESAMPLES, progress=False)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads; on a shared 2-core CPU a second thread only waits."""
-    import torch
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def setup(random_llama_dir):
-    return toy(str(random_llama_dir))
+def setup(toy_adapters):
+    """The toy task and its two adapters, trained once per session (``toy_adapters`` in conftest)."""
+    return toy_adapters
 
 
 @pytest.fixture(scope="module")
-def result(random_llama_dir):
-    return toy_eval(str(random_llama_dir))
+def result(random_llama_dir, toy_adapters, tmp_path_factory):
+    """One evaluate() run with both adapters, shared by the tests that only read its result.
+    progress=True: the bar notebook 04 shows when interactive (the pipeline runs it headless)."""
+    t = toy_adapters
+    with torch_threads(1):
+        return evaluate(str(random_llama_dir), {"lora": t["good"], "weak": t["weak"]}, heldout=t["heldout"],
+                        heldout_split=None, control=t["control"], train_examples=t["train"],
+                        run_dir=tmp_path_factory.mktemp("toy_eval") / "run", max_new_tokens=8, batch_size=16,
+                        n_resamples=N_RESAMPLES, progress=True)
 
 
 def test_adapter_gain_with_interval_and_honest_sentence(result):

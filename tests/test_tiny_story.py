@@ -1,41 +1,23 @@
 """The embedded default tells a true story, measured on CPU: the base cannot do the new task, a
 LoRA / QLoRA adapter learns it, and the control set shows how much the base tasks moved.
 
-Fewer steps and examples than benchmarks/tiny_story.py (whose numbers are in MODEL_CARD.md), but
-the same code path and a clear gain asserted.
+The story is trained once per session by the ``tiny_story`` fixture (tests/conftest.py): fewer
+steps and examples than benchmarks/tiny_story.py (whose numbers are in MODEL_CARD.md), the same
+code path, and a clear gain asserted here.
 """
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
 from lora_kit.embedded.story import round_robin_by_task, story_run
 
-STEPS = 150  # benchmark: 300
-MIX_STEPS = 250  # with 25 % base rows the new task needs more steps (150 steps gave 0.50 here)
-
-
-@functools.lru_cache(maxsize=None)
-def _story(method: str, base_share: float) -> dict:
-    """One measured run per (method, share), shared by the tests below (each costs ~1 min)."""
-    return story_run(method, steps=MIX_STEPS if base_share else STEPS, test_examples=100, control_examples=160,
-                     seed=0, base_share=base_share)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # on a contended 2-core CPU two OpenMP threads spin and run slower
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_adapter_learns_new_task_and_control_shows_forgetting(method):
-    r = _story(method, 0.0)
+def test_adapter_learns_new_task_and_control_shows_forgetting(method, tiny_story):
+    r = tiny_story(method, 0.0)
     assert r["dates_before"] <= 0.05, "the base already knows the new task: the story is broken"
     assert r["control_before"]["exact_match"] >= 0.5, "the base lost its base tasks"
     assert r["dates_after"] >= 0.8, (r["dates_after"], r["dates_predictions_after"])
@@ -44,8 +26,8 @@ def test_adapter_learns_new_task_and_control_shows_forgetting(method):
 
 
 @pytest.mark.slow
-def test_mixing_base_examples_limits_forgetting():
-    plain, mixed = _story("lora", 0.0), _story("lora", 0.25)
+def test_mixing_base_examples_limits_forgetting(tiny_story):
+    plain, mixed = tiny_story("lora", 0.0), tiny_story("lora", 0.25)
     assert mixed["dates_after"] >= 0.8, (mixed["dates_after"], mixed["dates_predictions_after"])
     # More steps than the plain run (more chance to drift) and still far less forgetting.
     assert mixed["control_after"]["exact_match"] >= 0.7, mixed["control_after"]
