@@ -11,7 +11,7 @@ checks it)::
     evaluation/  evaluate, compare, metrics, hygiene, adapters, figures
     check/       stack, probes
     embedded/    tasks (the tiny model's data), story (its train/evaluate harness), shipped files
-    ui/          notebook, widgets, pipeline, run_card, cli
+    ui/          notebook, widgets, tables, pipeline, run_card, cli
 
 Public API (imported lazily so ``import lora_kit`` stays fast)::
 
@@ -52,6 +52,7 @@ _LAZY = {
 _MODULES = {
     "stack": "lora_kit.check.stack",
     "figures": "lora_kit.plan.figures",
+    "tables": "lora_kit.ui.tables",
     "timing": "lora_kit.plan.timing",
     "gpus": "lora_kit.plan.gpus",
     "results": "lora_kit.results",

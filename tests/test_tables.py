@@ -1,0 +1,135 @@
+"""Formatted tables from real planner outputs: the rendered cells, checked one by one."""
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from lora_kit.plan.planner import compare_methods, sweep
+from lora_kit.ui import tables as T
+
+GPUS = ["T4", "L4", "A10G", "RTX-4090", "L40S", "A100-80GB", "H100-SXM"]
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return compare_methods("llama-3.1-8b", gpus=GPUS, seq_len=2048, gradient_checkpointing=True)
+
+
+def cells(rows: pd.DataFrame) -> list[str]:
+    return [str(v) for v in rows.to_numpy().ravel()]
+
+
+def test_method_rows_cells(plan):
+    rows = T.method_rows(plan)
+    assert len(rows) == len(plan) == 21
+    assert all(isinstance(v, str) for v in rows.to_numpy().ravel())
+    assert not [c for c in cells(rows) if c.lower() in ("nan", "none", "true", "false") or "nan" in c.split()]
+    assert set(rows["method"]) == {"full", "LoRA", "QLoRA"}
+    assert rows["fits"].tolist() == ["✓" if f else "✗" for f in plan["fits"]]
+    cost_col = "cost per epoch (USD, example)"
+    assert {"memory / GPU (GiB)", "headroom (GiB)", "step (s)", "time per epoch (h)", "price (USD/h, example)",
+            cost_col} <= set(rows.columns)
+    for (i, r), (_, p) in zip(rows.iterrows(), plan.iterrows()):
+        assert r["memory / GPU (GiB)"] == f"{p['device_total_gib']:.1f} / {p['capacity_gib']:.1f}"
+        assert r["price (USD/h, example)"] == f"{p['price_per_hour']:.2f}"
+        if p["fits"]:
+            assert r["time per epoch (h)"] == f"{p['epoch_hours']:,.2f}" and r[cost_col] == f"{p['epoch_cost']:,.2f}"
+            assert r["tokens/s"] == f"{p['tokens_per_second']:,.0f}" and r["headroom (GiB)"].startswith("+")
+        else:  # no time or cost for a plan that does not fit; the headroom says by how much
+            assert (r["step (s)"], r["tokens/s"], r["time per epoch (h)"], r[cost_col]) == ("—",) * 4
+            assert r["headroom (GiB)"] == f"−{-p['headroom_gib']:.1f}"
+    cheapest = plan[plan["fits"]]["epoch_cost"].idxmin()
+    fastest = plan[plan["fits"]]["epoch_hours"].idxmin()
+    assert rows.attrs["recommended"] == cheapest and rows["note"][cheapest] == T.RECOMMENDED
+    assert rows["note"][fastest] == "fastest" and (rows["note"] != "").sum() == 2
+    # the planner's recommendation names that row first
+    p = plan.loc[cheapest]
+    assert f"on {p['gpu']} (${p['epoch_cost']:.2f}" in plan.attrs["recommendation"]
+    assert "EXAMPLE" in rows.attrs["caption"] and "USD" in rows.attrs["caption"]
+
+
+def test_plan_json_rows_render_like_the_dataframe(plan):
+    """The run card reads plan.json (NaN stored as null): same cells as the live table."""
+    records = json.loads(plan.to_json(orient="records"))
+    assert any(r["epoch_cost"] is None for r in records)
+    assert T.method_markdown(records) == T.method_markdown(plan)
+    assert T.method_markdown({"rows": records}, fits_only=True) == T.method_markdown(plan, fits_only=True)
+
+
+def test_fitting_rows_cheapest_first_in_markdown(plan):
+    md = T.method_markdown(plan, fits_only=True, cheapest_first=True)
+    caption, table = md.split("\n\n")
+    lines = table.splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    body = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert len(body) == int(plan["fits"].sum()) == 10
+    assert lines[1].startswith("|---|---|--:")  # method and GPU left, numbers right
+    cost = [float(r[header.index("cost per epoch (USD, example)")]) for r in body]
+    assert cost == sorted(cost) and body[0][-1] == T.RECOMMENDED
+    assert all(r[header.index("fits")] == "✓" for r in body)
+    assert {r[0] for r in body} == {"LoRA", "QLoRA"} and "nan" not in table.lower()
+    assert "EXAMPLE" in caption
+
+
+def test_styler_highlights_the_recommendation(plan):
+    st = T.method_table(plan)
+    html = st.to_html()
+    rows = T.method_rows(plan)
+    k = rows.attrs["recommended"]
+    styles = st._compute().ctx  # (row, col) -> [(prop, value)] as rendered
+    assert ("background-color", "#fff3c4") in styles[(k, 0)] and ("font-weight", "bold") in styles[(k, 0)]
+    not_fit = rows.attrs["fits"].index(False)
+    assert ("color", "#888") in styles[(not_fit, 0)]
+    assert ("color", "#c62828") in styles[(not_fit, list(rows.columns).index("fits"))]
+    assert "✓" in html and "✗" in html and "nan" not in html.lower() and "EXAMPLE" in html
+    assert ">0<" not in html  # the index is hidden
+
+
+def test_your_prices_and_currency():
+    mine = compare_methods("llama-3.1-8b", gpus=["L40S", "A100-80GB"], seq_len=2048, gradient_checkpointing=True,
+                           prices={"L40S": 0.9, "A100-80GB": 1.5}, epochs=3)
+    rows = T.method_rows(mine, currency="EUR")
+    assert "cost per epoch (EUR)" in rows.columns and "price (EUR/h)" in rows.columns
+    assert "total cost (EUR)" in rows.columns and "total time (h)" in rows.columns  # 3 epochs: totals shown
+    fit = mine[mine["fits"]].iloc[0]
+    r = rows.loc[fit.name]
+    assert r["total time (h)"] == f"{fit['total_hours']:,.2f}" and r["total cost (EUR)"] == f"{fit['total_cost']:,.2f}"
+    assert "example" not in " ".join(rows.columns) and "EUR" in rows.attrs["caption"]
+    mixed = compare_methods("llama-3.1-8b", gpus=["L40S", "A100-80GB"], seq_len=2048, gradient_checkpointing=True,
+                            prices={"L40S": 0.9})
+    with pytest.raises(ValueError, match="prices= for every GPU"):
+        T.method_rows(mixed, currency="EUR")
+    usd = T.method_rows(mixed)
+    assert usd["price (USD/h)"].str.endswith("(example)").tolist() == (mixed["price_source"] == "example").tolist()
+
+
+def test_sweep_rows_varying_settings_units_and_fits():
+    df = sweep("llama-3.1-8b", gpu="A100-80GB", method=["lora", "qlora"], seq_len=[256, 8192], batch_size=[1, 4],
+               gradient_checkpointing=True)
+    rows = T.sweep_rows(df)
+    assert list(rows.columns[:3]) == ["method", "seq_len (tokens)", "micro-batch"]
+    assert rows["seq_len (tokens)"].tolist() == [f"{s:,}" for s in df["seq_len"]]
+    assert rows["memory per GPU (GiB)"].tolist() == [f"{b / 2**30:,.2f}" for b in df["device_total_bytes"]]
+    assert rows["fits"].tolist() == ["✓" if f else "✗" for f in df["fits"]] and "✗" in rows["fits"].tolist()
+    assert "checkpointing on" in rows.attrs["caption"] and "GPU A100-80GB" in rows.attrs["caption"]
+    assert not [c for c in cells(rows) if c.lower() in ("nan", "none", "true", "false")]
+    md = T.sweep_markdown(df)
+    assert md.startswith("Every row: model llama-3.1-8b") and "| QLoRA | 8,192 |" in md
+    html = T.sweep_table(df).to_html()
+    assert "#888" in html  # the rows that do not fit are grey
+
+
+def test_sweep_rows_mib_for_the_tiny_model_and_parts():
+    df = sweep("tiny", method=["lora", "qlora"], seq_len=[64], batch_size=16)
+    rows = T.sweep_rows(df, parts=True)
+    assert "peak allocated (MiB)" in rows.columns and "activations (MiB)" in rows.columns
+    assert rows["activations (MiB)"].tolist() == [f"{b / 2**20:,.2f}" for b in df["activations"]]
+    assert "fits" not in rows.columns  # no GPU in this sweep
+    with pytest.raises(ValueError, match="not in the sweep"):
+        T.sweep_rows(df, columns=["gpu"])
+    with pytest.raises(ValueError, match="lora_kit.sweep"):
+        T.sweep_rows(pd.DataFrame({"a": [1]}))
+    with pytest.raises(ValueError, match="compare_methods"):
+        T.method_rows(df)
+    assert math.isfinite(float(rows["peak allocated (MiB)"][0]))
