@@ -97,7 +97,7 @@ def test_raw_trap_without_the_kit_fix_really_cuts_gradients(cpu_avx512bf16):
         assert r["status"] == "pass", r
 
 
-def test_broken_workaround_blocks_qlora_not_lora(monkeypatch, capsys):
+def test_broken_workaround_blocks_qlora_not_lora(monkeypatch, capsys, tmp_path):
     """If the kit's fix did nothing, QLoRA is blocked (exit 1) and LoRA still runs (exit 0), in the CLI too."""
     monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)
     monkeypatch.setattr(stack_probes, "device", lambda: torch.device("cpu"))
@@ -109,8 +109,11 @@ def test_broken_workaround_blocks_qlora_not_lora(monkeypatch, capsys):
     assert all("method='lora'" in b["change"] for b in v["blocking"])
     v = stack.verdict([raw, kit], Settings(method="lora"), device="cpu")
     assert v["ok"] and len(v["warnings"]) == 2 and "only method='qlora' needs it" in v["warnings"][0]
-    assert cli_main(["check", "--method", "qlora"]) == 1
+    (tmp_path / "plan.yaml").write_text("method: qlora\ndtype: float32\n")
+    assert cli_main(["check", "--params", str(tmp_path / "plan.yaml"), "--json", str(tmp_path / "stack.json")]) == 1
     assert "BLOCKED by 2 probe(s)" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "stack.json").read_text())["verdict"]
+    assert saved["plan"]["method"] == "qlora" and not saved["ok"]
     assert cli_main(["check"]) == 0
     assert "Verdict for method='lora'" in capsys.readouterr().out
 
