@@ -38,7 +38,7 @@ def test_method_rows_cells(plan):
             assert r["tokens/s"] == f"{p['tokens_per_second']:,.0f}" and r["headroom (GiB)"].startswith("+")
         else:  # no time or cost for a plan that does not fit; the headroom says by how much
             assert (r["step (s)"], r["tokens/s"], r["time per epoch (h)"], r[cost_col]) == ("—",) * 4
-            assert r["headroom (GiB)"] == f"−{-p['headroom_gib']:.1f}"
+            assert r["headroom (GiB)"] == f"-{-p['headroom_gib']:.1f}"
     cheapest = plan[plan["fits"]]["epoch_cost"].idxmin()
     fastest = plan[plan["fits"]]["epoch_hours"].idxmin()
     assert rows.attrs["recommended"] == cheapest and rows["note"][cheapest] == T.RECOMMENDED
@@ -133,3 +133,21 @@ def test_sweep_rows_mib_for_the_tiny_model_and_parts():
     with pytest.raises(ValueError, match="compare_methods"):
         T.method_rows(df)
     assert math.isfinite(float(rows["peak allocated (MiB)"][0]))
+
+
+def test_examples_rows_mark_answers_and_round_chrf():
+    from test_evaluate_compare import hand_result
+    ex = hand_result().examples_table()
+    rows = T.examples_rows(ex)
+    assert list(rows.columns) == ["split", "task", "#", "prompt", "reference", "base answer", "a answer",
+                                  "chrF base", "chrF a", "chrF change", "outcome"]
+    first = rows.iloc[0]  # the worst regression: reverse "zyx" answered "2021-01-01"
+    assert (first["base answer"], first["a answer"], first["chrF change"], first["outcome"]) == \
+        ("✓ zyx", "✗ 2021-01-01", "-100.0", "worse")
+    assert rows["chrF a"].tolist() == [f"{v:,.1f}" for v in ex["chrf:a"]]
+    long = ex.assign(prompt="word " * 40 + "\nend")
+    assert T.examples_rows(long, width=20)["prompt"][0] == "word word word word…"
+    html = T.examples_table(ex).to_html()
+    assert "#fde0dc" in html and "#e3f4e1" in html
+    with pytest.raises(ValueError, match="examples_table"):
+        T.examples_rows(ex.drop(columns=["pred:a"]))

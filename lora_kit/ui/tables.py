@@ -13,6 +13,8 @@
 - :func:`sweep_rows` / :func:`sweep_table` / :func:`sweep_markdown` do the same for a
   :func:`lora_kit.plan.planner.sweep` table: the settings that vary as columns, the ones that do not
   in the caption, memory in GiB (MiB when every value is under 1 GiB).
+- :func:`examples_rows` / :func:`examples_table` for the evaluation's examples
+  (``EvalResult.examples_table``): answers marked ✓ / ✗, chrF rounded, outcomes coloured.
 """
 from __future__ import annotations
 
@@ -52,8 +54,8 @@ def _num(x, digits: int = 2, sign: bool = False) -> str:
 
 
 def _headroom(h) -> str:
-    """GiB left under the usable memory ("+2.7"), or short by ("−0.7", a true minus sign)."""
-    return NONE if _missing(h) else f"+{h:,.1f}" if h >= 0 else f"−{-h:,.1f}"
+    """GiB left under the usable memory ("+2.7"), or short by ("-0.7")."""
+    return _num(h, 1, sign=True)
 
 
 def _frame(table) -> pd.DataFrame:
@@ -257,3 +259,41 @@ def sweep_markdown(df: pd.DataFrame, columns=None, parts: bool = False) -> str:
     """A sweep as markdown (see :func:`sweep_rows`)."""
     rows = sweep_rows(df, columns, parts)
     return (f"{rows.attrs['caption']}\n\n" if rows.attrs["caption"] else "") + markdown(rows)
+
+
+# --- evaluation examples ----------------------------------------------------------------------------------------
+
+def _clip(text, width: int) -> str:
+    s = " ".join(str(text).split())  # newlines and runs of spaces as one space
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def examples_rows(df: pd.DataFrame, width: int = 60) -> pd.DataFrame:
+    """Display strings of ``EvalResult.examples_table(...)``: each answer marked ✓ / ✗ (exact match),
+    chrF to one decimal and its change signed, texts on one line and clipped to ``width`` characters."""
+    preds = [c.split(":", 1)[1] for c in df.columns if c.startswith("pred:")]
+    if len(preds) != 2 or "base" not in preds:
+        raise ValueError("examples_rows needs an examples_table(...) DataFrame (pred:base and one adapter's pred:).")
+    a = next(p for p in preds if p != "base")
+    out = pd.DataFrame({"split": df["split"].astype(str), "task": df["task"].astype(str),
+                        "#": [f"{int(i)}" for i in df["index"]],
+                        "prompt": [_clip(p, width) for p in df["prompt"]],
+                        "reference": [_clip(r, width) for r in df["reference"]]})
+    for s in ("base", a):
+        out[f"{s} answer"] = [("✓ " if em >= 1 else "✗ ") + _clip(p, width)
+                              for p, em in zip(df[f"pred:{s}"], df[f"exact_match:{s}"])]
+    out["chrF base"] = [_num(v, 1) for v in df["chrf:base"]]
+    out[f"chrF {a}"] = [_num(v, 1) for v in df[f"chrf:{a}"]]
+    out["chrF change"] = [_num(v, 1, sign=True) for v in df[f"delta_chrf:{a}"]]
+    out["outcome"] = df[f"outcome:{a}"].astype(str).tolist()
+    return out
+
+
+def examples_table(df: pd.DataFrame, width: int = 60):
+    """Evaluation examples for a notebook: a Styler, worse outcomes red, better green (see :func:`examples_rows`)."""
+    rows = examples_rows(df, width)
+    colour = {"worse": "background-color: #fde0dc", "better": "background-color: #e3f4e1"}
+    st = rows.style.hide(axis="index").map(lambda v: colour.get(v, ""), subset=["outcome"])
+    text = [c for c in rows.columns if not c.startswith("chrF") and c != "#"]
+    st = st.set_properties(subset=text, **{"text-align": "left"})
+    return st.set_table_styles([{"selector": "td", "props": "white-space: nowrap; padding: 2px 6px"}], overwrite=False)
