@@ -350,3 +350,33 @@ def write_run_data(run_dir: str | Path, name: str, examples: list[dict]) -> Path
 def run_data_file(run_dir: str | Path, name: str) -> Path | None:
     p = Path(run_dir) / SPLIT_DIR / f"{name}.jsonl"
     return p if p.is_file() else None
+
+
+def absolute_paths(s) -> dict:
+    """The settings that name existing local files or folders (model, dataset, heldout_dataset,
+    control_dataset), made absolute: notebooks run with the run folder as working directory, so a
+    path relative to where ``lora-kit run`` was started must not be read relative to the run folder."""
+    out = {}
+    for name in ("model", "dataset", "heldout_dataset", "control_dataset"):
+        v = getattr(s, name)
+        if isinstance(v, str) and v and ":" not in v and v not in EMBEDDED_MODELS and Path(v).expanduser().exists():
+            out[name] = str(Path(v).expanduser().resolve())
+    return out
+
+
+LONG_SHARE_WARN = 0.03  # above this share of long examples, the run card lists it under "check next"
+
+
+def long_examples_line(report: dict) -> str:
+    """One line on the examples longer than ``seq_len`` (the data report of :func:`verified_slice`)."""
+    lx = report.get("long_examples") or {}
+    if not lx:
+        return ""
+    if not lx["count"]:
+        return f"data: {report['rows']} rows, none longer than seq_len={lx['seq_len']} (longest {lx['longest_tokens']} tokens)"
+    done = {"truncate": f"truncated ({lx['answer_cut_away']} lost their whole answer and were skipped)",
+            "drop": "dropped", "error": "refused"}[lx["policy"]]
+    warn = "  <- check: above a few percent" if lx["share"] > LONG_SHARE_WARN else ""
+    return (f"data: {lx['count']} of {report['rows']} rows ({lx['share']:.1%}) longer than seq_len={lx['seq_len']} "
+            f"(longest {lx['longest_tokens']} tokens, row {lx['longest_row'] + 1}): {done} "
+            f"[long_examples={lx['policy']!r}]{warn}")

@@ -233,7 +233,7 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
              temperature: float = 1.0, confidence: float = 0.95, n_resamples: int = 2000,
              check_base_name: bool = True, trust_remote_code: bool = False, progress: bool = True,
              device: str | None = None, allow_incomplete_adapter: bool = False, prompt_format: str = "auto",
-             data_format: str = "auto", messages_field: str = "messages",
+             data_format: str = "auto", messages_field: str = "messages", attn_implementation: str = "sdpa",
              source_names: dict | None = None) -> EvalResult:
     """Compare ``base_model`` with each adapter on held-out and control examples.
 
@@ -289,7 +289,8 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
     from lora_kit.loading import load_model, load_tokenizer, resolve_model, fix_bnb_cpu_repack
     resolved = resolve_model(base_model)
     tokenizer = load_tokenizer(base_model, trust_remote_code=trust_remote_code, padding_side="left")
-    model = load_model(base_model, method=method, dtype=dtype, trust_remote_code=trust_remote_code, device=device)
+    model = load_model(base_model, method=method, dtype=dtype, trust_remote_code=trust_remote_code, device=device,
+                       attn_implementation=attn_implementation)
     context = getattr(model.config, "max_position_embeddings", None)
     fmt = PromptFormat(tokenizer, resolve_prompt_format(prompt_format, tokenizer, is_conversational(ho_rows)))
     _check_lengths(fmt, ho_rows, "heldout", max_new_tokens, context)
@@ -373,7 +374,8 @@ def settings_kwargs(settings) -> dict:
                 heldout=heldout, heldout_split=None, train_examples=train, control=control,
                 source_names={"heldout": str(held_file) if held_file else d["heldout_source"], "control": ctl},
                 n_heldout=s.eval_examples, n_control=s.control_examples, max_new_tokens=s.max_new_tokens,
-                seed=s.seed, prompt_format=s.prompt_format, trust_remote_code=s.trust_remote_code)
+                seed=s.seed, prompt_format=s.prompt_format, trust_remote_code=s.trust_remote_code,
+                attn_implementation=s.attn_implementation)
 
 
 def _same(a, b) -> bool:

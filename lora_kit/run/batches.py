@@ -26,8 +26,6 @@ import torch
 
 from lora_kit.prompting import IGNORE_INDEX, PromptFormat
 
-LONG_SHARE_WARN = 0.03  # above this share of long examples, the run card lists it under "check next"
-
 
 def _empty(v) -> bool:
     return v is None or (isinstance(v, float) and v != v) or not str(v).strip()
@@ -123,21 +121,6 @@ def verified_slice(tokenizer, examples, seq_len: int, n_examples: int, seed: int
         "long_examples": long_report,
     }
     return order, report
-
-
-def long_examples_line(report: dict) -> str:
-    """One line on the examples longer than ``seq_len`` (the data report of :func:`verified_slice`)."""
-    lx = report.get("long_examples") or {}
-    if not lx:
-        return ""
-    if not lx["count"]:
-        return f"data: {report['rows']} rows, none longer than seq_len={lx['seq_len']} (longest {lx['longest_tokens']} tokens)"
-    done = {"truncate": f"truncated ({lx['answer_cut_away']} lost their whole answer and were skipped)",
-            "drop": "dropped", "error": "refused"}[lx["policy"]]
-    warn = "  <- check: above a few percent" if lx["share"] > LONG_SHARE_WARN else ""
-    return (f"data: {lx['count']} of {report['rows']} rows ({lx['share']:.1%}) longer than seq_len={lx['seq_len']} "
-            f"(longest {lx['longest_tokens']} tokens, row {lx['longest_row'] + 1}): {done} "
-            f"[long_examples={lx['policy']!r}]{warn}")
 
 
 def collate(batch, seq_len: int, pad_id: int) -> dict:

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from lora_kit.data import (control_source, field_settings, is_conversational, load_examples, mix_examples, run_data,
-                           to_examples, write_run_data)
+from lora_kit.data import (control_source, field_settings, is_conversational, load_examples, long_examples_line,
+                           mix_examples, run_data, to_examples, write_run_data)
 from lora_kit.prompting import PromptFormat, resolve_prompt_format
 from lora_kit.run import distributed as dist_util
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
@@ -379,7 +379,7 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     if rank == 0:  # the rows actually trained on: 04's overlap check compares held-out prompts with them
         rec["data"]["trained_file"] = str(write_run_data(s.run_dir, "trained", [rows[i] for i in
                                                                                 sorted({e["row"] for e in order})]))
-    log.info("%s", smoke_data.long_examples_line(rec["data"]))
+    log.info("%s", long_examples_line(rec["data"]))
     mine = order[rank::world]
     state["train_prompts"], state["fmt"] = [rows[e["row"]] for e in mine[:4]], fmt
     model = load_model(path, method=s.method, dtype=s.dtype, double_quant=s.double_quant,
@@ -557,7 +557,6 @@ def summary(rec: dict) -> str:
     mib = lambda b: f"{b / 2**20:.2f} MiB" if isinstance(b, (int, float)) else str(b)  # noqa: E731
     lines = [f"smoke run: {rec['status']}"]
     if rec.get("data"):
-        from lora_kit.run.batches import long_examples_line
         lines.append("  " + long_examples_line(rec["data"]))
     peaks = rec.get("peaks") or {}
     for r in peaks.get("per_rank", []):

@@ -33,6 +33,7 @@ from typing import ClassVar
 
 from jupyter_client.manager import AsyncKernelManager
 
+from lora_kit.data import absolute_paths
 from lora_kit.results import (NotWritten, active_run, check_output_dir, entered_run, interrupts, new_run, now_iso,
                               process_alive, read_record, same_run, settled, signal_name, touch, write_json_atomic,
                               write_text_atomic)
@@ -323,7 +324,7 @@ def run_pipeline(settings: Settings, out_dir: str | Path, notebooks: str | Path 
     names = select_notebooks(only)
     nb_dir = check_notebooks(notebooks if notebooks else notebooks_dir(), names)
     out = check_output_dir(out_dir, nb_dir, create=False)
-    settings = settings.replace(run_dir=str(out), interactive=False)
+    settings = settings.replace(run_dir=str(out), interactive=False, **absolute_paths(settings))  # kernels run in out/
     params = settings.to_dict()
     ident, kept, resumed = prepare_run_dir(out, params, overwrite, resume, log)
     check_output_dir(out, nb_dir)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from lora_kit.data import LONG_SHARE_WARN, long_examples_line
 from lora_kit.results import read_record, same_run, settled, write_json_atomic, write_text_atomic
 
 GiB = 1024 ** 3
@@ -83,6 +84,11 @@ def next_checks(card: dict) -> list[str]:
         out.append("Run the smoke run (03) with the planned settings before renting for longer.")
     elif smoke.get("status") != "complete":
         out.append(f"The smoke run stopped ({smoke.get('status')}): see smoke/smoke.json and the suggested changes.")
+    lx = ((smoke or {}).get("data") or {}).get("long_examples") or {}
+    if lx.get("share", 0) > LONG_SHARE_WARN:
+        out.append(f"{lx['share']:.0%} of the training rows are longer than seq_len={lx['seq_len']} (longest "
+                   f"{lx['longest_tokens']} tokens; long_examples={lx['policy']!r}): raise seq_len if memory allows "
+                   "(see 02), or shorten or drop those rows, so the fine-tune sees whole answers.")
     if ev is None:
         out.append("Evaluate base vs adapter (04) on held-out examples: training loss is not quality.")
     else:
@@ -208,6 +214,8 @@ def render_markdown(card: dict) -> str:
         ck = smoke.get("checkpoint") or {}
         if ck:
             lines.append(f"- adapter on disk: {ck.get('bytes', 0) / 2**20:.2f} MiB ({', '.join(sorted(ck.get('files', {})))})")
+        if (smoke.get("data") or {}).get("long_examples"):
+            lines.append("- " + long_examples_line(smoke["data"]))
         ver = smoke.get("verify") or {}
         if ver:
             lines.append("- verify: " + ", ".join(f"{k}={v}" for k, v in ver.items() if not isinstance(v, (dict, list))))
