@@ -53,7 +53,7 @@ def main() -> None:
         ev = load_result(args.eval_run)
         figs["fig-04-paired-diff"] = ev.diff_histogram()
         figs["fig-04-control-changes"] = ev.control_changes()
-    pio.write_images(list(figs.values()), [str(DOCS / f"{n}.png") for n in figs], width=F.DESIGN_WIDTH,
+    pio.write_images(list(figs.values()), [str(DOCS / f"{n}.png") for n in figs], width=F.NOTEBOOK_WIDTH,
                      height=[f.layout.height for f in figs.values()])
     html = ('<html><body style="font-family: sans-serif; font-size: 13px; margin: 8px">'
             + tables.method_table(plan).to_html() + "</body></html>")

@@ -10,8 +10,8 @@ Memory axes are GiB (2**30 bytes; MiB when everything is under 1 GiB), times hou
 costs in USD at the catalog's example prices (labelled so) or in the user's currency for their prices.
 
 Readable at a notebook's width: every figure has a fixed height and margins and its legend above the
-plot, so label positions are computed in pixels for :data:`DESIGN_WIDTH` (a wider output only spreads
-them further): labels that would collide are merged (GPUs with the same capacity, percentiles with the
+plot, so label positions are computed in pixels for :data:`DESIGN_WIDTH`, the narrowest notebook output
+designed for (a wider one, ~900 px in JupyterLab, only spreads them further): labels that would collide are merged (GPUs with the same capacity, percentiles with the
 same value) or moved (:func:`place_labels`), and the tests check the computed boxes never overlap.
 """
 from __future__ import annotations
@@ -34,7 +34,8 @@ METHOD_LABELS = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}
 METHOD_MARKERS = {"full": dict(symbol="square", size=12), "lora": dict(symbol="circle-open", size=18, line_width=2.5),
                   "qlora": dict(symbol="diamond", size=9)}
 
-DESIGN_WIDTH = 900  # px: the output width of a notebook, that label positions are computed for
+DESIGN_WIDTH = 760  # px: the narrowest notebook output that label positions are computed for
+NOTEBOOK_WIDTH = 900  # px: a typical JupyterLab output width (screenshots, the run card's PNGs)
 HEIGHT = 480
 MARGIN = {"l": 70, "r": 30, "t": 85, "b": 60}  # t: title + one legend row; 55 without a legend
 TOP_NO_LEGEND = 55
@@ -87,13 +88,20 @@ def place_labels(anchors, texts, size, markers=None, gap: float = 3.0, radii=Non
     W, H = size
     marks = [(m[0] - r, m[1] - r, m[0] + r, m[1] + r)
              for m in (anchors if markers is None else markers) for r in [m[2] if len(m) > 2 else MARKER_RADIUS]]
-    placed, shifts = [], []
-    for k, ((x, y), text) in enumerate(zip(anchors, texts)):
+    placed, shifts = [], [None] * len(anchors)
+    pts = np.asarray(anchors, dtype=float).reshape(-1, 2)
+    crowd = [int((np.hypot(*(pts - p).T) < 60).sum()) for p in pts]
+    for k in sorted(range(len(anchors)), key=lambda i: -crowd[i]):  # the most crowded first: they need the room
+        (x, y), text = anchors[k], texts[k]
         w, h = text_size(text)
         r = radii[k] if radii is not None else MARKER_RADIUS
         ox, oy = w / 2 + r + gap, h / 2 + r + gap
         cands = [(0, oy), (ox, 0), (0, -oy), (-ox, 0), (ox, oy), (-ox, oy), (ox, -oy), (-ox, -oy),
                  (0, oy + h + gap), (0, -oy - h - gap), (ox, oy + h), (-ox, oy + h), (ox, -oy - h), (-ox, -oy - h)]
+        # crowded: farther out, where the caller draws a leader line (:func:`is_far`)
+        cands += [(np.cos(a) * (d + w / 2), np.sin(a) * (d + h / 2)) for d in (30.0, 50.0, 75.0, 100.0, 130.0)
+                  for a in np.radians([90, 45, 135, 0, 180, -45, -135, -90, 67.5, 112.5, 22.5, 157.5,
+                                       -22.5, -157.5, -67.5, -112.5])]
         best, best_cost = None, None
         for dx, dy in cands:
             box = (x + dx - w / 2, y + dy - h / 2, x + dx + w / 2, y + dy + h / 2)
@@ -105,8 +113,14 @@ def place_labels(anchors, texts, size, markers=None, gap: float = 3.0, radii=Non
             if cost == 0:
                 break
         placed.append(best[2])
-        shifts.append((best[0], best[1]))
+        shifts[k] = (best[0], best[1])
     return shifts
+
+
+def is_far(shift, text: str, radius: float = MARKER_RADIUS) -> bool:
+    """Is a label's shift from :func:`place_labels` beyond the spots next to its point (draw a leader line)?"""
+    w, h = text_size(text)
+    return abs(shift[0]) > w / 2 + radius + 3.5 or abs(shift[1]) > h / 2 + radius + 3.5  # beyond the first ring
 
 
 def style(fig: go.Figure, height: int = HEIGHT, legend: bool = True) -> go.Figure:
@@ -157,7 +171,7 @@ def breakdown_bar(estimate, simulated=None, measured=None, gpu: str | None = Non
                     hovertemplate=f"{part.replace('_', ' ')}: %{{y:.3f}} {unit}<extra>%{{x}}</extra>")
     fig.add_scatter(x=names, y=[t / div for t in totals], mode="text", text=[_amount(t) for t in totals],
                     textposition="top center", showlegend=False, hoverinfo="skip", cliponaxis=False)
-    top = max(totals) / div
+    top, room = max(totals) / div, 1.2
     if gpu is not None:
         v = fit_verdict(0, gpu, margin)
         usable = v["usable_bytes"]
@@ -168,10 +182,11 @@ def breakdown_bar(estimate, simulated=None, measured=None, gpu: str | None = Non
                           annotation_position="top right", annotation_bgcolor="rgba(255,255,255,0.75)")
         else:
             fig.add_annotation(xref="paper", yref="paper", x=1, y=1, xanchor="right", yanchor="top", showarrow=False,
-                               text=f"{what}; the largest bar uses {max(totals) / usable:.2%} of it (off this scale)",
+                               text=f"{what}<br>off this scale: the largest bar is {max(totals) / usable:.2%} of it",
                                bgcolor="rgba(255,255,255,0.75)")
+            room = 1.3  # the two-line note above the bars
     fig.update_layout(barmode="stack", title=title or "Peak memory per GPU, by part",
-                      yaxis=dict(title=f"memory at the peak ({unit})", range=[0, top * 1.2]),
+                      yaxis=dict(title=f"memory at the peak ({unit})", range=[0, top * room]),
                       xaxis_title="source", legend_title="part")
     return style(fig)
 
@@ -360,9 +375,14 @@ def cost_time_scatter(compare_df: pd.DataFrame, title: str | None = None, curren
     anchors = [px[idx].mean(axis=0) for _, idx in spots]
     shifts = place_labels(anchors, [t for t, _ in spots], (W, H), markers=[(*p, r) for p, r in zip(px, radius)],
                           radii=[radius[idx].max() for _, idx in spots])
-    for (text, idx), (dx, dy) in zip(spots, shifts):
-        _label(fig, x=float(df["epoch_hours"].iloc[idx].mean()), y=float(df["epoch_cost"].iloc[idx].mean()),
-               text=text, dx=dx, dy=dy)
+    for (text, idx), (dx, dy), r in zip(spots, shifts, [radius[idx].max() for _, idx in spots]):
+        x, y = float(df["epoch_hours"].iloc[idx].mean()), float(df["epoch_cost"].iloc[idx].mean())
+        if is_far((dx, dy), text, r):  # a leader line from the point to its label (ay: px, down)
+            fig.add_annotation(x=x, y=y, text=text, showarrow=True, ax=dx, ay=-dy, arrowhead=0, arrowwidth=1,
+                               arrowcolor="gray", standoff=r, xanchor="center", yanchor="middle",
+                               bgcolor="rgba(255,255,255,0.75)", borderpad=1)
+        else:
+            _label(fig, x=x, y=y, text=text, dx=dx, dy=dy)
     ylabel = f"cost per epoch ({money}{', example prices' if example else ', your prices'})"
     fig.update_layout(title=title or ("Time vs cost per epoch, method x GPU"
                                       + (" — EXAMPLE prices, not quotes" if example else "")),
