@@ -151,3 +151,11 @@ def test_examples_rows_mark_answers_and_round_chrf():
     assert "#fde0dc" in html and "#e3f4e1" in html
     with pytest.raises(ValueError, match="examples_table"):
         T.examples_rows(ex.drop(columns=["pred:a"]))
+
+
+def test_nothing_fits_reads_so():
+    none = compare_methods("llama-3.1-8b", gpus=["T4"], seq_len=8192, methods=("full", "lora"))
+    assert not none["fits"].any()
+    assert T.method_markdown(none, fits_only=True).endswith("_No method x GPU fits._")
+    rows = T.method_rows(none)
+    assert rows.attrs["recommended"] is None and (rows["note"] == "").all() and set(rows["fits"]) == {"✗"}
