@@ -128,3 +128,18 @@ def test_local_config_dir(tmp_path):
     res = simulate(str(tmp_path), **SMALL)
     assert res.peak_allocated_bytes == simulate(llama(1), **SMALL).peak_allocated_bytes
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("padding,batch_size,gc", [("max_length", 2, False), ("max_length", 2, True),
+                                                   ("longest", 2, False), ("longest", 1, False)])
+def test_padded_batch_matches_a_real_padded_step(padding, batch_size, gc):
+    """The fake step runs the masked path a real padded batch takes (the (B, 1, S, S) mask, its per-layer
+    cast, K/V repeated to every head on this GQA model); one row padded to the longest has no padding
+    and no 4-D mask. Pinned: the padded step's extra bytes over the unpadded one."""
+    kw = dict(SMALL, dtype="bfloat16", batch_size=batch_size, gradient_checkpointing=gc, padding=padding)
+    sim = simulate(llama(), **kw)
+    _check_same(sim, measure_config(llama(), **kw))
+    extra = sim.peak_allocated_bytes - simulate(llama(), **{**kw, "padding": "none"}).peak_allocated_bytes
+    # no padding in the batch: only attention_mask + labels (512 B each); padded: the mask's path too
+    masked = padding == "max_length" or batch_size > 1
+    assert extra == 2 * 512 if not masked else extra >= 2 * 512 and (gc or extra > 2 * 512 + 1024)

@@ -41,7 +41,7 @@ def test_settings_hold_every_step_field_with_the_embedded_defaults_and_help():
     assert all(helps.get(k) for k in STEP_FIELDS)
     # the two default sets differ exactly where the embedded model on a CPU differs from planning a real model
     assert {k for k in STEP_FIELDS if EMBEDDED_DEFAULTS[k] != PLANNING_DEFAULTS[k]} == \
-        {"dtype", "seq_len", "batch_size", "gradient_checkpointing"}
+        {"dtype", "seq_len", "batch_size", "gradient_checkpointing", "padding"}
     assert set(ESTIMATE_FIELDS) == {"model", *STEP_FIELDS, "gpu", "margin"}
 
 

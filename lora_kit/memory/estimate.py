@@ -23,6 +23,12 @@ How it is built (exact by construction where the arithmetic allows it):
   grouped) or eager attention's ``B*H*S*S`` scores (fp32 softmax plus its cast) and repeated K/V,
   the MLP's gate/up/activation outputs (gated) or up/activation (plain). Gradient checkpointing
   keeps only each block's input plus one block's recomputation during backward.
+- **Padding** (``padding``): a padded batch (``"max_length"``, or ``"longest"`` with more than one row)
+  makes transformers build a ``(B, 1, S, S)`` bool mask; with SDPA each layer keeps its cast to the
+  compute dtype and K/V repeated to all query heads (GQA is off with a mask); checkpointing keeps the
+  bool mask as every block's input. The collator's attention_mask and labels are live all step.
+  Block 0 reads the frozen embedding's output: a sub-block it enters without a LoRA layer on its
+  inputs saves nothing (GPT-NeoX's MLP beside targeted attention). Partial rotary narrows cos/sin.
 - **Logits and loss**: ``B*S*V`` logits in the compute dtype, transformers' fp32 up-cast for the
   loss, the saved log-softmax, and in backward the NLL and log-softmax gradients (3 fp32 copies).
 - **Phases**: forward (saved activations + the loss' temporaries), backward (at its start: the
@@ -180,8 +186,16 @@ def _block_weight_bytes(spec: ModelSpec, method: str, dtype: str, autocast: bool
     return int(_r(numel * e))
 
 
+def _rotary_dim(spec: ModelSpec) -> int:
+    """Rotary embedding width: head_dim times the partial rotary factor, wherever the config keeps it."""
+    c = spec.config
+    f = ((c.get("rope_parameters") or {}).get("partial_rotary_factor") or c.get("partial_rotary_factor")
+         or c.get("rotary_pct") or 1.0)
+    return int(spec.head_dim * f)
+
+
 def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: bool, attn: str, targets: tuple,
-                 T, B, S, r) -> dict:
+                 T, B, S, r, padding: str = "none") -> dict:
     """Activation bytes (arrays over the broadcast shape) at the moments that can hold the peak."""
     h, i, H, kv, d, V, L = (spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads,
                             spec.head_dim, spec.vocab_size, spec.num_layers)
@@ -212,17 +226,35 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             group[kind] = 0
         block = block + group[kind]
     v_bytes = _r(T * kv * d * e)
+    # a padded batch: transformers builds a (B, 1, S, S) bool mask; SDPA casts it to the compute dtype in every
+    # layer and, with a mask, GQA is off: repeat_kv copies K and V out to all H heads (both kept for backward)
+    masked = (padding == "max_length") | ((padding == "longest") & (B > 1))
+    bool_mask = np.where(masked, _r(B * S * S), 0) if attn == "sdpa" else 0
     if attn == "sdpa":
-        block = block + _r(T * H * d * e) + _r(T * kv * d * e) + v_bytes + _r(T * H * d * e) + _r(B * H * S * 4)
+        attn_base = _r(T * H * d * e) + _r(T * kv * d * e) + v_bytes + _r(T * H * d * e) + _r(B * H * S * 4)
+        attn_base = attn_base + np.where(masked, _r(B * S * S * e) + 2 * (_r(T * H * d * e) - v_bytes), 0)
     else:
         kv_rep = _r(T * H * d * e) if kv < H else None
         k_b = kv_rep if kv_rep is not None else _r(T * kv * d * e)
         v_b = kv_rep if kv_rep is not None else v_bytes
         scores = B * H * S * S
-        block = block + _r(T * H * d * e) + k_b + v_b + _r(scores * 4) + (_r(scores * e) if e != 4 else 0)
+        attn_base = _r(T * H * d * e) + k_b + v_b + _r(scores * 4) + (_r(scores * e) if e != 4 else 0)
         if spec.attn_softcap:
-            block = block + _r(scores * e)
-    block = block + (3 if spec.gated_mlp else 1) * _r(T * i * e)
+            attn_base = attn_base + _r(scores * e)
+    mlp_base = (3 if spec.gated_mlp else 1) * _r(T * i * e)
+    block = block + attn_base + mlp_base
+    # block 0 reads the frozen embedding's output (no grad): a sub-block it enters without a LoRA layer on
+    # its inputs saves nothing (GPT-NeoX: the MLP beside targeted attention; any family: untargeted attention,
+    # and then a sequential MLP too unless its inputs are targeted)
+    if lora and spec.parallel_residual:
+        first_free = first_free + (0 if n_t["attn_in"] else attn_base) + (0 if n_t["mlp_in"] else mlp_base)
+    elif lora and not n_t["attn_in"]:
+        first_free = first_free + attn_base
+        if not n_t["attn_out"]:  # the MLP's input has no grad either: only what its targeted inputs need
+            mlp_in = [lin.name for lin in spec.linears if lin.kind == "mlp_in"]
+            kept = {0: 0, 1: (2 if mlp_in[0] in targets else 1), 2: 3}[n_t["mlp_in"]] if spec.gated_mlp and \
+                len(mlp_in) == 2 else (3 if spec.gated_mlp else 1) * bool(n_t["mlp_in"])
+            first_free = first_free + norm + mlp_base - kept * _r(T * i * e)
     # forward inside the last block, at its widest MLP projection: peft adds base output + B(A(x)) * scale
     mlp_last = [lin for lin in spec.linears if lin.kind == "mlp_in"][-1]
     wi = mlp_last.out_features
@@ -244,7 +276,8 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         attn_temps = 2 * _r(scores * 4) - (_r(scores * e) if e != 4 else 0) - mlp_saved - norm
         bwd_temps = np.maximum(bwd_temps, attn_temps)
     first_norm_free = lora and not gc  # the frozen embedding's output needs no grad: block 0's norm saves nothing
-    rope = 2 * _r(S * d * e) + 2 * _r(d // 2 * 4)  # cos/sin + the inv_freq buffers
+    rd = _rotary_dim(spec)  # partial rotary (GPT-NeoX rotary_pct, Phi partial_rotary_factor): cos/sin are narrower
+    rope = 2 * _r(S * rd * e) + 2 * _r(rd // 2 * 4)  # cos/sin + the inv_freq buffers
     final = norm + (_r(T * h * e) if not lora else 0)  # full fine-tuning: lm_head keeps its input
     el = 4 if method == "qlora" else e  # logits dtype (QLoRA: lm_head up-cast to fp32)
     loss_saved = _r(T * V * 4) + _r(T * 8) + 512
@@ -255,7 +288,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         logits_fwd = logits_fwd + 2 * _r(T * V * el)
     mask = _r(B * S * S * e) if attn == "eager" else 0
     if gc:  # only block inputs stay; one block is recomputed during backward
-        layers = L * _r(T * h * e) + rope
+        layers = L * _r(T * h * e) + rope + bool_mask  # the bool mask is an input of every checkpointed block
         fwd_block = layers + block + fwd_transient
         bwd_block = layers + block + bwd_temps + mask  # the checkpoint keeps the eager mask as an input
     else:
@@ -263,17 +296,19 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         fwd_block = layers + fwd_transient
         bwd_block = layers + bwd_temps
     saved = layers + final + loss_saved
-    fwd = np.maximum(saved + logits_fwd, fwd_block) + mask
+    fwd = np.maximum(saved + logits_fwd, fwd_block) + mask + (0 if gc else bool_mask)
     bwd_start = saved + 2 * _r(T * V * 4)
     bwd_norm = layers + norm + 5 * _r(T * h * 4) + _r(T * h * e)
-    return {"forward": fwd, "backward": np.maximum(bwd_start, bwd_norm), "backward_block": bwd_block,
+    # the collator's attention_mask and labels (a tensor of their own when padded) are live all step
+    inputs = 2 * _r(T * 8) if padding != "none" else 0 * T
+    return {"inputs": inputs, "forward": fwd, "backward": np.maximum(bwd_start, bwd_norm), "backward_block": bwd_block,
             "backward_end": _r(T * h * 4) + (_r(T * h * e) + (2 if e == 4 else 1) * _r(V * h * 4) if not lora else 0)}
 
 
 def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
                     batch_size=1, lora_rank=16, lora_targets="all-linear", gradient_checkpointing=True,
                     attn_implementation="sdpa", optimizer="adamw", num_gpus=1, sharding="none",
-                    cpu_offload=False) -> dict:
+                    cpu_offload=False, padding="none") -> dict:
     """Vectorized core of :func:`estimate` (the planner's engine).
 
     Categorical arguments are scalars; ``seq_len``, ``batch_size``, ``lora_rank`` and ``num_gpus`` are
@@ -284,7 +319,7 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
     s = check_step(dict(method=method, dtype=dtype, autocast=autocast, double_quant=double_quant, seq_len=seq_len,
                         batch_size=batch_size, gradient_checkpointing=gradient_checkpointing,
                         attn_implementation=attn_implementation, optimizer=optimizer, num_gpus=num_gpus,
-                        sharding=sharding, cpu_offload=cpu_offload,
+                        sharding=sharding, cpu_offload=cpu_offload, padding=padding,
                         **({} if method == "full" else dict(lora_rank=lora_rank, lora_targets=lora_targets))))
     autocast, double_quant, gradient_checkpointing, cpu_offload = (
         s["autocast"], s["double_quant"], s["gradient_checkpointing"], s["cpu_offload"])
@@ -322,7 +357,7 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
 
     # ---- phases -----------------------------------------------------------------------------------
     act = _activations(spec, method, dtype, autocast, bool(gradient_checkpointing), attn_implementation, targets,
-                       T, B, S, r)
+                       T, B, S, r, s["padding"])
     bwd_end = grads + act["backward_end"]
     in_block, block_grads = act["backward_block"], zero
     if method == "full" and gradient_checkpointing:  # the bottom block recomputes with (almost) all grads made
@@ -330,7 +365,7 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
         block_grads = np.maximum(grads - embed, 0)
         in_block = in_block + block_grads
     bwd = np.maximum(np.maximum(act["backward"], in_block), bwd_end)
-    totals = np.stack([static + act["forward"], static + bwd, static + grads + opt_tmp])
+    totals = np.stack([static + act["forward"], static + bwd, static + grads + opt_tmp]) + act["inputs"]
     idx = np.argmax(totals, axis=0)
     peak = np.max(totals, axis=0)
     bwd_grads = np.where(bwd_end >= np.maximum(act["backward"], in_block), grads,
@@ -349,7 +384,7 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
 def estimate(model="tiny", method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
              batch_size=1, lora_rank=16, lora_alpha=32, lora_targets="all-linear", gradient_checkpointing=True,
              attn_implementation="sdpa", optimizer="adamw", num_gpus=1, sharding="none", cpu_offload=False,
-             grad_accum=1) -> Estimate:
+             grad_accum=1, padding="none") -> Estimate:
     """Peak GPU memory of one training step, per GPU, by arithmetic (see the module docstring).
 
     ``model``: catalog name, "tiny", local folder / config.json, hub id (online) or PretrainedConfig.

@@ -7,9 +7,10 @@
   with every already-live tensor (weights, optimizer state, batch) registered first. CPU has no
   caching allocator, so ``reserved_bytes`` is None there.
 
-The step is the one design.md defines (:func:`train_step`): forward with labels keeping only the
-loss (as the HF Trainer's ``compute_loss`` does), ``loss.backward()``, ``optimizer.step()``,
-``optimizer.zero_grad(set_to_none=True)``; the *last* of ``steps`` steps is measured (the second by
+The batch is padded as the ``padding`` setting says (:func:`step_batch`: a real attention mask with
+padded rows and -100 labels, as the collator builds them). The step is the one design.md defines
+(:func:`train_step`): forward with labels keeping only the loss (as the HF Trainer's ``compute_loss``
+does), ``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``; the *last* of ``steps`` steps is measured (the second by
 default, so the optimizer state exists). The breakdown uses the same keys as ``estimate``.
 Trade-off: the CPU tracker runs Python on every operator, so a tracked CPU step is several times
 slower than an untracked one; use tiny models.
@@ -85,7 +86,7 @@ def measure_config(model, method: str = "lora", dtype: str = "bfloat16", autocas
                    double_quant: bool = True, seq_len: int = 2048, batch_size: int = 1, lora_rank: int = 16,
                    lora_alpha: int = 32, lora_targets="all-linear", gradient_checkpointing: bool = True,
                    attn_implementation: str = "sdpa", optimizer: str = "adamw", num_gpus: int = 1,
-                   sharding: str = "none", cpu_offload: bool = False, grad_accum: int = 1,
+                   sharding: str = "none", cpu_offload: bool = False, grad_accum: int = 1, padding: str = "none",
                    device: str = "cpu", seed: int = 0, steps: int = 2) -> MeasureResult:
     """Build a random-init real model from ``model``'s config (same arguments as ``estimate``) and
     measure one real step on ``device``. QLoRA quantizes with bitsandbytes (saved to a temporary
@@ -119,4 +120,21 @@ def build_real_model(cfg, s: dict, device: str = "cpu", seed: int = 0):
     net.train()  # from_pretrained returns eval mode, where checkpointing is off
     opt = optimizer_for(net.parameters(), s["optimizer"], device_type=torch.device(device).type)
     ids = torch.randint(0, cfg.vocab_size, (s["batch_size"], s["seq_len"]), device=device)
-    return net, opt, {"input_ids": ids, "labels": ids}
+    return net, opt, step_batch(ids, s["padding"])
+
+
+def step_batch(ids, padding: str = "none") -> dict:
+    """The batch of the measured step for ``ids`` of shape (batch, seq_len), as a collator builds it.
+
+    ``"none"``: equal-length rows, no attention mask (labels are the ids). ``"max_length"``: every row
+    right-padded to seq_len (its last quarter, at least one token, is padding); ``"longest"``: padded to
+    the longest row (row 0 is full, the others end in padding; one row alone has none). Pads are 0 in
+    ``attention_mask`` and -100 in ``labels`` (a separate tensor). A padded batch makes transformers build
+    a (batch, 1, seq, seq) attention mask; an all-ones mask does not."""
+    if padding == "none":
+        return {"input_ids": ids, "labels": ids}
+    B, S = ids.shape
+    mask = torch.ones_like(ids)
+    mask[0 if padding == "max_length" else 1:, S - max(1, S // 4):] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}

@@ -30,8 +30,10 @@ Limits (stated, measured where possible by ``benchmarks/gpu_validate.py``):
   op lists, which differ from CUDA's in a few ops;
 - memory allocated inside kernels (cuBLAS / cuDNN workspaces, NCCL buffers) is not a tensor and is
   not seen; ``device_total_bytes`` adds the CUDA context and allocator reserve analytically;
-- the batch has no padding mask (equal-length sequences): a padded batch with ``sdpa`` makes
-  transformers build a ``[batch, 1, seq, seq]`` mask, which is not counted;
+- padding: the batch is the one :func:`~lora_kit.memory.measure.step_batch` builds for ``padding``
+  (a real attention mask with padded rows, fed as constant fake tensors), so transformers takes the
+  path it takes on a padded batch: a ``[batch, 1, seq, seq]`` mask, SDPA's per-layer cast of it, and
+  K/V repeated to every query head (GQA off with a mask); with ``padding="none"`` there is no mask;
 - sharding: one GPU (``none``) and ``ddp`` (+ DDP's gradient buckets, as large as the gradients,
   added analytically) are simulated; ZeRO / FSDP are not (use ``estimate``).
 """
@@ -48,6 +50,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lora_kit.loading import DTYPE_MAP, bnb_config
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS, label_training_state, to_breakdown
 from lora_kit.memory.estimate import CUDA_CONTEXT_BYTES, RESERVE_FRACTION
+from lora_kit.memory.measure import step_batch
 from lora_kit.memory.specs import check_model_step, load_config
 from lora_kit.memory.tracker import LiveBytesTracker
 from lora_kit.training import attach_adapter, autocast_context, optimizer_for, train_step
@@ -137,23 +140,29 @@ def _optimizer_warmup(model, optimizer) -> None:
 
 
 @contextlib.contextmanager
-def _no_packed_sequences():
-    """transformers looks for packed sequences by reading position_ids' values, which fake tensors
-    do not have, and then builds a 4-D mask a real unpacked batch never gets; tell it there are none."""
+def _real_mask_decisions(has_padding: bool):
+    """Let transformers decide about masks as it decides on the real batch. It looks for packed sequences
+    by reading position_ids' values, which fake tensors do not have, and would build a 4-D mask a real
+    unpacked batch never gets: there are none. It skips SDPA's 4-D mask when the 2-D attention mask has no
+    padding, a test it cannot run on a fake mask (it builds the mask then): the answer is read from the
+    real batch (``has_padding``) and given to it; with padding it builds the mask, as on real tensors."""
     try:
         from transformers import masking_utils
     except ImportError:  # older transformers: nothing to patch
         yield
         return
-    orig = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if orig is None:
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    patches = {"find_packed_sequence_indices": lambda position_ids: None}
+    skip = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if skip is not None and not has_padding:
+        patches["_ignore_causal_mask_sdpa"] = lambda padding_mask, *a, **k: skip(None, *a, **k)
+    orig = {k: getattr(masking_utils, k) for k in patches if hasattr(masking_utils, k)}
+    for k in orig:
+        setattr(masking_utils, k, patches[k])
     try:
         yield
     finally:
-        masking_utils.find_packed_sequence_indices = orig
+        for k, v in orig.items():
+            setattr(masking_utils, k, v)
 
 
 def _device_total(peak: int) -> int:
@@ -165,7 +174,7 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
              double_quant: bool = True, seq_len: int = 2048, batch_size: int = 1, lora_rank: int = 16,
              lora_alpha: int = 32, lora_targets="all-linear", gradient_checkpointing: bool = True,
              attn_implementation: str = "sdpa", optimizer: str = "adamw", num_gpus: int = 1,
-             sharding: str = "none", cpu_offload: bool = False, grad_accum: int = 1) -> SimResult:
+             sharding: str = "none", cpu_offload: bool = False, grad_accum: int = 1, padding: str = "none") -> SimResult:
     """Peak memory of one steady-state training step, from a real step on fake tensors.
 
     Same arguments and result fields as :func:`lora_kit.memory.estimate`. ``grad_accum`` does not change
@@ -188,15 +197,19 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
     _fakeify(net, fake_mode, DTYPE_MAP[dtype])
     paged = s["optimizer"].startswith("paged_")
     opt = optimizer_for(net.parameters(), s["optimizer"], device_type="cpu")  # bnb builds real lookup maps
-    with fake_mode:
-        ids = torch.randint(0, cfg.vocab_size, (s["batch_size"], s["seq_len"]))
-    batch = {"input_ids": ids, "labels": ids}
+    # the batch a collator builds (real values: the padding mask's values decide what transformers builds),
+    # as constant fake tensors: shapes for the step, values for the few reads of them (the token count)
+    real = step_batch(torch.randint(0, cfg.vocab_size, (s["batch_size"], s["seq_len"])), s["padding"])
+    has_padding = "attention_mask" in real and not bool(real["attention_mask"].all())
+    memo = {}
+    batch = {k: memo.setdefault(id(v), fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, v, make_constant=True))
+             for k, v in real.items()}
     ctx = autocast_context(autocast, dtype, "cpu")
     tracker = LiveBytesTracker()
-    with fake_mode, _no_packed_sequences():
+    with fake_mode, _real_mask_decisions(has_padding):
         _optimizer_warmup(net, opt)  # "step 1": the optimizer state a first step leaves behind
         label_training_state(tracker, net, opt, paged=paged)
-        tracker.track(ids)
+        tracker.track(batch.values())
         tracker.reset_peak()
         with tracker:
             train_step(net, batch, opt, tracker=tracker, autocast_ctx=ctx,
