@@ -298,7 +298,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     saved = layers + final + loss_saved
     fwd = np.maximum(saved + logits_fwd, fwd_block) + mask + (0 if gc else bool_mask)
     bwd_start = saved + 2 * _r(T * V * 4)
-    bwd_norm = layers + norm + 5 * _r(T * h * 4) + _r(T * h * e)
+    bwd_norm = layers + norm + (4 if e == 4 else 5) * _r(T * h * 4) + _r(T * h * e)  # fp32: one cast is a no-op
     # the collator's attention_mask and labels (a tensor of their own when padded) are live all step
     inputs = 2 * _r(T * 8) if padding != "none" else 0 * T
     return {"inputs": inputs, "forward": fwd, "backward": np.maximum(bwd_start, bwd_norm), "backward_block": bwd_block,
