@@ -14,7 +14,7 @@ two tiny configurations run on the CPU (tracked real step) so the script itself 
 
     python benchmarks/gpu_validate.py --out benchmarks/results/gpu_validate.json
     python benchmarks/gpu_validate.py --cpu-dry-run --out /tmp/gpu_validate_dry.json
-    python benchmarks/gpu_validate.py --cpu-matrix --out /tmp/sim_vs_cpu.json   # 15 tiny CPU configs
+    python benchmarks/gpu_validate.py --cpu-matrix --out /tmp/sim_vs_cpu.json   # 18 tiny CPU configs
 """
 from __future__ import annotations
 
@@ -93,6 +93,13 @@ def tiny_configs(matrix: bool = False):
          dict(method="qlora", dtype="bfloat16", lora_rank=8, **b)),
         ("tiny-gptneox lora", GPTNeoXConfig(num_hidden_layers=1, **small),
          dict(method="lora", dtype="float32", lora_rank=8, **b)),
+        # padded batches (the collator's mask): GQA off, K/V repeated, mask cast per layer
+        ("tiny-llama lora bf16 padded", llama, dict(method="lora", dtype="bfloat16", padding="max_length", **b)),
+        ("tiny-llama lora bf16 ckpt padded longest", llama, dict(method="lora", dtype="bfloat16", padding="longest",
+                                                                 gradient_checkpointing=True, **b)),
+        ("tiny-gptneox lora bf16 qkv rotary0.25 padded", GPTNeoXConfig(num_hidden_layers=2, rotary_pct=0.25, **small),
+         dict(method="lora", dtype="bfloat16", lora_rank=8, lora_targets=["query_key_value"], padding="max_length",
+              **b)),
     ]
 
 
@@ -191,7 +198,7 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results/gpu_validate.json", help="JSON results path")
     ap.add_argument("--cpu-dry-run", action="store_true", help="no GPU: two tiny configs on the CPU (tests the script)")
     ap.add_argument("--cpu-matrix", action="store_true",
-                    help="no GPU: 15 tiny configs on the CPU (simulate vs a real tracked CPU step)")
+                    help="no GPU: 18 tiny configs on the CPU (simulate vs a real tracked CPU step)")
     ap.add_argument("--only", default="", help="run configs whose label contains this text")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new configs after this many seconds")
     args = ap.parse_args(argv)

@@ -4,6 +4,7 @@ Usage (CPU, offline)::
 
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py            # the whole matrix (>= 60 cases)
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --limit 12 # the first 12 cases
+    HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --families # every catalog family, gc on/off, padded
     python benchmarks/memory_accuracy.py --published-only            # only the published-figures table
 
 Three tables are printed:
@@ -88,6 +89,29 @@ def matrix() -> list[dict]:
     return cases
 
 
+def family_cases(layers: int = 2, seq_len: int = 1024, batch_size: int = 2) -> list[dict]:
+    """Every architecture family (model_type) in the catalog, its smallest model cut to ``layers`` blocks:
+    LoRA (all-linear) with and without checkpointing, on an unpadded and a padded (``max_length``) batch,
+    so that a family-specific term (GPT-NeoX's parallel residual, a padded GQA model's mask and repeated
+    K/V) shows as a row of its own; plus the GPT-NeoX row of the reported miss (Pythia-1B, LoRA on
+    query_key_value, r 8, seq 1024, batch 1, no checkpointing)."""
+    smallest = {}
+    for name, facts in catalog().items():
+        t = facts["model_type"]
+        if t not in smallest or facts.get("params", 0) < catalog()[smallest[t]].get("params", 0):
+            smallest[t] = name
+    cases = []
+    for t, name in sorted(smallest.items()):
+        attn = "eager" if t.startswith("gemma2") else "sdpa"
+        for gc in (False, True):
+            for padding in ("none", "max_length"):
+                cases.append(dict(model=name, layers=layers, method="lora", seq_len=seq_len, batch_size=batch_size,
+                                  gradient_checkpointing=gc, attn_implementation=attn, padding=padding))
+    cases.append(dict(model="pythia-1b", layers=layers, method="lora", seq_len=1024, batch_size=1, lora_rank=8,
+                      lora_targets=["query_key_value"], gradient_checkpointing=False))
+    return cases
+
+
 def model_arg(case: dict):
     """Catalog name, or its config with fewer layers (a transformers PretrainedConfig)."""
     if case.get("layers") is None:
@@ -114,7 +138,11 @@ def run_matrix(cases: list[dict], fresh: bool) -> dict:
     for n, case in enumerate(cases):
         k = key(case)
         m = model_arg(case)
-        e = estimate(m, **est_kwargs(case))  # always recomputed (cheap); simulate results are reused
+        try:
+            e = estimate(m, **est_kwargs(case))  # always recomputed (cheap); simulate results are reused
+        except Exception as exc:  # noqa: BLE001 - print and keep going: one case must not hide the rest
+            print(f"{n:3d} {key(case)}: estimate failed: {type(exc).__name__}: {exc}", flush=True)
+            continue
         est = {"estimate": e.peak_allocated_bytes, "estimate_phase": e.phase,
                "estimate_device_total": e.device_total_bytes, "estimate_breakdown": e.breakdown}
         if k in done and "simulate" in done[k]:
@@ -142,7 +170,8 @@ def _row_line(n, row) -> str:
             f"{c.get('dtype', 'bfloat16')[:4]} S{c['seq_len']} B{c['batch_size']} r{c.get('lora_rank', '-')} "
             f"{'gc' if c.get('gradient_checkpointing') else '--'} {c.get('attn_implementation', 'sdpa')} "
             f"{c.get('optimizer', 'adamw')}{' tgt' if 'lora_targets' in c else ''}"
-            f"{' no-dq' if c.get('double_quant') is False else ''}")
+            f"{' no-dq' if c.get('double_quant') is False else ''}"
+            f"{' pad=' + c['padding'] if c.get('padding', 'none') != 'none' else ''}")
     if "simulate" not in row:
         return f"{n:3d} {desc:72s} est {row['estimate'] / GIB:8.3f} GiB  simulate failed: {row['simulate_error']}"
     err = 100 * (row["estimate"] - row["simulate"]) / row["simulate"]
@@ -320,14 +349,18 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="run only the first N matrix cases")
     ap.add_argument("--fresh", action="store_true", help="ignore results already saved")
     ap.add_argument("--published-only", action="store_true")
+    ap.add_argument("--families", action="store_true",
+                    help="every architecture family of the catalog (2 layers), checkpointing on/off, padded/unpadded")
     args = ap.parse_args()
     if not args.published_only:
-        cases = matrix()[: args.limit]
+        cases = (family_cases() if args.families else matrix())[: args.limit]
         print(f"{len(cases)} cases; estimate vs simulate (peak_allocated_bytes)")
         done = run_matrix(cases, args.fresh)
         rows = [done[key(c)] for c in cases if key(c) in done]
         ok = [r for r in rows if "simulate" in r]
         print("\n" + summary(ok, lambda r: 100 * (r["estimate"] - r["simulate"]) / r["simulate"], "estimate"))
+        if args.families:  # the family rows answer one question: is any family's term missing?
+            return
         tools = run_tools(ok)
         for name, t in tools.items():
             line = summary([{"e": x} for x in t["errors_pct"]], lambda r: r["e"], name)

@@ -251,14 +251,14 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     elif lora and not n_t["attn_in"]:
         first_free = first_free + attn_base
         if not n_t["attn_out"]:  # the MLP's input has no grad either: only what its targeted inputs need
-            mlp_in = [lin.name for lin in spec.linears if lin.kind == "mlp_in"]
-            kept = {0: 0, 1: (2 if mlp_in[0] in targets else 1), 2: 3}[n_t["mlp_in"]] if spec.gated_mlp and \
-                len(mlp_in) == 2 else (3 if spec.gated_mlp else 1) * bool(n_t["mlp_in"])
+            mlp_names = [lin.name for lin in spec.linears if lin.kind == "mlp_in"]
+            kept = {0: 0, 1: (2 if mlp_names[0] in targets else 1), 2: 3}[n_t["mlp_in"]] if spec.gated_mlp and \
+                len(mlp_names) == 2 else (3 if spec.gated_mlp else 1) * bool(n_t["mlp_in"])
             first_free = first_free + norm + mlp_base - kept * _r(T * i * e)
     # forward inside the last block, at its widest MLP projection: peft adds base output + B(A(x)) * scale
-    mlp_last = [lin for lin in spec.linears if lin.kind == "mlp_in"][-1]
-    wi = mlp_last.out_features
-    up_lora = lora and mlp_last.name in targets
+    mlp_in = [lin for lin in spec.linears if lin.kind == "mlp_in"]  # none: MoE experts held as fused tensors
+    wi = mlp_in[-1].out_features if mlp_in else i
+    up_lora = lora and bool(mlp_in) and mlp_in[-1].name in targets
     stream = 3 * _r(T * h * e)  # embedding output (held by the model's forward), residual, norm output
     not_yet = group["mlp_out"] + (3 if spec.gated_mlp and wi > i else 1) * _r(T * i * e)  # fused gate_up: all
     fwd_transient = stream + _r(T * wi * e) + (2 * _r(T * wi * 4) if up_lora else 0) - not_yet
