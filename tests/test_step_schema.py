@@ -136,3 +136,10 @@ def test_cli_estimate_refuses_unknown_gpu_and_missing_model(capsys):
     assert "Unknown GPU 'NOPE'" in capsys.readouterr().err
     assert main(["estimate", "--method", "lora"]) == 2
     assert "--model is required" in capsys.readouterr().err
+
+
+def test_planner_sweeps_and_fits_over_every_step_field():
+    from lora_kit.plan.planner import ARRAY_ARGS, CATEGORICAL_ARGS, PASSTHROUGH_ARGS, max_fit
+    assert sorted(ARRAY_ARGS + CATEGORICAL_ARGS + PASSTHROUGH_ARGS) == sorted(STEP_FIELDS)
+    kw = {k: v for k, v in PLANNING_DEFAULTS.items() if k not in ("seq_len",)}
+    assert max_fit("seq_len", "llama-3.1-8b", gpu="A100-80GB", **kw) > 0

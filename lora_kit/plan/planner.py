@@ -37,9 +37,9 @@ from lora_kit.settings import LORA_FIELDS, METHODS, PLANNING_DEFAULTS, STEP_FIEL
 
 GIB = 2 ** 30
 ARRAY_ARGS = ("seq_len", "batch_size", "lora_rank", "num_gpus")
-CATEGORICAL_ARGS = ("method", "dtype", "autocast", "double_quant", "lora_targets", "gradient_checkpointing",
-                    "attn_implementation", "optimizer", "sharding", "cpu_offload")
 PASSTHROUGH_ARGS = ("lora_alpha", "grad_accum")  # accepted by estimate, no effect on memory
+# every other step field of the one schema is a categorical sweep axis (derived, so a new field is never refused)
+CATEGORICAL_ARGS = tuple(f for f in STEP_FIELDS if f not in ARRAY_ARGS + PASSTHROUGH_ARGS)
 FIT_PARAMS = {"seq_len": 1 << 20, "batch_size": 1 << 14, "lora_rank": 1 << 14}  # searchable -> default upper bound
 
 
