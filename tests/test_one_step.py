@@ -133,4 +133,5 @@ def test_smoke_labels_fresh_gradients(random_llama_dir, tmp_path):
                   simulate=True, max_steps=2, batch_size=2, seq_len=32, max_new_tokens=2, measure_steps=2)
     first = r.record["steps"][0]  # no optimizer state yet: the peak is where AdamW creates it, gradients live
     assert first["peak_phase"] == "optimizer"
-    assert first["peak_breakdown"]["gradients"] == r.record["memory_model"]["simulate"]["breakdown"]["gradients"] > 0
+    bd = first["peak_breakdown"]  # full fine-tuning: one gradient per weight, none counted as activations
+    assert 0 < bd["gradients"] <= bd["weights"]
