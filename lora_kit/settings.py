@@ -92,6 +92,23 @@ def _check_targets(value: Any):
                      f"['q_proj', 'v_proj']; got {value!r}.")
 
 
+def check_count(name: str, value: Any):
+    """A number of examples to evaluate: a non-negative integer, 0 (or None) meaning all of them.
+    The one check for ``Settings.eval_examples`` / ``control_examples`` and ``evaluate``'s ``n_heldout`` /
+    ``n_control`` (``-1`` was once read as "all but the last")."""
+    return None if value is None else _check_int(name, value, 0, (1 << 32) - 1)
+
+
+def check_heldout_split(split: Any) -> Any:
+    """A held-out split must not be the split the adapter trained on: evaluating on ``"train"`` and
+    calling it held-out reports memorisation as skill."""
+    if isinstance(split, str) and split.strip().lower() == "train":
+        raise ValueError("heldout_split='train' is the training split, so the result would not be held-out; "
+                         "choose a split the adapter did not train on (e.g. 'test'), or pass the rows "
+                         "you held out as heldout=...")
+    return split
+
+
 def check_step(values: dict, defaults: dict | None = None) -> dict:
     """The one validator of step settings: ``values`` (any subset of :data:`STEP_FIELDS`, plus extra
     keys passed through) checked and normalised; missing fields come from ``defaults``
@@ -238,8 +255,9 @@ def validate(s: Settings) -> None:
         setattr(s, k, v)
     for name in ("max_steps", "max_new_tokens"):
         setattr(s, name, _check_int(name, getattr(s, name), 1, 1 << 24))
-    for name in ("eval_examples", "control_examples", "seed"):
-        setattr(s, name, _check_int(name, getattr(s, name), 0, (1 << 32) - 1))
+    for name in ("eval_examples", "control_examples"):
+        setattr(s, name, check_count(name, getattr(s, name)))
+    s.seed = _check_int("seed", s.seed, 0, (1 << 32) - 1)
     for name in ("autocast", "double_quant", "trust_remote_code", "interactive"):
         setattr(s, name, parse_bool(name, getattr(s, name)))
     lr = s.learning_rate

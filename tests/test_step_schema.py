@@ -102,6 +102,30 @@ def test_settings_refuse_non_step_nonsense_up_front():
             Settings(**bad)
 
 
+@pytest.mark.parametrize("bad,match", [
+    (dict(n_heldout=-1), "n_heldout must be a non-negative integer"),  # once: "all but the last" (399 of 400)
+    (dict(n_control=2.5), "n_control must be a non-negative integer"),
+    (dict(heldout_split="train"), "training split"),  # once: reported as held-out "+100 points"
+    (dict(heldout=("tiny:dates", "train")), "training split"),
+    (dict(do_sample="maybe"), "do_sample must be true or false"),
+    (dict(confidence=1.5), "confidence must be in"),
+    (dict(do_sample=True, temperature=math.nan), "temperature must be > 0"),
+    (dict(batch_size=0), "batch_size must be a positive integer")])
+def test_evaluate_refuses_bad_arguments_before_loading_anything(bad, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        lk.evaluate(run_dir=tmp_path, **bad)
+    assert not any(tmp_path.iterdir())  # nothing loaded, nothing written
+
+
+def test_settings_and_evaluate_count_examples_the_same_way():
+    for v in (-1, 1.5, True):
+        with pytest.raises(ValueError) as from_settings:
+            Settings(eval_examples=v)
+        with pytest.raises(ValueError) as from_evaluate:
+            lk.evaluate(n_heldout=v)
+        assert str(from_settings.value).split(" must ")[1] == str(from_evaluate.value).split(" must ")[1]
+
+
 def test_step_kwargs_drop_lora_fields_for_full_fine_tuning():
     s = Settings(lora_rank=8)
     assert step_kwargs(s)["lora_rank"] == 8

@@ -39,7 +39,7 @@ from lora_kit.generation import generate, reference_nll
 from lora_kit.evaluation.hygiene import check_heldout, overlap_report
 from lora_kit.data import control_source, field_settings, is_conversational, load_examples, run_data, run_data_file
 from lora_kit.prompting import PromptFormat, resolve_prompt_format
-from lora_kit.settings import Settings
+from lora_kit.settings import Settings, _check_int, check_count, check_heldout_split, parse_bool
 from lora_kit.results import check_output_dir, read_record, run_identity, settled, write_json_atomic, write_text_atomic
 
 EVAL_DIR = "eval"
@@ -264,11 +264,7 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
     if isinstance(base_model, Settings):
         given = {k: v for k, v in locals().items() if k in _DEFAULTS and k != "base_model" and not _same(v, _DEFAULTS[k])}
         return evaluate(**{**settings_kwargs(base_model), **given})
-    for name, v in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("n_resamples", n_resamples)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}.")
-    if do_sample and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when do_sample=True, got {temperature!r}.")
+    _check_args(locals())
     if method not in ("lora", "qlora"):
         raise ValueError(f"method={method!r}: evaluate compares adapters on a base loaded for 'lora' (weights in "
                          "dtype) or 'qlora' (4-bit); for a full fine-tune pass its folder as base_model and adapters=None.")
@@ -282,6 +278,8 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
 
     fields = dict(prompt_field=prompt_field, response_field=response_field, data_format=data_format,
                   messages_field=messages_field)
+    if isinstance(heldout, tuple) and len(heldout) == 2:
+        check_heldout_split(heldout[1])
     ho_rows = _rows(heldout, heldout_split, "heldout", n=n_heldout, **fields)
     ctl_rows = _rows(control, None, "control", n=n_control, **fields) if control is not None else []
     hygiene = _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fields)
@@ -383,6 +381,23 @@ def _same(a, b) -> bool:
         return bool(a is b or (type(a) is type(b) and a == b))
     except Exception:  # noqa: BLE001 - e.g. a DataFrame: never "the default"
         return False
+
+
+def _check_args(args: dict) -> None:
+    """Refuse bad arguments before anything loads, with the checks Settings uses for the same values."""
+    for name in ("max_new_tokens", "batch_size", "n_resamples"):
+        _check_int(name, args[name], 1, 1 << 24)
+    for name in ("n_heldout", "n_control"):
+        check_count(name, args[name])
+    check_heldout_split(args["heldout_split"])
+    flags = {name: parse_bool(name, args[name]) for name in ("do_sample", "allow_overlap", "check_base_name",
+                                                              "trust_remote_code", "progress", "allow_incomplete_adapter")}
+    t = args["temperature"]
+    if flags["do_sample"] and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0):
+        raise ValueError(f"temperature must be > 0 when do_sample=True, got {t!r}.")
+    c = args["confidence"]
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < 1:
+        raise ValueError(f"confidence must be in (0, 1), e.g. 0.95 for a 95 % interval; got {c!r}.")
 
 
 def _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fields) -> dict:
