@@ -29,6 +29,14 @@ from typing import Any
 import numpy as np
 
 METHODS = ("full", "lora", "qlora")
+METHOD_LABELS = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}  # one spelling in tables, figures, texts
+
+
+def method_label(method) -> str:
+    """One spelling of a method everywhere: "full", "LoRA", "QLoRA"."""
+    return METHOD_LABELS.get(str(method).lower(), str(method))
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd", "adafactor")
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")

@@ -22,13 +22,13 @@ import plotly.graph_objects as go
 
 from lora_kit.plan.gpus import get_gpu
 from lora_kit.plan.planner import fit_verdict
+from lora_kit.settings import METHOD_LABELS, method_label
 
 GIB = 2 ** 30
 MIB = 2 ** 20
 PART_COLORS = {"weights": "#4C78A8", "quant_constants": "#72B7B2", "adapters": "#54A24B", "gradients": "#F58518",
                "optimizer_states": "#E45756", "activations": "#B279A2"}
 METHOD_COLORS = {"full": "#E45756", "lora": "#4C78A8", "qlora": "#54A24B"}
-METHOD_LABELS = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}
 # LoRA and QLoRA on one GPU often land on the same spot: a wide open ring with a small filled diamond
 # drawn on top of it keeps both visible.
 METHOD_MARKERS = {"full": dict(symbol="square", size=12), "lora": dict(symbol="circle-open", size=18, line_width=2.5),
@@ -42,11 +42,6 @@ TOP_NO_LEGEND = 55
 FONT_PX = 12
 MARKER_RADIUS = 9  # px: labels keep clear of markers by this much
 STAR_SIZE = 28  # px: the star behind the cheapest option
-
-
-def method_label(method) -> str:
-    """One spelling of a method everywhere: "full", "LoRA", "QLoRA"."""
-    return METHOD_LABELS.get(str(method).lower(), str(method))
 
 
 # --- geometry: where things land on a DESIGN_WIDTH x HEIGHT figure ------------------------------------------

@@ -33,7 +33,8 @@ import numpy as np
 import pandas as pd
 
 from lora_kit.plan.gpus import get_gpu, gpu_table
-from lora_kit.settings import LORA_FIELDS, METHODS, PLANNING_DEFAULTS, STEP_FIELDS, check_step, step_kwargs
+from lora_kit.settings import (LORA_FIELDS, METHODS, PLANNING_DEFAULTS, STEP_FIELDS, check_step, method_label,
+                               step_kwargs)
 
 GIB = 2 ** 30
 ARRAY_ARGS = ("seq_len", "batch_size", "lora_rank", "num_gpus")
@@ -441,12 +442,16 @@ def compare_methods(model, gpus=None, seq_len: int = 2048, batch_size="max", num
     return df
 
 
+def _method_words(method) -> str:
+    return "full fine-tuning" if method == "full" else method_label(method)
+
+
 def recommend(df: pd.DataFrame) -> str:
     """Plain-language recommendation from a :func:`compare_methods` table."""
     ok = df[df["fits"]]
     if ok.empty:
         worst = df.loc[df["headroom_gib"].idxmax()]
-        return (f"Nothing fits: the closest is {worst['method']} on {worst['gpu']}, short by "
+        return (f"Nothing fits: the closest is {_method_words(worst['method'])} on {worst['gpu']}, short by "
                 f"{-worst['headroom_gib']:.1f} GiB. Shorten seq_len, enable checkpointing, or use sharding "
                 "across GPUs (memory is per GPU; it pools only when states are sharded).")
     parts = []
@@ -454,14 +459,14 @@ def recommend(df: pd.DataFrame) -> str:
     example = (priced["price_source"] == "example").any() if len(priced) else False
     if len(priced):
         c = priced.loc[priced["epoch_cost"].idxmin()]
-        parts.append(f"Cheapest per epoch: {c['method'].upper() if c['method'] != 'full' else 'full fine-tuning'} "
-                     f"on {c['gpu']} (${c['epoch_cost']:.2f}, {c['epoch_hours']:.2f} h, micro-batch {c['batch_size']}).")
+        parts.append(f"Cheapest per epoch: {_method_words(c['method'])} on {c['gpu']} (${c['epoch_cost']:.2f}, "
+                     f"{c['epoch_hours']:.2f} h, micro-batch {c['batch_size']}).")
     f = ok.loc[ok["epoch_hours"].idxmin()]
-    parts.append(f"Fastest: {f['method']} on {f['gpu']} ({f['epoch_hours']:.2f} h per epoch"
+    parts.append(f"Fastest: {_method_words(f['method'])} on {f['gpu']} ({f['epoch_hours']:.2f} h per epoch"
                  + (f", ${f['epoch_cost']:.2f}" if f["epoch_cost"] == f["epoch_cost"] else "") + ").")
     for m in ("lora", "qlora"):
         if m in set(ok["method"]):
-            parts.append(f"{m.upper()} fits on {', '.join(ok[ok['method'] == m]['gpu'])}.")
+            parts.append(f"{method_label(m)} fits on {', '.join(ok[ok['method'] == m]['gpu'])}.")
     if example:
         parts.append("Costs use the catalog's EXAMPLE prices: pass prices={gpu: your price per hour}.")
     return " ".join(parts)

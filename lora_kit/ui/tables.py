@@ -22,7 +22,7 @@ import math
 
 import pandas as pd
 
-from lora_kit.plan.figures import method_label
+from lora_kit.settings import method_label
 
 GIB = 2 ** 30
 NONE = "—"  # a value that does not apply (never NaN)
