@@ -6,6 +6,11 @@
 - :func:`show` displays a figure and keeps a copy in ``<run_dir>/figures/`` (HTML + JSON);
   :func:`export_pngs` turns them into PNGs in one batch for the run card, when kaleido finds a
   Chromium — optional: a missing browser never fails a run, the HTML figures stay.
+- Offline by construction: plotly.js is written once per run folder (``<run_dir>/plotly.min.js``,
+  :func:`ship_plotlyjs`); saved figures and the notebooks' HTML exports (:func:`notebook_html`) load
+  it from there, and nothing they contain fetches a script from the internet (no CDN plotly.js,
+  require.js, MathJax, widget manager or mermaid). Keep ``plotly.min.js`` beside them when you
+  copy a run folder.
 """
 from __future__ import annotations
 
@@ -22,8 +27,8 @@ def setup(namespace: dict) -> Settings:
     """Settings from the notebook's globals (only names that are Settings fields are taken)."""
     global _RUN_DIR
     import plotly.io as pio
-    # mimetype for JupyterLab, "notebook" (embedded plotly.js) for nbconvert HTML and nbval runs.
-    pio.renderers.default = "plotly_mimetype+notebook"
+    # mimetype for JupyterLab; offline HTML (plotly.js from the run folder) for the HTML exports
+    pio.renderers.default = f"plotly_mimetype+{_offline_renderer()}"
     values = {k: namespace[k] for k in field_names() if k in namespace}
     settings = from_dict(values)
     _RUN_DIR = Path(settings.run_dir).resolve()
@@ -43,12 +48,86 @@ def chromium_path() -> str | None:
     return None
 
 
+PLOTLY_JS = "plotly.min.js"  # one copy per run folder, loaded by its figures and HTML exports
+OFFLINE_RENDERER = "lora_kit_offline"
+# nbconvert's JupyterLab template without its CDN scripts (require.js, MathJax, the widget manager,
+# mermaid); plotly.js comes from the run folder, beside the exported notebook
+_OFFLINE_TEMPLATE = """{%- extends 'index.html.j2' -%}
+{%- block html_head_js -%}<script src="PLOTLY_JS"></script>{%- endblock html_head_js -%}
+{% block jupyter_widgets %}{% endblock jupyter_widgets %}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+""".replace("PLOTLY_JS", PLOTLY_JS)
+
+
+def ship_plotlyjs(run_dir: str | Path) -> Path:
+    """``<run_dir>/plotly.min.js``: the installed plotly's bundle, written once per run folder."""
+    from lora_kit.results import write_text_atomic
+    path = Path(run_dir) / PLOTLY_JS
+    if not path.is_file():
+        from plotly.offline import get_plotlyjs
+        write_text_atomic(path, get_plotlyjs())
+    return path
+
+
+def _offline_renderer() -> str:
+    """Register (once) a renderer whose ``text/html`` is the figure alone: no plotly.js, no MathJax
+    fetch. The HTML export supplies plotly.js (see :func:`notebook_html`); JupyterLab shows the
+    figure through the plotly mimetype instead."""
+    import plotly.io as pio
+    from plotly.io.base_renderers import MimetypeRenderer
+
+    class OfflineHtml(MimetypeRenderer):
+        def to_mimebundle(self, fig_dict):
+            return {"text/html": pio.to_html(fig_dict, include_plotlyjs=False, include_mathjax=False,
+                                             full_html=False, default_width="100%", default_height=525,
+                                             validate=False)}
+
+    if OFFLINE_RENDERER not in pio.renderers:
+        pio.renderers[OFFLINE_RENDERER] = OfflineHtml()
+    return OFFLINE_RENDERER
+
+
+def notebook_html(nb_path: str | Path) -> str:
+    """The HTML export of an executed notebook that renders offline: plotly.js from
+    ``plotly.min.js`` in the notebook's folder (written there if missing), no CDN scripts."""
+    import nbformat
+    from jinja2 import DictLoader
+    from nbconvert import HTMLExporter
+    nb_path = Path(nb_path)
+    ship_plotlyjs(nb_path.parent)
+    exporter = HTMLExporter(template_name="lab",
+                            extra_loaders=[DictLoader({"lora_kit_offline.html.j2": _OFFLINE_TEMPLATE})])
+    exporter.template_file = "lora_kit_offline.html.j2"
+    body, _ = exporter.from_notebook_node(nbformat.read(nb_path, as_version=4))
+    return body
+
+
+def offline_problems(html_path: str | Path) -> list[str]:
+    """What would keep an HTML file from rendering offline: scripts or stylesheets loaded from
+    http(s) or protocol-relative URLs, and local scripts that are not where the file points."""
+    import re
+    html_path = Path(html_path)
+    text = html_path.read_text(encoding="utf-8", errors="replace")
+    problems = []
+    for tag, attr in (("script", "src"), ("link", "href")):
+        for m in re.finditer(rf"<{tag}\b[^>]*?\b{attr}\s*=\s*[\"']?([^\"'\s>]+)", text, flags=re.I):
+            url = m.group(1)
+            if re.match(r"(https?:)?//", url, flags=re.I):
+                problems.append(f"{tag} {attr}={url} (fetched from the internet)")
+            elif tag == "script" and not url.startswith("data:") and not (html_path.parent / url).is_file():
+                problems.append(f"script src={url} (no such file beside {html_path.name})")
+    return problems
+
+
 def save_figure(fig, name: str, run_dir: str | Path | None = None) -> dict:
-    """Write ``<run_dir>/figures/<name>.html`` (interactive) and ``<name>.json`` (for the PNG batch)."""
+    """Write ``<run_dir>/figures/<name>.html`` (interactive, plotly.js from ``<run_dir>/plotly.min.js``)
+    and ``<name>.json`` (for the PNG batch)."""
     out_dir = Path(run_dir).resolve() / "figures" if run_dir else (_RUN_DIR or Path("runs/figures")) / "figures"
     out_dir.mkdir(parents=True, exist_ok=True)
+    ship_plotlyjs(out_dir.parent)
     paths = {"html": str(out_dir / f"{name}.html"), "json": str(out_dir / f"{name}.json")}
-    fig.write_html(paths["html"], include_plotlyjs="cdn", full_html=True)
+    fig.write_html(paths["html"], include_plotlyjs=f"../{PLOTLY_JS}", include_mathjax=False, full_html=True)
     Path(paths["json"]).write_text(fig.to_json())
     return paths
 

@@ -99,12 +99,11 @@ def check_notebooks(nb_dir: str | Path, names: list[str]) -> Path:
 
 
 def export_html(nb_path: Path) -> Path | None:
-    """HTML export next to the executed notebook (figures embedded), written atomically; None if it fails."""
+    """HTML export next to the executed notebook, written atomically; None if it fails. It renders
+    offline: its figures load the run folder's one plotly.min.js (see :func:`lora_kit.ui.notebook.notebook_html`)."""
     try:
-        import nbformat
-        from nbconvert import HTMLExporter
-        body, _ = HTMLExporter().from_notebook_node(nbformat.read(nb_path, as_version=4))
-        return write_text_atomic(nb_path.with_suffix(".html"), body)
+        from lora_kit.ui.notebook import notebook_html
+        return write_text_atomic(nb_path.with_suffix(".html"), notebook_html(nb_path))
     except Exception as exc:  # an export problem must not lose the run
         print(f"  (HTML export of {nb_path.name} failed: {exc})", file=sys.stderr)
         return None
