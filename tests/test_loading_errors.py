@@ -68,3 +68,14 @@ def test_existing_local_folder_is_used_as_is(tmp_path):
     assert resolve_model(tmp_path) == str(tmp_path)  # no hub check for a folder that exists
     with pytest.raises(ValueError, match="has no config.json"):
         resolve_model(tmp_path.parent)
+
+
+def test_unknown_model_in_estimate_fails_at_once_listing_catalog_names(tmp_path):
+    # an unreachable hub (the slow case: ~25 s of retries before); HF_HUB_OFFLINE=1 takes the same path
+    full = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0",
+            "HF_ENDPOINT": "http://127.0.0.1:9"}
+    p = subprocess.run([sys.executable, "-m", "lora_kit.ui.cli", "estimate", "--model", "qwen"], capture_output=True,
+                       text=True, timeout=120, env=full, cwd=tmp_path)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "Unknown model 'qwen'. Catalog names like it: qwen2.5-0.5b" in p.stderr and "qwen3-8b" in p.stderr
+    assert "Retrying" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]

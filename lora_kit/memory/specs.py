@@ -158,6 +158,19 @@ def moe_facts(c: dict) -> dict:
             "shared_experts": shared, "shared_intermediate_size": shared_width, "moe_layers": layers}
 
 
+def _unknown_model(model: str, cat: dict, why: str) -> str:
+    """The error for a model that is neither a catalog name nor a local path: why, then the catalog names
+    that look like it (or a few examples) and the other forms ``model`` may take."""
+    import difflib
+    key = model.lower()
+    like = [n for n in cat if key in n] or difflib.get_close_matches(key, list(cat), n=8, cutoff=0.5)
+    names = (f"Catalog names like it: {', '.join(like)}" if like else
+             f"The catalog has {len(cat)} models, e.g. {', '.join(list(cat)[:6])}")
+    return (f"Unknown model {model!r}. {names} (all: lora_kit.memory.specs.catalog(), offline). Or pass a local "
+            f"folder holding config.json, a transformers PretrainedConfig, or a hub id the hub can serve: "
+            f"{why.rstrip('.')}.")
+
+
 def _config_dict(model) -> tuple[str, dict]:
     """(display name, config dict) for any accepted ``model`` form."""
     if hasattr(model, "to_dict") and hasattr(model, "model_type"):  # PretrainedConfig
@@ -177,18 +190,17 @@ def _config_dict(model) -> tuple[str, dict]:
         path = Path(resolve_model(model)) if not p.is_file() else p
         cfg_file = path if path.is_file() else path / "config.json"
         return model, json.loads(cfg_file.read_text())
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        raise ValueError(
-            f"Unknown model {model!r} and the hub is offline (HF_HUB_OFFLINE is set). Pass a "
-            f"transformers PretrainedConfig, a local folder holding config.json (or the config.json path), "
-            f"or one of the {len(cat)} catalog names such as {', '.join(list(cat)[:6])} "
-            "(all: lora_kit.memory.specs.catalog()).")
+    from lora_kit.loading import check_hub
+    try:  # offline without a cached copy, or an unreachable hub: at once (no ~25 s of retries)
+        check_hub(model)
+    except ValueError as e:
+        raise ValueError(_unknown_model(model, cat, str(e))) from None
     from transformers import AutoConfig
     try:
         cfg = AutoConfig.from_pretrained(model, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - the hub raises many kinds; the message says what to do
-        raise ValueError(f"Could not read a config for {model!r} from the hub ({type(e).__name__}: {e}). Pass a "
-                         "PretrainedConfig, a local folder with config.json, or a catalog name.") from None
+        raise ValueError(_unknown_model(model, cat, f"could not read its config from the hub ({type(e).__name__}: "
+                                                    f"{str(e)[:300]})")) from None
     return model, cfg.to_dict()
 
 
