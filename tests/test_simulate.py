@@ -104,7 +104,9 @@ def test_ddp_adds_gradient_buckets():
     (dict(optimizer="lion"), "optimizer='lion' is not valid"),
     (dict(lora_targets=["q_proj", "nope"]), r"valid names: \['q_proj'"),
     (dict(lora_rank=65), "lora_rank=65 is larger than the smallest targeted layer"),
-    (dict(num_gpus=2, sharding="zero3"), "use lora_kit.memory.estimate"),
+    (dict(num_gpus=2, sharding="zero1"), "use lora_kit.memory.estimate"),
+    (dict(num_gpus=2, sharding="fsdp", cpu_offload=True), "use lora_kit.memory.estimate for cpu_offload"),
+    (dict(num_gpus=2, sharding="fsdp", method="qlora"), "cannot shard QLoRA"),
     (dict(cpu_offload=True), "cpu_offload=True needs sharding"),
 ])
 def test_bad_input_says_what_to_change(kwargs, match):

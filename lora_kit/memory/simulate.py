@@ -35,7 +35,9 @@ Limits (stated, measured where possible by ``benchmarks/gpu_validate.py``):
   path it takes on a padded batch: a ``[batch, 1, seq, seq]`` mask, SDPA's per-layer cast of it, and
   K/V repeated to every query head (GQA off with a mask); with ``padding="none"`` there is no mask;
 - sharding: one GPU (``none``) and ``ddp`` (+ DDP's gradient buckets, as large as the gradients,
-  added analytically) are simulated; ZeRO / FSDP are not (use ``estimate``).
+  added analytically) are simulated here; ``fsdp`` / ``zero3`` / ``zero2`` run PyTorch's FSDP2 on a
+  fake process group of ``num_gpus`` ranks (:mod:`lora_kit.memory.sharded` says how each value maps
+  onto FSDP2); ``zero1``, ``cpu_offload`` and QLoRA with sharding stay ``estimate``'s arithmetic.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ from lora_kit.loading import DTYPE_MAP, bnb_config
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS, label_training_state, to_breakdown
 from lora_kit.memory.estimate import CUDA_CONTEXT_BYTES, RESERVE_FRACTION
 from lora_kit.memory.measure import step_batch
+from lora_kit.memory.sharded import SIMULATED, check_simulable, simulate_sharded
 from lora_kit.memory.specs import check_model_step, load_config
 from lora_kit.memory.tracker import LiveBytesTracker
 from lora_kit.training import attach_adapter, autocast_context, optimizer_for, train_step
@@ -170,6 +173,20 @@ def _device_total(peak: int) -> int:
     return int(peak + CUDA_CONTEXT_BYTES + math.ceil(RESERVE_FRACTION * peak))
 
 
+def _tracked_step(net, opt, batch, fake_mode, ctx, has_padding: bool, paged: bool) -> LiveBytesTracker:
+    """One GPU's steady-state step on fake tensors: the optimizer state a first step leaves, then the tracked step."""
+    tracker = LiveBytesTracker()
+    with fake_mode, _real_mask_decisions(has_padding):
+        _optimizer_warmup(net, opt)  # "step 1": the optimizer state a first step leaves behind
+        label_training_state(tracker, net, opt, paged=paged)
+        tracker.track(batch.values())
+        tracker.reset_peak()
+        with tracker:
+            train_step(net, batch, opt, tracker=tracker, autocast_ctx=ctx,
+                       on_grads=lambda: label_training_state(tracker, net))
+    return tracker
+
+
 def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: bool = False,
              double_quant: bool = True, seq_len: int = 2048, batch_size: int = 1, lora_rank: int = 16,
              lora_alpha: int = 32, lora_targets="all-linear", gradient_checkpointing: bool = True,
@@ -184,9 +201,11 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
     s = check_model_step(**locals())
     t0 = time.perf_counter()
     method, dtype, autocast, sharding = s["method"], s["dtype"], s["autocast"], s["sharding"]
-    if sharding not in ("none", "ddp"):
-        raise ValueError(f"simulate covers sharding='none' and 'ddp' (one GPU's view); for sharding={sharding!r} "
-                         "use lora_kit.memory.estimate, or simulate with sharding='none' for the unsharded step.")
+    if sharding not in ("none", "ddp") + SIMULATED:
+        raise ValueError(f"simulate covers sharding='none', 'ddp' and (on FSDP2) {', '.join(map(repr, SIMULATED))}; "
+                         f"for sharding={sharding!r} use lora_kit.memory.estimate (arithmetic).")
+    if sharding in SIMULATED:
+        check_simulable(s)
     cfg = load_config(model)
     net = _meta_model(cfg, s)
     with torch.device("meta"):
@@ -196,7 +215,7 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fakeify(net, fake_mode, DTYPE_MAP[dtype])
     paged = s["optimizer"].startswith("paged_")
-    opt = optimizer_for(net.parameters(), s["optimizer"], device_type="cpu")  # bnb builds real lookup maps
+    opt = None if sharding in SIMULATED else optimizer_for(net.parameters(), s["optimizer"], device_type="cpu")
     # the batch a collator builds (real values: the padding mask's values decide what transformers builds),
     # as constant fake tensors: shapes for the step, values for the few reads of them (the token count)
     real = step_batch(torch.randint(0, cfg.vocab_size, (s["batch_size"], s["seq_len"])), s["padding"])
@@ -205,15 +224,11 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
     batch = {k: memo.setdefault(id(v), fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, v, make_constant=True))
              for k, v in real.items()}
     ctx = autocast_context(autocast, dtype, "cpu")
-    tracker = LiveBytesTracker()
-    with fake_mode, _real_mask_decisions(has_padding):
-        _optimizer_warmup(net, opt)  # "step 1": the optimizer state a first step leaves behind
-        label_training_state(tracker, net, opt, paged=paged)
-        tracker.track(batch.values())
-        tracker.reset_peak()
-        with tracker:
-            train_step(net, batch, opt, tracker=tracker, autocast_ctx=ctx,
-                       on_grads=lambda: label_training_state(tracker, net))
+    if sharding in SIMULATED:  # the real FSDP2 on a fake world of num_gpus ranks: lora_kit.memory.sharded
+        with _real_mask_decisions(has_padding):
+            tracker = simulate_sharded(net, batch, s, fake_mode, ctx)
+    else:
+        tracker = _tracked_step(net, opt, batch, fake_mode, ctx, has_padding, paged)
     raw = tracker.peak_breakdown()
     notes = []
     paged_bytes = raw.pop("paged_optimizer_states", 0)
@@ -225,6 +240,9 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
         grad_bytes = sum(-(-p.numel() * p.element_size() // 512) * 512 for p in net.parameters() if p.requires_grad)
         bd["gradients"] += grad_bytes
         notes.append(f"ddp: {grad_bytes} bytes of DDP gradient buckets added analytically (as large as the gradients).")
+    if sharding in SIMULATED:
+        notes.append(f"{sharding}: PyTorch FSDP2 on a fake process group of {s['num_gpus']} ranks; rank 0's peak "
+                     "(the largest shard); see lora_kit.memory.sharded for the wrapping policy.")
     if autocast:
         notes.append("autocast follows the CPU autocast op lists (CUDA's differ in a few ops).")
     if method == "qlora":

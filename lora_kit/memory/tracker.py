@@ -14,6 +14,12 @@ Trade-offs, stated:
 - Only storages that pass through the dispatcher are seen. Memory a kernel allocates internally
   (cuBLAS workspaces, bitsandbytes' paged buffers) is not -- neither does
   ``torch.cuda.max_memory_allocated`` see paged (managed) memory.
+- Storages resized in place are followed: FSDP2 frees a gathered parameter with
+  ``untyped_storage().resize_(0)`` and re-allocates it with ``resize_(nbytes)``, outside the
+  dispatcher; while a tracker is active, ``torch.UntypedStorage.resize_`` reports to it (a storage
+  it has not seen yet is counted from its new size on).
+- Distributed tensors (``DTensor``: FSDP2's sharded parameters, their gradients and optimizer
+  states) are counted by their local shard, the memory this rank holds.
 - The breakdown at the peak is kept as a snapshot of live storage ids, taken lazily at the first
   free after a new peak (when the live set is still exactly the peak's), so it costs one dict copy
   per new maximum, not one per operator.
@@ -92,7 +98,11 @@ class LiveBytesTracker(TorchDispatchMode):
         try:
             st = t.untyped_storage()
         except (NotImplementedError, RuntimeError):  # e.g. sparse or functional wrappers
-            return None
+            local = getattr(t, "_local_tensor", None)  # DTensor: this rank's shard
+            return None if local is None else self._add(local)
+        return self._add_storage(st)
+
+    def _add_storage(self, st) -> int:
         cdata = st._cdata  # unique among live storages; the weakref callback retires it at death
         serial = self._serial_of.get(cdata)
         nbytes = round_bytes(st.nbytes(), self.block)
@@ -118,6 +128,24 @@ class LiveBytesTracker(TorchDispatchMode):
                 f"LiveBytesTracker: {self.current_bytes} live bytes exceed limit_bytes={self.limit_bytes} "
                 f"(phase {self.phase!r}); lower batch_size or seq_len, or enable gradient_checkpointing.")
         return serial
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        if len(_ACTIVE) == 1:
+            _SAVED[:] = [torch.UntypedStorage.__dict__.get("resize_")]
+            torch.UntypedStorage.resize_ = _tracked_resize
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _ACTIVE.remove(self)
+            if not _ACTIVE:  # back to what it was (torch._C.StorageBase.resize_, inherited)
+                if _SAVED and _SAVED[0] is not None:
+                    torch.UntypedStorage.resize_ = _SAVED[0]
+                else:
+                    del torch.UntypedStorage.resize_
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -177,6 +205,19 @@ class LiveBytesTracker(TorchDispatchMode):
         for serial, nbytes in self._live.items():
             out[self._labels.get(serial, OTHER)] += nbytes
         return dict(out)
+
+
+_ACTIVE: list[LiveBytesTracker] = []  # trackers inside their ``with`` block
+_SAVED: list = []  # UntypedStorage's own resize_ attribute before the first tracker patched it (None: inherited)
+_RESIZE = torch._C.StorageBase.resize_
+
+
+def _tracked_resize(storage, size):
+    """``UntypedStorage.resize_`` that tells the active trackers (FSDP2 frees and re-allocates this way)."""
+    out = _RESIZE(storage, size)
+    for tr in _ACTIVE:
+        tr._add_storage(storage)
+    return out
 
 
 def _tensors(x):

@@ -1,0 +1,262 @@
+"""Sharded training steps, per rank: the real FSDP2 engine on fake tensors (``simulate``) or on real ones.
+
+``simulate(..., num_gpus=N, sharding="fsdp")`` lands here. The model is built exactly as
+:mod:`lora_kit.memory.simulate` builds it (meta device, peft, fake parameters), then PyTorch's own
+FSDP2 (``torch.distributed.fsdp.fully_shard``) shards it over a **fake process group** of world
+size N (``torch.testing._internal.distributed.fake_pg``: collectives return at once, no data
+moves, every buffer FSDP2 allocates for them is still allocated). Two real training steps run
+(:func:`lora_kit.training.train_step`, the one step); the second is tracked on rank 0 with the
+:class:`~lora_kit.memory.tracker.LiveBytesTracker`, which follows FSDP2's in-place storage
+resizes (how it frees and re-allocates gathered parameters) and counts each ``DTensor`` by its
+local shard. Rank 0 holds the largest shard (FSDP2 pads dim 0 to a multiple of N), so its peak is
+the per-GPU figure to plan with.
+
+The default is what a user gets from accelerate's FSDP2 (accelerate 1.16,
+``fsdp2_prepare_model`` with ``TRANSFORMER_BASED_WRAP``): ``fully_shard`` on every decoder layer
+(the classes in the model's ``_no_split_modules``), on the input embedding (its own unit), on the
+tail ``[final norm, lm_head]`` with ``reshard_after_forward=False``, then on the root, which keeps
+PyTorch's default (``None``: not resharded after forward); no mixed-precision policy unless
+``autocast`` asks for one; the optimizer built after sharding; ``batch_size`` per GPU.
+``policy="layers"`` (this module's functions only) is the plain recipe: every decoder layer, then
+the root, ``reshard_after_forward=True`` everywhere.
+
+How each ``sharding`` value maps onto FSDP2, and what stays arithmetic:
+
+- ``fsdp``, ``zero3``: ``fully_shard`` as above (parameters, gradients and optimizer states
+  sharded; gathered per unit in forward and again in backward). DeepSpeed ZeRO-3 is not run:
+  its buffers (prefetch bucket, persistence threshold) differ, so ``zero3`` is FSDP2's figure.
+- ``zero2``: FSDP2's ZeRO-2-like mode, ``reshard_after_forward=False`` everywhere (parameters stay
+  gathered from forward to backward; gradients and states sharded). DeepSpeed ZeRO-2 also keeps the
+  full parameters between steps; that difference is not simulated.
+- ``zero1`` (states sharded only) has no FSDP2 counterpart: ``estimate``'s arithmetic.
+- ``ddp``: not sharded; :mod:`lora_kit.memory.simulate` (one GPU's step + DDP's gradient buckets).
+- ``cpu_offload=True``: FSDP2's ``CPUOffloadPolicy`` needs an accelerator device distinct from the
+  host to show what stays on the GPU; with CPU-only fake tensors it cannot, so it is ``estimate``'s
+  arithmetic.
+- QLoRA + sharding: bitsandbytes' ``Params4bit`` is sharded by FSDP2 only with a floating
+  ``bnb_4bit_quant_storage`` (accelerate otherwise leaves the 4-bit weights out of sharding); not
+  attempted on fake tensors here, so it is ``estimate``'s arithmetic. Likewise the bitsandbytes
+  optimizers and adafactor on sharded (``DTensor``) parameters: only ``adamw`` and ``sgd`` run.
+
+Limits: the tracker sees tensors, not the CUDA caching allocator's per-stream pools (FSDP2 on CUDA
+all-gathers on a separate stream and keeps a gathered buffer until the next all-gather is issued,
+which the CPU run does too, in program order); NCCL's own buffers are not tensors and are not
+counted.
+
+The real side, :func:`measure_sharded`, is the same model and step on real tensors: run it under
+``torchrun --nproc_per_node N -m lora_kit.memory.sharded --settings '{...}' --out peaks.json`` (gloo
+on CPU); every rank measures its own peak with the same tracker.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from lora_kit.memory.breakdown import label_training_state, tracked_peak
+from lora_kit.memory.tracker import LiveBytesTracker
+from lora_kit.training import train_step
+
+SIMULATED = ("fsdp", "zero3", "zero2")  # sharding values run on FSDP2 (see the module docstring)
+POLICIES = ("accelerate", "layers")
+
+
+def _underlying(net):
+    """The transformers model inside a PeftModel (or the model itself)."""
+    get = getattr(net, "get_base_model", None)
+    return get() if get is not None else net
+
+
+def decoder_layers(net) -> list:
+    """The modules accelerate wraps with ``TRANSFORMER_BASED_WRAP``: instances of ``_no_split_modules``."""
+    names = set(getattr(_underlying(net), "_no_split_modules", None) or [])
+    layers = [m for m in net.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(_underlying(net)).__name__} names no decoder layer class in _no_split_modules; "
+                         "FSDP2 transformer-layer wrapping needs one.")
+    return layers
+
+
+def _final_norm(net):
+    """accelerate's ``_find_final_norm``: the last *Norm* among the base model's direct children."""
+    inner = _underlying(net)
+    prefix = getattr(inner, "base_model_prefix", "")
+    base = getattr(inner, prefix, None) if prefix else inner
+    found = None
+    for _, child in (base.named_children() if isinstance(base, torch.nn.Module) else ()):
+        if "Norm" in type(child).__name__:
+            found = child
+    return found
+
+
+def apply_fsdp2(net, mesh, sharding: str = "fsdp", policy: str = "accelerate", mp_policy=None):
+    """Shard ``net`` in place with ``fully_shard`` as accelerate does (see the module docstring)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} is not valid; choose one of {POLICIES}.")
+    if sharding not in SIMULATED:
+        raise ValueError(f"sharding={sharding!r} does not run on FSDP2; choose one of {SIMULATED}.")
+    reshard = sharding != "zero2"
+    kw = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    for layer in decoder_layers(net):
+        fully_shard(layer, reshard_after_forward=reshard, **kw)
+    if policy == "accelerate":
+        inner = _underlying(net)
+        emb, head = inner.get_input_embeddings(), inner.get_output_embeddings()
+        tied = head is not None and emb.weight is getattr(head, "weight", None)
+        if not tied and not isinstance(emb, FSDPModule):
+            fully_shard(emb, reshard_after_forward=reshard, **kw)
+        tail = [m for m in ((_final_norm(net), emb, head) if tied else (_final_norm(net), head))
+                if m is not None and not isinstance(m, FSDPModule)]
+        if tail:
+            fully_shard(tail, reshard_after_forward=False, **kw)
+        fully_shard(net, **kw)  # root: PyTorch's default (None -> not resharded after forward)
+    else:
+        fully_shard(net, reshard_after_forward=reshard, **kw)
+    return net
+
+
+def _mp_policy(s: dict):
+    """``autocast=True`` as accelerate's FSDP2 mixed precision: compute in the 16-bit dtype, fp32 master
+    weights of the trainable parameters (accelerate up-casts them before sharding); None otherwise."""
+    if not s["autocast"]:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from lora_kit.loading import DTYPE_MAP
+    compute = DTYPE_MAP[s["dtype"]] if s["dtype"] != "float32" else torch.bfloat16
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute)
+
+
+def _upcast_trainable(net) -> None:
+    for p in net.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+
+def label_fsdp(tracker: LiveBytesTracker, net, optimizer=None) -> None:
+    """:func:`label_training_state` plus FSDP2's gathered (unsharded) parameters, labelled as their shards."""
+    from torch.distributed.fsdp import FSDPModule
+    label_training_state(tracker, net, optimizer)
+    for m in net.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group
+        for fp in (group.fsdp_params if group is not None else ()):
+            t = getattr(fp, "_unsharded_param", None)
+            if t is not None:
+                tracker.label([t], "adapters" if "lora_" in fp._param_fqn else "weights")
+
+
+def tracked_sharded_step(net, optimizer, batch: dict, steps: int = 2, autocast_ctx=None):
+    """Run ``steps`` training steps; track the last (everything already live counted). Returns the tracker."""
+    for _ in range(steps - 1):
+        train_step(net, batch, optimizer, autocast_ctx=autocast_ctx)
+    tracker = LiveBytesTracker()
+    label_fsdp(tracker, net, optimizer)
+    tracker.track(v for v in batch.values() if isinstance(v, torch.Tensor))
+    tracker.reset_peak()
+    with tracker:
+        train_step(net, batch, optimizer, tracker=tracker, autocast_ctx=autocast_ctx,
+                   on_grads=lambda: label_fsdp(tracker, net))
+    return tracker
+
+
+@contextlib.contextmanager
+def fake_world(num_gpus: int):
+    """A fake default process group of ``num_gpus`` ranks (this process is rank 0) and its 1-D CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise RuntimeError("simulate(sharding='fsdp') needs its own (fake) process group, and one is already "
+                           "initialized in this process; run simulate before init_process_group or in another process.")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=num_gpus)
+    try:
+        yield init_device_mesh("cpu", (num_gpus,))  # made outside FakeTensorMode (it reads real rank ids)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_simulable(s: dict) -> None:
+    """Refuse, saying what to use instead, the sharded settings FSDP2 on fake tensors cannot show."""
+    if s["cpu_offload"]:
+        raise ValueError("simulate cannot show what CPU offload leaves on the GPU (no device besides the host "
+                         "here); use lora_kit.memory.estimate for cpu_offload=True.")
+    if s["method"] == "qlora":
+        raise ValueError("simulate cannot shard QLoRA (bitsandbytes 4-bit weights under FSDP2); use "
+                         "lora_kit.memory.estimate (arithmetic) for QLoRA with sharding.")
+    if s["optimizer"] not in ("adamw", "sgd"):
+        raise ValueError(f"simulate runs FSDP2 with torch / transformers optimizers; optimizer={s['optimizer']!r} "
+                         "on sharded DTensor parameters is not simulated: use optimizer='adamw' or "
+                         "lora_kit.memory.estimate.")
+
+
+def simulate_sharded(net, batch: dict, s: dict, fake_mode, ctx, policy: str = "accelerate"):
+    """Rank 0's tracker for the steady-state step of the fake, adapted model ``net`` under FSDP2 over a
+    fake world of ``s["num_gpus"]`` ranks (``batch``: fake tensors, per GPU)."""
+    from lora_kit.training import optimizer_for
+    check_simulable(s)
+    with fake_world(s["num_gpus"]) as mesh, fake_mode:
+        if s["autocast"]:
+            _upcast_trainable(net)
+        apply_fsdp2(net, mesh, s["sharding"], policy, _mp_policy(s))
+        opt = optimizer_for(net.parameters(), s["optimizer"], device_type="cpu")
+        return tracked_sharded_step(net, opt, batch, steps=2, autocast_ctx=ctx)
+
+
+# -- the real side: one process per rank under torchrun -----------------------------------------
+def measure_sharded(model, policy: str = "accelerate", seed: int = 0, steps: int = 2, **step) -> dict:
+    """This rank's measured peak of a real FSDP2 step (call in every rank of an initialized process group).
+
+    Same model, adapter, sharding and step as :func:`simulate_sharded`, on real random-init tensors on CPU.
+    Returns ``{"rank", "peak_allocated_bytes", "breakdown", "phase", "wall_seconds"}``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lora_kit.memory.measure import build_real_model
+    from lora_kit.memory.specs import check_model_step, load_config
+    from lora_kit.training import autocast_context, optimizer_for
+    s = check_model_step(model=model, **step)
+    check_simulable(s)
+    cfg = load_config(model)
+    net, _, batch = build_real_model(cfg, {**s, "optimizer": "sgd"}, seed=seed)  # optimizer rebuilt after sharding
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if s["autocast"]:
+        _upcast_trainable(net)
+    apply_fsdp2(net, mesh, s["sharding"], policy, _mp_policy(s))
+    opt = optimizer_for(net.parameters(), s["optimizer"], device_type="cpu")
+    t0 = time.perf_counter()
+    tracker = tracked_sharded_step(net, opt, batch, steps=steps,
+                                   autocast_ctx=autocast_context(s["autocast"], s["dtype"], "cpu"))
+    peak, bd = tracked_peak(tracker)
+    return {"rank": dist.get_rank(), "peak_allocated_bytes": peak, "breakdown": bd, "phase": tracker.peak_phase,
+            "wall_seconds": time.perf_counter() - t0}
+
+
+def main(argv=None) -> None:
+    """torchrun entry point: every rank measures; rank 0 writes all ranks' results to ``--out`` (JSON)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--settings", required=True, help="JSON object: model and step settings (as for simulate)")
+    ap.add_argument("--policy", default="accelerate", choices=POLICIES)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    settings = json.loads(a.settings)
+    dist.init_process_group("gloo")
+    try:
+        res = measure_sharded(policy=a.policy, **settings)
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, res)
+        if dist.get_rank() == 0:
+            from lora_kit.results import write_text_atomic
+            write_text_atomic(a.out, json.dumps({"settings": settings, "policy": a.policy,
+                                                  "world_size": dist.get_world_size(), "ranks": out}, indent=1))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
