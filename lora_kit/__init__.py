@@ -53,6 +53,7 @@ _MODULES = {
     "stack": "lora_kit.check.stack",
     "figures": "lora_kit.plan.figures",
     "tables": "lora_kit.ui.tables",
+    "records": "lora_kit.plan.records",
     "timing": "lora_kit.plan.timing",
     "gpus": "lora_kit.plan.gpus",
     "results": "lora_kit.results",

@@ -28,3 +28,19 @@ def test_sweeps_record_keeps_the_estimate_and_its_settings():
     json.dumps(rec, allow_nan=False)
     assert rec["run_estimate"]["peak_allocated_bytes"] == est.peak_allocated_bytes
     assert rec["run_estimate"]["settings"]["batch_size"] == 16 and rec["run_estimate"]["phase"] == est.phase
+
+
+def test_plan_record_takes_the_epoch_and_margin_the_table_used():
+    table = compare_methods("llama-3.1-8b", gpus=["A100-80GB"], seq_len=1024, num_examples=500, margin=0.2)
+    rec = plan_record(table, "llama-3.1-8b", 1024, margin=0.2)
+    assert rec["epoch"] == {"examples": 500, "tokens": 500 * 1024, "note": "each example padded to seq_len"}
+    assert rec["margin"] == 0.2
+    packed = compare_methods("llama-3.1-8b", gpus=["A100-80GB"], seq_len=1024, dataset_tokens=3_000_000)
+    assert plan_record(packed, "llama-3.1-8b", 1024)["epoch"]["tokens"] == 3_000_000
+
+
+def test_sweeps_record_keeps_the_longest_seq_len_per_setting():
+    est = estimate("tiny", seq_len=64, batch_size=16, dtype="float32", gradient_checkpointing=False)
+    best = {"lora, checkpointing on": 32768, "qlora, checkpointing off": 8192}
+    rec = sweeps_record("llama-3.1-8b", "A100-80GB", best, {"n": 3}, est)
+    assert rec["max_seq_len_batch1"] == best and json.loads(json.dumps(rec))["max_seq_len_batch1"] == best

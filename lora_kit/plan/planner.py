@@ -439,6 +439,11 @@ def compare_methods(model, gpus=None, seq_len: int = 2048, batch_size="max", num
     df = pd.DataFrame(rows)
     df.attrs["recommendation"] = recommend(df)
     df.attrs["time_model"] = (time_model or TimeModel()).describe()
+    df.attrs["epoch"] = ({"examples": None, "tokens": int(dataset_tokens),
+                          "note": "dataset_tokens packed into rows of seq_len"} if dataset_tokens else
+                         {"examples": int(num_examples), "tokens": int(num_examples) * int(seq_len),
+                          "note": "each example padded to seq_len"})
+    df.attrs["epochs"] = epochs
     return df
 
 

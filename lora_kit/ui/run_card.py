@@ -16,6 +16,8 @@ from pathlib import Path
 
 from lora_kit.data import LONG_SHARE_WARN, long_examples_line
 from lora_kit.results import read_record, same_run, settled, write_json_atomic, write_text_atomic
+from lora_kit.settings import method_label
+from lora_kit.ui.tables import method_markdown
 
 GiB = 1024 ** 3
 
@@ -76,10 +78,12 @@ def next_checks(card: dict) -> list[str]:
     """Plain-language things to check next, derived from what was measured."""
     out = []
     smoke, ev, plan, stack = card["smoke"], card["eval"], card["plan"], card["stack"]
-    if stack:
-        failed = [p.get("name") for p in stack.get("probes", []) if p.get("status") == "fail"]
-        if failed:
-            out.append(f"Fix the failing stack probes before renting: {', '.join(map(str, failed))}.")
+    blocking = ((stack or {}).get("verdict") or {}).get("blocking") or []
+    if blocking:  # the stack check's verdict for this plan: only failures the plan needs block it
+        out.append("Fix before renting: the stack check blocks this plan -- " + "; ".join(
+            f"{b.get('probe')} ({b.get('status')}: {' '.join(str(b.get('error') or 'no message').split())}); "
+            f"{b.get('change')}"
+            for b in blocking) + ".")
     if smoke is None:
         out.append("Run the smoke run (03) with the planned settings before renting for longer.")
     elif smoke.get("status") != "complete":
@@ -132,40 +136,115 @@ def run_lines(card: dict) -> list[str]:
     return lines + [""]
 
 
+def title_lines(card: dict) -> list[str]:
+    """The card's title names what is requested (the planned model) and, when it differs, the model the
+    smoke run and evaluation used, so the header and the request never disagree."""
+    s, plan = card["settings"] or {}, card["plan"] or {}
+    run = f"{s.get('model', '?')} · {method_label(s.get('method', '?'))}"
+    planned = plan.get("model")
+    if not planned or planned == s.get("model"):
+        return [f"# Run card: fine-tuning {run}", ""]
+    return [f"# Run card: fine-tuning {planned} (planned) · smoke run and evaluation on {run}", "",
+            f"The request below plans **{planned}**. The smoke run and the evaluation ran **{s.get('model')}** "
+            f"({method_label(s.get('method'))}, seq_len {s.get('seq_len')}, micro-batch {s.get('batch_size')}; "
+            "every value under *Settings*) to prove the pipeline, not to measure the planned model.", ""]
+
+
+def _on(v) -> str:
+    return "on" if v else "off"
+
+
+def assumption_lines(plan: dict) -> list[str]:
+    """What the plan's numbers assume, in words: plan.json's ``assumptions`` and ``epoch``."""
+    a, ep = plan.get("assumptions") or {}, plan.get("epoch") or {}
+    out = [f"- model: **{plan.get('model')}**; sequence length: {plan.get('seq_len', a.get('seq_len')):,} tokens per "
+           f"example; micro-batch per GPU: {plan.get('batch_size')}"]
+    if a:
+        out += [f"- base weights: {a.get('dtype')} for full and LoRA, 4-bit NF4 for QLoRA (double quantization "
+                f"{_on(a.get('double_quant'))}); autocast {_on(a.get('autocast'))}",
+                f"- gradient checkpointing {_on(a.get('gradient_checkpointing'))}; attention {a.get('attn_implementation')}; "
+                f"optimizer {a.get('optimizer')}; padding mask {a.get('padding')}",
+                f"- LoRA / QLoRA: rank {a.get('lora_rank')}, targets {a.get('lora_targets')} (full fine-tuning trains "
+                "every parameter)",
+                f"- GPUs per run: {a.get('num_gpus')}, sharding {a.get('sharding')}, CPU offload {_on(a.get('cpu_offload'))}"]
+    else:
+        out.append("- the other step settings were not recorded in this plan.json (written by an older notebook 01)")
+    if plan.get("margin") is not None:
+        out.append(f"- fits: the estimate uses at most {1 - plan['margin']:.0%} of the GPU's memory "
+                   f"(a {plan['margin']:.0%} safety margin)")
+    if ep:
+        size = (f"{ep['examples']:,} examples = " if ep.get("examples") else "") + f"{ep.get('tokens', 0):,} tokens"
+        out.append(f"- one epoch: {size} ({ep.get('note', '')})")
+    if plan.get("time_model"):
+        out.append(f"- time: {plan['time_model']}")
+    return out
+
+
+def request_lines(plan: dict | None) -> list[str]:
+    """The request: what the plan assumes, every option that fits (cheapest first), the recommendation."""
+    lines = ["## The request", ""]
+    if not (plan and plan.get("rows")):
+        return lines + ["_No plan in this run (notebook 01 did not run)._", ""]
+    lines += ["Every method x GPU option that fits, cheapest first. The numbers assume:", ""]
+    lines += assumption_lines(plan) + ["", method_markdown(plan["rows"], fits_only=True, cheapest_first=True)]
+    if plan.get("recommendation"):
+        lines += ["", f"**Recommendation:** {plan['recommendation']}"]
+    return lines + [""]
+
+
+def _probe_rows(probes: list[dict]) -> list[dict]:
+    """A probe's row shows its error when it has one (a failure's message), else its detail."""
+    return [{"name": p.get("name"), "status": p.get("status"),
+             "detail": str(p.get("error") or p.get("detail") or "").replace("\n", " ")} for p in probes]
+
+
+def _hardware_line(hw: dict) -> str:
+    gpus = hw.get("gpus") or []
+    gpu = ("; ".join(f"{g.get('name')} ({(g.get('memory_bytes') or 0) / GiB:.1f} GiB, compute capability "
+                     f"{g.get('compute_capability')})" for g in gpus) if gpus else "no GPU")
+    return f"CPU {hw.get('cpu_architecture', '?')} ({hw.get('cpu_count', '?')} cores), {hw.get('os', '?')}; {gpu}"
+
+
+def smoke_lines(smoke: dict) -> list[str]:
+    """The smoke run's step time, throughput, checkpoint and verification, rounded and in words."""
+    lines = [f"Status: **{smoke.get('status')}**"]
+    steps = smoke.get("steps") or []
+    if steps:
+        secs = sorted(x["seconds"] for x in steps[1:] or steps)
+        lines.append(f"- {len(steps)} optimizer steps; median step {secs[len(secs) // 2]:.3f} s; "
+                     f"loss {steps[0].get('loss', float('nan')):.3f} → {steps[-1].get('loss', float('nan')):.3f}")
+    tp = smoke.get("throughput") or {}
+    if tp.get("mean_step_seconds") is not None:
+        lines.append(f"- mean step {tp['mean_step_seconds']:.3f} s, {tp.get('mean_tokens_per_s', 0):,.0f} tokens/s"
+                     + (f" ({tp['note']})" if tp.get("note") else ""))
+    ck = smoke.get("checkpoint") or {}
+    if ck:
+        lines.append(f"- adapter on disk: {ck.get('bytes', 0) / 2**20:.2f} MiB ({', '.join(sorted(ck.get('files', {})))})")
+    if (smoke.get("data") or {}).get("long_examples"):
+        lines.append("- " + long_examples_line(smoke["data"]))
+    ver = smoke.get("verify") or {}
+    if ver:
+        files = ver.get("files") or {}
+        lines.append(f"- verify: **{'passed' if ver.get('passed') else 'FAILED'}**. The reloaded adapter "
+                     f"{'reproduces' if ver.get('reload_equal') else 'does NOT reproduce'} the trained logits (largest "
+                     f"difference {ver.get('reload_max_abs_diff', float('nan')):.2g}, tolerance "
+                     f"{ver.get('tolerance', float('nan')):.0e}); the adapter "
+                     f"{'changes' if ver.get('adapter_changes_outputs') else 'does NOT change'} the base model's logits "
+                     f"(largest change {ver.get('adapter_vs_base_max_abs_diff', float('nan')):.3g})"
+                     + (f"; {files['n_tensors']} LoRA tensors, no missing or unexpected keys" if files.get("n_tensors")
+                        else "") + ".")
+    return lines
+
+
 def render_markdown(card: dict) -> str:
     s = card["settings"] or {}
-    lines = [f"# Run card: {s.get('model', '?')} · {s.get('method', '?')}", ""]
+    lines = title_lines(card)
     lines += run_lines(card)
-    # --- the request --------------------------------------------------------------------------
-    lines += ["## The request", ""]
-    plan = card["plan"]
-    if plan and plan.get("rows"):
-        lines.append(f"Planned for **{plan.get('model')}** at seq_len {plan.get('seq_len')}, micro-batch "
-                     f"{plan.get('batch_size')}; fitting options, cheapest first. Times are estimates at an "
-                     f"assumed utilisation ({plan.get('time_model', 'see 01')}).")
-        lines.append("")
-        rows = [r for r in plan["rows"] if r.get("fits")]
-        rows = sorted(rows, key=lambda r: (r.get("epoch_cost") is None, r.get("epoch_cost") or 0))[:8]
-
-        def num(r, k, fmt):
-            v = r.get(k)
-            return "—" if v is None or v != v else fmt.format(v)
-        fmt = [{"method": r.get("method"), "gpu": r.get("gpu"), "batch": r.get("batch_size"),
-                "memory": num(r, "device_total_gib", "{:.1f} GiB"), "headroom": num(r, "headroom_gib", "{:.1f} GiB"),
-                "tps": num(r, "tokens_per_second", "{:,.0f}"), "time": num(r, "epoch_hours", "{:.2f} h"),
-                "cost": num(r, "epoch_cost", "{:.2f}") + (" (example price)" if r.get("price_source") == "example" else "")}
-               for r in rows]
-        lines.append(_md_table(fmt, [("method", "method"), ("gpu", "GPU"), ("batch", "micro-batch"),
-                                     ("memory", "memory / GPU"), ("headroom", "headroom"), ("tps", "tokens/s (est.)"),
-                                     ("time", "time / epoch"), ("cost", "cost / epoch")]) if fmt else "No listed GPU fits.")
-        if plan.get("recommendation"):
-            lines += ["", f"**Recommendation:** {plan['recommendation']}"]
-    else:
-        lines.append("_No plan in this run (notebook 01 did not run)._")
-    lines.append("")
+    lines += request_lines(card["plan"])
     # --- settings ----------------------------------------------------------------------------
-    lines += ["## Settings", "", "| setting | value |", "|---|---|"]
-    lines += [f"| {k} | `{v}` |" for k, v in s.items()]
+    lines += ["## Settings", "", "The run's settings (the names and values of a params file):", "",
+              "| setting | value |", "|---|---|"]
+    lines += [f"| {k} | `{v}` |" if v != "" else f"| {k} | — |" for k, v in s.items()]
     lines.append("")
     # --- memory ------------------------------------------------------------------------------
     lines += ["## Memory: estimated, simulated, measured", ""]
@@ -176,7 +255,7 @@ def render_markdown(card: dict) -> str:
                                       ("error", "error vs measured"), ("note", "note")]))
         where = ((smoke or {}).get("measurement") or {}).get("method", "")
         lines += ["", f"Measured with: {where}; peak of the second training step (per GPU)."]
-        parts = [{"part": r["part"], **{k: _gib(r.get(k)) for k in ("measured", "estimate", "simulate")}}
+        parts = [{"part": str(r["part"]).replace("_", " "), **{k: _gib(r.get(k)) for k in ("measured", "estimate", "simulate")}}
                  for r in (smoke or {}).get("memory_parts") or []]
         if parts:  # smoke.json's parts: the estimate's vocabulary, measured by part on CPU only
             lines += ["", "Part by part:", "", _md_table(parts, [("part", "part"), ("measured", "measured"),
@@ -189,36 +268,21 @@ def render_markdown(card: dict) -> str:
     st = card["stack"]
     if st:
         vers = st.get("versions", {})
-        lines.append(", ".join(f"{k} {v}" for k, v in vers.items()))
+        lines.append(", ".join(f"{k} {v if v is not None else '—'}" for k, v in vers.items()))
         hw = st.get("hardware", {})
         if hw:
-            lines += ["", ", ".join(f"{k}: {v}" for k, v in hw.items())]
+            lines += ["", _hardware_line(hw)]
         probes = st.get("probes", [])
         if probes:
-            lines += ["", _md_table(probes, [("name", "probe"), ("status", "status"), ("detail", "detail")])]
+            lines += ["", _md_table(_probe_rows(probes), [("name", "probe"), ("status", "status"),
+                                                          ("detail", "detail or error")])]
     else:
         lines.append("_No stack check in this run._")
     lines.append("")
     # --- smoke -------------------------------------------------------------------------------
     lines += ["## Smoke run", ""]
     if smoke:
-        lines.append(f"Status: **{smoke.get('status')}**")
-        steps = smoke.get("steps") or []
-        if steps:
-            secs = sorted(x["seconds"] for x in steps[1:] or steps)
-            lines.append(f"- {len(steps)} optimizer steps; median step {secs[len(secs) // 2]:.3f} s; "
-                         f"loss {steps[0].get('loss', float('nan')):.3f} → {steps[-1].get('loss', float('nan')):.3f}")
-        for k, v in (smoke.get("throughput") or {}).items():
-            if isinstance(v, (int, float, str)):
-                lines.append(f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}")
-        ck = smoke.get("checkpoint") or {}
-        if ck:
-            lines.append(f"- adapter on disk: {ck.get('bytes', 0) / 2**20:.2f} MiB ({', '.join(sorted(ck.get('files', {})))})")
-        if (smoke.get("data") or {}).get("long_examples"):
-            lines.append("- " + long_examples_line(smoke["data"]))
-        ver = smoke.get("verify") or {}
-        if ver:
-            lines.append("- verify: " + ", ".join(f"{k}={v}" for k, v in ver.items() if not isinstance(v, (dict, list))))
+        lines += smoke_lines(smoke)
         sugg = ((smoke.get("oom") or {}).get("suggestions") or {})
         if isinstance(sugg, dict) and sugg.get("ranked"):
             lines += ["", f"Out of memory in {smoke['oom'].get('phase')}. Changes that would fit "

@@ -1,0 +1,76 @@
+"""The run card reads as a request: assumptions stated, every fitting row, currency, one spelling per
+method, rounded numbers, failed probes with their message, and only blocking probes as things to fix."""
+import json
+import re
+
+import pytest
+
+from lora_kit.check import stack
+from lora_kit.plan.planner import compare_methods
+from lora_kit.plan.records import plan_record
+from lora_kit.settings import Settings
+from lora_kit.ui.run_card import build_report
+
+GPUS = ["T4", "L4", "A10G", "RTX-4090", "L40S", "A100-80GB", "H100-SXM"]
+STEP = dict(seq_len=2048, lora_rank=16, gradient_checkpointing=True)
+
+
+@pytest.fixture(scope="module")
+def card(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    s = Settings(dtype="bfloat16", optimizer="adamw", run_dir=str(d))
+    (d / "settings.json").write_text(json.dumps(s.to_dict()))
+    table = compare_methods("llama-3.1-8b", gpus=GPUS, margin=0.1, **STEP)
+    (d / "plan.json").write_text(json.dumps(plan_record(table, "llama-3.1-8b", margin=0.1, **STEP)))
+    probes = [{"name": "bf16 matmul", "status": "fail", "error": "RuntimeError: no kernel image\nfor this device"},
+              {"name": "bnb 8-bit optimizer step", "status": "fail", "error": "ImportError: no 8-bit kernels"},
+              {"name": "LoRA training step", "status": "pass", "detail": "loss 4.9, adapter updated"}]
+    rep = {"probes": probes, "verdict": stack.verdict(probes, s, device="cpu")}  # stack.json's probes and verdict
+    (d / "stack.json").write_text(json.dumps(rep))
+    (d / "smoke").mkdir()
+    (d / "smoke" / "smoke.json").write_text(json.dumps({
+        "status": "complete", "throughput": {"mean_step_seconds": 0.6206221177658959,
+                                             "mean_tokens_per_s": 894.4633617276198, "note": "excludes step 0"},
+        "verify": {"reload_max_abs_diff": 0.0, "tolerance": 1e-05, "reload_equal": True,
+                   "adapter_vs_base_max_abs_diff": 26.389467239379883, "adapter_changes_outputs": True,
+                   "files": {"n_tensors": 56}, "passed": True}}))
+    build_report(d)
+    return {"md": (d / "report.md").read_text(), "json": json.loads((d / "report.json").read_text()), "table": table}
+
+
+def test_header_and_assumptions_match_the_request(card):
+    md = card["md"]
+    assert md.splitlines()[0] == "# Run card: fine-tuning llama-3.1-8b (planned) · smoke run and evaluation on tiny · LoRA"
+    request = md.split("## The request")[1].split("## Settings")[0]
+    for said in ("**llama-3.1-8b**", "2,048 tokens per example", "base weights: bfloat16", "4-bit NF4",
+                 "gradient checkpointing on", "optimizer adamw", "rank 16, targets all-linear",
+                 "at most 90% of the GPU's memory", "one epoch: 10,000 examples = 20,480,000 tokens",
+                 "35.0% of peak FLOP/s"):
+        assert said in request, said
+
+
+def test_every_fitting_row_cheapest_first_with_currency(card):
+    request = card["md"].split("## The request")[1].split("## Settings")[0]
+    rows = [line for line in request.splitlines() if line.startswith("| ") and "✓" in line]
+    fits = card["table"][card["table"]["fits"]]
+    assert len(rows) == len(fits) == 10  # QLoRA on L4 and A10G included
+    assert {r.split("|")[1].strip() for r in rows} == {"LoRA", "QLoRA"}
+    assert "cost per epoch (USD, example)" in request and "★ cheapest" in rows[0]
+    assert not re.search(r"\bL?Q?LORA\b|\blora\b", request.replace("lora_kit", ""))  # one spelling
+    assert "QLoRA fits on T4, L4, A10G" in request
+
+
+def test_numbers_are_rounded_and_keys_are_words(card):
+    md = card["md"]
+    assert not re.findall(r"\d+\.\d{4,}", md), re.findall(r"\d+\.\d{4,}", md)
+    assert "adapter_vs_base_max_abs_diff" not in md and "mean_step_seconds" not in md
+    assert "mean step 0.621 s, 894 tokens/s" in md and "largest change 26.4" in md
+
+
+def test_failed_probe_shows_its_message_and_only_blocking_ones_are_to_fix(card):
+    md = card["md"]
+    assert "| fail | None |" not in md and "| bf16 matmul | fail | RuntimeError: no kernel image for this device |" in md
+    assert "| bnb 8-bit optimizer step | fail | ImportError: no 8-bit kernels |" in md
+    fix = [c for c in card["json"]["next_checks"] if c.startswith("Fix before renting")]
+    assert len(fix) == 1 and "bf16 matmul" in fix[0] and "set dtype='float32'" in fix[0]
+    assert "8-bit" not in fix[0]  # failed, but this plan (optimizer adamw) does not need it
