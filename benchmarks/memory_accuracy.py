@@ -6,6 +6,8 @@ Usage (CPU, offline)::
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --limit 12 # the first 12 cases
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --families # every catalog family, gc on/off, padded
     python benchmarks/memory_accuracy.py --published-only            # only the published-figures table
+    HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --sharded  # several GPUs: estimate vs simulate (FSDP2)
+    HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --sharded --real  # simulate vs torchrun, 2 and 4 CPU ranks
 
 Three tables are printed:
 
@@ -28,6 +30,13 @@ Three tables are printed:
 
 Results are written atomically to ``benchmarks/results/memory_accuracy.json`` after every case
 (re-running skips the cases already there unless ``--fresh``).
+
+``--sharded`` (several GPUs, per GPU): ``estimate(..., sharding="fsdp")`` vs ``simulate`` (PyTorch's
+FSDP2 on fake tensors over a fake process group, rank 0) over tiny / SmolLM2 / Qwen2.5 / Llama-3.2
+cut to 2 layers, LoRA and full fine-tuning, checkpointing on/off, N in {2, 4, 8, 64}. ``--real``
+instead compares ``simulate`` with real FSDP2 steps: ``torchrun --nproc_per_node N`` (gloo, CPU),
+N in {2, 4}, each rank's peak from the same live-bytes tracker (rank 0 is compared; all ranks are
+kept). Both write ``benchmarks/results/memory_accuracy_sharded.json``.
 """
 from __future__ import annotations
 
@@ -344,6 +353,94 @@ def run_published() -> list[dict]:
     return rows
 
 
+# ---- several GPUs (FSDP2) ----------------------------------------------------------------------
+SHARDED_OUT = Path(__file__).parent / "results" / "memory_accuracy_sharded.json"
+SHARDED_MODELS = [("tiny", None), ("smollm2-135m", 2), ("qwen2.5-0.5b", 2), ("llama-3.2-1b", 2)]
+
+
+def sharded_cases(real: bool = False) -> list[dict]:
+    """estimate vs simulate: 4 models x lora/full x checkpointing x N in {2, 4, 8, 64} (seq 512, batch 1, bf16);
+    ``real``: simulate vs torchrun on the 3 smallest models, N in {2, 4}, seq 128, batch 2 (CPU-affordable)."""
+    models = SHARDED_MODELS[:3] if real else SHARDED_MODELS
+    shape = dict(seq_len=128, batch_size=2) if real else dict(seq_len=512, batch_size=1)
+    return [dict(model=m, layers=layers, method=method, gradient_checkpointing=gc, num_gpus=n, sharding="fsdp",
+                 dtype="float32" if m == "tiny" else "bfloat16", **shape)
+            for m, layers in models for method in ("lora", "full") for gc in (False, True)
+            for n in ((2, 4) if real else (2, 4, 8, 64))]
+
+
+def _sharded_line(row) -> str:
+    c = row["case"]
+    desc = (f"{c['model']}{'' if c.get('layers') is None else '[' + str(c['layers']) + 'L]'} {c['method']} "
+            f"{'gc' if c['gradient_checkpointing'] else '--'} N={c['num_gpus']:<3d} S{c['seq_len']} B{c['batch_size']}")
+    ref = "real" if "real" in row else "simulate"
+    if ref not in row or "estimate" not in row and ref == "simulate":
+        return f"{desc:48s} failed: {row.get('error')}"
+    a, b = (row["simulate"], row["real"]) if ref == "real" else (row["estimate"], row["simulate"])
+    return (f"{desc:48s} {'sim' if ref == 'real' else 'est'} {a / 2**20:10.3f} {ref[:4]} {b / 2**20:10.3f} MiB "
+            f"{100 * (a - b) / b:+7.3f}% ({a - b:+d} B) {row.get('seconds', 0):.0f}s")
+
+
+def _real_sharded(case: dict, tmp: Path) -> list[dict]:
+    """Per-rank peaks of the real FSDP2 step under torchrun (gloo, CPU)."""
+    import json
+    import subprocess
+    import sys
+    m = model_arg(case)
+    model = m
+    if not isinstance(m, str):
+        model = str(tmp / "config")
+        m.save_pretrained(model)
+    step = {k: v for k, v in est_kwargs(case).items()}
+    out = tmp / "ranks.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                        str(case["num_gpus"]), "-m", "lora_kit.memory.sharded", "--settings",
+                        json.dumps({"model": model, **step}), "--out", str(out)],
+                       capture_output=True, text=True, env=env)
+    if r.returncode:
+        raise RuntimeError(r.stderr[-2000:])
+    return json.loads(out.read_text())["ranks"]
+
+
+def run_sharded(real: bool, fresh: bool, limit: int | None) -> None:
+    import tempfile
+    from lora_kit.memory.simulate import simulate as sim
+    part = "real" if real else "estimate"
+    data = read_json(SHARDED_OUT) if SHARDED_OUT.is_file() and not fresh else {}
+    done = data.setdefault(part, {})
+    cases = sharded_cases(real)[:limit]
+    print(f"{len(cases)} cases; {'simulate vs real torchrun (rank 0)' if real else 'estimate vs simulate'} "
+          "(peak_allocated_bytes per GPU, fsdp)")
+    for case in cases:
+        k, m = key(case), model_arg(case)
+        row = done.get(k, {"case": case})
+        try:
+            t = time.perf_counter()
+            if "simulate" not in row:
+                row["simulate"] = sim(m, **est_kwargs(case)).peak_allocated_bytes
+            if real and "real" not in row:
+                with tempfile.TemporaryDirectory() as d:
+                    row["ranks"] = _real_sharded(case, Path(d))
+                row["real"] = row["ranks"][0]["peak_allocated_bytes"]
+            if not real:
+                row["estimate"] = estimate(m, **est_kwargs(case)).peak_allocated_bytes
+            row.setdefault("seconds", round(time.perf_counter() - t, 1))
+            row.pop("error", None)
+        except Exception as exc:  # noqa: BLE001 - print and keep going: one case must not hide the rest
+            row["error"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+        done[k] = row
+        print(_sharded_line(row), flush=True)
+        write_json_atomic(SHARDED_OUT, data)
+    ref = "real" if real else "simulate"
+    ok = [r for r in (done[key(c)] for c in cases) if ref in r and ("simulate" if real else "estimate") in r]
+    a = "simulate" if real else "estimate"
+    print("\n" + summary(ok, lambda r: 100 * (r[a] - r[ref]) / r[ref], a))
+    if real:
+        print(f"byte-exact (rank 0): {sum(r[a] == r[ref] for r in ok)} of {len(ok)}; ranks differ from rank 0 in "
+              f"{sum(any(x['peak_allocated_bytes'] != r[ref] for x in r['ranks']) for r in ok)} cases")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--limit", type=int, default=None, help="run only the first N matrix cases")
@@ -351,7 +448,12 @@ def main() -> None:
     ap.add_argument("--published-only", action="store_true")
     ap.add_argument("--families", action="store_true",
                     help="every architecture family of the catalog (2 layers), checkpointing on/off, padded/unpadded")
+    ap.add_argument("--sharded", action="store_true", help="several GPUs: estimate vs simulate under FSDP2")
+    ap.add_argument("--real", action="store_true", help="with --sharded: simulate vs real torchrun ranks (CPU, gloo)")
     args = ap.parse_args()
+    if args.sharded:
+        run_sharded(args.real, args.fresh, args.limit)
+        return
     if not args.published_only:
         cases = (family_cases() if args.families else matrix())[: args.limit]
         print(f"{len(cases)} cases; estimate vs simulate (peak_allocated_bytes)")

@@ -237,22 +237,26 @@ def measure_sharded(model, policy: str = "accelerate", seed: int = 0, steps: int
 
 
 def main(argv=None) -> None:
-    """torchrun entry point: every rank measures; rank 0 writes all ranks' results to ``--out`` (JSON)."""
+    """torchrun entry point: every rank measures each case; rank 0 writes all ranks' results to ``--out``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--settings", required=True, help="JSON object: model and step settings (as for simulate)")
+    ap.add_argument("--settings", required=True,
+                    help="JSON object (model and step settings, as for simulate), or a list of them (one launch)")
     ap.add_argument("--policy", default="accelerate", choices=POLICIES)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     settings = json.loads(a.settings)
+    cases = settings if isinstance(settings, list) else [settings]
     dist.init_process_group("gloo")
     try:
-        res = measure_sharded(policy=a.policy, **settings)
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, res)
+        results = []
+        for case in cases:
+            res = measure_sharded(policy=a.policy, **case)
+            out = [None] * dist.get_world_size()
+            dist.all_gather_object(out, res)
+            results.append({"settings": case, "policy": a.policy, "world_size": dist.get_world_size(), "ranks": out})
         if dist.get_rank() == 0:
             from lora_kit.results import write_text_atomic
-            write_text_atomic(a.out, json.dumps({"settings": settings, "policy": a.policy,
-                                                  "world_size": dist.get_world_size(), "ranks": out}, indent=1))
+            write_text_atomic(a.out, json.dumps(results if isinstance(settings, list) else results[0], indent=1))
     finally:
         dist.destroy_process_group()
 

@@ -95,11 +95,13 @@ class LiveBytesTracker(TorchDispatchMode):
     def _add(self, t: torch.Tensor) -> int | None:
         if t.layout != torch.strided:
             return None
+        local = getattr(t, "_local_tensor", None)  # DTensor: its own storage is a full-size stand-in
+        if local is not None:
+            return self._add(local)  # count this rank's shard
         try:
             st = t.untyped_storage()
         except (NotImplementedError, RuntimeError):  # e.g. sparse or functional wrappers
-            local = getattr(t, "_local_tensor", None)  # DTensor: this rank's shard
-            return None if local is None else self._add(local)
+            return None
         return self._add_storage(st)
 
     def _add_storage(self, st) -> int:

@@ -1,0 +1,59 @@
+"""Several GPUs: simulate's FSDP2 step on a fake process group equals real 2-process gloo ranks, byte for byte."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lora_kit.memory.estimate import estimate
+from lora_kit.memory.simulate import simulate
+from lora_kit.memory.tracker import LiveBytesTracker
+
+STEP = dict(dtype="float32", seq_len=32, batch_size=2, gradient_checkpointing=False, optimizer="adamw",
+            num_gpus=2, sharding="fsdp")
+CASES = [dict(method="lora", lora_rank=4, lora_alpha=8), dict(method="full")]
+
+
+def test_tracker_follows_in_place_storage_resizes():
+    """FSDP2 frees a gathered parameter by resize_(0) and re-allocates it by resize_(n), outside the dispatcher."""
+    w = torch.empty(1024)  # 4096 B, made before the tracker
+    tr = LiveBytesTracker()
+    tr.track([w])
+    with tr:
+        w.untyped_storage().resize_(0)
+        assert tr.current_bytes == 0
+        w.untyped_storage().resize_(8192)
+        assert tr.current_bytes == tr.peak_bytes == 8192
+    w.untyped_storage().resize_(0)  # outside the tracker: not followed, and resize_ is torch's own again
+    assert tr.current_bytes == 8192 and "resize_" not in torch.UntypedStorage.__dict__
+
+
+def test_simulate_equals_real_two_process_fsdp2_per_rank(random_llama_dir, tmp_path):
+    """The real FSDP2 step under torchrun (2 CPU processes, gloo), each rank tracked, vs simulate's rank 0."""
+    out = tmp_path / "ranks.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    settings = [{"model": str(random_llama_dir), **STEP, **c} for c in CASES]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "lora_kit.memory.sharded", "--settings", json.dumps(settings), "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for case, rec in zip(CASES, json.loads(out.read_text())):
+        sim = simulate(str(random_llama_dir), **STEP, **case)
+        assert not dist.is_initialized()  # the fake process group is gone again
+        ranks = rec["ranks"]
+        assert [x["rank"] for x in ranks] == [0, 1]
+        for x in ranks:  # every dimension divides by 2: both ranks hold the same shard sizes
+            assert x["peak_allocated_bytes"] == sim.peak_allocated_bytes, (case, x, sim)
+            assert x["breakdown"] == sim.breakdown and x["phase"] == sim.phase
+        one_gpu = estimate(str(random_llama_dir), **{**STEP, "num_gpus": 1, "sharding": "none"}, **case)
+        assert sim.breakdown["optimizer_states"] < one_gpu.breakdown["optimizer_states"]  # states are sharded
+
+
+def test_sharded_simulate_refuses_what_it_cannot_show(random_llama_dir):
+    with pytest.raises(ValueError, match="optimizer='adamw_8bit'"):
+        simulate(str(random_llama_dir), **{**STEP, "optimizer": "adamw_8bit"}, method="lora")
