@@ -194,6 +194,54 @@ def _rotary_dim(spec: ModelSpec) -> int:
     return int(spec.head_dim * f)
 
 
+def _layer_types(spec: ModelSpec) -> list:
+    """Attention type of every block ("sliding_attention" | "full_attention"), from ``layer_types`` or Gemma-3's
+    ``sliding_window_pattern`` (every pattern-th block global); all full when the config has no sliding window."""
+    c, n = spec.config, spec.num_layers
+    if c.get("layer_types"):
+        return list(c["layer_types"])[:n]
+    pattern = c.get("sliding_window_pattern")
+    if c.get("sliding_window") and pattern:
+        return ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n)]
+    return ["full_attention"] * n
+
+
+def _norms_per_layer(spec: ModelSpec) -> int:
+    """Norms of one block: Gemma-3 has four (pre/post attention, pre/post MLP) like Gemma-2, read generically as two."""
+    return 4 if spec.model_type == "gemma3_text" else spec.norms_per_layer
+
+
+def _qk_norm(spec: ModelSpec, T, lora: bool, e: int):
+    """What the q/k RMSNorms keep per block: their fp32 input copies and rsqrt (full fine-tuning: also the
+    normalized output, for the weight's gradient). Qwen3 and Gemma-3 normalize per head (rsqrt per head),
+    OLMo-2 over the full q / k width (rsqrt per token); other families have none."""
+    H, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    per_head = spec.model_type in ("qwen3", "gemma3_text")
+    if not per_head and spec.model_type != "olmo2":
+        return 0
+    rows_q, rows_k = (T * H, T * kv) if per_head else (T, T)
+    out = _r(T * H * d * 4) + _r(T * kv * d * 4) + _r(rows_q * 4) + _r(rows_k * 4)
+    return out if lora else out + _r(T * H * d * e) + _r(T * kv * d * e)
+
+
+def _rope_bytes(spec: ModelSpec, S, e: int):
+    """cos/sin of the rotary embedding (+ inv_freq buffers): OLMo-2 keeps them in fp32, Gemma-3 has one pair per
+    attention type (local and global rotary); partial rotary narrows them."""
+    rd = _rotary_dim(spec)
+    eb = 4 if spec.model_type == "olmo2" else e
+    pairs = len(set(_layer_types(spec))) if spec.model_type == "gemma3_text" else 1
+    return pairs * (2 * _r(S * rd * eb) + 2 * _r(rd // 2 * 4))
+
+
+def _window_masks(spec: ModelSpec, S) -> int:
+    """Blocks whose sliding window is shorter than the sequence (Gemma-3): transformers builds them a
+    (B, 1, S, S) mask, and SDPA keeps its cast to the compute dtype in each such block."""
+    if spec.model_type != "gemma3_text" or not spec.config.get("sliding_window"):
+        return 0 * S
+    n = sum(t == "sliding_attention" for t in _layer_types(spec))
+    return np.where(S > int(spec.config["sliding_window"]), n, 0)
+
+
 def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: bool, attn: str, targets: tuple,
                  T, B, S, r, padding: str = "none") -> dict:
     """Activation bytes (arrays over the broadcast shape) at the moments that can hold the peak."""
@@ -211,8 +259,9 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             spec.norms_per_layer * norm  # parallel residual: both norms read (and keep) the same input
     else:  # RMSNorm: fp32 input copy + rsqrt; full fine-tuning also keeps the normalized input (weight grad)
         norm = _r(T * h * 4) + _r(T * 4) + (0 if lora else _r(T * h * e))
-        norms = spec.norms_per_layer * norm
-    first_free = norms if spec.parallel_residual else norm  # what block 0 saves less: its input needs no grad
+        norms = _norms_per_layer(spec) * norm
+    # what block 0 saves less: its input needs no grad (OLMo-2 normalizes block outputs: no input norm to spare)
+    first_free = norms if spec.parallel_residual else (0 if spec.model_type == "olmo2" else norm)
     block = norms
     group = {}
     for kind, w in width.items():
@@ -230,9 +279,12 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     # layer and, with a mask, GQA is off: repeat_kv copies K and V out to all H heads (both kept for backward)
     masked = (padding == "max_length") | ((padding == "longest") & (B > 1))
     bool_mask = np.where(masked, _r(B * S * S), 0) if attn == "sdpa" else 0
+    kv_repeat = 0 if kv == 1 else 2 * (_r(T * H * d * e) - v_bytes)  # one K/V head: repeat_kv is a view
+    # sliding-window blocks shorter than the sequence get a mask even unpadded: its cast, K/V repeated
+    window = np.where(masked, 0, _window_masks(spec, S) * (_r(B * S * S * e) + kv_repeat)) if attn == "sdpa" else 0
     if attn == "sdpa":
         attn_base = _r(T * H * d * e) + _r(T * kv * d * e) + v_bytes + _r(T * H * d * e) + _r(B * H * S * 4)
-        attn_base = attn_base + np.where(masked, _r(B * S * S * e) + 2 * (_r(T * H * d * e) - v_bytes), 0)
+        attn_base = attn_base + np.where(masked, _r(B * S * S * e) + kv_repeat, 0)
     else:
         kv_rep = _r(T * H * d * e) if kv < H else None
         k_b = kv_rep if kv_rep is not None else _r(T * kv * d * e)
@@ -241,6 +293,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         attn_base = _r(T * H * d * e) + k_b + v_b + _r(scores * 4) + (_r(scores * e) if e != 4 else 0)
         if spec.attn_softcap:
             attn_base = attn_base + _r(scores * e)
+    attn_base = attn_base + _qk_norm(spec, T, lora, e)
     mlp_base = (3 if spec.gated_mlp else 1) * _r(T * i * e)
     block = block + attn_base + mlp_base
     # block 0 reads the frozen embedding's output (no grad): a sub-block it enters without a LoRA layer on
@@ -276,8 +329,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         attn_temps = 2 * _r(scores * 4) - (_r(scores * e) if e != 4 else 0) - mlp_saved - norm
         bwd_temps = np.maximum(bwd_temps, attn_temps)
     first_norm_free = lora and not gc  # the frozen embedding's output needs no grad: block 0's norm saves nothing
-    rd = _rotary_dim(spec)  # partial rotary (GPT-NeoX rotary_pct, Phi partial_rotary_factor): cos/sin are narrower
-    rope = 2 * _r(S * rd * e) + 2 * _r(rd // 2 * 4)  # cos/sin + the inv_freq buffers
+    rope = _rope_bytes(spec, S, e)  # cos/sin + the inv_freq buffers
     final = norm + (_r(T * h * e) if not lora else 0)  # full fine-tuning: lm_head keeps its input
     el = 4 if method == "qlora" else e  # logits dtype (QLoRA: lm_head up-cast to fp32)
     loss_saved = _r(T * V * 4) + _r(T * 8) + 512
@@ -289,10 +341,12 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     mask = _r(B * S * S * e) if attn == "eager" else 0
     if gc:  # only block inputs stay; one block is recomputed during backward
         layers = L * _r(T * h * e) + rope + bool_mask  # the bool mask is an input of every checkpointed block
+        layers = layers + np.where(window > 0, _r(B * S * S), 0)  # the sliding-window bool mask, an input too
+        block = block + np.minimum(window, _r(B * S * S * e) + kv_repeat)  # the recomputed block's own mask
         fwd_block = layers + block + fwd_transient
         bwd_block = layers + block + bwd_temps + mask  # the checkpoint keeps the eager mask as an input
     else:
-        layers = L * block - (first_free if first_norm_free else 0) + rope
+        layers = L * block - (first_free if first_norm_free else 0) + rope + window
         fwd_block = layers + fwd_transient
         bwd_block = layers + bwd_temps
     saved = layers + final + loss_saved
