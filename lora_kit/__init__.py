@@ -41,6 +41,7 @@ _LAZY = {
     "sweep": "lora_kit.plan.planner",
     "max_fit": "lora_kit.plan.planner",
     "compare_methods": "lora_kit.plan.planner",
+    "qlora_vs_lora": "lora_kit.plan.planner",
     "gpu_table": "lora_kit.plan.gpus",
     "dataset_lengths": "lora_kit.plan.dataset_fit",
     "smoke_run": "lora_kit.run.smoke",

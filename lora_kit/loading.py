@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-TINY_ALIASES = ("tiny", "lora_kit:tiny", "embedded")
+from lora_kit.settings import TINY_ALIASES  # noqa: F401 - the embedded model's names, used here
 EMBEDDED_DIR = Path(__file__).parent / "embedded" / "tiny"
 DTYPE_MAP = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+TINY_ALIASES = ("tiny", "lora_kit:tiny", "embedded")  # names of the embedded model
 METHODS = ("full", "lora", "qlora")
 METHOD_LABELS = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}  # one spelling in tables, figures, texts
 

@@ -37,6 +37,16 @@ def lora_config(rank: int, alpha: int, dropout: float, targets):
                       task_type="CAUSAL_LM")
 
 
+def enable_checkpointing(model) -> None:
+    """Non-reentrant gradient checkpointing as the HF Trainer sets it (transformers 5 calls it activation
+    checkpointing; older versions only have ``gradient_checkpointing_enable``)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def attach_adapter(model, method: str, seed: int, rank: int = 16, alpha: int = 32, dropout: float = 0.0,
                    targets="all-linear", gradient_checkpointing: bool = False):
     """Prepare ``model`` for ``method`` and return the model that trains (a PeftModel for LoRA/QLoRA)."""
@@ -46,7 +56,7 @@ def attach_adapter(model, method: str, seed: int, rank: int = 16, alpha: int = 3
             model, use_gradient_checkpointing=gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
     elif gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         if method != "full":
             model.enable_input_require_grads()  # frozen embedding: checkpointed blocks need a grad input
     if method == "full":

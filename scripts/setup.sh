@@ -24,3 +24,8 @@ fi
 .venv/bin/python -m pip install -q "${TORCH_ARGS[@]}" "$TORCH_SPEC"
 .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[dev]"
 .venv/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+# Notebook outputs never reach git: .gitattributes runs notebooks/*.ipynb through this clean filter, so a
+# session in JupyterLab leaves the tracked notebooks clean (git status, diff and commits see no outputs).
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  git config filter.strip-notebook-outputs.clean ".venv/bin/python scripts/strip_notebook_outputs.py"
+fi

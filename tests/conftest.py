@@ -15,6 +15,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def interactive_runs_base(tmp_path_factory):
+    """Notebooks executed as a user runs them (nbval's 02, in notebooks/) write their relative ``run_dir``
+    under a temp folder, not into the checkout's runs/ (``lora_kit.ui.notebook.runs_base``)."""
+    os.environ["LORA_KIT_RUNS_BASE"] = str(tmp_path_factory.mktemp("interactive"))
+
+
 def build_char_tokenizer(out_dir):
     """A character-level tokenizer (tokenizers library) with <s>, </s>, <pad>; BOS added automatically."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors

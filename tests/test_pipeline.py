@@ -4,6 +4,7 @@ keeps what was produced and exits non-zero. Plus the CLI's other commands."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -70,12 +71,23 @@ def test_main_job_on_embedded_default(main_job):
         assert not [o for c in code for o in c["outputs"] if o["output_type"] == "error"], name
         html = (run / name.replace(".ipynb", ".html")).read_text()
         assert "Traceback" not in html
+        # what a person reads: papermill's injected cell holds only what the run changed; no library noise
+        injected = next(c for c in code if "injected-parameters" in c["metadata"].get("tags", []))
+        assert len("".join(injected["source"]).splitlines()) <= 4, name
+        stderr = "".join(o["text"] for c in code for o in c["outputs"] if o.get("name") == "stderr")
+        for noisy in ("FutureWarning", "Paged optimizers", "gemm_4bit_forward", "use_cache=True", "Caching is"):
+            assert noisy not in stderr, (name, noisy, stderr[:2000])
+        assert not [o for c in code for o in c["outputs"] if "PosixPath(" in str(o.get("data", {}))], name
     assert "plotly" in (run / "01_choose_method.html").read_text()  # figures visible in the export
     for part in ("stack.json", "plan.json", "sweeps.json", "smoke/smoke.json", "eval/eval.json",
                  "eval/per_example.csv", "smoke/adapter/adapter_model.safetensors"):
         assert (run / part).exists(), part
     smoke = json.loads((run / "smoke" / "smoke.json").read_text())
     assert smoke["status"] == "complete" and smoke["verify"]["passed"]
+    kernels_log = run / "kernels.log"  # the kernels' own messages (IPC transport: no TCP warning)
+    assert not kernels_log.exists() or "without encryption" not in kernels_log.read_text()
+    lines = (run / "progress.log").read_text()  # headless progress, printed by lora-kit run as it came
+    assert re.search(r"^smoke steps: (\d+)/\1 steps \(100%\)", lines, re.M) and "evaluate" in lines, lines
     ev = json.loads((run / "eval" / "eval.json").read_text())
     assert ev["comparisons"]["adapter"]["heldout"]["exact_match"]["lo"] > 0
     card = (run / "report.md").read_text()

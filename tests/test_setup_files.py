@@ -48,3 +48,62 @@ def test_cli_help_prints_every_setting_readably():
     out = subprocess.run([sys.executable, "-m", "lora_kit.ui.cli", "run", "--help"], capture_output=True, text=True,
                          check=True, env={"COLUMNS": "200", "PATH": ""}).stdout
     assert "~30 % slower" in out and "option_strings" not in out
+
+
+def _git(*args, cwd):
+    import subprocess
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def test_tracked_notebooks_have_no_outputs():
+    import json
+    import subprocess
+    names = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert names
+    for name in names:
+        # what git holds (the index: what a commit would store); the file itself in a copy without git
+        staged = subprocess.run(["git", "show", f":notebooks/{name}"], cwd=ROOT, capture_output=True, text=True)
+        nb = json.loads(staged.stdout if staged.returncode == 0 else (ROOT / "notebooks" / name).read_text())
+        code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+        assert all(not c["outputs"] and c["execution_count"] is None for c in code), f"{name} holds outputs"
+        assert "widgets" not in nb["metadata"], f"{name} holds widget state"
+
+
+def test_outputs_written_by_a_session_do_not_dirty_git(tmp_path):
+    """The clean filter that setup.sh registers: a notebook executed in place shows no change to git."""
+    import shutil
+    import sys
+
+    import nbformat
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert "filter.strip-notebook-outputs.clean" in setup
+    assert "notebooks/*.ipynb filter=strip-notebook-outputs" in (ROOT / ".gitattributes").read_text()
+    repo = tmp_path / "clone"
+    (repo / "notebooks").mkdir(parents=True)
+    shutil.copy(ROOT / ".gitattributes", repo)
+    (repo / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "strip_notebook_outputs.py", repo / "scripts")
+    shutil.copy(ROOT / "notebooks" / "00_stack_check.ipynb", repo / "notebooks")
+    subprocess_python = f"{sys.executable} scripts/strip_notebook_outputs.py"
+    _git("init", "-q", cwd=repo)
+    _git("config", "filter.strip-notebook-outputs.clean", subprocess_python, cwd=repo)
+    _git("add", ".", cwd=repo)
+    _git("commit", "-qm", "notebooks", cwd=repo)
+    path = repo / "notebooks" / "00_stack_check.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    code = next(c for c in nb.cells if c.cell_type == "code")
+    code.execution_count = 7
+    code.outputs = [nbformat.v4.new_output("stream", name="stdout", text="a result\n")]
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    nbformat.write(nb, path)
+    assert "a result" in path.read_text()
+    assert _git("diff", cwd=repo) == "", "outputs show as a change"
+    # git status lists a file whose size changed until the index is refreshed by `git add` (git skips the
+    # filter then, as with nbstripout); adding stores nothing new
+    _git("add", "notebooks", cwd=repo)
+    assert _git("status", "--porcelain", cwd=repo) == "", "outputs made the notebook look modified"
+    code.source += "\n# an edit"  # a real change still shows, without its outputs
+    nbformat.write(nb, path)
+    assert _git("status", "--porcelain", cwd=repo).strip() == "M notebooks/00_stack_check.ipynb"
+    assert "a result" not in _git("diff", cwd=repo)

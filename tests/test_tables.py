@@ -159,3 +159,21 @@ def test_nothing_fits_reads_so():
     assert T.method_markdown(none, fits_only=True).endswith("_No method x GPU fits._")
     rows = T.method_rows(none)
     assert rows.attrs["recommended"] is None and (rows["note"] == "").all() and set(rows["fits"]) == {"✗"}
+
+
+def test_qlora_vs_lora_numbers_and_marks():
+    from lora_kit.plan.planner import QLORA_VS_LORA, qlora_vs_lora
+    pair = sweep("tiny", method=["lora", "qlora"], seq_len=[256, 2048], batch_size=1, gradient_checkpointing=[True, False])
+    q = qlora_vs_lora(pair)
+    assert list(q.columns) == list(QLORA_VS_LORA) and len(q) == 4
+    r = pair.set_index(["model", "gradient_checkpointing", "seq_len", "method"])
+    k = ("tiny", True, 2048)
+    lora, ql = r.loc[(*k, "lora")], r.loc[(*k, "qlora")]
+    assert q.loc[k, "QLoRA / LoRA peak"] == ql.peak_allocated_bytes / lora.peak_allocated_bytes
+    assert q.loc[k, QLORA_VS_LORA[0]] == (lora.weights - ql.weights - ql.quant_constants) / 2 ** 20
+    html = T.qlora_vs_lora_table(q).to_html()
+    assert "nan" not in html.lower() and "True" not in html and ">2,048<" in html
+    ratio = f"{q.loc[k, 'QLoRA / LoRA peak']:.2f}"
+    assert ratio in html and (q.loc[k, "QLoRA / LoRA peak"] > 1) == ("color: #c62828" in html)
+    with pytest.raises(ValueError, match="one row per"):
+        qlora_vs_lora(sweep("tiny", method=["lora", "qlora"], seq_len=256, batch_size=[1, 2]))

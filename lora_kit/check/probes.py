@@ -14,6 +14,7 @@ import warnings
 import torch
 
 from lora_kit import loading
+from lora_kit.training import enable_checkpointing
 
 PASS, FAIL, NA, WORKED_AROUND = "pass", "fail", "not applicable", "worked-around"
 STATUSES = (PASS, WORKED_AROUND, NA, FAIL)
@@ -203,7 +204,7 @@ def gradient_checkpointing():
     model(input_ids=x, labels=x).loss.backward()
     ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     model.train()
     model(input_ids=x, labels=x).loss.backward()
     err = max((a - p.grad).abs().max().item() for a, p in zip(ref, model.parameters()))

@@ -38,6 +38,7 @@ from lora_kit.evaluation.adapters import check_adapter, local_adapter
 from lora_kit.generation import generate, reference_nll
 from lora_kit.evaluation.hygiene import check_heldout, overlap_report
 from lora_kit.data import control_source, field_settings, is_conversational, load_examples, run_data, run_data_file
+from lora_kit.progress import bar as progress_bar
 from lora_kit.prompting import PromptFormat, resolve_prompt_format
 from lora_kit.settings import Settings, _check_int, check_count, check_heldout_split, parse_bool
 from lora_kit.results import check_output_dir, read_record, run_identity, settled, write_json_atomic, write_text_atomic
@@ -308,7 +309,7 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
 
     splits = {"heldout": ho_rows, "control": ctl_rows}
     n_batches = sum(math.ceil(len(r) / batch_size) for r in splits.values()) * 2 * len(systems)
-    bar = _progress(n_batches, progress)
+    bar = progress_bar(n_batches, "evaluate", enabled=progress, run_dir=run_dir, unit="batch")
     gen = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, do_sample=do_sample,
                temperature=temperature, seed=seed)
     timing: dict = {}
@@ -416,11 +417,6 @@ def _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fie
 _DEFAULTS = {k: v.default for k, v in inspect.signature(evaluate).parameters.items()}
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=total, unit="batch", desc="evaluate")
 
 
 def _describe(source) -> str | None:

@@ -447,6 +447,28 @@ def compare_methods(model, gpus=None, seq_len: int = 2048, batch_size="max", num
     return df
 
 
+QLORA_VS_LORA = ("weights QLoRA saves (MiB)", "extra activations of QLoRA (MiB)", "QLoRA / LoRA peak")
+
+
+def qlora_vs_lora(df: pd.DataFrame) -> pd.DataFrame:
+    """Where QLoRA's 4-bit weights stop paying for its fp32 up-casts, from a :func:`sweep` over
+    ``method=["lora", "qlora"]``: per (model, gradient_checkpointing, seq_len), the weight bytes QLoRA saves
+    (constants included), the activation bytes it adds, and the ratio of the peaks (above 1: QLoRA needs more)."""
+    keys = ["model", "gradient_checkpointing", "seq_len"]
+    both = df[df["method"].isin(["lora", "qlora"])]
+    if set(both["method"]) != {"lora", "qlora"}:
+        raise ValueError("qlora_vs_lora needs a sweep with method=['lora', 'qlora'].")
+    if both.duplicated(keys + ["method"]).any():
+        raise ValueError("qlora_vs_lora: one row per model, gradient_checkpointing, seq_len and method; fix the "
+                         "other settings (batch_size, lora_rank, ...) to one value in the sweep.")
+    w = both.pivot_table(index=keys, columns="method",
+                         values=["weights", "quant_constants", "activations", "peak_allocated_bytes"])
+    return pd.DataFrame({
+        QLORA_VS_LORA[0]: (w.weights.lora - w.weights.qlora - w.quant_constants.qlora) / 2 ** 20,
+        QLORA_VS_LORA[1]: (w.activations.qlora - w.activations.lora) / 2 ** 20,
+        QLORA_VS_LORA[2]: w.peak_allocated_bytes.qlora / w.peak_allocated_bytes.lora})
+
+
 def _method_words(method) -> str:
     return "full fine-tuning" if method == "full" else method_label(method)
 

@@ -10,7 +10,7 @@ those boundaries behind callbacks. The operations are the same ones Trainer runs
 same optimizer classes, same checkpointing flags), so what runs here runs under Trainer.
 
 Instrumentation cost, stated:
-- every step: two ``perf_counter`` calls, one ``loss.item()``, tqdm (rate-limited), and on CUDA
+- every step: two ``perf_counter`` calls, one ``loss.item()``, a progress update (rate-limited), and on CUDA
   ``max_memory_allocated``/``reserved`` -- negligible (see ``benchmarks/smoke_overhead.py``);
 - on CPU the live-bytes tracker (a ``TorchDispatchMode``: Python code on every operator, easily
   2-5x slower) runs only on the first ``measure_steps`` steps, unless a memory limit is emulated,
@@ -23,10 +23,10 @@ import time
 from collections.abc import Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from lora_kit import training
 from lora_kit.memory.breakdown import label_training_state, tracked_peak
+from lora_kit.progress import bar as progress_bar
 
 
 def rss_bytes() -> int | None:
@@ -59,7 +59,7 @@ class MicroBatches(Sequence):
 
 def train_steps(model, optimizer, micro_batches, max_steps: int, grad_accum: int, tracker=None,
                 measure_steps: int = 3, tracker_always_on: bool = False, progress: bool = True,
-                on_step=None, label_module=None, autocast_ctx=None, paged: bool = False) -> list[dict]:
+                on_step=None, label_module=None, autocast_ctx=None, paged: bool = False, run_dir=None) -> list[dict]:
     """Run ``max_steps`` optimizer steps of :func:`lora_kit.training.train_step`; returns one metrics
     dict per step.
 
@@ -70,13 +70,15 @@ def train_steps(model, optimizer, micro_batches, max_steps: int, grad_accum: int
     ``max_memory_allocated`` leaves managed memory out). ``on_step(metrics)`` is called after each
     step (the caller rewrites its results there). A measured step records ``peak_bytes``,
     ``peak_phase`` and ``peak_breakdown`` (the estimate's parts, summing to ``peak_bytes``).
+    Progress: a bar when ``progress``, else periodic lines when ``run_dir`` is in a ``lora-kit run``
+    (:func:`lora_kit.progress.bar`).
     """
     cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
     labelled = label_module if label_module is not None else model
     steps = []
     model.train()
-    bar = tqdm(range(max_steps), desc="smoke steps", disable=not progress, leave=False)
-    for step in bar:
+    bar = progress_bar(max_steps, "smoke steps", enabled=progress, run_dir=run_dir)
+    for step in range(max_steps):
         measured = tracker is not None and (tracker_always_on or step < measure_steps)
         if measured:
             label_training_state(tracker, labelled, optimizer, paged=paged)
@@ -102,8 +104,10 @@ def train_steps(model, optimizer, micro_batches, max_steps: int, grad_accum: int
             m["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
             m["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
         steps.append(m)
-        if progress and (step % 10 == 0 or step == max_steps - 1):
+        if step % 10 == 0 or step == max_steps - 1:
             bar.set_postfix(loss=f"{loss_value:.4f}")
+        bar.update(1)
         if on_step is not None:
             on_step(m)
+    bar.close()
     return steps

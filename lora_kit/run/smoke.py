@@ -429,7 +429,7 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     train_steps(train_model, optimizer, micro, s.max_steps, s.grad_accum, tracker=tracker,
                 measure_steps=measure_steps, tracker_always_on=always_on, progress=progress and rank == 0,
                 on_step=on_step, label_module=model, autocast_ctx=autocast_context(s.autocast, s.dtype, dev.type),
-                paged=s.optimizer.startswith("paged_") and dev.type != "cuda")
+                paged=s.optimizer.startswith("paged_") and dev.type != "cuda", run_dir=s.run_dir if rank == 0 else None)
     steps = rec["steps"]
     key = "cuda_max_allocated_bytes" if torch.cuda.is_available() else "peak_bytes"
     design = rec["measurement"]["design_step"]
@@ -527,6 +527,8 @@ def _verify_phases(s, run, state, tracker, tok, mine, path, control_prompts):
 
 def main(argv=None) -> int:
     """``python -m lora_kit.run.smoke --params run.yaml [-p key value ...]`` (works under torchrun)."""
+    from lora_kit.noise import quiet
+    quiet()
     p = argparse.ArgumentParser(prog="python -m lora_kit.run.smoke", description=__doc__.split("\n\n")[0])
     p.add_argument("--params", help="YAML params file (Settings fields)")
     p.add_argument("-p", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"), help="override a setting")

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from lora_kit.memory.estimate import estimate
+from lora_kit.noise import quiet
 from lora_kit.plan.planner import fit_verdict
 from lora_kit.results import check_run_name, signal_name
 from lora_kit.settings import (LORA_FIELDS, PLANNING_DEFAULTS, STEP_FIELDS, Settings, check_step, field_help,
@@ -47,6 +48,8 @@ def _parse_p(pairs) -> dict:
 
 def cmd_run(args) -> int:
     from lora_kit.ui.pipeline import PipelineError, run_pipeline
+    if hasattr(sys.stdout, "reconfigure"):  # progress lines appear as they come, also in a pipe or a CI log
+        sys.stdout.reconfigure(line_buffering=True)
     overrides = {**_settings_from_args(args), **_parse_p(args.p)}
     try:
         settings = load_settings(args.params, overrides)
@@ -202,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    quiet()
     return args.func(args)
 
 

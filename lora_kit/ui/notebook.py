@@ -16,24 +16,71 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
-from lora_kit.settings import Settings, field_names, from_dict
+from lora_kit.settings import TINY_ALIASES, Settings, field_names, from_dict
 
 _RUN_DIR: Path | None = None
 
 
 def setup(namespace: dict) -> Settings:
-    """Settings from the notebook's globals (only names that are Settings fields are taken)."""
+    """Settings from the notebook's globals (only names that are Settings fields are taken).
+
+    The same in JupyterLab as under ``lora-kit run``: a relative ``run_dir`` is taken from the kit's
+    checkout (:func:`runs_base`), so an interactive session writes ``runs/default/`` in the layout of
+    ``lora-kit run`` (04's last cell builds its card); CPU threads are set by :func:`cpu_threads`;
+    the libraries' known-harmless warnings are silenced (:mod:`lora_kit.noise`).
+    """
     global _RUN_DIR
     import plotly.io as pio
+
+    from lora_kit.noise import quiet
+    quiet()
     # mimetype for JupyterLab; offline HTML (plotly.js from the run folder) for the HTML exports
     pio.renderers.default = f"plotly_mimetype+{_offline_renderer()}"
     values = {k: namespace[k] for k in field_names() if k in namespace}
     settings = from_dict(values)
-    _RUN_DIR = Path(settings.run_dir).resolve()
+    _RUN_DIR = (runs_base() / Path(settings.run_dir).expanduser()).resolve()
+    settings = settings.replace(run_dir=str(_RUN_DIR))
     (_RUN_DIR / "figures").mkdir(parents=True, exist_ok=True)
+    cpu_threads(settings)
     return settings
+
+
+def runs_base() -> Path:
+    """The folder a relative ``run_dir`` is taken from: ``LORA_KIT_RUNS_BASE`` when set; the kit's checkout
+    when the kernel runs in its ``notebooks/`` folder (JupyterLab's working directory there), so that
+    ``runs/default`` is the folder ``lora-kit run`` writes from the checkout; else the working directory
+    (``lora-kit run`` passes absolute paths)."""
+    if os.environ.get("LORA_KIT_RUNS_BASE"):
+        return Path(os.environ["LORA_KIT_RUNS_BASE"]).expanduser()
+    here = Path.cwd().resolve()
+    return here.parent if here == kit_notebooks_dir() else here
+
+
+def kit_notebooks_dir() -> Path | None:
+    """The kit's notebooks folder: the checkout's ``notebooks/`` (editable install) or package data; None
+    for an installed package without them."""
+    package = Path(__file__).resolve().parents[1]
+    for cand in (package.parent / "notebooks", package / "notebooks"):
+        if (cand / "00_stack_check.ipynb").is_file():
+            return cand
+    return None
+
+
+def cpu_threads(settings: Settings) -> int | None:
+    """Torch's CPU threads for this kernel, the same headless and in JupyterLab. ``OMP_NUM_THREADS`` wins
+    when set. Otherwise the embedded tiny model gets one thread: its matrices are too small to share, and on
+    a busy 2-core machine two OpenMP threads ran its steps 3-10x slower (they spin-wait for each other).
+    Real models keep torch's default (one thread per core). Returns the count set, None when left alone."""
+    if os.environ.get("OMP_NUM_THREADS") or settings.model not in TINY_ALIASES:
+        return None
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+    else:  # read by torch's OpenMP runtime when it loads: no torch import here (01 and 02 never need it)
+        os.environ["OMP_NUM_THREADS"] = "1"
+    return 1
 
 
 def chromium_path() -> str | None:

@@ -34,6 +34,8 @@ from typing import ClassVar
 from jupyter_client.manager import AsyncKernelManager
 
 from lora_kit.data import absolute_paths
+from lora_kit.progress import follow
+from lora_kit.ui.notebook import kit_notebooks_dir
 from lora_kit.results import (NotWritten, active_run, check_output_dir, entered_run, interrupts, new_run, now_iso,
                               process_alive, read_record, same_run, settled, signal_name, touch, write_json_atomic,
                               write_text_atomic)
@@ -68,10 +70,9 @@ class RunExists(ValueError):
 
 def notebooks_dir() -> Path:
     """The notebooks folder: the repository's ``notebooks/`` (editable install) or package data."""
-    package = Path(__file__).resolve().parents[1]
-    for cand in (package.parent / "notebooks", package / "notebooks"):
-        if (cand / PIPELINE[0]).is_file():
-            return cand
+    found = kit_notebooks_dir()
+    if found is not None:
+        return found
     raise FileNotFoundError("notebooks not found; run from a lora_kit checkout or pass --notebooks DIR.")
 
 
@@ -109,6 +110,28 @@ def export_html(nb_path: Path) -> Path | None:
         return None
 
 
+def injected_parameters(nb_path: Path, params: dict) -> dict:
+    """What papermill injects into a notebook: the settings whose value differs from what the notebook
+    takes on its own (its ``parameters`` cell, else the :class:`Settings` default). The kernel's
+    ``setup`` rebuilds every other setting from those same defaults, so it validates exactly ``params``,
+    and the executed notebook shows a short cell of what this run changed (not all ~45 settings)."""
+    import ast
+
+    import nbformat
+    declared: dict = {}
+    for cell in nbformat.read(nb_path, as_version=4).cells:
+        if cell.cell_type == "code" and "parameters" in cell.metadata.get("tags", []):
+            for node in ast.parse(cell.source).body:
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                    try:
+                        declared[node.targets[0].id] = ast.literal_eval(node.value)
+                    except ValueError:  # not a literal: always injected
+                        declared[node.targets[0].id] = object()
+    defaults = Settings().to_dict()
+    own = {**defaults, **declared}
+    return {k: v for k, v in params.items() if k not in own or own[k] != v}
+
+
 def _failure_text(exc: BaseException) -> str:
     ename = getattr(exc, "ename", type(exc).__name__)
     evalue = getattr(exc, "evalue", str(exc))
@@ -119,8 +142,19 @@ def _failure_text(exc: BaseException) -> str:
 # kernels: known by pid, so an interrupted run can stop them and a dead one can be explained
 # ----------------------------------------------------------------------------------------------
 class TrackedKernelManager(AsyncKernelManager):
-    """papermill's kernel manager, remembering each kernel it starts (pid, exit code)."""
+    """papermill's kernel manager, remembering each kernel it starts (pid, exit code). On POSIX it talks
+    to the kernel over local sockets (IPC), not TCP: nothing listens on a port, and the kernel has no
+    reason to warn "Kernel is running over TCP without encryption" in every run."""
     started: ClassVar[list] = []
+
+    def __init__(self, **kw):
+        if os.name == "posix":  # the sockets live beside the connection files, removed when the kernel stops
+            import uuid
+
+            from jupyter_core.paths import jupyter_runtime_dir
+            kw.setdefault("transport", "ipc")
+            kw.setdefault("ip", os.path.join(jupyter_runtime_dir(), f"lora-kit-{uuid.uuid4().hex[:12]}-ipc"))
+        super().__init__(**kw)
 
     kernel_pid: int | None = None
     returncode: int | None = None
@@ -341,7 +375,11 @@ def run_pipeline(settings: Settings, out_dir: str | Path, notebooks: str | Path 
             try:
                 for i, name in enumerate(todo, 1):
                     log(f"[{i}/{len(todo)}] {name} ...")
-                    _run_one(pm, nb_dir, out, name, params, record)
+                    stop_following = follow(out, log)  # the notebook's training / evaluation progress lines
+                    try:
+                        _run_one(pm, nb_dir, out, name, params, record)
+                    finally:
+                        stop_following()
                     log(f"      ok in {record['notebooks'][-1]['seconds']:.1f} s")
                 ran_ok = {e["notebook"] for e in record["notebooks"] if e["status"] == "ok"}
                 record["not_run"] = [n for n in PIPELINE if n not in ran_ok]
@@ -397,7 +435,8 @@ def _run_one(pm, nb_dir: Path, out: Path, name: str, params: dict, record: dict)
     _save(out, record)
     n_kernels, oom_before = len(TrackedKernelManager.started), oom_kills()
     try:
-        pm.execute_notebook(str(nb_dir / name), str(dst), parameters=params, kernel_name="python3",
+        pm.execute_notebook(str(nb_dir / name), str(dst), parameters=injected_parameters(nb_dir / name, params),
+                            kernel_name="python3",
                             cwd=str(out), progress_bar=False, log_output=False,
                             kernel_manager_class=TrackedKernelManager)
     except Exception as exc:

@@ -261,6 +261,24 @@ def sweep_markdown(df: pd.DataFrame, columns=None, parts: bool = False) -> str:
     return (f"{rows.attrs['caption']}\n\n" if rows.attrs["caption"] else "") + markdown(rows)
 
 
+def qlora_vs_lora_table(df: pd.DataFrame):
+    """:func:`lora_kit.plan.planner.qlora_vs_lora` for a notebook: MiB to one decimal, the ratio to two,
+    checkpointing on/off, rows where QLoRA needs more memory than LoRA (ratio above 1) marked."""
+    from lora_kit.plan.planner import QLORA_VS_LORA
+    flat = df.reset_index()
+    rows = pd.DataFrame({"model": flat["model"].astype(str),
+                         "checkpointing": [_setting("gradient_checkpointing", v) for v in flat["gradient_checkpointing"]],
+                         "seq_len (tokens)": [f"{int(v):,}" for v in flat["seq_len"]]})
+    for c in QLORA_VS_LORA[:2]:
+        rows[c] = [_num(v, 1, sign=True) for v in flat[c]]
+    rows[QLORA_VS_LORA[2]] = [_num(v, 2) for v in flat[QLORA_VS_LORA[2]]]
+    more = (flat[QLORA_VS_LORA[2]] > 1).tolist()
+    st = _styled(rows, "Weight bytes QLoRA saves (4-bit constants included) vs the activation bytes its fp32 "
+                       "up-casts add; a peak ratio above 1 (red): QLoRA needs more memory than LoRA.")
+    return st.apply(lambda col: ["color: #c62828; font-weight: bold" if m else "" for m in more],
+                    subset=[QLORA_VS_LORA[2]])
+
+
 # --- evaluation examples ----------------------------------------------------------------------------------------
 
 def _clip(text, width: int) -> str:

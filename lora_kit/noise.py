@@ -1,0 +1,56 @@
+"""Known-harmless messages of the libraries the kit drives, silenced by their exact text, nothing else.
+
+Each entry says why it is harmless here. :func:`quiet` installs the filters (idempotent); the notebooks'
+``setup`` call, the CLI and the smoke run's ``torchrun`` entry call it, so a person reads only what
+matters. Anything not listed still shows.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+
+# (category, start of the message as a regex, why it is harmless)
+WARNINGS = (
+    (FutureWarning, r"`(gradient_checkpointing_enable|is_gradient_checkpointing)` is deprecated",
+     "transformers 5 renamed them activation_checkpointing*; peft still calls the old names, which forward to "
+     "the new ones"),
+    (UserWarning, r"Paged optimizers are not supported on CPU",
+     "bitsandbytes falls back to the same optimizer without paging; paging only matters on CUDA, and the kit "
+     "plans paged optimizers' memory for the GPU"),
+)
+# logger name -> (start of the message, why it is harmless)
+LOGS = {
+    "transformers.utils.generic": ("`use_cache=True` is incompatible with gradient checkpointing",
+                                   "training never uses the generation cache; transformers turns it off itself"),
+    "transformers.modeling_layers": ("Caching is incompatible with gradient checkpointing",
+                                     "the same message from the checkpointed layers"),
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",
+                                      "AVX512-BF16 CPUs only: the optional hub kernel is absent (offline, or the "
+                                      "`kernels` package is not installed) and bitsandbytes uses its own CPU kernel"),
+}
+
+
+class _DropKnown(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
+def quiet() -> None:
+    """Install the filters for :data:`WARNINGS` and :data:`LOGS` (once per process)."""
+    for category, pattern, _why in WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
+    for name, (start, _why) in LOGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnown) and f.start == start for f in logger.filters):
+            logger.addFilter(_DropKnown(start))
+
+
+def is_known(message: str) -> bool:
+    """True when ``message`` is one of the silenced ones (tests use it to look for what is left)."""
+    return any(re.match(p, message) for _c, p, _w in WARNINGS) or any(
+        message.startswith(start) for start, _w in LOGS.values())
