@@ -48,21 +48,30 @@ def main() -> None:
                                                 gpu="A100-80GB",
                                                 title="tiny lora: estimated peak per part (seq_len 64, batch 16)"),
     }
+    pair = lk.sweep(["llama-3.1-8b", "tiny"], method=["lora", "qlora"], seq_len=[256, 1024, 2048, 4096, 8192, 32768],
+                    batch_size=1, gradient_checkpointing=[True, False], lora_rank=16)
+    grid = lk.sweep("llama-3.1-8b", gpu="A100-80GB", method=["lora", "qlora"], seq_len=[256, 512, 1024, 2048, 4096, 8192],
+                    batch_size=1, gradient_checkpointing=[False, True], lora_rank=16)
+    tabs = {"table-01-methods": (tables.method_table(plan), 740),  # the notebooks' tables, as they show them
+            "table-01-qlora-vs-lora": (tables.qlora_vs_lora_table(lk.qlora_vs_lora(pair)), 760),
+            "table-02-sweep": (tables.sweep_table(grid), 720)}
     if args.eval_run:
         from lora_kit.evaluation.evaluate import load_result
         ev = load_result(args.eval_run)
         figs["fig-04-paired-diff"] = ev.diff_histogram()
         figs["fig-04-control-changes"] = ev.control_changes()
+        tabs["table-04-examples"] = (tables.examples_table(
+            ev.examples_table(split="control", changed_only=True).head(15)), 440)
     pio.write_images(list(figs.values()), [str(DOCS / f"{n}.png") for n in figs], width=F.NOTEBOOK_WIDTH,
                      height=[f.layout.height for f in figs.values()])
-    html = ('<html><body style="font-family: sans-serif; font-size: 13px; margin: 8px">'
-            + tables.method_table(plan).to_html() + "</body></html>")
     with tempfile.TemporaryDirectory() as tmp:
-        page = Path(tmp) / "table.html"
-        page.write_text(html, encoding="utf-8")
-        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                        f"--screenshot={DOCS / 'table-01-methods.png'}", "--window-size=900,740", page.as_uri()],
-                       check=True, capture_output=True, timeout=120)
+        for name, (styler, height) in tabs.items():
+            page = Path(tmp) / f"{name}.html"
+            page.write_text('<html><body style="font-family: sans-serif; font-size: 13px; margin: 8px">'
+                            + styler.to_html() + "</body></html>", encoding="utf-8")
+            subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                            f"--screenshot={DOCS / (name + '.png')}", f"--window-size=900,{height}", page.as_uri()],
+                           check=True, capture_output=True, timeout=120)
     print("\n".join(sorted(str(p.relative_to(DOCS.parent)) for p in DOCS.glob("*-*.png"))))
 
 

@@ -307,11 +307,19 @@ def examples_rows(df: pd.DataFrame, width: int = 60) -> pd.DataFrame:
     return out
 
 
-def examples_table(df: pd.DataFrame, width: int = 60):
-    """Evaluation examples for a notebook: a Styler, worse outcomes red, better green (see :func:`examples_rows`)."""
+def examples_table(df: pd.DataFrame, width: int = 28):
+    """Evaluation examples for a notebook: a Styler, worse outcomes red, better green (see :func:`examples_rows`);
+    a split shared by every row goes to the caption, headers wrap, so the table fits a notebook's width."""
     rows = examples_rows(df, width)
+    caption = ""
+    if len(rows) and rows["split"].nunique() == 1:
+        caption = f"{rows['split'].iloc[0]} examples; ✓ / ✗ = exact match; chrF 0-100"
+        rows = rows.drop(columns=["split"])
     colour = {"worse": "background-color: #fde0dc", "better": "background-color: #e3f4e1"}
-    st = rows.style.hide(axis="index").map(lambda v: colour.get(v, ""), subset=["outcome"])
+    st = rows.style.hide(axis="index").map(lambda v: colour.get(v, ""), subset=["outcome"]).set_caption(caption)
     text = [c for c in rows.columns if not c.startswith("chrF") and c != "#"]
     st = st.set_properties(subset=text, **{"text-align": "left"})
-    return st.set_table_styles([{"selector": "td", "props": "white-space: nowrap; padding: 2px 6px"}], overwrite=False)
+    return st.set_table_styles([{"selector": "td", "props": "white-space: nowrap; padding: 2px 4px"},
+                                {"selector": "th", "props": "max-width: 6em; vertical-align: bottom; padding: 2px 4px"},
+                                {"selector": "caption", "props": "caption-side: top; text-align: left"}],
+                               overwrite=False)
