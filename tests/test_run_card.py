@@ -7,7 +7,8 @@ import pytest
 
 from lora_kit.check import stack
 from lora_kit.plan.planner import compare_methods
-from lora_kit.plan.records import plan_record
+from lora_kit.memory.estimate import estimate
+from lora_kit.plan.records import plan_record, sweeps_record
 from lora_kit.settings import Settings
 from lora_kit.ui.run_card import build_report
 
@@ -34,6 +35,9 @@ def card(tmp_path_factory):
         "verify": {"reload_max_abs_diff": 0.0, "tolerance": 1e-05, "reload_equal": True,
                    "adapter_vs_base_max_abs_diff": 26.389467239379883, "adapter_changes_outputs": True,
                    "files": {"n_tensors": 56}, "passed": True}}))
+    (d / "sweeps.json").write_text(json.dumps(sweeps_record(
+        "llama-3.1-8b", "A100-80GB", {"lora, checkpointing on": 29952, "qlora, checkpointing off": 4864}, {},
+        estimate("tiny", seq_len=64, batch_size=16))))
     build_report(d)
     return {"md": (d / "report.md").read_text(), "json": json.loads((d / "report.json").read_text()), "table": table}
 
@@ -58,6 +62,8 @@ def test_every_fitting_row_cheapest_first_with_currency(card):
     assert "cost per epoch (USD, example)" in request and "★ cheapest" in rows[0]
     assert not re.search(r"\bL?Q?LORA\b|\blora\b", request.replace("lora_kit", ""))  # one spelling
     assert "QLoRA fits on T4, L4, A10G" in request
+    assert ("Longest seq_len (tokens) that fits A100-80GB at micro-batch 1 (llama-3.1-8b, notebook 02): "
+            "LoRA, checkpointing on: 29,952; QLoRA, checkpointing off: 4,864.") in request
 
 
 def test_numbers_are_rounded_and_keys_are_words(card):

@@ -180,7 +180,18 @@ def assumption_lines(plan: dict) -> list[str]:
     return out
 
 
-def request_lines(plan: dict | None) -> list[str]:
+def longest_line(sweeps: dict | None) -> str | None:
+    """sweeps.json's longest seq_len at micro-batch 1 on the planned GPU, per setting, in one line."""
+    longest = (sweeps or {}).get("max_seq_len_batch1")
+    if not longest:
+        return None
+    per = ("; ".join(f"{k.replace('qlora', 'QLoRA').replace('lora', 'LoRA')}: {v:,}" for k, v in longest.items())
+           if isinstance(longest, dict) else f"{longest:,}")
+    return (f"Longest seq_len (tokens) that fits {sweeps.get('gpu')} at micro-batch 1 ({sweeps.get('plan_model')}, "
+            f"notebook 02): {per}.")
+
+
+def request_lines(plan: dict | None, sweeps: dict | None = None) -> list[str]:
     """The request: what the plan assumes, every option that fits (cheapest first), the recommendation."""
     lines = ["## The request", ""]
     if not (plan and plan.get("rows")):
@@ -189,6 +200,8 @@ def request_lines(plan: dict | None) -> list[str]:
     lines += assumption_lines(plan) + ["", method_markdown(plan["rows"], fits_only=True, cheapest_first=True)]
     if plan.get("recommendation"):
         lines += ["", f"**Recommendation:** {plan['recommendation']}"]
+    if longest_line(sweeps):
+        lines += ["", longest_line(sweeps)]
     return lines + [""]
 
 
@@ -240,7 +253,7 @@ def render_markdown(card: dict) -> str:
     s = card["settings"] or {}
     lines = title_lines(card)
     lines += run_lines(card)
-    lines += request_lines(card["plan"])
+    lines += request_lines(card["plan"], card["sweeps"])
     # --- settings ----------------------------------------------------------------------------
     lines += ["## Settings", "", "The run's settings (the names and values of a params file):", "",
               "| setting | value |", "|---|---|"]
