@@ -43,6 +43,7 @@ OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "s
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 PADDINGS = ("none", "longest", "max_length")
+LOOPS = ("kit", "trainer", "sft")  # lora_kit's step | transformers' Trainer | TRL's SFTTrainer, each with its defaults
 DATA_FORMATS = ("auto", "prompt_response", "alpaca", "messages")
 PROMPT_FORMATS = ("auto", "plain", "chat")  # or a user template holding {prompt}
 LONG_EXAMPLES = ("truncate", "drop", "error")
@@ -51,10 +52,10 @@ TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off"
 # The fields that define one training step (``model`` aside), in the order of estimate's signature.
 STEP_FIELDS = ("method", "dtype", "autocast", "double_quant", "seq_len", "batch_size", "lora_rank", "lora_alpha",
                "lora_targets", "gradient_checkpointing", "attn_implementation", "optimizer", "num_gpus", "sharding",
-               "cpu_offload", "grad_accum", "padding")
+               "cpu_offload", "grad_accum", "padding", "loop")
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")  # meaningless with method="full"
 CHOICES = {"method": METHODS, "dtype": DTYPES, "attn_implementation": ATTN_IMPLEMENTATIONS, "optimizer": OPTIMIZERS,
-           "sharding": SHARDINGS, "padding": PADDINGS}
+           "sharding": SHARDINGS, "padding": PADDINGS, "loop": LOOPS}
 BOOLS = ("autocast", "double_quant", "gradient_checkpointing", "cpu_offload")
 # positive integers and the largest value that makes sense (beyond it a typo is likelier than a plan)
 INT_BOUNDS = {"seq_len": 1 << 24, "batch_size": 1 << 16, "lora_rank": 1 << 16, "lora_alpha": 1 << 20,
@@ -62,7 +63,7 @@ INT_BOUNDS = {"seq_len": 1 << 24, "batch_size": 1 << 16, "lora_rank": 1 << 16, "
 PLANNING_DEFAULTS = dict(method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
                          batch_size=1, lora_rank=16, lora_alpha=32, lora_targets="all-linear",
                          gradient_checkpointing=True, attn_implementation="sdpa", optimizer="adamw", num_gpus=1,
-                         sharding="none", cpu_offload=False, grad_accum=1, padding="none")
+                         sharding="none", cpu_offload=False, grad_accum=1, padding="none", loop="kit")
 
 
 def parse_bool(name: str, value: Any) -> bool:
@@ -187,6 +188,7 @@ class Settings:
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30 % slower
     attn_implementation: str = "sdpa"  # "sdpa" | "eager"
     optimizer: str = "adamw"  # adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | sgd | adafactor
+    loop: str = "kit"  # training loop the memory figures are for: "kit" (lora_kit's step) | "trainer" (HF Trainer) | "sft" (TRL SFTTrainer)
     learning_rate: float = 2e-3  # peak learning rate
     # --- hardware ------------------------------------------------------------------------
     num_gpus: int = 1  # GPUs in the job (memory is per GPU)

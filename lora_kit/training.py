@@ -110,6 +110,79 @@ def optimizer_for(params, name: str, device_type: str = "cpu", lr: float = 1e-4)
     return build_optimizer(params, name, lr)
 
 
+# -- the loops users run next: transformers' Trainer and TRL's SFTTrainer, with their defaults ------------------
+TRAINER_OPTIM = {"adamw": "adamw_torch_fused", "adamw_8bit": "adamw_bnb_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
+                 "paged_adamw_32bit": "paged_adamw_32bit", "sgd": "sgd", "adafactor": "adafactor"}
+TRAINER_MAX_GRAD_NORM = 1.0  # TrainingArguments.max_grad_norm (SFTConfig keeps it)
+SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")  # what SFTTrainer's fused LM head computes (loss + its metrics)
+
+
+def loop_optimizer(model, name: str, loop: str = "kit", device_type: str = "cpu", lr: float = 1e-4):
+    """The optimizer ``loop`` builds for ``name``: ``"kit"``: :func:`optimizer_for`; ``"trainer"`` / ``"sft"``:
+    what ``Trainer.create_optimizer`` builds for ``optim=TRAINER_OPTIM[name]`` ("adamw" is the Trainer's default,
+    ``adamw_torch_fused``: no ``foreach`` temporaries), through the Trainer's own class/kwargs lookup and its
+    weight-decay groups (norms and biases apart). Off CUDA a paged bitsandbytes optimizer runs unpaged."""
+    if loop == "kit":
+        return optimizer_for(model.parameters(), name, device_type, lr)
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+    args = TrainingArguments(output_dir=tempfile.gettempdir(), optim=TRAINER_OPTIM[name], learning_rate=lr,
+                             report_to=[], use_cpu=device_type == "cpu")
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    if kwargs.get("is_paged") and device_type != "cuda":
+        kwargs["is_paged"] = False
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # uses no Trainer state
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return cls([{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}], **kwargs)
+
+
+def loop_batch(batch: dict, loop: str = "kit") -> dict:
+    """The batch as ``loop`` hands it to the model: the Trainer adds ``num_items_in_batch`` (labelled tokens of
+    the whole step, counted over the shifted labels before the step, divided by the parallel sizes: a float
+    scalar), so the loss is a sum over them rather than a per-batch mean."""
+    if loop == "kit":
+        return batch
+    return {**batch, "num_items_in_batch": batch["labels"][..., 1:].ne(-100).sum() / 1}
+
+
+def trainer_loss(model, batch: dict):
+    """``Trainer.compute_loss`` with its defaults: the model's loss over ``num_items_in_batch``, then multiplied
+    in place by the number of processes (``average_tokens_across_devices=True``; 1 here, still an operation
+    whose scalar autograd keeps for backward)."""
+    loss = model(**batch).loss
+    loss *= 1
+    return loss
+
+
+def add_sft_head(model) -> None:
+    """What ``SFTTrainer.__init__`` does to the model: TRL's fused LM head (per-token log-probabilities in tiles,
+    without the ``(batch, seq, vocab)`` logits) on the base model, computing the loss and its two metrics."""
+    from trl.trainer.utils import add_fused_lm_head
+    add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model, outputs=SFT_OUTPUTS)
+
+
+def sft_loss(model, batch: dict):
+    """``SFTTrainer.compute_loss`` (TRL 1.16, default ``loss_type="nll"``): the fused head's log-probabilities
+    summed over ``num_items_in_batch``, and the entropy / token-accuracy metrics it logs."""
+    inputs = {k: v for k, v in batch.items() if k != "num_items_in_batch"}
+    inputs["use_cache"] = False
+    outputs = model(**inputs, fused_lm_head=True)
+    num = batch.get("num_items_in_batch")
+    loss = (-outputs.log_probs).sum() / torch.as_tensor(outputs.label_mask.sum() if num is None else num).clamp(min=1)
+    if num is not None:
+        loss = loss * 1  # average_tokens_across_devices: times the number of processes (1 here)
+    # the logged metrics (read with .item(), which allocates nothing on the device; skipped here so that fake
+    # tensors, which have no values, run the same operations)
+    num_valid = outputs.label_mask.sum().sum()
+    entropy_sum, num_correct = outputs.entropy.detach().sum().sum(), outputs.is_top1.sum().sum()
+    entropy_sum / num_valid, num_correct / num_valid
+    if "attention_mask" in batch:
+        batch["attention_mask"].sum().sum()
+    return loss
+
+
 def autocast_context(autocast: bool, dtype: str, device_type: str = "cpu"):
     """Mixed precision as the Trainer's bf16/fp16 flags do (bf16 compute when ``dtype`` is float32)."""
     if not autocast:
@@ -126,13 +199,16 @@ class StepOutput:
 
 
 def train_step(model, micro_batches, optimizer, *, tracker=None, on_grads=None, autocast_ctx=None,
-               scheduler=None, max_grad_norm: float | None = None) -> StepOutput:
+               scheduler=None, max_grad_norm: float | None = None, loss_fn=None,
+               accelerate_backward: bool = False) -> StepOutput:
     """One optimizer step over ``micro_batches`` (a batch dict, or a sequence of them for gradient
     accumulation; a lazy sequence builds each micro-batch only when its turn comes, so only one is
     live at a time). ``tracker.phase`` is set per phase ("forward", "backward", "optimizer") when a
     live-bytes tracker is given; ``on_grads()`` runs between the last backward and the optimizer
     step (the tracker labels the fresh gradients there). The model output, and with it the logits,
-    is dropped as soon as the loss is taken."""
+    is dropped as soon as the loss is taken. ``loss_fn(model, batch)`` replaces ``model(**batch).loss``
+    (e.g. :func:`sft_loss`, TRL's SFTTrainer loss); ``accelerate_backward=True`` divides the loss by the number
+    of micro-batches before ``backward`` even for one, as accelerate's ``backward`` does under the Trainer."""
     batches = [micro_batches] if isinstance(micro_batches, dict) else micro_batches
 
     def phase(name):
@@ -142,9 +218,9 @@ def train_step(model, micro_batches, optimizer, *, tracker=None, on_grads=None, 
     for batch in batches:
         phase("forward")
         with autocast_ctx or contextlib.nullcontext():
-            loss = model(**batch).loss
+            loss = model(**batch).loss if loss_fn is None else loss_fn(model, batch)
         phase("backward")
-        (loss / len(batches)).backward() if len(batches) > 1 else loss.backward()
+        (loss / len(batches)).backward() if len(batches) > 1 or accelerate_backward else loss.backward()
         losses.append(loss.detach())
         padded += batch["input_ids"].numel()
         tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()

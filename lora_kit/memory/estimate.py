@@ -76,6 +76,7 @@ from functools import lru_cache
 import numpy as np
 
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
+from lora_kit.memory.loops import loop_terms
 from lora_kit.memory.specs import ModelSpec, check_targets, model_spec
 from lora_kit.settings import check_step
 
@@ -362,7 +363,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
 def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
                     batch_size=1, lora_rank=16, lora_targets="all-linear", gradient_checkpointing=True,
                     attn_implementation="sdpa", optimizer="adamw", num_gpus=1, sharding="none",
-                    cpu_offload=False, padding="none") -> dict:
+                    cpu_offload=False, padding="none", loop="kit") -> dict:
     """Vectorized core of :func:`estimate` (the planner's engine).
 
     Categorical arguments are scalars; ``seq_len``, ``batch_size``, ``lora_rank`` and ``num_gpus`` are
@@ -373,7 +374,7 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
     s = check_step(dict(method=method, dtype=dtype, autocast=autocast, double_quant=double_quant, seq_len=seq_len,
                         batch_size=batch_size, gradient_checkpointing=gradient_checkpointing,
                         attn_implementation=attn_implementation, optimizer=optimizer, num_gpus=num_gpus,
-                        sharding=sharding, cpu_offload=cpu_offload, padding=padding,
+                        sharding=sharding, cpu_offload=cpu_offload, padding=padding, loop=loop,
                         **({} if method == "full" else dict(lora_rank=lora_rank, lora_targets=lora_targets))))
     autocast, double_quant, gradient_checkpointing, cpu_offload = (
         s["autocast"], s["double_quant"], s["gradient_checkpointing"], s["cpu_offload"])
@@ -388,7 +389,8 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
                 c, eb) for rows, cols, c, eb, pr in _trainable(spec, method, wb, targets)]
     trainable = zero + sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
     states = zero + sum(c * _opt_state(optimizer, rows, cols, eb) for rows, cols, c, eb in tensors)
-    opt_tmp = zero + _opt_temp(optimizer, tensors)
+    loop_t = loop_terms(s["loop"], optimizer, sum(c for _, _, c, _ in tensors))  # the Trainer's optimizer phase
+    opt_tmp = zero + loop_t["foreach_temp"] * _opt_temp(optimizer, tensors)
     adapters = zero if method == "full" else trainable
     grads = trainable
 
@@ -419,7 +421,8 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
         block_grads = np.maximum(grads - embed, 0)
         in_block = in_block + block_grads
     bwd = np.maximum(np.maximum(act["backward"], in_block), bwd_end)
-    totals = np.stack([static + act["forward"], static + bwd, static + grads + opt_tmp]) + act["inputs"]
+    totals = np.stack([static + act["forward"], static + bwd, static + grads + np.maximum(opt_tmp, loop_t["clip"])]) \
+        + act["inputs"] + loop_t["scalars"]
     idx = np.argmax(totals, axis=0)
     peak = np.max(totals, axis=0)
     bwd_grads = np.where(bwd_end >= np.maximum(act["backward"], in_block), grads,
@@ -438,7 +441,7 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
 def estimate(model="tiny", method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
              batch_size=1, lora_rank=16, lora_alpha=32, lora_targets="all-linear", gradient_checkpointing=True,
              attn_implementation="sdpa", optimizer="adamw", num_gpus=1, sharding="none", cpu_offload=False,
-             grad_accum=1, padding="none") -> Estimate:
+             grad_accum=1, padding="none", loop="kit") -> Estimate:
     """Peak GPU memory of one training step, per GPU, by arithmetic (see the module docstring).
 
     ``model``: catalog name, "tiny", local folder / config.json, hub id (online) or PretrainedConfig.

@@ -87,15 +87,28 @@ def measure_config(model, method: str = "lora", dtype: str = "bfloat16", autocas
                    lora_alpha: int = 32, lora_targets="all-linear", gradient_checkpointing: bool = True,
                    attn_implementation: str = "sdpa", optimizer: str = "adamw", num_gpus: int = 1,
                    sharding: str = "none", cpu_offload: bool = False, grad_accum: int = 1, padding: str = "none",
-                   device: str = "cpu", seed: int = 0, steps: int = 2) -> MeasureResult:
+                   loop: str = "kit", device: str = "cpu", seed: int = 0, steps: int = 2) -> MeasureResult:
     """Build a random-init real model from ``model``'s config (same arguments as ``estimate``) and
     measure one real step on ``device``. QLoRA quantizes with bitsandbytes (saved to a temporary
-    folder and loaded as users load it). Only small models make sense on a CPU."""
+    folder and loaded as users load it). Only small models make sense on a CPU. ``loop="trainer"`` / ``"sft"``
+    runs the real ``Trainer`` / ``SFTTrainer`` (CPU only; ``lora_kit.memory.loops.measure_real_loop``)."""
     s = check_model_step(**{k: v for k, v in locals().items() if k not in ("device", "seed", "steps")})
     net, opt, batch = build_real_model(load_config(model), s, device=device, seed=seed)
+    if s["loop"] != "kit":
+        return _measure_loop(net, batch, s, steps, device)
     ctx = autocast_context(s["autocast"], s["dtype"], torch.device(device).type)
     return measure_step(net, batch, opt, steps=steps, device=device, autocast_ctx=ctx,
                         paged=s["optimizer"].startswith("paged_") and torch.device(device).type != "cuda")
+
+
+def _measure_loop(net, batch, s: dict, steps: int, device: str) -> MeasureResult:
+    """The real Trainer / SFTTrainer step (``lora_kit.memory.loops.measure_real_loop``) as a MeasureResult."""
+    from lora_kit.memory.loops import measure_real_loop
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"loop={s['loop']!r} is measured on the CPU here; on a GPU run your Trainer and read "
+                         "torch.cuda.max_memory_allocated(), or measure loop='kit'.")
+    r = measure_real_loop(net, batch, s, steps=steps)
+    return MeasureResult(r["peak"], None, r["breakdown"], r["phase"], device, r["wall"], [])
 
 
 def build_real_model(cfg, s: dict, device: str = "cpu", seed: int = 0):

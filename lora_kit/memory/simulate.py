@@ -52,11 +52,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lora_kit.loading import DTYPE_MAP, bnb_config
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS, label_training_state, to_breakdown
 from lora_kit.memory.estimate import CUDA_CONTEXT_BYTES, RESERVE_FRACTION
+from lora_kit.memory.loops import loop_parts
 from lora_kit.memory.measure import step_batch
 from lora_kit.memory.sharded import SIMULATED, check_simulable, simulate_sharded
 from lora_kit.memory.specs import check_model_step, load_config
 from lora_kit.memory.tracker import LiveBytesTracker
-from lora_kit.training import attach_adapter, autocast_context, optimizer_for, train_step
+from lora_kit.training import attach_adapter, autocast_context, loop_batch, train_step
 
 
 
@@ -173,17 +174,19 @@ def _device_total(peak: int) -> int:
     return int(peak + CUDA_CONTEXT_BYTES + math.ceil(RESERVE_FRACTION * peak))
 
 
-def _tracked_step(net, opt, batch, fake_mode, ctx, has_padding: bool, paged: bool) -> LiveBytesTracker:
-    """One GPU's steady-state step on fake tensors: the optimizer state a first step leaves, then the tracked step."""
+def _tracked_step(net, opt, batch, fake_mode, ctx, has_padding: bool, paged: bool, loop_kw=None,
+                  loop_live=()) -> LiveBytesTracker:
+    """One GPU's steady-state step on fake tensors: the optimizer state a first step leaves, then the tracked step
+    (``loop_kw``: the loop's clipping and loss, ``loop_live``: its already-live tensors; ``memory.loops``)."""
     tracker = LiveBytesTracker()
     with fake_mode, _real_mask_decisions(has_padding):
         _optimizer_warmup(net, opt)  # "step 1": the optimizer state a first step leaves behind
         label_training_state(tracker, net, opt, paged=paged)
-        tracker.track(batch.values())
+        tracker.track([*batch.values(), *loop_live])
         tracker.reset_peak()
         with tracker:
             train_step(net, batch, opt, tracker=tracker, autocast_ctx=ctx,
-                       on_grads=lambda: label_training_state(tracker, net))
+                       on_grads=lambda: label_training_state(tracker, net), **(loop_kw or {}))
     return tracker
 
 
@@ -191,7 +194,8 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
              double_quant: bool = True, seq_len: int = 2048, batch_size: int = 1, lora_rank: int = 16,
              lora_alpha: int = 32, lora_targets="all-linear", gradient_checkpointing: bool = True,
              attn_implementation: str = "sdpa", optimizer: str = "adamw", num_gpus: int = 1,
-             sharding: str = "none", cpu_offload: bool = False, grad_accum: int = 1, padding: str = "none") -> SimResult:
+             sharding: str = "none", cpu_offload: bool = False, grad_accum: int = 1, padding: str = "none",
+             loop: str = "kit") -> SimResult:
     """Peak memory of one steady-state training step, from a real step on fake tensors.
 
     Same arguments and result fields as :func:`lora_kit.memory.estimate`. ``grad_accum`` does not change
@@ -206,6 +210,9 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
                          f"for sharding={sharding!r} use lora_kit.memory.estimate (arithmetic).")
     if sharding in SIMULATED:
         check_simulable(s)
+        if s["loop"] != "kit":
+            raise ValueError(f"simulate runs sharding={sharding!r} with loop='kit'; for loop={s['loop']!r} under "
+                             "sharding use lora_kit.memory.estimate.")
     cfg = load_config(model)
     net = _meta_model(cfg, s)
     with torch.device("meta"):
@@ -215,7 +222,7 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fakeify(net, fake_mode, DTYPE_MAP[dtype])
     paged = s["optimizer"].startswith("paged_")
-    opt = None if sharding in SIMULATED else optimizer_for(net.parameters(), s["optimizer"], device_type="cpu")
+    opt, loop_kw, loop_live = (None, {}, []) if sharding in SIMULATED else loop_parts(net, s, "cpu")
     # the batch a collator builds (real values: the padding mask's values decide what transformers builds),
     # as constant fake tensors: shapes for the step, values for the few reads of them (the token count)
     real = step_batch(torch.randint(0, cfg.vocab_size, (s["batch_size"], s["seq_len"])), s["padding"])
@@ -228,7 +235,8 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
         with _real_mask_decisions(has_padding):
             tracker = simulate_sharded(net, batch, s, fake_mode, ctx)
     else:
-        tracker = _tracked_step(net, opt, batch, fake_mode, ctx, has_padding, paged)
+        tracker = _tracked_step(net, opt, loop_batch(batch, s["loop"]), fake_mode, ctx, has_padding, paged,
+                                loop_kw, loop_live)
     raw = tracker.peak_breakdown()
     notes = []
     paged_bytes = raw.pop("paged_optimizer_states", 0)
