@@ -16,4 +16,11 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # parameters cells == Settings defaults); 03 and 04 use it only for progress bars (smoke loop: the CLI
 # run in tests/test_distributed.py; evaluate: tests/test_evaluate.py), and nbval of them cost ~120 s.
 # --nbval-lax: plotly output is not deterministic text. --durations=15: keep the costs visible.
-.venv/bin/python -m pytest tests notebooks/02_memory_sweeps.ipynb --nbval-lax --durations=15 "$@"
+# -n: the suite is single-threaded work (one OpenMP thread, kernels, subprocesses), so one pytest
+# worker per core (xdist, at most 2 by default; PYTEST_WORKERS=0 runs in-process) nearly halves it.
+# --dist loadgroup keeps each test file in one worker (tests/conftest.py), so the expensive module
+# and session fixtures (main job, tiny-model story) are still built once.
+WORKERS=${PYTEST_WORKERS:-$(.venv/bin/python -c "import os; print(min(2, len(os.sched_getaffinity(0))))")}
+XDIST=()
+if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS" --dist loadgroup); fi
+.venv/bin/python -m pytest tests notebooks/02_memory_sweeps.ipynb --nbval-lax --durations=15 "${XDIST[@]}" "$@"

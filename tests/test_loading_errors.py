@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+
 import pytest
 
 from lora_kit.loading import load_model, looks_like_path, resolve_model
@@ -11,24 +13,20 @@ from lora_kit.loading import load_model, looks_like_path, resolve_model
 # Loads through the real entry point (resolve_model runs first, then transformers), in a fresh process
 # so that huggingface_hub reads HF_ENDPOINT / HF_HUB_OFFLINE at import as a user's shell would set them.
 LOAD = """
-import time
 from lora_kit.loading import load_tokenizer
-t = time.perf_counter()
 try:
     load_tokenizer("someorg/some-model")
 except ValueError as e:
     print("ERROR", e)
-print("SECONDS", time.perf_counter() - t)
 """
 
 
-def _load_in_subprocess(tmp_path, **env) -> tuple[str, str, float]:
+def _load_in_subprocess(tmp_path, **env) -> tuple[str, str]:
     full = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", **env}
     p = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, timeout=120, env=full,
                        cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
-    seconds = float(p.stdout.split("SECONDS")[-1])
-    return p.stdout, p.stderr, seconds
+    return p.stdout, p.stderr
 
 
 @pytest.mark.parametrize("path", ["./my-model", "/nonexistent/my-model", "models/org/my-model", "~/no-such-model"])
@@ -47,20 +45,28 @@ def test_hub_ids_are_not_taken_for_paths():
 
 
 def test_offline_hub_fails_at_once_with_what_to_do(tmp_path):
-    out, err, seconds = _load_in_subprocess(tmp_path, HF_HUB_OFFLINE="1")
+    # a listening "hub" that counts connections: offline, nothing may even try to reach it
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    try:
+        out, err = _load_in_subprocess(tmp_path, HF_HUB_OFFLINE="1",
+                                          HF_ENDPOINT=f"http://127.0.0.1:{server.getsockname()[1]}")
+        with pytest.raises(socket.timeout):
+            server.accept()[0].close()  # no connection is waiting in the backlog
+    finally:
+        server.close()
     assert "HF_HUB_OFFLINE=1 with no cached copy" in out and "hf download someorg/some-model" in out, out
     assert "is not a local folder" in out
     assert "Retrying" not in err  # no request at all, so no retry
-    assert seconds < 10, seconds  # regression guard only (the import of torch dominates)
 
 
 def test_unreachable_hub_fails_without_retries(tmp_path):
     # port 9 (discard) on localhost: nothing listens, the connection is refused at once
-    out, err, seconds = _load_in_subprocess(tmp_path, HF_ENDPOINT="http://127.0.0.1:9")
+    out, err = _load_in_subprocess(tmp_path, HF_ENDPOINT="http://127.0.0.1:9")
     assert "the hub (http://127.0.0.1:9) is unreachable" in out and "hf download someorg/some-model" in out, out
     assert "set model to that folder" in out
-    assert "Retrying" not in err, err[-2000:]  # huggingface_hub logs each of its 5 retries ("Retrying in 2s ...")
-    assert seconds < 10, seconds  # regression guard only: without the check this took ~28 s
+    assert "Retrying" not in err, err[-2000:]  # huggingface_hub logs each of its 5 retries ("Retrying in 2s ..."),
+    # ~28 s before the check; benchmarks time things, tests don't (shared machines)
 
 
 def test_existing_local_folder_is_used_as_is(tmp_path):
