@@ -33,15 +33,18 @@ from pathlib import Path
 
 import pandas as pd
 
-from lora_kit.evaluation import compare as C
-from lora_kit.evaluation.adapters import check_adapter, local_adapter
-from lora_kit.generation import generate, reference_nll
-from lora_kit.evaluation.hygiene import check_heldout, overlap_report
 from lora_kit.data import control_source, field_settings, is_conversational, load_examples, run_data, run_data_file
+from lora_kit.evaluation import compare as C
+from lora_kit.evaluation import figures as eval_figures
+from lora_kit.evaluation.adapters import check_adapter, local_adapter
+from lora_kit.evaluation.hygiene import check_heldout, overlap_report
+from lora_kit.generation import generate, reference_nll
+from lora_kit.loading import fix_bnb_cpu_repack, load_model, load_tokenizer, resolve_model
 from lora_kit.progress import bar as progress_bar
 from lora_kit.prompting import PromptFormat, resolve_prompt_format
+from lora_kit.results import (check_output_dir, read_json, read_record, run_identity, settled, write_json_atomic,
+                              write_text_atomic)
 from lora_kit.settings import Settings, _check_int, check_count, check_heldout_split, parse_bool
-from lora_kit.results import check_output_dir, read_record, run_identity, settled, write_json_atomic, write_text_atomic
 
 EVAL_DIR = "eval"
 SMOKE_ADAPTER = Path("smoke") / "adapter"
@@ -64,24 +67,19 @@ class EvalResult:
         return list(self.summary["adapters"])
 
     def metric_bars(self, split: str = "heldout"):
-        from lora_kit.evaluation.figures import metric_bars
-        return metric_bars(self, split)
+        return eval_figures.metric_bars(self, split)
 
     def diff_histogram(self, adapter: str | None = None, metric: str = "chrf", split: str = "heldout"):
-        from lora_kit.evaluation.figures import diff_histogram
-        return diff_histogram(self, adapter, metric, split)
+        return eval_figures.diff_histogram(self, adapter, metric, split)
 
     def control_changes(self, adapter: str | None = None):
-        from lora_kit.evaluation.figures import control_changes
-        return control_changes(self, adapter)
+        return eval_figures.control_changes(self, adapter)
 
     def examples_table(self, adapter: str | None = None, split: str | None = None, changed_only: bool = False):
-        from lora_kit.evaluation.figures import examples_table
-        return examples_table(self, adapter, split, changed_only)
+        return eval_figures.examples_table(self, adapter, split, changed_only)
 
     def figures(self) -> dict:
-        from lora_kit.evaluation.figures import all_figures
-        return all_figures(self)
+        return eval_figures.all_figures(self)
 
 
 def load_result(run_dir: str | os.PathLike) -> EvalResult:
@@ -89,7 +87,6 @@ def load_result(run_dir: str | os.PathLike) -> EvalResult:
     d = Path(run_dir) / EVAL_DIR
     if not (d / "eval.json").is_file():
         raise ValueError(f"no evaluation in {str(d)!r}; run lora_kit.evaluation.evaluate(run_dir={os.fspath(run_dir)!r}) first.")
-    from lora_kit.results import read_json
     summary = read_json(d / "eval.json")
     text = ["split", "task", "prompt", "reference"] + [f"pred:{s}" for s in [C.BASE, *summary["adapters"]]]
     df = pd.read_csv(d / "per_example.csv", dtype={c: str for c in text}, keep_default_na=False)
@@ -114,7 +111,6 @@ def _rows(source, split: str | None = None, name: str = "heldout", prompt_field:
     if isinstance(source, tuple) and len(source) == 2 and isinstance(source[0], (str, os.PathLike)):
         source, split = source
     if isinstance(source, (str, os.PathLike)):
-        from lora_kit.data import load_examples
         rows = load_examples(os.fspath(source), split=split, prompt_field=prompt_field, response_field=response_field,
                              data_format=data_format, messages_field=messages_field)
         prompt_field, response_field = "prompt", "response"
@@ -285,7 +281,6 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
     ctl_rows = _rows(control, None, "control", n=n_control, **fields) if control is not None else []
     hygiene = _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fields)
 
-    from lora_kit.loading import load_model, load_tokenizer, resolve_model, fix_bnb_cpu_repack
     resolved = resolve_model(base_model)
     tokenizer = load_tokenizer(base_model, trust_remote_code=trust_remote_code, padding_side="left")
     model = load_model(base_model, method=method, dtype=dtype, trust_remote_code=trust_remote_code, device=device,

@@ -32,9 +32,12 @@ import math
 import numpy as np
 import pandas as pd
 
-from lora_kit.plan.gpus import get_gpu, gpu_table
-from lora_kit.settings import (LORA_FIELDS, METHODS, PLANNING_DEFAULTS, STEP_FIELDS, check_step, method_label,
-                               step_kwargs)
+from lora_kit.memory.estimate import estimate, estimate_arrays
+from lora_kit.memory.specs import model_spec
+from lora_kit.plan.gpus import get_gpu, gpu_table, resolve_prices
+from lora_kit.plan.timing import TimeModel, step_time
+from lora_kit.settings import (LORA_FIELDS, METHODS, PLANNING_DEFAULTS, STEP_FIELDS, Settings, check_step,
+                               method_label, step_kwargs)
 
 GIB = 2 ** 30
 ARRAY_ARGS = ("seq_len", "batch_size", "lora_rank", "num_gpus")
@@ -107,8 +110,6 @@ def sweep(model, gpu=None, margin: float = 0.10, **grid) -> pd.DataFrame:
     be a list too. Example: ``sweep("llama-3.1-8b", method=["lora", "qlora"], seq_len=[512, 1024,
     2048], batch_size=[1, 2, 4, 8], gpu=["L4", "A100-80GB"])``.
     """
-    from lora_kit.memory.estimate import estimate_arrays
-    from lora_kit.memory.specs import model_spec
     defaults = PLANNING_DEFAULTS
     valid = set(ARRAY_ARGS) | set(CATEGORICAL_ARGS) | set(PASSTHROUGH_ARGS)
     unknown = sorted(set(grid) - valid)
@@ -169,8 +170,6 @@ def _codes_column(values: list, idx: np.ndarray):
 
 def _device_totals(model, param: str, values: np.ndarray, kwargs: dict,
                    total: str = "device_total_bytes") -> np.ndarray:
-    from lora_kit.memory.estimate import estimate_arrays
-    from lora_kit.memory.specs import model_spec
     defaults = PLANNING_DEFAULTS
     cats = {k: kwargs.get(k, defaults.get(k)) for k in CATEGORICAL_ARGS}
     arrays = {k: np.asarray(kwargs.get(k, defaults.get(k)), dtype=np.int64) for k in ARRAY_ARGS}
@@ -192,7 +191,6 @@ def max_fit(param: str, model, gpu, margin: float = 0.10, low: int = 1, high: in
     searchable parameter, so the answer is exact: ``value`` fits and ``value + multiple_of`` does not
     (checked with ``estimate`` when ``verify``), unless ``high`` (default: a generous cap) itself fits.
     """
-    from lora_kit.memory.estimate import estimate
     if param not in FIT_PARAMS:
         raise ValueError(f"max_fit: param must be one of {list(FIT_PARAMS)}, got {param!r}.")
     unknown = sorted(set(kwargs) - set(ARRAY_ARGS) - set(CATEGORICAL_ARGS) - set(PASSTHROUGH_ARGS))
@@ -206,7 +204,6 @@ def max_fit(param: str, model, gpu, margin: float = 0.10, low: int = 1, high: in
     if high is None:
         high = FIT_PARAMS[param]
         if param == "lora_rank":  # estimate refuses a rank above the smallest adapted layer width
-            from lora_kit.memory.specs import model_spec
             high = min(min(lin.in_features, lin.out_features) for lin in model_spec(model).linears)
     lo_k, hi_k = -(-low // multiple_of), high // multiple_of
 
@@ -350,7 +347,6 @@ def fixes(gpu, margin: float = 0.10, model=None, first_only: bool = False, **kwa
 
 def check_plan(model, gpu: str, margin: float = 0.10, **kwargs) -> dict:
     """One plan: its estimate, the fit verdict on ``gpu`` and, when it does not fit, the cheapest fix."""
-    from lora_kit.memory.estimate import estimate
     est = estimate(model, **kwargs)
     v = fit_verdict(est.device_total_bytes, gpu, margin)
     fits = bool(v["fits"])
@@ -387,10 +383,6 @@ def compare_methods(model, gpus=None, seq_len: int = 2048, batch_size="max", num
     (``time_model``: a calibrated one from a smoke run, else the assumed utilization).
     The plain-language recommendation is in ``df.attrs["recommendation"]`` (and :func:`recommend`).
     """
-    from lora_kit.memory.estimate import estimate
-    from lora_kit.plan.gpus import resolve_prices
-    from lora_kit.settings import Settings
-    from lora_kit.plan.timing import TimeModel, step_time
     check_margin(margin)
     gpus = list(gpus or Settings().gpus)
     if num_examples is None or num_examples <= 0:

@@ -37,15 +37,26 @@ from pathlib import Path
 
 import torch
 
+from lora_kit.check.stack import versions
 from lora_kit.data import (control_source, field_settings, is_conversational, load_examples, long_examples_line,
                            mix_examples, run_data, to_examples, write_run_data)
-from lora_kit.prompting import PromptFormat, resolve_prompt_format
-from lora_kit.run import distributed as dist_util
+from lora_kit.loading import fix_bnb_cpu_repack, load_model, load_tokenizer, resolve_model
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
 from lora_kit.memory.estimate import estimate
 from lora_kit.memory.simulate import simulate as simulate_step
+from lora_kit.memory.tracker import LiveBytesTracker
+from lora_kit.noise import quiet
+from lora_kit.prompting import PromptFormat, resolve_prompt_format
 from lora_kit.results import (NotWritten, check_output_dir, interrupts, run_identity, signal_name, touch,
                               write_json_atomic)
+from lora_kit.run import adapter_io
+from lora_kit.run import batches as smoke_data
+from lora_kit.run import distributed as dist_util
+from lora_kit.run.accelerate_config import write_accelerate_config
+from lora_kit.run.loop import train_steps
+from lora_kit.run.oom import fit_suggestions, free_memory, is_oom, memory_now
+from lora_kit.settings import Settings, from_dict, load_settings
+from lora_kit.training import attach_adapter, autocast_context, build_optimizer
 
 PHASES = ("load", "quantize", "adapter", "train", "save", "reload", "verify", "generate")
 log = logging.getLogger("lora_kit.run.smoke")
@@ -143,7 +154,6 @@ class _Run:
 
 
 def _settings(settings, overrides):
-    from lora_kit.settings import Settings, from_dict
     if settings is None:
         return from_dict(overrides)
     if not isinstance(settings, Settings):
@@ -258,7 +268,6 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     created = dist_util.init_if_launched()
     rank, world = dist_util.rank(), dist_util.world_size()
     out = Path(s.run_dir) / "smoke"
-    from lora_kit.check.stack import versions
     record = {"run": run_identity("smoke_run", s.run_dir), "kind": "lora_kit.run.smoke", "status": "running",
               "settings": s.to_dict(), "stack": versions(),
               "launch": {"world_size": world, "device": str(dist_util.device()),
@@ -282,7 +291,6 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
         log.setLevel(logging.INFO)
     tracker = None
     if memory_limit_bytes is not None or not torch.cuda.is_available():
-        from lora_kit.memory.tracker import LiveBytesTracker
         tracker = LiveBytesTracker(limit_bytes=memory_limit_bytes)
     state: dict = {}
     result = SmokeResult(record, out)
@@ -305,7 +313,6 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
         _close(handler, created, threads_before)
         raise
     except BaseException as e:
-        from lora_kit.run.oom import free_memory, is_oom, memory_now
         phase = getattr(run, "current", "load")
         record["phases"][phase].update(status="failed", error=f"{type(e).__name__}: {e}"[:2000])
         record["status"] = f"failed at {phase}"
@@ -323,7 +330,6 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
         free_memory()
         record["oom"]["memory_after_free"] = memory_now(tracker)
         try:
-            from lora_kit.run.oom import fit_suggestions
             on_gpu = torch.cuda.is_available() and not memory_limit_bytes
             limit = memory_limit_bytes or (torch.cuda.get_device_properties(0).total_memory if on_gpu else None)
             record["oom"]["suggestions"] = fit_suggestions(
@@ -355,10 +361,6 @@ def _phases_measured(s, run, state, tracker, memory_limit_bytes, examples, contr
 
 
 def _phases(s, run, state, tracker, always_on, examples, control_prompts, measure_steps, simulate, progress):
-    from lora_kit.run import batches as smoke_data
-    from lora_kit.loading import fix_bnb_cpu_repack, load_model, load_tokenizer, resolve_model
-    from lora_kit.run.loop import train_steps
-    from lora_kit.training import attach_adapter, autocast_context, build_optimizer
     rec, rank, world, dev = run.record, dist_util.rank(), dist_util.world_size(), dist_util.device()
     qlora = s.method == "qlora"
 
@@ -450,7 +452,6 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
         rec["memory_model"] = _memory_model(s, path, measured, world, simulate)
         rec["memory_parts"] = breakdown_rows(rec)
     if (world > 1 or s.num_gpus > 1) and rank == 0:  # the launch config for the multi-GPU run this plans
-        from lora_kit.run.accelerate_config import write_accelerate_config
         rec["accelerate_config"] = str(write_accelerate_config(
             run.out / "accelerate_config.yaml", sharding=s.sharding if s.sharding != "none" else "ddp",
             num_gpus=max(world, s.num_gpus), cpu_offload=s.cpu_offload,
@@ -473,9 +474,6 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
 
 
 def _verify_phases(s, run, state, tracker, tok, mine, path, control_prompts):
-    from lora_kit.run import adapter_io
-    from lora_kit.run import batches as smoke_data
-    from lora_kit.loading import fix_bnb_cpu_repack, load_model
     rec, dev, model = run.record, dist_util.device(), state["model"]
     probe = smoke_data.collate(mine[:4], s.seq_len, tok.pad_token_id)
     probe = {k: v.to(dev) for k, v in probe.items()}
@@ -527,7 +525,6 @@ def _verify_phases(s, run, state, tracker, tok, mine, path, control_prompts):
 
 def main(argv=None) -> int:
     """``python -m lora_kit.run.smoke --params run.yaml [-p key value ...]`` (works under torchrun)."""
-    from lora_kit.noise import quiet
     quiet()
     p = argparse.ArgumentParser(prog="python -m lora_kit.run.smoke", description=__doc__.split("\n\n")[0])
     p.add_argument("--params", help="YAML params file (Settings fields)")
@@ -537,7 +534,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-simulate", action="store_true", help="skip lora_kit.memory.simulate")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     a = p.parse_args(argv)
-    from lora_kit.settings import load_settings
     try:
         s = load_settings(a.params, dict(a.p))
         r = smoke_run(s, memory_limit_bytes=a.memory_limit_bytes, measure_steps=a.measure_steps,
