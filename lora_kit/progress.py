@@ -45,7 +45,9 @@ class _Lines:
     def _write(self) -> None:
         spent = time.perf_counter() - self.t0
         left = spent / self.n * (self.total - self.n) if self.n else 0
-        line = (f"{self.desc}{f' ({self.detail})' if self.detail else ''}: {self.n}/{self.total} {self.unit}s ({self.n / max(self.total, 1):.0%}), "
+        units = self.unit + ("es" if self.unit.endswith(("ch", "sh", "s", "x")) else "s")
+        line = (f"{self.desc}{f' ({self.detail})' if self.detail else ''}: {self.n}/{self.total} {units} "
+                f"({self.n / max(self.total, 1):.0%}), "
                 f"{spent:.0f} s" + (f", ~{left:.0f} s left" if self.n < self.total else "")
                 + (f", {self.postfix}" if self.postfix else ""))
         with open(self.path, "a", encoding="utf-8") as f:

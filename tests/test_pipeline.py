@@ -79,6 +79,10 @@ def test_main_job_on_embedded_default(main_job):
             assert noisy not in stderr, (name, noisy, stderr[:2000])
         assert not [o for c in code for o in c["outputs"] if "PosixPath(" in str(o.get("data", {}))], name
     assert "plotly" in (run / "01_choose_method.html").read_text()  # figures visible in the export
+    # offline: one plotly.js for the whole run folder, and no page fetches a script from the internet
+    from lora_kit.ui.notebook import PLOTLY_JS, offline_problems
+    assert [p.relative_to(run).as_posix() for p in run.rglob("*.js")] == [PLOTLY_JS]
+    assert {p.name: offline_problems(p) for p in run.rglob("*.html") if offline_problems(p)} == {}
     for part in ("stack.json", "plan.json", "sweeps.json", "smoke/smoke.json", "eval/eval.json",
                  "eval/per_example.csv", "smoke/adapter/adapter_model.safetensors"):
         assert (run / part).exists(), part
@@ -129,3 +133,16 @@ def test_run_card_png_figures_with_browser(tmp_path):
     png = d / "figures" / "bars.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "![bars](figures/bars.png)" in md
+
+
+def test_cli_estimate_names_the_parts_at_the_phase_of_the_peak(capsys):
+    """70B full fine-tuning peaks in the optimizer step: what is left beside the states is the step's
+    temporaries (AdamW foreach), not activations; LoRA fields are not listed for full fine-tuning."""
+    assert main(["estimate", "--model", "llama-3.1-70b", "--method", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "parts at the peak (optimizer phase):" in out and "optimizer-step temporaries" in out
+    assert "  activations" not in out and "lora_rank" not in out and "double_quant" not in out
+    assert main(["estimate", "--model", "llama-3.1-8b", "--method", "qlora", "--seq-len", "8192",
+                 "--gradient-checkpointing", "false"]) == 0
+    out = capsys.readouterr().out
+    assert "(backward phase)" in out and "activations + backward temporaries" in out and "double_quant" in out

@@ -112,6 +112,19 @@ def estimate_plan(given: dict) -> tuple[dict, list[str]]:
     return plan, [k for k in ESTIMATE_FIELDS if k not in given and k in plan]
 
 
+PART_NAMES = {"weights": "weights", "quant_constants": "4-bit quantization constants", "adapters": "LoRA adapters",
+              "gradients": "gradients", "optimizer_states": "optimizer states"}
+# the breakdown's "activations" is everything else live at the peak: what that is depends on the phase
+REST_NAMES = {"forward": "activations saved for backward, logits",
+              "backward": "activations + backward temporaries",
+              "optimizer": "optimizer-step temporaries"}
+
+
+def part_name(key: str, phase: str) -> str:
+    """What a breakdown part is, in words, at the phase of the peak."""
+    return REST_NAMES.get(phase, "activations and temporaries") if key == "activations" else PART_NAMES.get(key, key)
+
+
 def cmd_estimate(args) -> int:
     try:
         given = {**(read_params(args.params) if args.params else {}), **_settings_from_args(args, ESTIMATE_FIELDS),
@@ -130,12 +143,16 @@ def cmd_estimate(args) -> int:
         return 0
     print(f"lora-kit estimate: {plan['model']}, one training step, per GPU")
     print("  values (* = assumed, not given; defaults for planning a real model on a GPU):")
+    unused = (*LORA_FIELDS, "double_quant") if plan["method"] == "full" else () if plan["method"] == "qlora" \
+        else ("double_quant",)
     for k in ESTIMATE_FIELDS:
-        if k in plan:
+        if k in plan and k not in unused:
             print(f"    {'*' if k in assumed else ' '} {k:<24}{plan[k]!r}")
-    width = max(len(k) for k in est.breakdown) + 2
+    names = {k: part_name(k, est.phase) for k in est.breakdown}
+    width = max(len(n) for n in names.values()) + 2
+    print(f"  parts at the peak ({est.phase} phase):")
     for k, v in est.breakdown.items():
-        print(f"  {k:<{width}}{v / GiB:10.3f} GiB")
+        print(f"  {names[k]:<{width}}{v / GiB:10.3f} GiB")
     print(f"  {'peak allocated':<{width}}{est.peak_allocated_bytes / GiB:10.3f} GiB  (per GPU, in {est.phase})")
     print(f"  {'device total':<{width}}{est.device_total_bytes / GiB:10.3f} GiB  (+ CUDA context, allocator reserve)")
     verdict = "fits" if fit["fits"] else "does NOT fit"

@@ -148,12 +148,11 @@ class TrackedKernelManager(AsyncKernelManager):
     started: ClassVar[list] = []
 
     def __init__(self, **kw):
-        if os.name == "posix":  # the sockets live beside the connection files, removed when the kernel stops
+        if os.name == "posix":  # socket files in the temp folder (not the run folder), removed when the kernel stops
+            import tempfile
             import uuid
-
-            from jupyter_core.paths import jupyter_runtime_dir
             kw.setdefault("transport", "ipc")
-            kw.setdefault("ip", os.path.join(jupyter_runtime_dir(), f"lora-kit-{uuid.uuid4().hex[:12]}-ipc"))
+            kw.setdefault("ip", os.path.join(tempfile.gettempdir(), f"lora-kit-{uuid.uuid4().hex[:12]}-ipc"))
         super().__init__(**kw)
 
     kernel_pid: int | None = None
