@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from lora_kit.memory.breakdown import BREAKDOWN_KEYS, label_training_state
 from lora_kit.memory.tracker import LiveBytesTracker, round_bytes
 
 
@@ -108,7 +109,7 @@ def test_matches_torch_profiler_on_a_real_cpu_step():
 
     m, opt, x, step = _tiny_llama_step()
     tr = LiveBytesTracker(block=1)
-    tr.label_module(m, opt)
+    label_training_state(tr, m, opt)
     tr.track([x])
     base = tr.current_bytes
     tr.reset_peak()
@@ -133,20 +134,21 @@ def test_matches_torch_profiler_on_a_real_cpu_step():
 def test_breakdown_categories_on_a_real_step():
     m, opt, x, step = _tiny_llama_step()
     tr = LiveBytesTracker()
-    tr.label_module(m, opt)
+    label_training_state(tr, m, opt)
     tr.reset_peak()
     with tr:
         tr.phase = "forward"
         loss = m(input_ids=x, labels=x).loss
         tr.phase = "backward"
         loss.backward()
-        tr.label_module(m, opt)  # the new gradients
+        label_training_state(tr, m, opt)  # the new gradients
         tr.phase = "optimizer"
         opt.step()
         opt.zero_grad(set_to_none=True)
     bd = tr.peak_breakdown()
     n_param_bytes = sum(round_bytes(p.numel() * 4) for p in m.parameters())
-    assert bd["params"] >= n_param_bytes
-    assert bd["optimizer_state"] >= 2 * n_param_bytes  # exp_avg + exp_avg_sq (+ step scalars)
+    assert set(bd) <= set(BREAKDOWN_KEYS) | {"other"}  # the one breakdown vocabulary (+ unlabelled)
+    assert bd["weights"] >= n_param_bytes
+    assert bd["optimizer_states"] >= 2 * n_param_bytes  # exp_avg + exp_avg_sq (+ step scalars)
     assert sum(bd.values()) == tr.peak_bytes
     assert tr.peak_phase in ("backward", "optimizer")

@@ -179,14 +179,6 @@ class LiveBytesTracker(TorchDispatchMode):
             if serial is not None:
                 self._labels.setdefault(serial, category)
 
-    def label_module(self, model: torch.nn.Module, optimizer=None) -> None:
-        """Generic categories: "params", "grads", "optimizer_state" (call again after backward)."""
-        self.label(model.parameters(), "params")
-        self.label(model.buffers(), "params")
-        self.label((p.grad for p in model.parameters() if p.grad is not None), "grads")
-        if optimizer is not None:
-            self.label(optimizer_state_tensors(optimizer), "optimizer_state")
-
     def reset_peak(self) -> None:
         """Start a new peak from what is live now (everything already live still counts)."""
         self.peak_bytes = self.current_bytes
@@ -231,11 +223,3 @@ def _tensors(x):
             yield t
         elif isinstance(t, (list, tuple)):
             yield from _tensors(t)
-
-
-def optimizer_state_tensors(optimizer):
-    """Every tensor held in ``optimizer.state`` (nested one level for bitsandbytes' layouts)."""
-    for state in optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
-                yield v
