@@ -80,3 +80,11 @@ def test_failed_probe_shows_its_message_and_only_blocking_ones_are_to_fix(card):
     fix = [c for c in card["json"]["next_checks"] if c.startswith("Fix before renting")]
     assert len(fix) == 1 and "bf16 matmul" in fix[0] and "set dtype='float32'" in fix[0]
     assert "8-bit" not in fix[0]  # failed, but this plan (optimizer adamw) does not need it
+
+
+def test_settings_read_as_a_params_file(card):
+    settings = card["md"].split("## Settings")[1].split("## ")[0]
+    assert "| autocast | `false` |" in settings and "| interactive | `true` |" in settings
+    assert "| gpus | `[T4, L4, A10G, RTX-4090, L40S, A100-80GB, H100-SXM]` |" in settings
+    table = settings.split("|---|---|")[1]
+    assert "True" not in table and "False" not in table and "'" not in table

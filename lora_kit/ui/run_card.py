@@ -150,6 +150,15 @@ def title_lines(card: dict) -> list[str]:
             "every value under *Settings*) to prove the pipeline, not to measure the planned model.", ""]
 
 
+def _param(v) -> str:
+    """A setting as a params file (YAML) writes it: true/false, [a, b], plain strings and numbers."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_param(x) for x in v) + "]"
+    return str(v)
+
+
 def _on(v) -> str:
     return "on" if v else "off"
 
@@ -257,7 +266,7 @@ def render_markdown(card: dict) -> str:
     # --- settings ----------------------------------------------------------------------------
     lines += ["## Settings", "", "The run's settings (the names and values of a params file):", "",
               "| setting | value |", "|---|---|"]
-    lines += [f"| {k} | `{v}` |" if v != "" else f"| {k} | — |" for k, v in s.items()]
+    lines += [f"| {k} | `{_param(v)}` |" if v != "" else f"| {k} | — |" for k, v in s.items()]
     lines.append("")
     # --- memory ------------------------------------------------------------------------------
     lines += ["## Memory: estimated, simulated, measured", ""]
