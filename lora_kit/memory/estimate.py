@@ -76,7 +76,8 @@ from functools import lru_cache
 import numpy as np
 
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
-from lora_kit.memory.loops import loop_terms, sft_head
+from lora_kit.memory.moe import expert_lora, expert_lora_tensors, moe_block
+from lora_kit.memory.loops import loop_terms
 from lora_kit.memory.specs import ModelSpec, check_targets, model_spec
 from lora_kit.settings import check_step
 
@@ -217,7 +218,7 @@ def _qk_norm(spec: ModelSpec, T, lora: bool, e: int):
     normalized output, for the weight's gradient). Qwen3 and Gemma-3 normalize per head (rsqrt per head),
     OLMo-2 over the full q / k width (rsqrt per token); other families have none."""
     H, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    per_head = spec.model_type in ("qwen3", "gemma3_text")
+    per_head = spec.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
     if not per_head and spec.model_type != "olmo2":
         return 0
     rows_q, rows_k = (T * H, T * kv) if per_head else (T, T)
@@ -244,7 +245,7 @@ def _window_masks(spec: ModelSpec, S) -> int:
 
 
 def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: bool, attn: str, targets: tuple,
-                 T, B, S, r, padding: str = "none", loop: str = "kit") -> dict:
+                 T, B, S, r, padding: str = "none", experts: dict | None = None) -> dict:
     """Activation bytes (arrays over the broadcast shape) at the moments that can hold the peak."""
     h, i, H, kv, d, V, L = (spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads,
                             spec.head_dim, spec.vocab_size, spec.num_layers)
@@ -296,6 +297,10 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             attn_base = attn_base + _r(scores * e)
     attn_base = attn_base + _qk_norm(spec, T, lora, e)
     mlp_base = (3 if spec.gated_mlp else 1) * _r(T * i * e)
+    moe = _moe_terms(spec, method, dtype, autocast, e, experts, group, T, r) if spec.moe else None
+    if moe is not None:
+        mlp_base = mlp_base if moe["dense_mlp"] else 0
+        block = block + moe["saved"]
     block = block + attn_base + mlp_base
     # block 0 reads the frozen embedding's output (no grad): a sub-block it enters without a LoRA layer on
     # its inputs saves nothing (GPT-NeoX: the MLP beside targeted attention; any family: untargeted attention,
@@ -316,6 +321,9 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     stream = 3 * _r(T * h * e)  # embedding output (held by the model's forward), residual, norm output
     not_yet = group["mlp_out"] + (3 if spec.gated_mlp and wi > i else 1) * _r(T * i * e)  # fused gate_up: all
     fwd_transient = stream + _r(T * wi * e) + (2 * _r(T * wi * 4) if up_lora else 0) - not_yet
+    if moe is not None:  # the routed experts' end (shared experts, if any, ran before them)
+        fwd_transient = np.maximum(fwd_transient, 0) if moe["dense_mlp"] else 0 * T
+        fwd_transient = np.maximum(fwd_transient, stream + moe["forward"])
     # backward inside a block, at the MLP input gradient (base + LoRA paths summed)
     if not lora:
         bwd_temps = 2 * _r(T * i * e)
@@ -324,6 +332,11 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     else:
         bwd_temps = 3 * _r(T * i * 4)
     bwd_temps = bwd_temps + (0 if gc and lora and not cast else 2 * _r(T * h * 4)) - group["mlp_out"]
+    if moe is not None:  # routed experts' backward, or the end of a checkpoint's recomputed forward
+        moe_bwd = moe["backward"]
+        if gc:
+            moe_bwd = np.maximum(moe_bwd, stream + moe["forward"])
+        bwd_temps = np.maximum(bwd_temps if moe["dense_mlp"] else 0, moe_bwd)
     if attn == "eager":  # softmax backward: fp32 grad of the scores + its result, once the MLP's saved are freed
         scores = B * H * S * S
         mlp_saved = (3 if spec.gated_mlp else 1) * _r(T * i * e) + group["mlp_in"] + group["mlp_out"]
@@ -339,10 +352,6 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     logits_fwd = _r(T * V * el) + (_r(T * V * 4) if el != 4 else 0)
     if spec.final_softcap:
         logits_fwd = logits_fwd + 2 * _r(T * V * el)
-    loss_bwd = 2 * _r(T * V * 4)  # backward start: the fp32 gradients of the loss and of the log-softmax
-    if loop == "sft":  # TRL's fused LM head: no logits; the head's own saved tensors and tiles (memory.loops)
-        head = sft_head(T, B, S, h, V, el, not lora)
-        final, loss_saved, logits_fwd, loss_bwd = norm, head["saved"] + 512, head["forward"], head["backward"]
     mask = _r(B * S * S * e) if attn == "eager" else 0
     if gc:  # only block inputs stay; one block is recomputed during backward
         layers = L * _r(T * h * e) + rope + bool_mask  # the bool mask is an input of every checkpointed block
@@ -352,16 +361,31 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         bwd_block = layers + block + bwd_temps + mask  # the checkpoint keeps the eager mask as an input
     else:
         layers = L * block - (first_free if first_norm_free else 0) + rope + window
+        if moe is not None:  # dense blocks (DeepSeek's first) hold no routed experts
+            layers = layers - (L - moe["blocks"]) * moe["saved"]
         fwd_block = layers + fwd_transient
         bwd_block = layers + bwd_temps
     saved = layers + final + loss_saved
     fwd = np.maximum(saved + logits_fwd, fwd_block) + mask + (0 if gc else bool_mask)
-    bwd_start = saved + loss_bwd
+    bwd_start = saved + 2 * _r(T * V * 4)
     bwd_norm = layers + norm + (4 if e == 4 else 5) * _r(T * h * 4) + _r(T * h * e)  # fp32: one cast is a no-op
     # the collator's attention_mask and labels (a tensor of their own when padded) are live all step
     inputs = 2 * _r(T * 8) if padding != "none" else 0 * T
     return {"inputs": inputs, "forward": fwd, "backward": np.maximum(bwd_start, bwd_norm), "backward_block": bwd_block,
             "backward_end": _r(T * h * 4) + (_r(T * h * e) + (2 if e == 4 else 1) * _r(V * h * 4) if not lora else 0)}
+
+
+def _moe_terms(spec: ModelSpec, method: str, dtype: str, autocast: bool, e: int, experts, group: dict, T, r) -> dict:
+    """A MoE block's routed part (:func:`lora_kit.memory.moe.moe_block`), with what the dense MLP terms must
+    drop: a block without MLP linears (Mixtral, Qwen3-MoE) has no dense MLP, and its norm output is kept only
+    as the router's input (full fine-tuning)."""
+    w = 4 if method == "qlora" or (method == "full" and autocast) else DTYPE_BYTES[dtype]
+    dense = any(lin.kind == "mlp_in" for lin in spec.linears)
+    drop = 0 if dense else group["mlp_out"]
+    if not dense:
+        group["mlp_out"] = 0
+    out = moe_block(spec, method, e, w, experts or expert_lora(spec, ()), T, r)
+    return {**out, "saved": out["saved"] - drop, "dense_mlp": dense, "blocks": len(spec.moe["moe_layers"])}
 
 
 def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
@@ -383,6 +407,8 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
     autocast, double_quant, gradient_checkpointing, cpu_offload = (
         s["autocast"], s["double_quant"], s["gradient_checkpointing"], s["cpu_offload"])
     targets = check_targets(spec, method, lora_rank, s["lora_targets"], attn_implementation)
+    experts = expert_lora(spec, targets)  # MoE: what peft trains on the experts; linears it drops from targets
+    targets = tuple(t for t in targets if t not in experts["dropped"])
     S, B, r, N = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (seq_len, batch_size, lora_rank,
                                                                                num_gpus)))
     T = B * S
@@ -391,6 +417,7 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
     wb = 4 if (method == "full" and autocast) else DTYPE_BYTES[dtype]
     tensors = [((rows * r if rows == 1 else rows) if pr else rows, (cols * r if cols == 1 else cols) if pr else cols,
                 c, eb) for rows, cols, c, eb, pr in _trainable(spec, method, wb, targets)]
+    tensors += expert_lora_tensors(spec, experts, r)
     trainable = zero + sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
     states = zero + sum(c * _opt_state(optimizer, rows, cols, eb) for rows, cols, c, eb in tensors)
     loop_t = loop_terms(s["loop"], optimizer, sum(c for _, _, c, _ in tensors))  # the Trainer's optimizer phase
@@ -417,9 +444,12 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
 
     # ---- phases -----------------------------------------------------------------------------------
     act = _activations(spec, method, dtype, autocast, bool(gradient_checkpointing), attn_implementation, targets,
-                       T, B, S, r, s["padding"], loop=s["loop"])
+                       T, B, S, r, s["padding"], experts)
     bwd_end = grads + act["backward_end"]
     in_block, block_grads = act["backward_block"], zero
+    if (experts["gate_up"] or experts["down"]) and gradient_checkpointing:  # LoRA on experts: sizeable grads when
+        block_grads = grads * (spec.num_layers - 1) // spec.num_layers  # the bottom block recomputes
+        in_block = in_block + block_grads
     if method == "full" and gradient_checkpointing:  # the bottom block recomputes with (almost) all grads made
         embed = 0 if spec.tied_embeddings else int(_r(spec.vocab_size * spec.hidden_size * wb))
         block_grads = np.maximum(grads - embed, 0)

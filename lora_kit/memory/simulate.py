@@ -169,6 +169,26 @@ def _real_mask_decisions(has_padding: bool):
             setattr(masking_utils, k, v)
 
 
+@contextlib.contextmanager
+def _grouped_mm_any_dtype():
+    """Let fake tensors run ``torch._grouped_mm`` (transformers' MoE experts) on fp32 / fp16 inputs, as the real
+    CPU kernel does: torch's meta kernel accepts bf16 only (the CUDA kernel's rule), so a QLoRA MoE step, whose
+    experts ``prepare_model_for_kbit_training`` up-casts to fp32, would stop on fake tensors while the real CPU
+    step runs. Same output shape and layout as the meta kernel's (its own helper builds it)."""
+    import torch._meta_registrations as meta
+    orig = meta._meta_grouped_mm_common
+
+    def common(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None, **kw):
+        if scale_a is None and scale_b is None and mat_a.dtype == mat_b.dtype and mat_a.dtype != torch.bfloat16:
+            return meta._create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+        return orig(mat_a, mat_b, scale_a, scale_b, offs, bias, scale_result, out_dtype, **kw)
+    meta._meta_grouped_mm_common = common
+    try:
+        yield
+    finally:
+        meta._meta_grouped_mm_common = orig
+
+
 def _device_total(peak: int) -> int:
     """Peak + CUDA context + allocator reserve, with estimate's constants (one model of that part)."""
     return int(peak + CUDA_CONTEXT_BYTES + math.ceil(RESERVE_FRACTION * peak))
@@ -179,7 +199,7 @@ def _tracked_step(net, opt, batch, fake_mode, ctx, has_padding: bool, paged: boo
     """One GPU's steady-state step on fake tensors: the optimizer state a first step leaves, then the tracked step
     (``loop_kw``: the loop's clipping and loss, ``loop_live``: its already-live tensors; ``memory.loops``)."""
     tracker = LiveBytesTracker()
-    with fake_mode, _real_mask_decisions(has_padding):
+    with fake_mode, _real_mask_decisions(has_padding), _grouped_mm_any_dtype():
         _optimizer_warmup(net, opt)  # "step 1": the optimizer state a first step leaves behind
         label_training_state(tracker, net, opt, paged=paged)
         tracker.track([*batch.values(), *loop_live])

@@ -321,8 +321,10 @@ def model_spec(model) -> ModelSpec:
 
 def valid_targets(spec) -> list[str]:
     """LoRA target module names of one block (what ``lora_targets`` accepts besides "all-linear")."""
+    from lora_kit.memory.moe import expert_target_names
     spec = model_spec(spec)
-    return list(dict.fromkeys(lin.name for lin in spec.linears))  # a name can recur (DeepSeek: dense and shared MLP)
+    names = [lin.name for lin in spec.linears] + expert_target_names(spec)  # MoE: experts / router through peft
+    return list(dict.fromkeys(names))  # a name can recur (DeepSeek: dense and shared MLP)
 
 
 SDPA_UNSUPPORTED = ("gemma2",)  # transformers 5.24 refuses sdpa for these (attention soft-capping)

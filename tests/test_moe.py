@@ -1,0 +1,70 @@
+"""Mixture-of-experts: what peft trains on experts, simulate vs a real CPU step, estimate vs simulate (tiny configs)."""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lora_kit.memory.estimate import estimate
+from lora_kit.memory.measure import build_real_model, measure_step
+from lora_kit.memory.moe import PEFT_EXPERT_PATTERN, expert_lora
+from lora_kit.memory.simulate import simulate
+from lora_kit.memory.specs import check_model_step, model_spec, valid_targets
+from lora_kit.training import attach_adapter
+
+
+def tiny(mt: str):
+    base = dict(vocab_size=512, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512)
+    base.update({"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+                 "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, head_dim=32),
+                 "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+                                   shared_expert_intermediate_size=256)}[mt])
+    cfg = AutoConfig.for_model(mt, **base)
+    cfg.name_or_path = f"tiny-{mt}"
+    return cfg
+
+
+@pytest.mark.parametrize("mt", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_expert_lora_matches_what_peft_trains(mt):
+    """The table of model types whose experts "all-linear" reaches is peft 0.21's behaviour, read from a real
+    get_peft_model: experts (gate_up rank doubled), router, and the linears it drops."""
+    cfg = tiny(mt)
+    with torch.device("meta"):
+        net = attach_adapter(AutoModelForCausalLM.from_config(cfg), "lora", 0, 8, 16, 0.0, "all-linear")
+    names = {n for n, p in net.named_parameters() if p.requires_grad}
+    flags = expert_lora(model_spec(cfg), tuple(valid_targets(cfg)))  # "all-linear": every valid name
+    on = any(".experts." in n for n in names)
+    assert on == (mt in PEFT_EXPERT_PATTERN) == flags["gate_up"] == flags["down"] == flags["router"]
+    if on:
+        a = next(p for n, p in net.named_parameters() if "experts.base_layer.lora_A" in n)
+        assert a.shape[0] == 2 * 8 * cfg.to_dict().get("num_local_experts", cfg.to_dict().get("num_experts"))
+
+
+def test_simulate_equals_a_real_cpu_step_whatever_the_routing():
+    """grouped_mm experts: buffers are sized by tokens x top-k, so the router's choice does not move the peak;
+    simulate (fake router output) equals real CPU steps with a random router and with every token on 2 experts."""
+    torch.manual_seed(0)
+    cfg = tiny("mixtral")
+    s = check_model_step(cfg, method="lora", seq_len=64, batch_size=2, lora_rank=4, gradient_checkpointing=False)
+    peaks = []
+    for worst in (False, True):
+        net, opt, batch = build_real_model(cfg, s)
+        if worst:  # equal router logits: top-k picks the same experts for every token
+            for m in net.modules():
+                if type(m).__name__ == "MixtralTopKRouter":
+                    torch.nn.init.zeros_(m.weight)
+        peaks.append(measure_step(net, batch, opt).peak_allocated_bytes)
+    sim = simulate(cfg, **{k: v for k, v in s.items() if k != "model"})
+    assert peaks[0] == peaks[1] == sim.peak_allocated_bytes
+
+
+@pytest.mark.parametrize("mt,kw", [("mixtral", dict(method="lora")), ("qwen3_moe", dict(method="qlora")),
+                                   ("qwen2_moe", dict(method="lora", lora_targets=["q_proj", "v_proj"])),
+                                   ("qwen3_moe", dict(method="full"))])
+def test_estimate_within_one_percent_of_simulate(mt, kw):
+    cfg = tiny(mt)
+    kw = dict(seq_len=256, batch_size=2, gradient_checkpointing=False, **kw)
+    if kw["method"] != "full":
+        kw["lora_rank"] = 8
+    e, s = estimate(cfg, **kw), simulate(cfg, **kw)
+    assert abs(e.peak_allocated_bytes - s.peak_allocated_bytes) <= 0.01 * s.peak_allocated_bytes
+    assert e.breakdown["adapters"] == s.breakdown["adapters"]
