@@ -20,9 +20,8 @@ def test_real_loop_step_is_simulated_byte_for_byte(loop):
     sim = simulate("tiny", loop=loop, **STEP)
     assert sim.peak_allocated_bytes == real.peak_allocated_bytes
     assert sim.breakdown == real.breakdown and sim.phase == real.phase
-    if loop == "trainer":
-        est = estimate("tiny", loop=loop, **STEP)
-        assert abs(est.peak_allocated_bytes - real.peak_allocated_bytes) <= 0.005 * real.peak_allocated_bytes
+    est = estimate("tiny", loop=loop, **STEP)
+    assert abs(est.peak_allocated_bytes - real.peak_allocated_bytes) <= 0.005 * real.peak_allocated_bytes
 
 
 def test_trainer_fused_adamw_makes_no_foreach_copy():

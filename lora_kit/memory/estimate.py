@@ -77,7 +77,7 @@ import numpy as np
 
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
 from lora_kit.memory.moe import expert_lora, expert_lora_tensors, moe_block
-from lora_kit.memory.loops import loop_terms
+from lora_kit.memory.loops import loop_terms, sft_head
 from lora_kit.memory.specs import ModelSpec, check_targets, model_spec
 from lora_kit.settings import check_step
 
@@ -245,7 +245,7 @@ def _window_masks(spec: ModelSpec, S) -> int:
 
 
 def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: bool, attn: str, targets: tuple,
-                 T, B, S, r, padding: str = "none", experts: dict | None = None) -> dict:
+                 T, B, S, r, padding: str = "none", experts: dict | None = None, loop: str = "kit") -> dict:
     """Activation bytes (arrays over the broadcast shape) at the moments that can hold the peak."""
     h, i, H, kv, d, V, L = (spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads,
                             spec.head_dim, spec.vocab_size, spec.num_layers)
@@ -352,6 +352,10 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     logits_fwd = _r(T * V * el) + (_r(T * V * 4) if el != 4 else 0)
     if spec.final_softcap:
         logits_fwd = logits_fwd + 2 * _r(T * V * el)
+    loss_bwd = 2 * _r(T * V * 4)  # backward start: the fp32 gradients of the loss and of the log-softmax
+    if loop == "sft":  # TRL's fused LM head: no logits; the head's own saved tensors and tiles (memory.loops)
+        head = sft_head(T, B, S, h, V, el, not lora)
+        final, loss_saved, logits_fwd, loss_bwd = norm, head["saved"] + 512, head["forward"], head["backward"]
     mask = _r(B * S * S * e) if attn == "eager" else 0
     if gc:  # only block inputs stay; one block is recomputed during backward
         layers = L * _r(T * h * e) + rope + bool_mask  # the bool mask is an input of every checkpointed block
@@ -367,7 +371,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         bwd_block = layers + bwd_temps
     saved = layers + final + loss_saved
     fwd = np.maximum(saved + logits_fwd, fwd_block) + mask + (0 if gc else bool_mask)
-    bwd_start = saved + 2 * _r(T * V * 4)
+    bwd_start = saved + loss_bwd
     bwd_norm = layers + norm + (4 if e == 4 else 5) * _r(T * h * 4) + _r(T * h * e)  # fp32: one cast is a no-op
     # the collator's attention_mask and labels (a tensor of their own when padded) are live all step
     inputs = 2 * _r(T * 8) if padding != "none" else 0 * T
@@ -444,7 +448,7 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
 
     # ---- phases -----------------------------------------------------------------------------------
     act = _activations(spec, method, dtype, autocast, bool(gradient_checkpointing), attn_implementation, targets,
-                       T, B, S, r, s["padding"], experts)
+                       T, B, S, r, s["padding"], experts, loop=s["loop"])
     bwd_end = grads + act["backward_end"]
     in_block, block_grads = act["backward_block"], zero
     if (experts["gate_up"] or experts["down"]) and gradient_checkpointing:  # LoRA on experts: sizeable grads when
