@@ -35,3 +35,16 @@ def test_trainer_fused_adamw_makes_no_foreach_copy():
     copy = kit.breakdown["gradients"]  # one fp32 copy per trainable tensor, as large as the gradients
     assert kit.peak_allocated_bytes - real.peak_allocated_bytes > 0.9 * copy
     assert estimate("tiny", loop="trainer", **kw).peak_allocated_bytes < estimate("tiny", **kw).peak_allocated_bytes
+
+
+def test_run_card_says_where_your_trainer_run_will_peak():
+    from lora_kit.settings import check_step
+    from lora_kit.ui.run_card import _gib, loop_lines
+    a = {k: v for k, v in check_step({"seq_len": 2048}).items()
+         if k not in ("method", "batch_size", "lora_alpha", "grad_accum")}
+    plan = {"model": "llama-3.1-8b", "batch_size": 1, "assumptions": a, "rows": [{"method": "full"}]}
+    text = "\n".join(loop_lines(plan))
+    trainer = estimate("llama-3.1-8b", method="full", batch_size=1, seq_len=2048, loop="trainer").peak_allocated_bytes
+    kit = estimate("llama-3.1-8b", method="full", batch_size=1, seq_len=2048).peak_allocated_bytes
+    assert f"your Trainer run will peak at **{_gib(trainer)}**" in text and trainer < kit  # fused AdamW
+    assert loop_lines(None) == [] and loop_lines({"rows": []}) == []

@@ -181,16 +181,21 @@ def sft_head(T, B, S, h: int, V: int, e: int, full: bool, fused_kernel: bool = F
     import numpy as np
     N = B * (S - 1)
     n = np.minimum(N, SFT_TOKEN_TILE)
-    c = min(V, SFT_VOCAB_TILE)
-    tile = _r(n * c * 4)
     buf = _r(n * SFT_VOCAB_TILE * e)
     vec = _r(N * 4)
     saved = _r(N * h * e) + _r(N * 8) + 2 * vec + 2 * _r(N)
     cpu = not fused_kernel
-    # CPU tile temporaries (measured on the function alone, fp32 and bf16 alike): forward 3 fp32 tiles and a bool
-    # one (the top-1 test), backward 7 fp32 tiles and a bool one (the target test)
-    fwd = buf + 7 * vec + _r(N) + (3 * tile + _r(n * c) if cpu else 0)
-    bwd = _r(N * h * 4) + buf + vec + (7 * tile + _r(n * c) if cpu else 0)
+    fwd = buf + 7 * vec + _r(N) + (sft_cpu_tiles(B, S, V, 3) if cpu else 0)
+    bwd = _r(N * h * 4) + buf + vec + (sft_cpu_tiles(B, S, V, 7) if cpu else 0)
     if full:
         bwd = bwd + _r(V * h * 4)
     return {"saved": saved, "forward": fwd, "backward": bwd}
+
+
+def sft_cpu_tiles(B, S, V: int, fp32_tiles: int = 7):
+    """The fused head's tile temporaries on the CPU path (torch operations on a whole tile), which CUDA's in-place
+    Triton kernel does not make: ``fp32_tiles`` fp32 tiles and one bool tile of ``min(B*(S-1), 4096) x min(V, 32768)``
+    (measured on the function alone, fp32 and bf16 alike: 3 + 1 in forward, 7 + 1 in backward)."""
+    import numpy as np
+    n, c = np.minimum(B * (S - 1), SFT_TOKEN_TILE), min(V, SFT_VOCAB_TILE)
+    return fp32_tiles * _r(n * c * 4) + _r(n * c)

@@ -258,11 +258,42 @@ def smoke_lines(smoke: dict) -> list[str]:
     return lines
 
 
+def loop_lines(plan: dict | None) -> list[str]:
+    """The loop users run next: the plan's step under transformers' Trainer and TRL's SFTTrainer with their
+    defaults (``estimate(loop=...)``: fused AdamW, clipping, SFT's fused LM head), beside lora_kit's step."""
+    if not (plan and plan.get("rows") and plan.get("assumptions")):
+        return []
+    from lora_kit.memory.estimate import estimate
+    from lora_kit.memory.loops import sft_cpu_tiles
+    from lora_kit.memory.specs import model_spec
+    from lora_kit.settings import LOOPS, LORA_FIELDS
+    a = {k: v for k, v in plan["assumptions"].items() if k != "loop"}
+    out = []
+    for method in dict.fromkeys(r["method"] for r in plan["rows"] if r.get("method")):
+        kw = {k: v for k, v in a.items() if not (method == "full" and k in LORA_FIELDS)}
+        try:
+            peak = {loop: estimate(plan["model"], method=method, batch_size=plan["batch_size"], loop=loop,
+                                   **kw).peak_allocated_bytes for loop in LOOPS}
+        except ValueError:
+            continue
+        out.append(f"- {method_label(method)}: your Trainer run will peak at **{_gib(peak['trainer'])}**, TRL's "
+                   f"SFTTrainer at **{_gib(peak['sft'])}** (lora_kit's step: {_gib(peak['kit'])})")
+    if not out:
+        return []
+    tiles = int(sft_cpu_tiles(plan["batch_size"], a["seq_len"], model_spec(plan["model"]).vocab_size))
+    return ["## The loop you run next", "", f"Peak allocated per GPU (estimate) of the planned step ({plan['model']}, "
+            "same settings) in the loop you will train with, at its defaults:", "", *out, "",
+            f"SFTTrainer's figure is its CPU path; on CUDA its Triton head scores the vocabulary in place, up to "
+            f"{_gib(tiles)} less. Set gradient checkpointing and autocast as your config has them (SFTConfig "
+            "turns both on by default).", ""]
+
+
 def render_markdown(card: dict) -> str:
     s = card["settings"] or {}
     lines = title_lines(card)
     lines += run_lines(card)
     lines += request_lines(card["plan"], card["sweeps"])
+    lines += loop_lines(card["plan"])
     # --- settings ----------------------------------------------------------------------------
     lines += ["## Settings", "", "The run's settings (the names and values of a params file):", "",
               "| setting | value |", "|---|---|"]
