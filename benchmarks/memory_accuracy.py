@@ -5,6 +5,7 @@ Usage (CPU, offline)::
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py            # the whole matrix (>= 60 cases)
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --limit 12 # the first 12 cases
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --families # every catalog family, gc on/off, padded
+    HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --loops    # real HF Trainer / TRL SFTTrainer steps
     python benchmarks/memory_accuracy.py --published-only            # only the published-figures table
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --sharded  # several GPUs: estimate vs simulate (FSDP2)
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --sharded --real  # simulate vs torchrun, 2 and 4 CPU ranks
@@ -450,7 +451,13 @@ def main() -> None:
                     help="every architecture family of the catalog (2 layers), checkpointing on/off, padded/unpadded")
     ap.add_argument("--sharded", action="store_true", help="several GPUs: estimate vs simulate under FSDP2")
     ap.add_argument("--real", action="store_true", help="with --sharded: simulate vs real torchrun ranks (CPU, gloo)")
+    ap.add_argument("--loops", action="store_true", help="the loop users run next: real Trainer / SFTTrainer CPU "
+                    "steps vs estimate and simulate (benchmarks/loop_accuracy.py)")
     args = ap.parse_args()
+    if args.loops:
+        import loop_accuracy
+        loop_accuracy.main((["--fresh"] if args.fresh else []) + ([f"--limit={args.limit}"] if args.limit else []))
+        return
     if args.sharded:
         run_sharded(args.real, args.fresh, args.limit)
         return
