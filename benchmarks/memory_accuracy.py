@@ -33,11 +33,11 @@ Results are written atomically to ``benchmarks/results/memory_accuracy.json`` af
 (re-running skips the cases already there unless ``--fresh``).
 
 ``--sharded`` (several GPUs, per GPU): ``estimate(..., sharding="fsdp")`` vs ``simulate`` (PyTorch's
-FSDP2 on fake tensors over a fake process group, rank 0) over tiny / SmolLM2 / Qwen2.5 / Llama-3.2
-cut to 2 layers, LoRA and full fine-tuning, checkpointing on/off, N in {2, 4, 8, 64}. ``--real``
+FSDP2 on fake tensors over a fake process group, rank 0) over tiny / SmolLM2 / Mistral-7B
+cut to 2 layers, LoRA and full fine-tuning, checkpointing on/off, N in {2, 8, 64}. ``--real``
 instead compares ``simulate`` with real FSDP2 steps: ``torchrun --nproc_per_node N`` (gloo, CPU),
 N in {2, 4}, each rank's peak from the same live-bytes tracker (rank 0 is compared; all ranks are
-kept). Both write ``benchmarks/results/memory_accuracy_sharded.json``.
+kept). They write ``benchmarks/results/memory_accuracy_sharded_{estimate,real}.json``.
 """
 from __future__ import annotations
 
@@ -355,19 +355,18 @@ def run_published() -> list[dict]:
 
 
 # ---- several GPUs (FSDP2) ----------------------------------------------------------------------
-SHARDED_OUT = Path(__file__).parent / "results" / "memory_accuracy_sharded.json"
-SHARDED_MODELS = [("tiny", None), ("smollm2-135m", 2), ("qwen2.5-0.5b", 2), ("llama-3.2-1b", 2)]
-
-
+SHARDED_OUT = {part: Path(__file__).parent / "results" / f"memory_accuracy_sharded_{part}.json"
+               for part in ("estimate", "real")}
 def sharded_cases(real: bool = False) -> list[dict]:
-    """estimate vs simulate: 4 models x lora/full x checkpointing x N in {2, 4, 8, 64} (seq 512, batch 1, bf16);
-    ``real``: simulate vs torchrun on the 3 smallest models, N in {2, 4}, seq 128, batch 2 (CPU-affordable)."""
-    models = SHARDED_MODELS[:3] if real else SHARDED_MODELS
+    """estimate vs simulate: tiny (untied), SmolLM2-135M (tied embeddings), Mistral-7B (untied, GQA) cut to 2
+    layers x lora/full x checkpointing x N in {2, 8, 64} (seq 512, batch 1, bf16); ``real``: simulate vs
+    torchrun on tiny / SmolLM2 / Qwen2.5-0.5B (2 layers), N in {2, 4}, seq 128, batch 2 (CPU-affordable)."""
+    models = [("tiny", None), ("smollm2-135m", 2), ("qwen2.5-0.5b", 2) if real else ("mistral-7b", 2)]
     shape = dict(seq_len=128, batch_size=2) if real else dict(seq_len=512, batch_size=1)
     return [dict(model=m, layers=layers, method=method, gradient_checkpointing=gc, num_gpus=n, sharding="fsdp",
                  dtype="float32" if m == "tiny" else "bfloat16", **shape)
             for m, layers in models for method in ("lora", "full") for gc in (False, True)
-            for n in ((2, 4) if real else (2, 4, 8, 64))]
+            for n in ((2, 4) if real else (2, 8, 64))]
 
 
 def _sharded_line(row) -> str:
@@ -382,37 +381,52 @@ def _sharded_line(row) -> str:
             f"{100 * (a - b) / b:+7.3f}% ({a - b:+d} B) {row.get('seconds', 0):.0f}s")
 
 
-def _real_sharded(case: dict, tmp: Path) -> list[dict]:
-    """Per-rank peaks of the real FSDP2 step under torchrun (gloo, CPU)."""
+def _real_sharded(cases: list[dict], tmp: Path) -> list[list[dict]]:
+    """Per-rank peaks of the real FSDP2 step under torchrun (gloo, CPU), one launch for cases sharing N."""
     import json
     import subprocess
     import sys
-    m = model_arg(case)
-    model = m
-    if not isinstance(m, str):
-        model = str(tmp / "config")
-        m.save_pretrained(model)
-    step = {k: v for k, v in est_kwargs(case).items()}
+    settings = []
+    for n, case in enumerate(cases):
+        m = model_arg(case)
+        if not isinstance(m, str):
+            m.save_pretrained(tmp / f"config{n}")
+            m = str(tmp / f"config{n}")
+        settings.append({"model": m, **est_kwargs(case)})
     out = tmp / "ranks.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                        str(case["num_gpus"]), "-m", "lora_kit.memory.sharded", "--settings",
-                        json.dumps({"model": model, **step}), "--out", str(out)],
-                       capture_output=True, text=True, env=env)
+                        str(cases[0]["num_gpus"]), "-m", "lora_kit.memory.sharded", "--settings",
+                        json.dumps(settings), "--out", str(out)], capture_output=True, text=True, env=env)
     if r.returncode:
         raise RuntimeError(r.stderr[-2000:])
-    return json.loads(out.read_text())["ranks"]
+    return [rec["ranks"] for rec in json.loads(out.read_text())]
 
 
 def run_sharded(real: bool, fresh: bool, limit: int | None) -> None:
     import tempfile
     from lora_kit.memory.simulate import simulate as sim
     part = "real" if real else "estimate"
-    data = read_json(SHARDED_OUT) if SHARDED_OUT.is_file() and not fresh else {}
+    out = SHARDED_OUT[part]
+    data = read_json(out) if out.is_file() and not fresh else {}
     done = data.setdefault(part, {})
     cases = sharded_cases(real)[:limit]
     print(f"{len(cases)} cases; {'simulate vs real torchrun (rank 0)' if real else 'estimate vs simulate'} "
           "(peak_allocated_bytes per GPU, fsdp)")
+    if real:  # one torchrun launch per (model, N): its cases run one after another in the same ranks
+        todo = [c for c in cases if "real" not in done.get(key(c), {})]
+        for group in {(c["model"], c["num_gpus"]): None for c in todo}:
+            batch = [c for c in todo if (c["model"], c["num_gpus"]) == group]
+            t = time.perf_counter()
+            try:
+                with tempfile.TemporaryDirectory() as d:
+                    for c, ranks in zip(batch, _real_sharded(batch, Path(d))):
+                        done[key(c)] = {**done.get(key(c), {"case": c}), "ranks": ranks,
+                                        "real": ranks[0]["peak_allocated_bytes"]}
+            except Exception as exc:  # noqa: BLE001 - print and keep going
+                print(f"{group}: real run failed: {exc}", flush=True)
+            print(f"{group}: {len(batch)} real cases in {time.perf_counter() - t:.0f}s", flush=True)
+            write_json_atomic(out, data)
     for case in cases:
         k, m = key(case), model_arg(case)
         row = done.get(k, {"case": case})
@@ -420,10 +434,6 @@ def run_sharded(real: bool, fresh: bool, limit: int | None) -> None:
             t = time.perf_counter()
             if "simulate" not in row:
                 row["simulate"] = sim(m, **est_kwargs(case)).peak_allocated_bytes
-            if real and "real" not in row:
-                with tempfile.TemporaryDirectory() as d:
-                    row["ranks"] = _real_sharded(case, Path(d))
-                row["real"] = row["ranks"][0]["peak_allocated_bytes"]
             if not real:
                 row["estimate"] = estimate(m, **est_kwargs(case)).peak_allocated_bytes
             row.setdefault("seconds", round(time.perf_counter() - t, 1))
@@ -432,7 +442,7 @@ def run_sharded(real: bool, fresh: bool, limit: int | None) -> None:
             row["error"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
         done[k] = row
         print(_sharded_line(row), flush=True)
-        write_json_atomic(SHARDED_OUT, data)
+        write_json_atomic(out, data)
     ref = "real" if real else "simulate"
     ok = [r for r in (done[key(c)] for c in cases) if ref in r and ("simulate" if real else "estimate") in r]
     a = "simulate" if real else "estimate"

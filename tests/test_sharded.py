@@ -52,6 +52,10 @@ def test_simulate_equals_real_two_process_fsdp2_per_rank(random_llama_dir, tmp_p
             assert x["breakdown"] == sim.breakdown and x["phase"] == sim.phase
         one_gpu = estimate(str(random_llama_dir), **{**STEP, "num_gpus": 1, "sharding": "none"}, **case)
         assert sim.breakdown["optimizer_states"] < one_gpu.breakdown["optimizer_states"]  # states are sharded
+        # estimate: FSDP2's groups by arithmetic; on this 2-layer toy (where small terms weigh most) it was +5.5 %
+        # for full fine-tuning; benchmarks/memory_accuracy.py --sharded holds the accuracy matrix
+        est = estimate(str(random_llama_dir), **STEP, **case).peak_allocated_bytes
+        assert abs(est - sim.peak_allocated_bytes) <= 0.08 * sim.peak_allocated_bytes, (case, est, sim)
 
 
 def test_sharded_simulate_refuses_what_it_cannot_show(random_llama_dir):

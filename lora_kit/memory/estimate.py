@@ -48,7 +48,13 @@ How it is built (exact by construction where the arithmetic allows it):
   gradients, ``gradient_as_bucket_view=False``); zero1 shards optimizer states over ``num_gpus``;
   zero2 also gradients; zero3 / fsdp also parameters, plus the gathered working block (2 blocks:
   current + prefetch). ``cpu_offload`` moves the sharded optimizer states (zero3/fsdp: also the
-  parameter shards) to host memory.
+  parameter shards) to host memory. For ``fsdp`` / ``zero3`` with LoRA or full
+  fine-tuning (no offload, adamw or sgd) the figure is instead FSDP2's, group by group as
+  ``simulate`` runs it (:mod:`lora_kit.memory.fsdp_math`: padded per-parameter shards, the groups
+  gathered at each moment -- a tied embedding all step, the untied one again at the end of
+  backward -- flat all-gather and reduce-scatter buffers, sharded optimizer states; within 4.5 % of
+  ``simulate`` on ``benchmarks/memory_accuracy.py --sharded``); zero1, zero2, QLoRA, ``cpu_offload``
+  and the 8-bit / paged / adafactor optimizers keep the arithmetic above.
 
 ``device_total_bytes`` = peak + CUDA context + allocator reserve. Both are **assumptions from
 public measurements until ``benchmarks/gpu_validate.py`` measures them on a GPU**: the context of a
@@ -76,6 +82,7 @@ from functools import lru_cache
 import numpy as np
 
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
+from lora_kit.memory.fsdp_math import fsdp_totals
 from lora_kit.memory.moe import expert_lora, expert_lora_tensors, moe_block
 from lora_kit.memory.loops import loop_terms, sft_head
 from lora_kit.memory.specs import ModelSpec, check_targets, model_spec
@@ -376,7 +383,10 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     # the collator's attention_mask and labels (a tensor of their own when padded) are live all step
     inputs = 2 * _r(T * 8) if padding != "none" else 0 * T
     return {"inputs": inputs, "forward": fwd, "backward": np.maximum(bwd_start, bwd_norm), "backward_block": bwd_block,
-            "backward_end": _r(T * h * 4) + (_r(T * h * e) + (2 if e == 4 else 1) * _r(V * h * 4) if not lora else 0)}
+            "backward_end": _r(T * h * 4) + (_r(T * h * e) + (2 if e == 4 else 1) * _r(V * h * 4) if not lora else 0),
+            # the two forward moments apart (sharded steps gather different groups at each)
+            "forward_logits": saved + logits_fwd + mask + (0 if gc else bool_mask),
+            "forward_block": fwd_block + mask + (0 if gc else bool_mask), "block_saved": _r(T * h * e) if gc else block}
 
 
 def _moe_terms(spec: ModelSpec, method: str, dtype: str, autocast: bool, e: int, experts, group: dict, T, r) -> dict:
@@ -468,6 +478,16 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
     grads_at = np.where(idx == 0, 0, np.where(idx == 2, grads, bwd_grads))
     out = {"weights": w_gpu, "quant_constants": q_gpu, "adapters": adapters, "gradients": grads_at + bucket,
            "optimizer_states": states}
+    if sharding in ("fsdp", "zero3") and method != "qlora" and not cpu_offload and optimizer in ("adamw", "sgd"):
+        # per rank under FSDP2, group by group as simulate runs it (lora_kit.memory.fsdp_math)
+        extra = totals[0] - (static + act["forward"])  # what every phase adds besides (the step's inputs)
+        stream = 4 if method == "qlora" else (2 if autocast else DTYPE_BYTES[dtype])
+        totals, parts = fsdp_totals(spec, method, wb, targets, N, r, optimizer, act, sharding,
+                                    _r(T * spec.hidden_size * stream) if gradient_checkpointing else 0 * T,
+                                    bool(gradient_checkpointing))
+        totals = totals + extra
+        idx, peak = np.argmax(totals, axis=0), np.max(totals, axis=0)
+        out = {k: np.choose(idx, [np.broadcast_to(x, peak.shape) for x in v]) for k, v in parts.items()}
     out["activations"] = peak - sum(out[k] for k in BREAKDOWN_KEYS[:5])
     out = {k: np.asarray(v, dtype=np.int64) for k, v in out.items()}
     out["peak_allocated_bytes"] = peak.astype(np.int64)

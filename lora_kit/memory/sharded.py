@@ -83,10 +83,11 @@ def decoder_layers(net) -> list:
 
 
 def _final_norm(net):
-    """accelerate's ``_find_final_norm``: the last *Norm* among the base model's direct children."""
-    inner = _underlying(net)
-    prefix = getattr(inner, "base_model_prefix", "")
-    base = getattr(inner, prefix, None) if prefix else inner
+    """accelerate's ``_find_final_norm``: the last *Norm* among the base model's direct children. Asked of a
+    PeftModel, as accelerate asks it, this finds none (its ``model`` is the CausalLM, whose children are the
+    decoder and lm_head): a LoRA model's final norm stays in the root group."""
+    prefix = getattr(net, "base_model_prefix", "")
+    base = getattr(net, prefix, None) if prefix else net
     found = None
     for _, child in (base.named_children() if isinstance(base, torch.nn.Module) else ()):
         if "Norm" in type(child).__name__:

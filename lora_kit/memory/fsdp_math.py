@@ -1,0 +1,166 @@
+"""FSDP2 per-rank arithmetic for ``estimate`` (torch-free): what each sharded group holds and gathers.
+
+The groups are accelerate's FSDP2 wrapping, as :mod:`lora_kit.memory.sharded` runs it: one per
+decoder layer, the input embedding (untied models), the tail (``lm_head``, plus the final norm when
+the model is not a PeftModel; tied models: the shared embedding) and the root (what is left: a
+LoRA model's final norm). Per parameter, FSDP2 pads dim 0 to a multiple of N; rank 0 holds
+``ceil(dim0 / N)`` rows (one storage per parameter), gathers into one storage per parameter of
+``N * ceil(dim0 / N)`` rows, through one flat all-gather buffer per group of the same total, and
+reduce-scatters a group's gradients into one flat shard per group. Optimizer states are made from
+the local shard (``zeros_like``), one storage each. Every storage is rounded to 512 bytes.
+
+Which gathered groups are live at each moment of the step (the moments ``estimate`` compares) is
+read from the engine: the tail and root stay gathered from their forward to their backward
+(``reshard_after_forward=False``; a tied embedding therefore stays gathered all step); a decoder
+layer is gathered during its forward and again during its backward, beside the prefetched next
+layer's all-gather buffer; the untied embedding is gathered again at the end of backward whenever
+its output needs a gradient (always here: full fine-tuning, or LoRA with input gradients enabled).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _r(nbytes):
+    return (np.asarray(nbytes, dtype=np.int64) + 511) // 512 * 512
+
+
+def _rows(dim0, N):
+    return -(-dim0 // N)  # ceil: rank 0's rows (padded shard)
+
+
+class _Group:
+    """Sums over a group's parameters (arrays over N and rank r)."""
+
+    def __init__(self, N):
+        self.N = N
+        self.shard = 0  # rank 0's parameter shards (weights, adapters separately below)
+        self.adapters = 0
+        self.gathered = 0  # per-parameter unsharded storages
+        self.flat = 0  # padded bytes of the group (all-gather buffer before rounding)
+        self.grad_flat = 0  # padded bytes of the trainable parameters (reduce-scatter buffers)
+        self.grad_unsharded = 0  # autograd's unsharded gradients of the trainable parameters
+        self.states = 0
+        self.opt_tmp = 0
+
+    def add(self, dim0, rest, e, trainable: bool, adapter: bool, optimizer: str, count=1):
+        rows = _rows(dim0, self.N)
+        part = rows * rest * e
+        shard = count * _r(part)
+        if adapter:
+            self.adapters = self.adapters + shard
+        else:
+            self.shard = self.shard + shard
+        self.gathered = self.gathered + count * _r(self.N * part)
+        self.flat = self.flat + count * part
+        if trainable:
+            self.grad_flat = self.grad_flat + count * part
+            self.grad_unsharded = self.grad_unsharded + count * _r(dim0 * rest * e)
+            if optimizer == "adamw":
+                self.states = self.states + 2 * shard
+                self.opt_tmp = self.opt_tmp + shard
+
+
+def fsdp_groups(spec, method: str, wb: int, targets: tuple, N, r, optimizer: str) -> dict:
+    """Per-rank byte terms of the accelerate FSDP2 groups (arrays broadcast over ``N`` and ``r``)."""
+    h, V, L = spec.hidden_size, spec.vocab_size, spec.num_layers
+    full = method == "full"
+    layer = _Group(N)
+    for lin in spec.linears:
+        layer.add(lin.out_features, lin.in_features, wb, full, False, optimizer)
+        if lin.bias:
+            layer.add(lin.out_features, 1, wb, full, False, optimizer)
+        if not full and lin.name in targets:
+            layer.add(r, lin.in_features, 4, True, True, optimizer)  # lora_A: (r, in), fp32
+            layer.add(lin.out_features, r, 4, True, True, optimizer)  # lora_B: (out, r), fp32
+    layer.add(h, 1, wb, full, False, optimizer, count=spec.norms_per_layer * (2 if spec.norm_bias else 1))
+    for numel, count in spec.extra_params:  # e.g. qwen3's q/k norms, per layer
+        layer.add(numel, 1, wb, full, False, optimizer, count=max(1, count // L))
+    embed, tail, root = _Group(N), _Group(N), _Group(N)
+    final_norm = 2 if spec.norm_bias else 1
+    if spec.tied_embeddings:
+        tail.add(V, h, wb, full, False, optimizer)
+    else:
+        embed.add(V, h, wb, full, False, optimizer)
+        tail.add(V, h, wb, full, False, optimizer)
+    (tail if full else root).add(h, 1, wb, full, False, optimizer, count=final_norm)
+    groups = [(layer, L), (embed, 1), (tail, 1), (root, 1)]
+    out = {
+        "weights": sum(g.shard * n for g, n in groups), "adapters": layer.adapters * L,
+        "states": sum(g.states * n for g, n in groups), "opt_tmp": sum(g.opt_tmp * n for g, n in groups),
+        "grads": sum(_r(g.grad_flat) * n for g, n in groups),
+        "layer_gathered": layer.gathered, "layer_flat": _r(N * layer.flat),
+        "layer_grads": layer.grad_unsharded, "layer_rs_in": _r(N * layer.grad_flat), "layer_grads_s": _r(layer.grad_flat),
+        "tail_grads": tail.grad_unsharded, "tail_rs_in": _r(N * tail.grad_flat), "tail_grads_s": _r(tail.grad_flat),
+        "embed_gathered": embed.gathered, "embed_flat": _r(N * embed.flat),
+        "embed_grads": embed.grad_unsharded, "tail_flat": _r(N * tail.flat),
+        "kept": tail.gathered + root.gathered,  # gathered from their forward into backward
+        "tail_tied": tail.gathered if spec.tied_embeddings else 0 * N,
+        "root": root.gathered,
+    }
+    return out
+
+
+def fsdp_totals(spec, method: str, wb: int, targets: tuple, N, r, optimizer: str, act: dict, sharding: str,
+                layer_input, gc: bool = False):
+    """(totals, parts): rank 0's bytes at the forward / backward / optimizer moments (``totals``, stacked like
+    ``estimate``'s phases, without the step's inputs) and the breakdown parts at each (lists of 3 arrays).
+
+    ``act``: the unsharded step's activation moments (``estimate._activations``); the gathered groups live at
+    each moment are added to them. ``layer_input``: bytes of one decoder layer's input (what checkpointing
+    keeps per layer). Backward moments: inside the top layer (its gathered parameters and unsharded
+    gradients, the next layer's all-gather buffer, the tail's reduce-scatter input, which FSDP2 keeps until
+    the next reduce-scatter); inside layer 1 (with checkpointing: fewer saved inputs, more gradient shards
+    done, the previous layer's reduce-scatter input); the embedding at the end. ``sharding="zero2"``: FSDP2
+    with ``reshard_after_forward=False``: layers and embedding stay gathered from forward to backward."""
+    g = fsdp_groups(spec, method, wb, targets, N, r, optimizer)
+    full, L, z = method == "full", spec.num_layers, 0 * N
+    static = g["weights"] + g["adapters"] + g["states"]
+    kept = g["kept"]
+    tied_full = spec.tied_embeddings and full  # the shared embedding's gradient builds up over all of backward
+    if sharding == "zero2":
+        kept = kept + L * g["layer_gathered"] + g["embed_gathered"]
+        top_g = mid_g = kept
+        end_g = g["root"] + g["tail_tied"] + g["embed_gathered"]
+    else:
+        persist = g["root"] + g["tail_tied"]
+        top_g = g["layer_gathered"] + (g["layer_flat"] if L > 1 else g["embed_flat"]) + persist
+        mid_g = g["layer_gathered"] + g["layer_flat"] + persist
+        end_g = g["embed_gathered"] + persist  # its all-gather buffer is freed before the embedding's backward
+    tail_unsh = g["tail_grads"] if tied_full else z
+    top_grads = (g["layer_grads"] + g["tail_rs_in"] + g["tail_grads_s"] + tail_unsh) if full else z
+    mid_grads = (g["layer_grads"] + g["tail_grads_s"] + tail_unsh
+                 + (L - 2) * g["layer_grads_s"]) if full else z
+    end_grads = g["grads"] + (g["embed_grads"] + tail_unsh if full else 0)
+    moments = [  # (activations, gathered, gradients) of the backward moments
+        (act["backward"], kept, z),
+        (act["backward_block"], top_g, top_grads),
+        (act["backward_block"] - (L - 2) * layer_input if L > 2 else act["backward_block"] * 0, mid_g, mid_grads),
+        (act["backward_end"], end_g, end_grads),
+    ]
+    tot = [static + a + gathered + grads for a, gathered, grads in moments]
+    bwd_i = np.argmax(np.stack(tot), axis=0)
+    pick = lambda xs: np.choose(bwd_i, [np.broadcast_to(x, np.shape(tot[0])) for x in xs])  # noqa: E731
+    # forward: at the logits (tail and root gathered; the tail's all-gather buffer is kept until the next
+    # all-gather, in backward) or inside a layer (its parameters, its own buffer, the next group's prefetched)
+    persist = g["root"] + g["tail_tied"]
+    tail_flat = 0 * N if spec.tied_embeddings else g["tail_flat"]  # a tied tail was gathered first, not last
+    f_moments = [  # (activations, gathered)
+        (act["forward_logits"], kept + tail_flat),
+        (act["forward_block"], g["layer_gathered"] + g["layer_flat"] + tail_flat + persist),  # last layer
+        (act["forward_block"] - act["block_saved"] if L > 1 else 0 * N,  # the layer before: next layer prefetched
+         g["layer_gathered"] + (1 if gc else 2) * g["layer_flat"] + persist),
+    ]
+    f_tot = np.stack([a + gathered for a, gathered in f_moments])
+    f_i = np.argmax(f_tot, axis=0)
+    fwd_gathered = np.choose(f_i, [np.broadcast_to(m[1], f_i.shape) for m in f_moments])
+    totals = np.stack([static + np.max(f_tot, axis=0), np.max(np.stack(tot), axis=0),
+                       static + g["grads"] + g["opt_tmp"]])
+    parts = {
+        "weights": [g["weights"] + fwd_gathered, g["weights"] + pick([m[1] for m in moments]), g["weights"]],
+        "quant_constants": [z, z, z],
+        "adapters": [g["adapters"]] * 3,
+        "gradients": [z, pick([m[2] for m in moments]), g["grads"]],
+        "optimizer_states": [g["states"]] * 3,
+    }
+    return totals, parts
