@@ -83,10 +83,6 @@ def test_main_job_on_embedded_default(main_job):
     from lora_kit.ui.notebook import PLOTLY_JS, offline_problems
     assert [p.relative_to(run).as_posix() for p in run.rglob("*.js")] == [PLOTLY_JS]
     assert {p.name: offline_problems(p) for p in run.rglob("*.html") if offline_problems(p)} == {}
-    # offline: one plotly.js for the whole run folder, and no page fetches a script from the internet
-    from lora_kit.ui.notebook import PLOTLY_JS, offline_problems
-    assert [p.relative_to(run).as_posix() for p in run.rglob("*.js")] == [PLOTLY_JS]
-    assert {p.name: offline_problems(p) for p in run.rglob("*.html") if offline_problems(p)} == {}
     for part in ("stack.json", "plan.json", "sweeps.json", "smoke/smoke.json", "eval/eval.json",
                  "eval/per_example.csv", "smoke/adapter/adapter_model.safetensors"):
         assert (run / part).exists(), part
