@@ -26,8 +26,10 @@ How each ``sharding`` value maps onto FSDP2, and what stays arithmetic:
   sharded; gathered per unit in forward and again in backward). DeepSpeed ZeRO-3 is not run:
   its buffers (prefetch bucket, persistence threshold) differ, so ``zero3`` is FSDP2's figure.
 - ``zero2``: FSDP2's ZeRO-2-like mode, ``reshard_after_forward=False`` everywhere (parameters stay
-  gathered from forward to backward; gradients and states sharded). DeepSpeed ZeRO-2 also keeps the
-  full parameters between steps; that difference is not simulated.
+  gathered from forward to backward; gradients and states sharded). DeepSpeed ZeRO-2 (what
+  ``accelerate_config`` writes for zero2) also keeps the full parameters between steps; that
+  difference is not simulated, this mode is not yet checked against real runs, and ``estimate``
+  keeps its DeepSpeed arithmetic for zero2.
 - ``zero1`` (states sharded only) has no FSDP2 counterpart: ``estimate``'s arithmetic.
 - ``ddp``: not sharded; :mod:`lora_kit.memory.simulate` (one GPU's step + DDP's gradient buckets).
 - ``cpu_offload=True``: FSDP2's ``CPUOffloadPolicy`` needs an accelerator device distinct from the
