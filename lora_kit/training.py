@@ -141,10 +141,19 @@ def loop_optimizer(model, name: str, loop: str = "kit", device_type: str = "cpu"
 def loop_batch(batch: dict, loop: str = "kit") -> dict:
     """The batch as ``loop`` hands it to the model: the Trainer adds ``num_items_in_batch`` (labelled tokens of
     the whole step, counted over the shifted labels before the step, divided by the parallel sizes: a float
-    scalar), so the loss is a sum over them rather than a per-batch mean."""
+    scalar), so the loss is a sum over them rather than a per-batch mean (after :func:`loop_inputs`)."""
     if loop == "kit":
         return batch
+    batch = loop_inputs(batch, loop)
     return {**batch, "num_items_in_batch": batch["labels"][..., 1:].ne(-100).sum() / 1}
+
+
+def loop_inputs(batch: dict, loop: str = "kit") -> dict:
+    """The collator's batch for ``loop``: SFTTrainer needs an attention mask and its collator always builds one, so
+    an unpadded batch gets an all-ones mask (from which transformers builds no 4-D mask)."""
+    if loop == "sft" and "attention_mask" not in batch:
+        return {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
+    return batch
 
 
 def trainer_loss(model, batch: dict):

@@ -381,7 +381,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     bwd_start = saved + loss_bwd
     bwd_norm = layers + norm + (4 if e == 4 else 5) * _r(T * h * 4) + _r(T * h * e)  # fp32: one cast is a no-op
     # the collator's attention_mask and labels (a tensor of their own when padded) are live all step
-    inputs = 2 * _r(T * 8) if padding != "none" else 0 * T
+    inputs = 2 * _r(T * 8) if padding != "none" else (_r(T * 8) if loop == "sft" else 0 * T)  # SFT: an all-ones mask
     return {"inputs": inputs, "forward": fwd, "backward": np.maximum(bwd_start, bwd_norm), "backward_block": bwd_block,
             "backward_end": _r(T * h * 4) + (_r(T * h * e) + (2 if e == 4 else 1) * _r(V * h * 4) if not lora else 0),
             # the two forward moments apart (sharded steps gather different groups at each)

@@ -78,6 +78,8 @@ def measure_real_loop(net, batch: dict, s: dict, steps: int = 2, tokenizer=None)
 
     from lora_kit.memory.tracker import LiveBytesTracker  # torch: imported here, estimate stays torch-free
     from lora_kit.training import TRAINER_OPTIM
+    from lora_kit.training import loop_inputs
+    batch = loop_inputs(batch, s["loop"])  # SFTTrainer's collator always builds an attention mask
     tracker = LiveBytesTracker()
     paged = s["optimizer"].startswith("paged_")
     state = {"on": False, "t0": 0.0, "wall": 0.0}

@@ -57,7 +57,7 @@ from lora_kit.memory.measure import step_batch
 from lora_kit.memory.sharded import SIMULATED, check_simulable, simulate_sharded
 from lora_kit.memory.specs import check_model_step, load_config
 from lora_kit.memory.tracker import LiveBytesTracker
-from lora_kit.training import attach_adapter, autocast_context, loop_batch, train_step
+from lora_kit.training import attach_adapter, autocast_context, loop_batch, loop_inputs, train_step
 
 
 
@@ -245,7 +245,8 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
     opt, loop_kw, loop_live = (None, {}, []) if sharding in SIMULATED else loop_parts(net, s, "cpu")
     # the batch a collator builds (real values: the padding mask's values decide what transformers builds),
     # as constant fake tensors: shapes for the step, values for the few reads of them (the token count)
-    real = step_batch(torch.randint(0, cfg.vocab_size, (s["batch_size"], s["seq_len"])), s["padding"])
+    real = loop_inputs(step_batch(torch.randint(0, cfg.vocab_size, (s["batch_size"], s["seq_len"])), s["padding"]),
+                       s["loop"])
     has_padding = "attention_mask" in real and not bool(real["attention_mask"].all())
     memo = {}
     batch = {k: memo.setdefault(id(v), fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, v, make_constant=True))
