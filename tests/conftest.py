@@ -15,11 +15,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def interactive_runs_base(tmp_path_factory):
-    """Notebooks executed as a user runs them (nbval's 02, in notebooks/) write their relative ``run_dir``
-    under a temp folder, not into the checkout's runs/ (``lora_kit.ui.notebook.runs_base``)."""
-    os.environ["LORA_KIT_RUNS_BASE"] = str(tmp_path_factory.mktemp("interactive"))
+def pytest_configure(config):
+    """Notebooks executed as a user runs them (nbval's 02, in notebooks/: this conftest's fixtures do not
+    reach it, its hooks do) write their relative ``run_dir`` under a temp folder, not into the checkout's
+    runs/ (``lora_kit.ui.notebook.runs_base``); removed at the end."""
+    import tempfile
+    config._lora_kit_runs_base = tempfile.mkdtemp(prefix="lora-kit-interactive-")
+    os.environ["LORA_KIT_RUNS_BASE"] = config._lora_kit_runs_base
+
+
+def pytest_unconfigure(config):
+    import shutil
+    shutil.rmtree(getattr(config, "_lora_kit_runs_base", ""), ignore_errors=True)
 
 
 def build_char_tokenizer(out_dir):
