@@ -5,6 +5,7 @@ Usage (CPU, offline)::
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py            # the whole matrix (>= 60 cases)
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --limit 12 # the first 12 cases
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --families # every catalog family, gc on/off, padded
+    HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --autocast # autocast=True: estimate, simulate, real CPU step
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --loops    # real HF Trainer / TRL SFTTrainer steps
     python benchmarks/memory_accuracy.py --published-only            # only the published-figures table
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --sharded  # several GPUs: estimate vs simulate (FSDP2)
@@ -454,6 +455,51 @@ def run_sharded(real: bool, fresh: bool, limit: int | None) -> None:
               f"{sum(any(x['peak_allocated_bytes'] != r[ref] for x in r['ranks']) for r in ok)} cases")
 
 
+# ---- autocast=True: estimate vs simulate vs a real CPU step -----------------------------------------------
+AUTOCAST_MODELS = [("tiny", None)]
+
+
+def autocast_cases() -> list[dict]:
+    """``autocast=True`` (bf16 compute under ``torch.autocast``, as the Trainer's ``bf16=True`` runs): full
+    fine-tuning on fp32 weights, LoRA on fp32 and on bf16 weights, QLoRA; checkpointing on/off; the embedded
+    tiny Llama, seq 256, batch 2 (this CPU has no AVX512-BF16: a bf16 step of a 135M-parameter model, SmolLM2
+    cut to 2 layers, took minutes on the shared 2-core machine, so the matrix uses the tiny model)."""
+    return [dict(model=m, layers=n, method=method, dtype=dtype, autocast=True, seq_len=256, batch_size=2,
+                 gradient_checkpointing=gc)
+            for m, n in AUTOCAST_MODELS
+            for method, dtype in (("full", "float32"), ("lora", "float32"), ("lora", "bfloat16"), ("qlora", "bfloat16"))
+            for gc in (False, True)]
+
+
+def run_autocast(fresh: bool) -> None:
+    """Each autocast case: estimate, simulate and a real CPU step (``lora_kit.memory.measure``, the same
+    live-bytes tracker); saved under ``autocast`` in the results file."""
+    from lora_kit.memory.measure import measure_config
+    from lora_kit.memory.simulate import simulate as sim
+    done = {} if fresh or not OUT.is_file() else read_json(OUT).get("autocast", {})
+    for n, case in enumerate(autocast_cases()):
+        k, m, kw = key(case), model_arg(case), est_kwargs(case)
+        row = done.get(k) or {"case": case}
+        row["estimate"] = estimate(m, **kw).peak_allocated_bytes
+        if "real" not in row:
+            row["simulate"] = sim(m, **kw).peak_allocated_bytes
+            row["real"] = measure_config(m, **kw).peak_allocated_bytes
+        done[k] = row
+        _save(autocast=done)
+        c = row["case"]
+        print(f"{n:3d} {c['model']} {c['method']:5s} {c['dtype']:8s} autocast "
+              f"{'gc' if c['gradient_checkpointing'] else '--'}  est {row['estimate'] / GIB:7.4f} sim "
+              f"{row['simulate'] / GIB:7.4f} real {row['real'] / GIB:7.4f} GiB  est {_pct(row, 'estimate'):+6.2f}%  "
+              f"sim-real {row['simulate'] - row['real']:+d} B", flush=True)
+    rows = [done[key(c)] for c in autocast_cases()]
+    print("\n" + summary(rows, lambda r: _pct(r, "estimate"), "estimate"))
+    print(summary(rows, lambda r: _pct(r, "simulate"), "simulate"))
+
+
+def _pct(row: dict, what: str) -> float:
+    return 100 * (row[what] - row["real"]) / row["real"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--limit", type=int, default=None, help="run only the first N matrix cases")
@@ -465,7 +511,11 @@ def main() -> None:
     ap.add_argument("--real", action="store_true", help="with --sharded: simulate vs real torchrun ranks (CPU, gloo)")
     ap.add_argument("--loops", action="store_true", help="the loop users run next: real Trainer / SFTTrainer CPU "
                     "steps vs estimate and simulate (benchmarks/loop_accuracy.py)")
+    ap.add_argument("--autocast", action="store_true", help="autocast=True: estimate, simulate, real CPU steps")
     args = ap.parse_args()
+    if args.autocast:
+        run_autocast(args.fresh)
+        return
     if args.loops:
         import loop_accuracy
         loop_accuracy.main((["--fresh"] if args.fresh else []) + ([f"--limit={args.limit}"] if args.limit else []))

@@ -66,8 +66,10 @@ comparisons in public issues). The constants are ``CUDA_CONTEXT_BYTES`` and ``RE
 
 Known limits: architectures outside llama / mistral / qwen2 / qwen3 / gemma / gemma2 / phi3 /
 gpt_neox are read from a meta-device build and their activations modelled as a Llama-like block;
-``autocast=True`` is modelled as the same step with 16-bit activations (autocast's per-forward weight
-cast cache is not counted: least exact setting, not in the accuracy matrix); DeepSpeed / FSDP
+``autocast=True`` counts autocast's 16-bit weight copies, LoRA's 16-bit input copies and QLoRA's 16-bit
+attention, but not every dtype change inside a block: within 0.02 % of real CPU steps where the loss holds
+the peak (SmolLM2-135M cut to 2 layers), up to 10 % off where a block does (the embedded tiny model; the
+README's accuracy table); DeepSpeed / FSDP
 communication buffers are not counted; full fine-tuning's backward end counts the fp32 ``V x h``
 buffer the CPU embedding-backward kernel allocates (two of them in fp32) (what ``simulate`` sees: the CUDA kernel
 accumulates per unique token instead, so on a GPU this term is smaller -- ``gpu_validate`` measures
@@ -251,6 +253,29 @@ def _window_masks(spec: ModelSpec, S) -> int:
     return np.where(S > int(spec.config["sliding_window"]), n, 0)
 
 
+def _autocast_casts(spec: ModelSpec, method: str, dtype: str, targets: tuple, r, first_free: bool):
+    """16-bit weight copies autocast makes and the matmuls keep for backward: (one block's, lm_head's, what block 0
+    keeps less, one block's that autocast's cache holds until the forward ends: copies of weights that need grad).
+    Full fine-tuning: one cached copy of every linear and of lm_head (fp32 leaves that need grad).
+    LoRA / QLoRA: one cached copy of every adapter A and B; a copy of an fp32 frozen lm_head (QLoRA's up-cast,
+    LoRA on fp32 weights) and, on fp32 base weights, of every frozen linear per call, kept for the input's
+    gradient. Block 0 keeps no copy of its attention-input A matrices (nor of their fp32 base weights) when its
+    input needs no gradient (``first_free``)."""
+    head = _r(spec.vocab_size * spec.hidden_size * 2)
+    if method == "full":
+        block = sum(_r(lin.out_features * lin.in_features * 2) for lin in spec.linears)
+        return block, head, 0, block
+    base = method == "lora" and dtype == "float32"
+    block, first, cached = 0, 0, 0
+    for lin in spec.linears:
+        w = _r(lin.out_features * lin.in_features * 2) if base else 0
+        ab = _r(r * lin.in_features * 2) + _r(lin.out_features * r * 2) if lin.name in targets else 0
+        block, cached = block + w + ab, cached + ab
+        first = first + (_r(r * lin.in_features * 2) * (lin.name in targets) + w
+                         if first_free and lin.kind == "attn_in" else 0)
+    return block, (head if base or method == "qlora" else 0), first, cached
+
+
 def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: bool, attn: str, targets: tuple,
                  T, B, S, r, padding: str = "none", experts: dict | None = None, loop: str = "kit") -> dict:
     """Activation bytes (arrays over the broadcast shape) at the moments that can hold the peak."""
@@ -259,6 +284,9 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     e = 4 if method == "qlora" else (2 if autocast else DTYPE_BYTES[dtype])  # compute dtype of the stream
     lora = method != "full"
     cast = lora and e != 4  # peft casts each LoRA input to fp32 separately
+    # under autocast (LoRA) that fp32 copy is cast to 16-bit again for the LoRA matmul: the 16-bit one is kept
+    ce = 2 if (autocast and lora) else 4
+    ea = 2 if autocast else e  # attention's tensors: autocast runs SDPA in 16-bit (QLoRA's fp32 stream too)
     width = {"attn_in": h, "attn_out": H * d, "mlp_in": h, "mlp_out": i}
     n_t = {k: sum(1 for lin in spec.linears if lin.kind == k and lin.name in targets) for k in width}
     # -- one block's saved tensors --
@@ -267,7 +295,8 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         norms = _r(T * h * e) + spec.norms_per_layer * 2 * _r(T * e) if spec.parallel_residual else \
             spec.norms_per_layer * norm  # parallel residual: both norms read (and keep) the same input
     else:  # RMSNorm: fp32 input copy + rsqrt; full fine-tuning also keeps the normalized input (weight grad)
-        norm = _r(T * h * 4) + _r(T * 4) + (0 if lora else _r(T * h * e))
+        # full fine-tuning under autocast keeps the normalized input in fp32 (the stream stays fp32)
+        norm = _r(T * h * 4) + _r(T * 4) + (0 if lora else _r(T * h * (4 if autocast else e)))
         norms = _norms_per_layer(spec) * norm
     # what block 0 saves less: its input needs no grad (OLMo-2 normalizes block outputs: no input norm to spare)
     first_free = norms if spec.parallel_residual else (0 if spec.model_type == "olmo2" else norm)
@@ -276,24 +305,26 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     for kind, w in width.items():
         shared_with_attn = kind == "attn_out" and attn == "sdpa"
         if not lora:
-            group[kind] = 0 if shared_with_attn else _r(T * w * e)
+            # under autocast each linear casts the fp32 stream to 16-bit on its own and keeps that copy
+            each = sum(lin.kind == kind for lin in spec.linears) if autocast and kind in ("attn_in", "mlp_in") else 1
+            group[kind] = 0 if shared_with_attn else each * _r(T * w * e)
         elif n_t[kind]:
-            copies = n_t[kind] if cast else (0 if shared_with_attn else 1)
-            group[kind] = copies * _r(T * w * 4) + n_t[kind] * _r(T * r * 4)
+            copies = n_t[kind] if cast or ce == 2 else (0 if shared_with_attn else 1)
+            group[kind] = copies * _r(T * w * ce) + n_t[kind] * _r(T * r * ce)
         else:
             group[kind] = 0
         block = block + group[kind]
-    v_bytes = _r(T * kv * d * e)
+    v_bytes = _r(T * kv * d * ea)
     # a padded batch: transformers builds a (B, 1, S, S) bool mask; SDPA casts it to the compute dtype in every
     # layer and, with a mask, GQA is off: repeat_kv copies K and V out to all H heads (both kept for backward)
     masked = (padding == "max_length") | ((padding == "longest") & (B > 1))
     bool_mask = np.where(masked, _r(B * S * S), 0) if attn == "sdpa" else 0
-    kv_repeat = 0 if kv == 1 else 2 * (_r(T * H * d * e) - v_bytes)  # one K/V head: repeat_kv is a view
+    kv_repeat = 0 if kv == 1 else 2 * (_r(T * H * d * ea) - v_bytes)  # one K/V head: repeat_kv is a view
     # sliding-window blocks shorter than the sequence get a mask even unpadded: its cast, K/V repeated
-    window = np.where(masked, 0, _window_masks(spec, S) * (_r(B * S * S * e) + kv_repeat)) if attn == "sdpa" else 0
+    window = np.where(masked, 0, _window_masks(spec, S) * (_r(B * S * S * ea) + kv_repeat)) if attn == "sdpa" else 0
     if attn == "sdpa":
-        attn_base = _r(T * H * d * e) + _r(T * kv * d * e) + v_bytes + _r(T * H * d * e) + _r(B * H * S * 4)
-        attn_base = attn_base + np.where(masked, _r(B * S * S * e) + kv_repeat, 0)
+        attn_base = _r(T * H * d * ea) + _r(T * kv * d * ea) + v_bytes + _r(T * H * d * ea) + _r(B * H * S * 4)
+        attn_base = attn_base + np.where(masked, _r(B * S * S * ea) + kv_repeat, 0)
     else:
         kv_rep = _r(T * H * d * e) if kv < H else None
         k_b = kv_rep if kv_rep is not None else _r(T * kv * d * e)
@@ -350,6 +381,8 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         attn_temps = 2 * _r(scores * 4) - (_r(scores * e) if e != 4 else 0) - mlp_saved - norm
         bwd_temps = np.maximum(bwd_temps, attn_temps)
     first_norm_free = lora and not gc  # the frozen embedding's output needs no grad: block 0's norm saves nothing
+    blk_casts, head_cast, first_casts, cached = _autocast_casts(spec, method, dtype, targets, r, first_norm_free) \
+        if autocast else (0, 0, 0, 0)
     rope = _rope_bytes(spec, S, e)  # cos/sin + the inv_freq buffers
     final = norm + (_r(T * h * e) if not lora else 0)  # full fine-tuning: lm_head keeps its input
     el = 4 if method == "qlora" else e  # logits dtype (QLoRA: lm_head up-cast to fp32)
@@ -368,24 +401,27 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         layers = L * _r(T * h * e) + rope + bool_mask  # the bool mask is an input of every checkpointed block
         layers = layers + np.where(window > 0, _r(B * S * S), 0)  # the sliding-window bool mask, an input too
         block = block + np.minimum(window, _r(B * S * S * e) + kv_repeat)  # the recomputed block's own mask
-        fwd_block = layers + block + fwd_transient
+        layers, block = layers + head_cast, block + blk_casts  # autocast's copies: lm_head's, the recomputed block's
+        fwd_block = layers + block + fwd_transient + (L - 1) * cached  # autocast's cache: earlier blocks' copies
         bwd_block = layers + block + bwd_temps + mask  # the checkpoint keeps the eager mask as an input
     else:
         layers = L * block - (first_free if first_norm_free else 0) + rope + window
+        layers = layers + L * blk_casts + head_cast - first_casts  # autocast's 16-bit weight copies
         if moe is not None:  # dense blocks (DeepSeek's first) hold no routed experts
             layers = layers - (L - moe["blocks"]) * moe["saved"]
         fwd_block = layers + fwd_transient
         bwd_block = layers + bwd_temps
     saved = layers + final + loss_saved
-    fwd = np.maximum(saved + logits_fwd, fwd_block) + mask + (0 if gc else bool_mask)
+    fwd = np.maximum(saved + logits_fwd + (L * cached if gc else 0), fwd_block) + mask + (0 if gc else bool_mask)
     bwd_start = saved + loss_bwd
     bwd_norm = layers + norm + (4 if e == 4 else 5) * _r(T * h * 4) + _r(T * h * e)  # fp32: one cast is a no-op
     # the collator's attention_mask and labels (a tensor of their own when padded) are live all step
     inputs = 2 * _r(T * 8) if padding != "none" else (_r(T * 8) if loop == "sft" else 0 * T)  # SFT: an all-ones mask
     return {"inputs": inputs, "forward": fwd, "backward": np.maximum(bwd_start, bwd_norm), "backward_block": bwd_block,
-            "backward_end": _r(T * h * 4) + (_r(T * h * e) + (2 if e == 4 else 1) * _r(V * h * 4) if not lora else 0),
+            "backward_end": 2 * _r(V * h * 4) if method == "full" and autocast else  # fp32 grad of lm_head's copy
+            _r(T * h * 4) + (_r(T * h * e) + (2 if e == 4 else 1) * _r(V * h * 4) if not lora else 0),
             # the two forward moments apart (sharded steps gather different groups at each)
-            "forward_logits": saved + logits_fwd + mask + (0 if gc else bool_mask),
+            "forward_logits": saved + logits_fwd + (L * cached if gc else 0) + mask + (0 if gc else bool_mask),
             "forward_block": fwd_block + mask + (0 if gc else bool_mask), "block_saved": _r(T * h * e) if gc else block}
 
 
