@@ -107,3 +107,16 @@ def test_outputs_written_by_a_session_do_not_dirty_git(tmp_path):
     nbformat.write(nb, path)
     assert _git("status", "--porcelain", cwd=repo).strip() == "M notebooks/00_stack_check.ipynb"
     assert "a result" not in _git("diff", cwd=repo)
+
+
+def test_every_cli_help_renders(capsys):
+    """`lora-kit --help` and each subcommand's: a stray `%` in a help string would raise or garble them."""
+    import pytest
+
+    from lora_kit.ui.cli import main
+    for argv in (["--help"], ["run", "--help"], ["estimate", "--help"], ["check", "--help"]):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        out = capsys.readouterr().out
+        assert done.value.code == 0 and "usage: lora-kit" in out and "option_strings" not in out, argv
+        assert "%(" not in out and "%%" not in out, argv
