@@ -1,6 +1,6 @@
 """The loop users run next: a real CPU step of transformers' Trainer and TRL's SFTTrainer vs ours, estimate, simulate.
 
-Usage (CPU, offline; ~10 min on 2 shared cores)::
+Usage (CPU, offline; 24 rows took ~14 min on 2 cores shared at load ~11)::
 
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --loops     # (this script)
     HF_HUB_OFFLINE=1 python benchmarks/loop_accuracy.py --limit 4
