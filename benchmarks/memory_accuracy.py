@@ -500,6 +500,97 @@ def _pct(row: dict, what: str) -> float:
     return 100 * (row[what] - row["real"]) / row["real"]
 
 
+# ---- mixture-of-experts ---------------------------------------------------------------------------
+MOE_OUT = Path(__file__).parent / "results" / "memory_accuracy_moe.json"
+MOE_MODELS = ["mixtral-8x7b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "deepseek-v2-lite"]
+MOE_REDUCED = dict(vocab_size=1000, hidden_size=256, intermediate_size=384, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, moe_intermediate_size=192, shared_expert_intermediate_size=512,
+                   num_local_experts=8, num_experts=8, n_routed_experts=8, num_experts_per_tok=2,
+                   kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+
+
+def moe_reduced(name: str):
+    """Catalog MoE entry ``name`` at CPU-affordable size: 2 layers, hidden 256, 8 experts of width 192 (Mixtral:
+    384), top-2, vocab 1000; the family's block, router and shared experts as published (DeepSeek: dense block 0)."""
+    from transformers import AutoConfig
+    from lora_kit.memory.specs import catalog_config
+    c = catalog_config(name)
+    c.update({k: v for k, v in MOE_REDUCED.items() if k in c or k == "head_dim"}, num_hidden_layers=2)
+    if c["model_type"] == "deepseek_v2":
+        c.update(num_key_value_heads=4, head_dim=48)
+    c.pop("layer_types", None)
+    c.pop("mlp_only_layers", None)
+    cfg = AutoConfig.for_model(c.pop("model_type"), **c)
+    cfg.name_or_path = f"{name}[reduced]"
+    return cfg
+
+
+def moe_cases(real: bool = False) -> list[dict]:
+    """estimate vs simulate: the catalog's MoE families cut to 2 layers (real widths, every expert), seq 1024,
+    batch 2: LoRA all-linear (peft reaches the experts and router where it does) and attention-only, QLoRA
+    all-linear, full fine-tuning; checkpointing off / on. ``real``: :func:`moe_reduced` configs, seq 256, batch 2,
+    LoRA all-linear (checkpointing off / on), QLoRA and full: estimate vs simulate vs a real CPU step."""
+    cases = []
+    for m in MOE_MODELS:
+        attn_only = ["q_proj", "o_proj"] if m.startswith("deepseek") else ["q_proj", "v_proj"]
+        for method, targets in (("lora", "all-linear"), ("lora", attn_only), ("qlora", "all-linear"), ("full", None)):
+            for gc in (False, True):
+                if real and (targets == attn_only or (gc and method != "lora")):  # CPU time: 4 real steps a model
+                    continue
+                case = dict(model=m, layers=2, method=method, gradient_checkpointing=gc,
+                            **(dict(seq_len=256, batch_size=2, reduced=True) if real else
+                               dict(seq_len=1024, batch_size=2)))
+                if method != "full":
+                    case.update(lora_rank=8 if real else 16, lora_targets=targets)
+                cases.append(case)
+    return cases
+
+
+def run_moe(real: bool, fresh: bool, limit: int | None) -> None:
+    from lora_kit.memory.measure import measure_config
+    from lora_kit.memory.simulate import simulate as sim
+    part = "real" if real else "estimate"
+    data = read_json(MOE_OUT) if MOE_OUT.is_file() and not fresh else {}
+    done = data.setdefault(part, {})
+    cases = moe_cases(real)[:limit]
+    print(f"{len(cases)} cases; estimate vs simulate{' vs a real CPU step' if real else ''} (peak_allocated_bytes)")
+    for case in cases:
+        k = key(case)
+        m = moe_reduced(case["model"]) if real else model_arg(case)
+        kw = {c: v for c, v in est_kwargs(case).items() if c != "reduced"}
+        row = done.get(k, {"case": case})
+        t = time.perf_counter()
+        try:
+            row["estimate"] = estimate(m, **kw).peak_allocated_bytes
+            if "simulate" not in row:
+                row["simulate"] = sim(m, **kw).peak_allocated_bytes
+            if real and "real" not in row:
+                torch_threads = os.environ.get("OMP_NUM_THREADS")
+                row["real"] = measure_config(m, **kw).peak_allocated_bytes
+                row["threads"] = torch_threads
+        except Exception as exc:  # noqa: BLE001 - print and keep going: one case must not hide the rest
+            row["error"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+        row.setdefault("seconds", round(time.perf_counter() - t, 1))
+        done[k] = row
+        c = case
+        tg = "" if c["method"] == "full" else (" all" if c["lora_targets"] == "all-linear" else " attn")
+        desc = f"{c['model']}{'[red]' if real else '[2L]'} {c['method']}{tg} {'gc' if c['gradient_checkpointing'] else '--'}"
+        if "error" in row:
+            print(f"{desc:40s} failed: {row['error']}", flush=True)
+        else:
+            line = (f"{desc:40s} est {row['estimate'] / GIB:8.3f} sim {row['simulate'] / GIB:8.3f} GiB "
+                    f"{100 * (row['estimate'] - row['simulate']) / row['simulate']:+6.2f}%")
+            if real:
+                line += f"  real {row['real']} B, sim-real {row['simulate'] - row['real']:+d} B"
+            print(line + f" {row['seconds']:.0f}s", flush=True)
+        write_json_atomic(MOE_OUT, data)
+    ok = [done[key(c)] for c in cases if "simulate" in done[key(c)] and "estimate" in done[key(c)]]
+    print("\n" + summary(ok, lambda r: 100 * (r["estimate"] - r["simulate"]) / r["simulate"], "estimate"))
+    if real:
+        ok = [r for r in ok if "real" in r]
+        print(f"simulate == real CPU step byte for byte: {sum(r['simulate'] == r['real'] for r in ok)} of {len(ok)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--limit", type=int, default=None, help="run only the first N matrix cases")
@@ -512,7 +603,12 @@ def main() -> None:
     ap.add_argument("--loops", action="store_true", help="the loop users run next: real Trainer / SFTTrainer CPU "
                     "steps vs estimate and simulate (benchmarks/loop_accuracy.py)")
     ap.add_argument("--autocast", action="store_true", help="autocast=True: estimate, simulate, real CPU steps")
+    ap.add_argument("--moe", action="store_true", help="mixture-of-experts: estimate vs simulate (2 layers); "
+                    "with --real: reduced configs, estimate vs simulate vs a real CPU step")
     args = ap.parse_args()
+    if args.moe:
+        run_moe(args.real, args.fresh, args.limit)
+        return
     if args.autocast:
         run_autocast(args.fresh)
         return

@@ -66,6 +66,7 @@ comparisons in public issues). The constants are ``CUDA_CONTEXT_BYTES`` and ``RE
 
 Known limits: architectures outside llama / mistral / qwen2 / qwen3 / gemma / gemma2 / phi3 /
 gpt_neox are read from a meta-device build and their activations modelled as a Llama-like block;
+mixture-of-experts blocks (router, dispatch buffers, experts, LoRA on experts) by :mod:`lora_kit.memory.moe`;
 ``autocast=True`` counts autocast's 16-bit weight copies, LoRA's 16-bit input copies and QLoRA's 16-bit
 attention, but not every dtype change inside a block: within 0.02 % of real CPU steps where the loss holds
 the peak (SmolLM2-135M cut to 2 layers), up to 10 % off where a block does (the embedded tiny model; the

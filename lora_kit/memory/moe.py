@@ -151,6 +151,9 @@ def moe_block(spec, method: str, e: int, w: int, flags: dict, T, r) -> dict:
     # backward, first op of the experts: grad of the summed output expanded to (T, k, h) (a copy), then the
     # token-order gather's backward: zeros (S, h) and index_put into them
     bwd = 3 * _r(S * h * ow)
+    # then inside the gate activation's backward: the down projection's input gradient and the two gradients of
+    # act(gate) * up, once the down output is freed (wide experts: Mixtral)
+    bwd = np.maximum(bwd, 3 * _r(S * i * e) - _r(S * h * e))
     if gu:  # the up projection's weight gradient, a full (E, 2i, h) tensor, once the down projection's part is freed
         down_part = _r(S * i * e) + _r(S * h * e) + (_r(E * h * i * w) if flags["down"] and not full else 0)
         bwd = np.maximum(bwd, _r(E * 2 * i * h * w) + _r(S * h * e) + _r(S * 2 * i * e) - down_part)

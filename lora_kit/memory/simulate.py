@@ -34,6 +34,12 @@ Limits (stated, measured where possible by ``benchmarks/gpu_validate.py``):
   (a real attention mask with padded rows, fed as constant fake tensors), so transformers takes the
   path it takes on a padded batch: a ``[batch, 1, seq, seq]`` mask, SDPA's per-layer cast of it, and
   K/V repeated to every query head (GQA off with a mask); with ``padding="none"`` there is no mask;
+- mixture-of-experts: the real transformers MoE block runs, with its default ``grouped_mm`` experts. The
+  fake router's top-k has shapes but no values, so no token-to-expert distribution is assumed: every
+  dispatch buffer is sized by tokens x top-k whichever experts the tokens pick, and real CPU steps with
+  a spread router and with every token on the same two experts peak byte-identically, equal to this
+  simulation (``benchmarks/moe_routing.py``, :mod:`lora_kit.memory.moe`). ``experts_implementation=
+  "eager"`` (a loop over the experts hit, whose peak does depend on the routing) is not simulated;
 - sharding: one GPU (``none``) and ``ddp`` (+ DDP's gradient buckets, as large as the gradients,
   added analytically) are simulated here; ``fsdp`` / ``zero3`` / ``zero2`` run PyTorch's FSDP2 on a
   fake process group of ``num_gpus`` ranks (:mod:`lora_kit.memory.sharded` says how each value maps
