@@ -61,8 +61,8 @@ class _Group:
                 self.opt_tmp = self.opt_tmp + shard
 
 
-def fsdp_groups(spec, method: str, wb: int, targets: tuple, N, r, optimizer: str) -> dict:
-    """Per-rank byte terms of the accelerate FSDP2 groups (arrays broadcast over ``N`` and ``r``)."""
+def _groups(spec, method: str, wb: int, targets: tuple, N, r, optimizer: str) -> tuple:
+    """(layer, embedding, tail, root) groups of accelerate's FSDP2 wrapping (one decoder layer stands for all)."""
     h, V, L = spec.hidden_size, spec.vocab_size, spec.num_layers
     full = method == "full"
     layer = _Group(N)
@@ -84,6 +84,13 @@ def fsdp_groups(spec, method: str, wb: int, targets: tuple, N, r, optimizer: str
         embed.add(V, h, wb, full, False, optimizer)
         tail.add(V, h, wb, full, False, optimizer)
     (tail if full else root).add(h, 1, wb, full, False, optimizer, count=final_norm)
+    return layer, embed, tail, root
+
+
+def fsdp_groups(spec, method: str, wb: int, targets: tuple, N, r, optimizer: str) -> dict:
+    """Per-rank byte terms of the accelerate FSDP2 groups (arrays broadcast over ``N`` and ``r``)."""
+    layer, embed, tail, root = _groups(spec, method, wb, targets, N, r, optimizer)
+    L = spec.num_layers
     groups = [(layer, L), (embed, 1), (tail, 1), (root, 1)]
     out = {
         "weights": sum(g.shard * n for g, n in groups), "adapters": layer.adapters * L,
@@ -162,3 +169,25 @@ def fsdp_totals(spec, method: str, wb: int, targets: tuple, N, r, optimizer: str
         "optimizer_states": [g["states"]] * 3,
     }
     return totals, parts
+
+
+def fsdp_communication(spec, method: str = "lora", dtype: str = "bfloat16", num_gpus: int = 8, lora_rank: int = 16,
+                       lora_targets="all-linear", autocast: bool = False) -> dict:
+    """Buffer bytes FSDP2 all-gathers and reduce-scatters per step (rank 0; accelerate's wrapping), by arithmetic.
+
+    Decoder layers and an untied embedding are gathered twice (forward, and again in backward: resharded
+    after forward; the embedding's output needs a gradient), the tail and root once (kept from forward to
+    backward); every group with trainable parameters reduce-scatters their padded gradients once. A ring
+    moves (N - 1) / N of each buffer per rank; divide by the interconnect's bandwidth for a lower bound on
+    the time. ``simulate`` counts the same buffers from FSDP2's own calls (``SimResult.collectives``)."""
+    from lora_kit.memory.specs import check_targets, model_spec
+    spec = model_spec(spec)
+    targets = check_targets(spec, method, lora_rank, lora_targets, "sdpa")
+    wb = 4 if (method == "full" and autocast) else {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    N = np.int64(num_gpus)
+    layer, embed, tail, root = _groups(spec, method, wb, targets, N, np.int64(lora_rank), "sgd")
+    L = spec.num_layers
+    gathered = N * (2 * L * layer.flat + 2 * embed.flat + tail.flat + root.flat)
+    scattered = N * (L * layer.grad_flat + embed.grad_flat + tail.grad_flat + root.grad_flat)
+    return {"all_gather_bytes": int(gathered), "reduce_scatter_bytes": int(scattered),
+            "per_rank_traffic_bytes": int((gathered + scattered) * (num_gpus - 1) // num_gpus)}

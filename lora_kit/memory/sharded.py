@@ -155,17 +155,42 @@ def label_fsdp(tracker: LiveBytesTracker, net, optimizer=None) -> None:
                 tracker.label([t], "adapters" if "lora_" in fp._param_fqn else "weights")
 
 
+@contextlib.contextmanager
+def counted_collectives():
+    """Count the bytes FSDP2 all-gathers (output buffers) and reduce-scatters (input buffers) while active.
+
+    FSDP2 calls ``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` for every group; a ring
+    all-gather or reduce-scatter sends and receives (N - 1) / N of that buffer per rank."""
+    counts = {"all_gather_bytes": 0, "reduce_scatter_bytes": 0}
+    ag, rs = dist.all_gather_single, dist.reduce_scatter_single
+
+    def all_gather_single(output, input, *a, **k):
+        counts["all_gather_bytes"] += output.numel() * output.element_size()
+        return ag(output, input, *a, **k)
+
+    def reduce_scatter_single(output, input, *a, **k):
+        counts["reduce_scatter_bytes"] += input.numel() * input.element_size()
+        return rs(output, input, *a, **k)
+    dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+    try:
+        yield counts
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = ag, rs
+
+
 def tracked_sharded_step(net, optimizer, batch: dict, steps: int = 2, autocast_ctx=None):
-    """Run ``steps`` training steps; track the last (everything already live counted). Returns the tracker."""
+    """Run ``steps`` training steps; track the last (everything already live counted). Returns the tracker;
+    its ``collectives`` attribute holds the last step's all-gathered and reduce-scattered buffer bytes."""
     for _ in range(steps - 1):
         train_step(net, batch, optimizer, autocast_ctx=autocast_ctx)
     tracker = LiveBytesTracker()
     label_fsdp(tracker, net, optimizer)
     tracker.track(v for v in batch.values() if isinstance(v, torch.Tensor))
     tracker.reset_peak()
-    with tracker:
+    with tracker, counted_collectives() as counts:
         train_step(net, batch, optimizer, tracker=tracker, autocast_ctx=autocast_ctx,
                    on_grads=lambda: label_fsdp(tracker, net))
+    tracker.collectives = counts
     return tracker
 
 
@@ -216,7 +241,7 @@ def measure_sharded(model, policy: str = "accelerate", seed: int = 0, steps: int
     """This rank's measured peak of a real FSDP2 step (call in every rank of an initialized process group).
 
     Same model, adapter, sharding and step as :func:`simulate_sharded`, on real random-init tensors on CPU.
-    Returns ``{"rank", "peak_allocated_bytes", "breakdown", "phase", "wall_seconds"}``."""
+    Returns ``{"rank", "peak_allocated_bytes", "breakdown", "phase", "wall_seconds", "collectives"}``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from lora_kit.memory.measure import build_real_model
@@ -236,7 +261,7 @@ def measure_sharded(model, policy: str = "accelerate", seed: int = 0, steps: int
                                    autocast_ctx=autocast_context(s["autocast"], s["dtype"], "cpu"))
     peak, bd = tracked_peak(tracker)
     return {"rank": dist.get_rank(), "peak_allocated_bytes": peak, "breakdown": bd, "phase": tracker.peak_phase,
-            "wall_seconds": time.perf_counter() - t0}
+            "wall_seconds": time.perf_counter() - t0, "collectives": tracker.collectives}
 
 
 def main(argv=None) -> None:

@@ -76,6 +76,7 @@ class SimResult:
     wall_seconds: float  # time simulate took
     settings: dict  # the arguments used
     notes: list = field(default_factory=list)  # what was approximated or left out
+    collectives: dict = field(default_factory=dict)  # sharded: buffer bytes all-gathered / reduce-scattered per step
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -276,12 +277,16 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
         bd["gradients"] += grad_bytes
         notes.append(f"ddp: {grad_bytes} bytes of DDP gradient buckets added analytically (as large as the gradients).")
     if sharding in SIMULATED:
+        c = tracker.collectives
         notes.append(f"{sharding}: PyTorch FSDP2 on a fake process group of {s['num_gpus']} ranks; rank 0's peak "
-                     "(the largest shard); see lora_kit.memory.sharded for the wrapping policy.")
+                     "(the largest shard); see lora_kit.memory.sharded for the wrapping policy. Per step it "
+                     f"all-gathered {c['all_gather_bytes']} and reduce-scattered {c['reduce_scatter_bytes']} buffer "
+                     "bytes (a ring moves (N-1)/N of them per rank).")
     if autocast:
         notes.append("autocast follows the CPU autocast op lists (CUDA's differ in a few ops).")
     if method == "qlora":
         notes.append("QLoRA includes prepare_model_for_kbit_training's fp32 up-casts of norms, embeddings and lm_head.")
     peak = sum(bd.values())
     assert set(bd) == set(BREAKDOWN_KEYS)
-    return SimResult(int(peak), _device_total(peak), bd, tracker.peak_phase, time.perf_counter() - t0, s, notes)
+    return SimResult(int(peak), _device_total(peak), bd, tracker.peak_phase, time.perf_counter() - t0, s, notes,
+                     getattr(tracker, "collectives", {}))
