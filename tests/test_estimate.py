@@ -129,7 +129,7 @@ def test_agrees_with_simulate_on_a_tiny_llama():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(model="someone/unknown-model"), "PretrainedConfig.*config.json.*catalog name"),
+    (dict(model="someone/unknown-model"), "Unknown model 'someone/unknown-model'.*catalog.*config.json.*PretrainedConfig"),
     (dict(seq_len=0), "seq_len must be a positive integer"),
     (dict(batch_size=-1), "batch_size must be a positive integer"),
     (dict(lora_rank=0), "lora_rank must be a positive integer"),
