@@ -362,14 +362,14 @@ SHARDED_OUT = {part: Path(__file__).parent / "results" / f"memory_accuracy_shard
 def sharded_cases(real: bool = False) -> list[dict]:
     """estimate vs simulate: tiny (untied), SmolLM2-135M (tied embeddings), Mistral-7B (untied, GQA) cut to 2
     layers x lora/full x checkpointing x N in {2, 8, 64} (seq 512, batch 1, bf16); ``real``: simulate vs
-    torchrun on tiny and SmolLM2-135M (2 layers), N in {2, 4}, seq 128, batch 2, fp32 (bf16 matmuls are slow on
-    a CPU without AVX512-BF16)."""
+    torchrun on tiny and SmolLM2-135M (2 layers), N in {2, 4} (tiny also 3: dims that do not divide, so the
+    last rank's shards are smaller), seq 128, batch 2, fp32 (bf16 matmuls are slow on a CPU without AVX512-BF16)."""
     models = [("tiny", None), ("smollm2-135m", 2)] + ([] if real else [("mistral-7b", 2)])
     shape = dict(seq_len=128, batch_size=2) if real else dict(seq_len=512, batch_size=1)
     return [dict(model=m, layers=layers, method=method, gradient_checkpointing=gc, num_gpus=n, sharding="fsdp",
                  dtype="float32" if m == "tiny" or real else "bfloat16", **shape)
             for m, layers in models for method in ("lora", "full") for gc in (False, True)
-            for n in ((2, 4) if real else (2, 8, 64))]
+            for n in (((2, 3, 4) if m == "tiny" else (2, 4)) if real else (2, 8, 64))]  # 3: shards of unequal size
 
 
 def _sharded_line(row) -> str:
