@@ -515,8 +515,8 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
     grads_at = np.where(idx == 0, 0, np.where(idx == 2, grads, bwd_grads))
     out = {"weights": w_gpu, "quant_constants": q_gpu, "adapters": adapters, "gradients": grads_at + bucket,
            "optimizer_states": states}
-    if sharding in ("fsdp", "zero3") and method != "qlora" and not cpu_offload and optimizer in ("adamw", "sgd"):
-        # per rank under FSDP2, group by group as simulate runs it (lora_kit.memory.fsdp_math)
+    if sharding in ("fsdp", "zero3") and method != "qlora" and not cpu_offload and optimizer in ("adamw", "sgd") \
+            and not spec.moe:  # per rank under FSDP2, group by group as simulate runs it (memory.fsdp_math; no experts)
         extra = totals[0] - (static + act["forward"])  # what every phase adds besides (the step's inputs)
         stream = 4 if method == "qlora" else (2 if autocast else DTYPE_BYTES[dtype])
         totals, parts = fsdp_totals(spec, method, wb, targets, N, r, optimizer, act, sharding,
