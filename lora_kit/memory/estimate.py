@@ -140,9 +140,9 @@ def _trainable(spec: ModelSpec, method: str, weight_bytes: int, targets: tuple) 
     h, V, n = spec.hidden_size, spec.vocab_size, spec.num_layers
     out = [(V, h, 1 if spec.tied_embeddings else 2, weight_bytes, False)]
     for lin in spec.linears:
-        out.append((lin.out_features, lin.in_features, n, weight_bytes, False))
+        out.append((lin.out_features, lin.in_features, lin.layers or n, weight_bytes, False))
         if lin.bias:
-            out.append((1, lin.out_features, n, weight_bytes, False))
+            out.append((1, lin.out_features, lin.layers or n, weight_bytes, False))
     out += [(1, numel, count, weight_bytes, False) for g, numel, count in spec.param_tensors() if g == "norm"]
     return tuple(out)
 
@@ -187,7 +187,7 @@ def _static(spec: ModelSpec, method: str, dtype: str, autocast: bool, double_qua
             per = int(_r(blocks)) + int(_r(4 * -(-blocks // DQ_BLOCK))) + int(_r(256 * 4)) + 512 + 512
         else:  # fp32 absmax + NF4 code
             per = int(_r(4 * blocks)) + 512
-        quant += per * spec.num_layers
+        quant += per * (lin.layers or spec.num_layers)  # DeepSeek: dense MLP in block 0 only
     return weights, quant
 
 
@@ -435,6 +435,10 @@ def _moe_terms(spec: ModelSpec, method: str, dtype: str, autocast: bool, e: int,
     drop = 0 if dense else group["mlp_out"]
     if not dense:
         group["mlp_out"] = 0
+    i, i_s = spec.intermediate_size, spec.moe["shared_intermediate_size"]
+    if dense and i_s and i_s != i:  # DeepSeek: the dense terms are block 0's MLP; MoE blocks' shared experts are narrower
+        drop = drop + (3 if spec.gated_mlp else 1) * (_r(T * i * e) - _r(T * i_s * e)) + \
+            (_r(T * i * e) - _r(T * i_s * e) if method == "full" else 0)
     out = moe_block(spec, method, e, w, experts or expert_lora(spec, ()), T, r)
     return {**out, "saved": out["saved"] - drop, "dense_mlp": dense, "blocks": len(spec.moe["moe_layers"])}
 
