@@ -26,6 +26,8 @@ fi
 .venv/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 # Notebook outputs never reach git: .gitattributes runs notebooks/*.ipynb through this clean filter, so a
 # session in JupyterLab leaves the tracked notebooks clean (git status, diff and commits see no outputs).
+# JupyterLab without its news toast and update check (offline machines; scripts/jupyterlab_settings.py).
+.venv/bin/python scripts/jupyterlab_settings.py >/dev/null
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   git config filter.strip-notebook-outputs.clean ".venv/bin/python scripts/strip_notebook_outputs.py"
 fi

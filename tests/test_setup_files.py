@@ -2,7 +2,9 @@
 runtime dependency of the package, torch comes from the CPU index there, and setup.sh prefers it."""
 from __future__ import annotations
 
+import json
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -120,3 +122,30 @@ def test_every_cli_help_renders(capsys):
         out = capsys.readouterr().out
         assert done.value.code == 0 and "usage: lora-kit" in out and "option_strings" not in out, argv
         assert "%(" not in out and "%%" not in out, argv
+
+
+def test_jupyterlab_settings_silence_the_news_toast_and_keep_other_overrides(tmp_path):
+    """setup.sh and binder write JupyterLab overrides: no news toast, no update check. The values must
+    be ones the installed JupyterLab's own schema accepts, and other overrides survive the merge."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import jupyterlab_settings as js
+    finally:
+        sys.path.pop(0)
+    assert "jupyterlab_settings.py" in (ROOT / "scripts" / "setup.sh").read_text()
+    assert "jupyterlab_settings.py" in (ROOT / "binder" / "postBuild").read_text()
+    overrides = tmp_path / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+    overrides.parent.mkdir(parents=True)
+    overrides.write_text(json.dumps({"@jupyterlab/apputils-extension:themes": {"theme": "JupyterLab Dark"}}))
+    assert js.main(str(tmp_path)) == overrides
+    data = json.loads(overrides.read_text())
+    assert data["@jupyterlab/apputils-extension:themes"] == {"theme": "JupyterLab Dark"}
+    schema_dir = Path(sys.prefix) / "share" / "jupyter" / "lab" / "schemas" / "@jupyterlab" / "apputils-extension"
+    props = json.loads((schema_dir / "notification.json").read_text())["properties"]
+    for name, value in data[js.PLUGIN].items():
+        allowed = props[name]
+        if "oneOf" in allowed:
+            assert value in [o["const"] for o in allowed["oneOf"]], (name, value)
+        else:
+            assert isinstance(value, {"boolean": bool, "string": str}[allowed["type"]]), (name, value)
+    assert data[js.PLUGIN] == {"fetchNews": "false", "checkForUpdates": False}
