@@ -68,3 +68,12 @@ def test_estimate_within_one_percent_of_simulate(mt, kw):
     e, s = estimate(cfg, **kw), simulate(cfg, **kw)
     assert abs(e.peak_allocated_bytes - s.peak_allocated_bytes) <= 0.01 * s.peak_allocated_bytes
     assert e.breakdown["adapters"] == s.breakdown["adapters"]
+
+
+def test_planner_says_what_a_moe_plan_assumes():
+    from lora_kit.plan.planner import check_plan, verdict_text
+    q = verdict_text(check_plan("mixtral-8x7b", "H100-SXM", method="qlora", seq_len=2048))
+    assert "does not quantize the fused expert weights" in q and "routing does not change" in q
+    assert "mixture-of-experts" not in verdict_text(check_plan("llama-3.1-8b", "H100-SXM", method="qlora"))
+    lora = estimate("mixtral-8x7b", method="lora", seq_len=2048)
+    assert estimate("mixtral-8x7b", method="qlora", seq_len=2048).peak_allocated_bytes > lora.peak_allocated_bytes

@@ -158,3 +158,20 @@ def moe_block(spec, method: str, e: int, w: int, flags: dict, T, r) -> dict:
         down_part = _r(S * i * e) + _r(S * h * e) + (_r(E * h * i * w) if flags["down"] and not full else 0)
         bwd = np.maximum(bwd, _r(E * 2 * i * h * w) + _r(S * h * e) + _r(S * 2 * i * e) - down_part)
     return {"saved": saved, "forward": fwd, "backward": bwd}
+
+
+def moe_note(spec, method: str, targets="all-linear") -> str:
+    """One line for a plan on a MoE model: what the figure assumes about experts (empty for a dense model)."""
+    if not spec.moe:
+        return ""
+    m = spec.moe
+    text = (f"{spec.name} is a mixture-of-experts ({m['experts']} experts, top-{m['experts_per_token']}): every "
+            "expert's weights are resident; the routing does not change this peak (transformers' grouped_mm "
+            "experts size their buffers by tokens x top-k)")
+    if method == "qlora":
+        text += ("; QLoRA does not quantize the fused expert weights (bitsandbytes replaces nn.Linear only) and "
+                 "prepare_model_for_kbit_training up-casts them to fp32, so QLoRA needs more memory than LoRA here")
+    elif method == "lora" and PEFT_EXPERT_PATTERN.get(spec.model_type) and targets == "all-linear":
+        text += ("; lora_targets='all-linear' puts LoRA on every expert and the router (peft materializes W + BA "
+                 "per expert stack each forward); name attention layers only to leave experts frozen")
+    return text + "."

@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from lora_kit.memory.estimate import estimate, estimate_arrays
+from lora_kit.memory.moe import moe_note
 from lora_kit.memory.specs import model_spec
 from lora_kit.plan.gpus import get_gpu, gpu_table, resolve_prices
 from lora_kit.plan.timing import TimeModel, step_time
@@ -351,8 +352,9 @@ def check_plan(model, gpu: str, margin: float = 0.10, **kwargs) -> dict:
     v = fit_verdict(est.device_total_bytes, gpu, margin)
     fits = bool(v["fits"])
     fix = None if fits else next(iter(fixes(gpu, margin, model=model, first_only=True, **kwargs)), None)
+    note = moe_note(model_spec(model), est.settings["method"], est.settings.get("lora_targets"))  # MoE only
     return {**v, "fits": fits, "headroom_bytes": float(v["headroom_bytes"]),
-            "headroom_pct": float(v["headroom_pct"]), "margin": margin, "estimate": est, "fix": fix}
+            "headroom_pct": float(v["headroom_pct"]), "margin": margin, "estimate": est, "fix": fix, "note": note}
 
 
 def verdict_text(plan: dict) -> str:
@@ -361,12 +363,13 @@ def verdict_text(plan: dict) -> str:
     head = f"{abs(plan['headroom_bytes']) / GIB:.2f} GiB ({abs(plan['headroom_pct']):.1f} % of the GPU)"
     need = (f"needs {est.device_total_bytes / GIB:.2f} GiB per GPU of {plan['usable_bytes'] / GIB:.2f} GiB "
             f"usable ({plan['capacity_bytes'] / GIB:.1f} GiB minus the {plan['margin']:.0%} margin)")
+    note = f" {plan['note']}" if plan.get("note") else ""
     if plan["fits"]:
-        return f"Fits on {plan['gpu']}: {need}; headroom {head}."
+        return f"Fits on {plan['gpu']}: {need}; headroom {head}.{note}"
     fix = plan["fix"]
     tail = (f" Cheapest change that fits: {fix['change']} ({fix['device_total_bytes'] / GIB:.2f} GiB) - {fix['why']}."
             if fix else " No single change fits: combine changes, shard across GPUs, or pick a bigger GPU.")
-    return f"Does NOT fit on {plan['gpu']}: {need}; short by {head}.{tail}"
+    return f"Does NOT fit on {plan['gpu']}: {need}; short by {head}.{tail}{note}"
 
 
 def compare_methods(model, gpus=None, seq_len: int = 2048, batch_size="max", num_examples: int = 10_000,
