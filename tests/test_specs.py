@@ -191,5 +191,5 @@ def test_other_architectures_through_a_meta_build():
 
 def test_unknown_model_offline_says_what_to_pass(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ValueError, match="PretrainedConfig.*config.json.*catalog name.*llama-3.1-8b"):
+    with pytest.raises(ValueError, match="Unknown model .someone/not-a-model.*catalog has .*llama-3.1-8b.*config.json.*PretrainedConfig"):
         model_spec("someone/not-a-model")
