@@ -18,9 +18,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # --nbval-lax: plotly output is not deterministic text. --durations=15: keep the costs visible.
 # -n: the suite is single-threaded work (one OpenMP thread, kernels, subprocesses), so one pytest
 # worker per core (xdist, at most 2 by default; PYTEST_WORKERS=0 runs in-process) nearly halves it.
-# --dist loadgroup keeps each test file in one worker (tests/conftest.py), so the expensive module
-# and session fixtures (main job, tiny-model story) are still built once.
+# --dist loadfile keeps each test file in one worker, so the expensive module and session fixtures
+# (main job, your-model run, tiny-model story) are still built once: a session fixture used by
+# several files would be built once per worker, so each lives in one file.
 WORKERS=${PYTEST_WORKERS:-$(.venv/bin/python -c "import os; print(min(2, len(os.sched_getaffinity(0))))")}
 XDIST=()
-if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS" --dist loadgroup); fi
+if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS" --dist loadfile); fi
 .venv/bin/python -m pytest tests notebooks/02_memory_sweeps.ipynb --nbval-lax --durations=15 "${XDIST[@]}" "$@"

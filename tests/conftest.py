@@ -185,16 +185,3 @@ def main_job(tmp_path_factory):
     runs = tmp_path_factory.mktemp("main_job")
     return {"rc": main(["run", "--runs-dir", str(runs), "--name", "ci"]), "run": runs / "ci"}
 
-
-# Files whose tests share a session fixture that is expensive to build: with ``pytest -n 2`` (xdist,
-# scripts/test.sh) each group runs in one worker, so the fixture is still built once per suite.
-SHARED_GROUPS = {"test_tiny_story.py": "tiny_story", "test_evaluate_embedded.py": "tiny_story"}
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under xdist's ``--dist loadgroup``, keep each test file in one worker (its module fixtures built
-    once, as without xdist) and the files in :data:`SHARED_GROUPS` together."""
-    for item in items:
-        if not any(m.name == "xdist_group" for m in item.iter_markers()):
-            name = item.path.name
-            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(name, name)))

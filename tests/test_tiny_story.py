@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from lora_kit.embedded.story import round_robin_by_task, story_run
+from lora_kit.evaluation.evaluate import evaluate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,3 +53,19 @@ def test_round_robin_covers_every_task_in_a_prefix():
     rows = [{"task": t, "i": i} for t in "abc" for i in range(3)]
     assert [r["task"] for r in round_robin_by_task(rows)[:6]] == list("abcabc")
     assert sorted(map(str, round_robin_by_task(rows))) == sorted(map(str, rows))
+
+
+@pytest.mark.slow
+def test_evaluate_on_the_story_adapter_gain_and_control(tiny_story, tmp_path):
+    """evaluate() on the embedded default: the story's LoRA on tiny:dates vs the base, with the control
+    set (8 base tasks the fine-tune was not about). Here, beside the story, so that one pytest worker
+    trains it once (scripts/test.sh distributes whole files)."""
+    r = evaluate("tiny", tiny_story("lora")["adapter_dir"], run_dir=tmp_path, n_heldout=32, n_control=32,
+                 max_new_tokens=12, n_resamples=500, progress=False)
+    s = r.summary
+    assert s["heldout"]["is_heldout"] and s["heldout"]["hygiene"]["checked"]  # tiny:dates train vs test
+    comp = s["comparisons"]["adapter"]["heldout"]
+    assert comp["chrf"]["lo"] > 20 and comp["ref_loss"]["hi"] < 0  # a real gain, interval excludes 0
+    assert s["metrics"]["control"]["base"]["exact_match"]["mean"] > 0.8  # the base knows its own tasks
+    assert len(s["control_tasks"]["adapter"]) == 8 and s["control"]["summary_sentence"].startswith("Control set:")
+    assert (tmp_path / "eval" / "eval.json").is_file() and (tmp_path / "eval" / "per_example.csv").is_file()
