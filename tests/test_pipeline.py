@@ -131,6 +131,7 @@ def test_run_card_png_figures_with_browser(tmp_path):
     d = _fig_run_dir(tmp_path)
     md = open(build_report(d)["md"]).read()
     png = d / "figures" / "bars.png"
+    assert png.is_file(), md[md.find("_PNG export"):][:400]  # the card says why it kept HTML
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "![bars](figures/bars.png)" in md
 

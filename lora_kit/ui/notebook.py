@@ -183,7 +183,10 @@ def export_pngs(run_dir: str | Path, width: int = 1000, height: int = 560) -> di
     """PNG copies of every saved figure, in one kaleido batch (one browser start, not one per figure).
 
     Optional by design: without a Chromium (or kaleido), returns ``{"error": ...}`` and the HTML
-    figures stay the record. Returns ``{"png": [paths]}`` on success.
+    figures stay the record. Returns ``{"png": [paths]}`` on success. kaleido is called directly, not
+    through ``plotly.io.write_images``, which drops kaleido's per-figure errors: on a loaded machine a
+    render was seen to fail silently (no PNG, no error). Figures still missing after the batch are
+    tried once more; what still fails is reported, never skipped in silence.
     """
     import plotly.io as pio
     fig_dir = Path(run_dir) / "figures"
@@ -194,11 +197,22 @@ def export_pngs(run_dir: str | Path, width: int = 1000, height: int = 560) -> di
     if browser is None:
         return {"error": "no Chromium found: figures kept as HTML only"}
     os.environ.setdefault("BROWSER_PATH", browser)
+    errors: list = []
     try:
-        figs = [pio.from_json(p.read_text()) for p in todo]
-        pio.write_images(figs, [str(p.with_suffix(".png")) for p in todo], width=width, height=height)
+        import kaleido
+        for _attempt in range(2):
+            specs = [dict(fig=pio.from_json(p.read_text()).to_dict(), path=p.with_suffix(".png"),
+                          opts=dict(format="png", width=width, height=height)) for p in todo]
+            errors = [e for e in (kaleido.write_fig_from_object_sync(specs) or ()) if isinstance(e, BaseException)]
+            todo = [p for p in todo if not p.with_suffix(".png").is_file()]
+            if not todo:
+                break
     except Exception as exc:  # static export is optional: keep the HTML figures
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    if todo:
+        why = f"{type(errors[0]).__name__}: {errors[0]}" if errors else "kaleido wrote no file"
+        return {"error": f"no PNG for {', '.join(p.stem for p in todo)} ({why})"[:300],
+                "png": sorted(str(p) for p in fig_dir.glob("*.png"))}
     return {"png": sorted(str(p) for p in fig_dir.glob("*.png"))}
 
 

@@ -375,7 +375,8 @@ def _figures(d: Path, pipe: dict | None) -> dict:
         return {}
     res = export_pngs(d)
     pngs = res.get("png") or []
-    files = pngs or sorted(str(p) for p in (d / "figures").glob("*.html"))
+    have = {Path(p).stem for p in pngs}  # a figure whose PNG failed keeps its HTML
+    files = pngs + sorted(str(p) for p in (d / "figures").glob("*.html") if p.stem not in have)
     if pipe:
         windows = [(e.get("started_unix", 0), e.get("ended_unix") or time.time())
                    for e in pipe.get("notebooks") or []]
