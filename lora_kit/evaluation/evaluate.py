@@ -275,8 +275,6 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
 
     fields = dict(prompt_field=prompt_field, response_field=response_field, data_format=data_format,
                   messages_field=messages_field)
-    if isinstance(heldout, tuple) and len(heldout) == 2:
-        check_heldout_split(heldout[1])
     ho_rows = _rows(heldout, heldout_split, "heldout", n=n_heldout, **fields)
     ctl_rows = _rows(control, None, "control", n=n_control, **fields) if control is not None else []
     hygiene = _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fields)
@@ -386,6 +384,8 @@ def _check_args(args: dict) -> None:
     for name in ("n_heldout", "n_control"):
         check_count(name, args[name])
     check_heldout_split(args["heldout_split"])
+    if isinstance(args["heldout"], tuple) and len(args["heldout"]) == 2:  # (source, split)
+        check_heldout_split(args["heldout"][1])
     flags = {name: parse_bool(name, args[name]) for name in ("do_sample", "allow_overlap", "check_base_name",
                                                               "trust_remote_code", "progress", "allow_incomplete_adapter")}
     t = args["temperature"]
@@ -398,7 +398,7 @@ def _check_args(args: dict) -> None:
 
 def _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fields) -> dict:
     if train_examples is None:
-        if not isinstance(heldout, (str, os.PathLike)) or heldout_split in (None, "train"):
+        if not isinstance(heldout, (str, os.PathLike)) or heldout_split is None:  # "train" is refused up front
             return {"checked": False, "reason": "no training data given (train_examples=None)", "heldout": True}
         try:
             train = _rows(heldout, "train", "train", **fields)
