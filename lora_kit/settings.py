@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
 import math
 from dataclasses import dataclass, field, fields
@@ -119,6 +120,19 @@ def check_heldout_split(split: Any) -> Any:
     return split
 
 
+def did_you_mean(value, choices) -> str:
+    """" (did you mean 'x'?)" when ``value`` is a near miss of one of ``choices`` (a typo), else ""."""
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_choice(name: str, value, choices) -> None:
+    """The one message for a value outside its choices: what was given, the nearest choice, all choices."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid{did_you_mean(value, choices)}; "
+                         f"choose one of {', '.join(map(repr, choices))}.")
+
+
 def check_step(values: dict, defaults: dict | None = None) -> dict:
     """The one validator of step settings: ``values`` (any subset of :data:`STEP_FIELDS`, plus extra
     keys passed through) checked and normalised; missing fields come from ``defaults``
@@ -132,8 +146,7 @@ def check_step(values: dict, defaults: dict | None = None) -> dict:
     defaults = PLANNING_DEFAULTS if defaults is None else defaults
     s = {**{k: defaults[k] for k in STEP_FIELDS if k in defaults}, **values}
     for name, choices in CHOICES.items():
-        if s[name] not in choices:
-            raise ValueError(f"{name}={s[name]!r} is not valid; choose one of {', '.join(map(repr, choices))}.")
+        check_choice(name, s[name], choices)
     for name in BOOLS:
         s[name] = parse_bool(name, s[name])
     for name in INT_BOUNDS:
@@ -285,8 +298,7 @@ def validate(s: Settings) -> None:
     if not 0 <= s.lora_dropout < 1:
         raise ValueError(f"lora_dropout must be in [0, 1), got {s.lora_dropout!r}.")
     for name, choices in (("data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES)):
-        if getattr(s, name) not in choices:
-            raise ValueError(f"{name}={getattr(s, name)!r} is not valid; choose one of {', '.join(map(repr, choices))}.")
+        check_choice(name, getattr(s, name), choices)
     if s.prompt_format not in PROMPT_FORMATS and "{prompt}" not in str(s.prompt_format):
         raise ValueError(f"prompt_format={s.prompt_format!r} is not valid; choose 'auto', 'plain', 'chat' or a template "
                          "holding {prompt}, e.g. '### Question: {prompt}\\n### Answer: '.")
@@ -329,7 +341,8 @@ def from_dict(d: dict) -> Settings:
     valid = field_names()
     unknown = sorted(set(d) - set(valid))
     if unknown:
-        raise ValueError(f"Unknown setting(s) {unknown}; valid settings are: {', '.join(valid)}.")
+        hints = "".join(f" {k!r}{did_you_mean(k, valid) or ' (no close name)'}" for k in unknown)
+        raise ValueError(f"Unknown setting(s):{hints}; valid settings are: {', '.join(valid)}.")
     types = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in fields(Settings)}
     clean = {}
     for k, v in d.items():

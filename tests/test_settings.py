@@ -69,8 +69,10 @@ def test_notebooks_are_stripped():
 
 
 def test_from_dict_rejects_unknown_and_wrong_types():
-    with pytest.raises(ValueError, match="valid settings are"):
+    with pytest.raises(ValueError, match=r"'seq_length' \(did you mean 'seq_len'\?\); valid settings are"):
         from_dict({"seq_length": 128})
+    with pytest.raises(ValueError, match=r"'zzz' \(no close name\)"):
+        from_dict({"zzz": 1})
     with pytest.raises(ValueError, match="seq_len"):
         from_dict({"seq_len": "long"})
     with pytest.raises(ValueError, match="gradient_checkpointing must be true or false"):

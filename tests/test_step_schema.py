@@ -58,8 +58,9 @@ BAD = [
     (dict(method="full", lora_targets=["q_proj"]), "lora_targets only applies"),
     (dict(sharding="zero2"), "needs num_gpus > 1"),
     (dict(cpu_offload=True), "cpu_offload=True needs sharding"),
-    (dict(optimizer="adam"), "optimizer='adam' is not valid; choose one of 'adamw'"),
-    (dict(method="dora"), "method='dora' is not valid"),
+    (dict(optimizer="adam"), r"optimizer='adam' is not valid \(did you mean 'adamw'\?\); choose one of 'adamw'"),
+    (dict(method="prefix"), "method='prefix' is not valid; choose one of"),  # no near name: no guess
+    (dict(method="lroa"), r"method='lroa' is not valid \(did you mean 'lora'\?\)"),
 ]
 
 
