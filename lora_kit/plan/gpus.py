@@ -1,4 +1,5 @@
-"""The GPU catalog: memory, bandwidth, dense tensor-core TFLOP/s, architecture, host CPU, interconnect.
+"""The GPU catalog: memory, bandwidth, dense tensor-core TFLOP/s, architecture, host CPU, interconnect
+(named, and its GB/s per direction: ``interconnect_gbs``, what the multi-GPU plan divides traffic by).
 
 The data lives in ``lora_kit/catalog/gpus.csv`` (one row per GPU, the vendor datasheet named in
 ``source``). Users extend it with their own CSV (``gpu_table(extra_csv=...)``) or one row at a time
@@ -23,10 +24,10 @@ import pandas as pd
 CATALOG_CSV = Path(__file__).parents[1] / "catalog" / "gpus.csv"
 COLUMNS = ("name", "memory_gb", "memory_type", "cuda_total_mib", "cuda_total_source", "memory_bandwidth_gbs",
            "bf16_tflops", "fp16_tflops", "architecture", "compute_capability", "cpu_arch", "interconnect",
-           "source", "example_price_per_hour", "notes")
+           "interconnect_gbs", "source", "example_price_per_hour", "notes")
 REQUIRED = ("name", "memory_gb", "memory_bandwidth_gbs")
 NUMERIC = ("memory_gb", "cuda_total_mib", "memory_bandwidth_gbs", "bf16_tflops", "fp16_tflops",
-           "example_price_per_hour")
+           "interconnect_gbs", "example_price_per_hour")
 _USER_ROWS: dict[str, dict] = {}  # key -> row added with add_gpu (this Python session only)
 _CACHE: dict = {}
 

@@ -11,6 +11,8 @@ import math
 
 import pandas as pd
 
+from lora_kit.plan.gpus import get_gpu
+from lora_kit.plan.multi_gpu import multi_gpu_plan
 from lora_kit.settings import check_step
 
 PLAN_BATCH = "largest micro-batch that fits (up to 64)"
@@ -24,23 +26,58 @@ def _clean(value):
 
 
 def plan_record(table: pd.DataFrame, model: str, seq_len: int, num_examples: int = 10_000,
-                margin: float | None = None, **step) -> dict:
+                margin: float | None = None, gpu: str | None = None, method: str | None = None,
+                output_dir: str = "<output_dir>", time_model=None, **step) -> dict:
     """plan.json: the method x GPU table of ``compare_methods`` with what it assumed.
 
     ``step`` are the step settings the table was computed with (as passed to ``compare_methods``);
     the record lists every step value, the planning defaults included, except ``method`` and
     ``batch_size`` which vary per row. What an epoch is comes from the table (``compare_methods``
     records it); ``num_examples`` only serves tables that do not say. ``margin``: the safety margin
-    the table's "fits" used."""
+    the table's "fits" used.
+
+    With ``num_gpus > 1`` the record also holds ``multi_gpu`` (:func:`lora_kit.plan.multi_gpu.multi_gpu_plan`)
+    for one row of the table: ``method`` on ``gpu`` when given (the run's settings), else the
+    recommended row (cheapest fitting, else fastest fitting), at that row's micro-batch; a plan that
+    cannot be made holds ``{"error": ...}``. One-GPU records are unchanged."""
     assumed = check_step({"seq_len": seq_len, **step})
     assumptions = {k: v for k, v in assumed.items() if k not in ("method", "batch_size", "lora_alpha", "grad_accum")}
     rows = [{k: _clean(v) for k, v in r.items()} for r in table.to_dict(orient="records")]
     epoch = table.attrs.get("epoch") or {"examples": int(num_examples), "tokens": int(num_examples) * int(seq_len),
                                          "note": "each example padded to seq_len"}
-    return {"model": model, "seq_len": int(seq_len), "batch_size": PLAN_BATCH, "assumptions": assumptions,
-            "margin": margin, "epoch": dict(epoch),
-            "recommendation": table.attrs.get("recommendation", ""), "time_model": table.attrs.get("time_model", ""),
-            "rows": rows}
+    out = {"model": model, "seq_len": int(seq_len), "batch_size": PLAN_BATCH, "assumptions": assumptions,
+           "margin": margin, "epoch": dict(epoch),
+           "recommendation": table.attrs.get("recommendation", ""), "time_model": table.attrs.get("time_model", ""),
+           "rows": rows}
+    if int(assumed["num_gpus"]) > 1:
+        out["multi_gpu"] = _multi_gpu(rows, model, seq_len, margin, gpu, method, output_dir, time_model, step)
+    return out
+
+
+def _plan_row(rows: list[dict], gpu: str | None, method: str | None) -> dict | None:
+    """The table row the multi-GPU section describes (see :func:`plan_record`)."""
+    name = get_gpu(gpu)["name"] if gpu is not None else None
+    want = [r for r in rows if (name is None or r["gpu"] == name) and (method is None or r["method"] == method)]
+    fits = [r for r in want if r.get("fits")]
+    for key in ("epoch_cost", "epoch_hours"):
+        priced = [r for r in fits if r.get(key) is not None]
+        if priced:
+            return min(priced, key=lambda r: r[key])
+    return want[0] if want else None
+
+
+def _multi_gpu(rows, model, seq_len, margin, gpu, method, output_dir, time_model, step) -> dict:
+    try:
+        row = _plan_row(rows, gpu, method)
+        if row is None:
+            return {"error": f"the plan has no row for method={method!r} on gpu={gpu!r}"}
+        return multi_gpu_plan(model, row["gpu"], int(step["num_gpus"]), step.get("sharding", "none"), row["method"],
+                              seq_len=seq_len, batch_size=int(row["batch_size"]),
+                              margin=0.10 if margin is None else margin, output_dir=output_dir,
+                              steps_per_epoch=row.get("steps_per_epoch"), time_model=time_model,
+                              **{k: v for k, v in step.items() if k not in ("num_gpus", "sharding", "batch_size")})
+    except ValueError as e:
+        return {"error": str(e)}
 
 
 def sweeps_record(plan_model: str, gpu: str, max_seq_len_batch1, dataset: dict, run_estimate) -> dict:

@@ -1,0 +1,176 @@
+"""Several GPUs, one record: per-GPU memory, what sharding saves, communication, time and checkpoint.
+
+:func:`multi_gpu_plan` answers what a rental request for ``num_gpus`` GPUs must say (plan.json keeps it
+as ``multi_gpu`` and the run card shows it under "Several GPUs"):
+
+- **memory is not pooled**: N GPUs of 80 GB are not 80N GB; each GPU holds its own per-GPU peak
+  (``estimate(..., num_gpus=N, sharding=...)``), beside the ddp figure and what the sharding saves;
+- **communication per step and rank**, counted from the model: fsdp / zero3 (not QLoRA) from
+  :func:`lora_kit.memory.fsdp_math.fsdp_communication`, the buffers FSDP2 all-gathers and reduce-scatters
+  (equal to what ``simulate`` counts from FSDP2's own calls); everything else by arithmetic, and the
+  record says so: ddp is a ring all-reduce of the trainable parameters' gradients, ``2 (N - 1) / N``
+  of their bytes per rank; zero1 / zero2 reduce-scatter the gradients and all-gather the updated
+  trainable parameters (the ZeRO paper's ``2 Psi``, the same volume as ddp); QLoRA under fsdp / zero3
+  gathers its packed 4-bit weights (plus fp32 up-casts and adapters) twice, forward and backward;
+- **time**: the compute step of :func:`lora_kit.plan.timing.step_time` plus ``per-rank traffic /
+  interconnect_gbs`` (the catalog's GB/s per direction, no efficiency factor), not overlapped, and the
+  overlapped lower bound ``max(compute, communication)``. Both are ASSUMPTIONS until a multi-GPU run
+  measures its step; CPU-offload traffic over PCIe is not counted;
+- **checkpoint on disk**: the adapter (LoRA / QLoRA: trainable parameters in fp32, peft's safetensors)
+  or the whole model (full: every parameter in the training dtype), gathered and written once by
+  rank 0; with fsdp, accelerate's ``save_state`` (``SHARDED_STATE_DICT``, what lora_kit's accelerate
+  config sets) writes one shard per rank instead.
+
+Torch-free (the planner's import stays light).
+"""
+from __future__ import annotations
+
+from lora_kit.memory.estimate import DTYPE_BYTES, estimate
+from lora_kit.memory.fsdp_math import fsdp_communication
+from lora_kit.memory.specs import model_spec
+from lora_kit.plan.gpus import get_gpu
+from lora_kit.plan.planner import fit_verdict
+from lora_kit.plan.timing import step_time, trainable_params
+from lora_kit.settings import check_step, step_kwargs
+
+GiB = 2 ** 30
+ADAPTER_BYTES = 4  # peft keeps (and saves) LoRA weights in fp32 unless told otherwise
+ASSUMPTION = ("assumption until measured: the compute step of the FLOP model plus each rank's collective traffic at "
+              "the catalog's interconnect bandwidth per direction (no efficiency factor, so communication is a lower "
+              "bound); 'not overlapped' adds them, 'overlapped' takes the larger; CPU-offload traffic is not counted")
+
+
+def grad_bytes(spec, method: str, dtype: str, autocast: bool, lora_rank: int, lora_targets) -> int:
+    """Bytes of the trainable parameters' gradients (= of the trainable parameters): fp32 adapters for
+    LoRA / QLoRA, every parameter in the training dtype for full fine-tuning (fp32 with autocast)."""
+    n = trainable_params(spec, method, lora_rank, lora_targets)
+    if method != "full":
+        return n * ADAPTER_BYTES
+    return n * (4 if autocast else DTYPE_BYTES[dtype])
+
+
+def communication(spec, method: str, dtype: str, autocast: bool, num_gpus: int, sharding: str, lora_rank: int,
+                  lora_targets, one_gpu=None) -> dict:
+    """Collective bytes of one optimizer step on rank 0 and where the count comes from (see the module doc).
+    ``one_gpu``: the step's single-GPU ``estimate`` (QLoRA under fsdp / zero3 reads its weight bytes)."""
+    N, g = int(num_gpus), grad_bytes(spec, method, dtype, autocast, lora_rank, lora_targets)
+    if sharding in ("none", "ddp"):
+        return {"all_reduce_bytes": g, "all_gather_bytes": 0, "reduce_scatter_bytes": 0,
+                "per_rank_traffic_bytes": 2 * (N - 1) * g // N, "source": "arithmetic",
+                "how": "DDP: ring all-reduce of the trainable parameters' gradients, 2 (N - 1) / N of their bytes "
+                       "sent (and received) per rank"}
+    if sharding in ("zero1", "zero2"):
+        return {"all_reduce_bytes": 0, "all_gather_bytes": g, "reduce_scatter_bytes": g,
+                "per_rank_traffic_bytes": 2 * (N - 1) * g // N, "source": "arithmetic",
+                "how": f"DeepSpeed ZeRO-{sharding[-1]} (arithmetic, the ZeRO paper's 2 x parameters): gradients "
+                       "reduce-scattered and the updated trainable parameters all-gathered, (N - 1) / N of each "
+                       "per rank; the same volume as DDP"}
+    if method == "qlora":  # FSDP2 on 4-bit weights is not simulated
+        ag = 2 * (one_gpu.breakdown["weights"] + one_gpu.breakdown["adapters"])
+        return {"all_reduce_bytes": 0, "all_gather_bytes": ag, "reduce_scatter_bytes": g,
+                "per_rank_traffic_bytes": (ag + g) * (N - 1) // N, "source": "arithmetic",
+                "how": f"{sharding} with QLoRA (arithmetic): the packed 4-bit weights, fp32 up-casts and adapters "
+                       "gathered twice (forward, backward), the adapters' gradients reduce-scattered; "
+                       "quantization constants stay on every rank"}
+    c = fsdp_communication(spec, method, dtype, N, lora_rank, lora_targets, autocast)
+    return {"all_reduce_bytes": 0, **{k: c[k] for k in ("all_gather_bytes", "reduce_scatter_bytes",
+                                                          "per_rank_traffic_bytes")},
+            "source": "fsdp_communication (the buffers FSDP2 gathers and scatters; simulate counts the same)",
+            "how": "FSDP2 as accelerate wraps it: each decoder layer (and an untied embedding) all-gathered in "
+                   "forward and again in backward, the LM head once; trainable gradients reduce-scattered; "
+                   "(N - 1) / N of each buffer per rank" + (
+                       "; DeepSpeed ZeRO-3 moves the same 3 x parameters, bucketed its own way" if sharding == "zero3"
+                       else "")}
+
+
+def checkpoint(spec, method: str, dtype: str, autocast: bool, num_gpus: int, sharding: str, lora_rank: int,
+               lora_targets, output_dir: str, state_bytes: int = 0, optimizer_bytes_per_rank: int = 0) -> dict:
+    """What the run writes to disk and where (bytes are tensor data; safetensors adds a small JSON header).
+
+    ``state_bytes``: the model's whole state (weights, quantization constants, adapters) and
+    ``optimizer_bytes_per_rank``: one rank's optimizer states, for fsdp's sharded training checkpoint."""
+    n = trainable_params(spec, method, lora_rank, lora_targets)
+    if method == "full":
+        e = 4 if autocast else DTYPE_BYTES[dtype]
+        out = {"what": "the whole model", "bytes": n * e, "dtype": "float32" if e == 4 else dtype,
+               "file": f"{output_dir}/model.safetensors (large models: model-0000x-of-0000y.safetensors)"}
+    else:
+        out = {"what": "the LoRA adapter", "bytes": n * ADAPTER_BYTES, "dtype": "float32",
+               "file": f"{output_dir}/adapter_model.safetensors + adapter_config.json"}
+    out["written_by"] = "rank 0, from the gathered state dict (the other ranks write nothing)"
+    if sharding == "fsdp":
+        out["sharded"] = {
+            "where": f"{output_dir}/pytorch_model_fsdp_0/__<rank>_0.distcp (+ .metadata) and "
+                     f"{output_dir}/optimizer_0/",
+            "model_bytes_per_rank": -(-int(state_bytes) // int(num_gpus)),
+            "optimizer_bytes_per_rank": int(optimizer_bytes_per_rank),
+            "note": "accelerate's save_state with fsdp_state_dict_type SHARDED_STATE_DICT (lora_kit's accelerate "
+                    "config) writes one file per rank: about 1/N of the model's whole state (frozen weights "
+                    "included unless adapter_only) and that rank's optimizer shard; the file above is the "
+                    "gathered result (save_pretrained on rank 0)"}
+    return out
+
+
+def multi_gpu_plan(model, gpu: str, num_gpus: int, sharding: str = "fsdp", method: str = "lora",
+                   seq_len: int = 2048, batch_size: int = 1, margin: float = 0.10, output_dir: str = "<output_dir>",
+                   steps_per_epoch: int | None = None, time_model=None, **step) -> dict:
+    """The multi-GPU record for ``num_gpus`` (> 1) GPUs named ``gpu`` (see the module docstring).
+
+    ``step``: the other step settings (``dtype``, ``lora_rank``, ``lora_targets``, ``gradient_checkpointing``,
+    ``optimizer``, ``cpu_offload`` ...; planning defaults otherwise). ``sharding="none"`` with several GPUs
+    runs as DDP (the accelerate config lora_kit writes) and is planned as ddp. ``steps_per_epoch``: with it,
+    hours per epoch with the communication included. Raises ValueError for one GPU or bad settings."""
+    if not isinstance(num_gpus, int) or isinstance(num_gpus, bool) or num_gpus < 2:
+        raise ValueError(f"multi_gpu_plan needs num_gpus > 1, got {num_gpus!r}; one GPU has no multi-GPU section.")
+    s = check_step(step_kwargs({**step, "method": method, "seq_len": seq_len, "batch_size": batch_size,
+                                "num_gpus": num_gpus, "sharding": sharding}))
+    planned = "ddp" if s["sharding"] == "none" else s["sharding"]
+    spec = model_spec(model)
+    row = get_gpu(gpu)
+    kw = {k: v for k, v in s.items() if k not in ("sharding",)}
+    mine = estimate(spec, **kw, sharding=planned)
+    one = estimate(spec, **{**kw, "num_gpus": 1, "cpu_offload": False}, sharding="none")
+    ddp = mine if planned == "ddp" else estimate(spec, **{**kw, "cpu_offload": False}, sharding="ddp")
+    fit = fit_verdict(mine.device_total_bytes, row["name"], margin)
+    r, t = s.get("lora_rank", 16), s.get("lora_targets", "all-linear")
+    N, cap = num_gpus, fit["capacity_bytes"]
+    saved = ddp.peak_allocated_bytes - mine.peak_allocated_bytes
+    memory = {
+        "per_gpu_peak_bytes": mine.peak_allocated_bytes, "per_gpu_device_total_bytes": mine.device_total_bytes,
+        "ddp_per_gpu_peak_bytes": ddp.peak_allocated_bytes, "ddp_per_gpu_device_total_bytes": ddp.device_total_bytes,
+        "saving_vs_ddp_bytes": saved, "saving_vs_ddp_pct": 100.0 * saved / ddp.peak_allocated_bytes,
+        "capacity_bytes": cap, "fits": fit["fits"], "headroom_bytes": int(fit["headroom_bytes"]),
+        "not_pooled": (f"Memory is not pooled: {N} x {row['name']} is not {N * cap / GiB:.0f} GiB for one model. "
+                       f"Each GPU must hold its own per-GPU peak ({mine.device_total_bytes / GiB:.1f} GiB with the "
+                       f"CUDA context) within its own {cap / GiB:.1f} GiB; sharding ({planned}) only divides what it "
+                       "shards across the GPUs.")}
+    comm = communication(spec, s["method"], s["dtype"], s["autocast"], N, planned, r, t, one)
+    bw = row.get("interconnect_gbs")
+    bw = float(bw) if bw is not None and bw == bw and bw > 0 else None
+    st = step_time(spec, row, **{k: v for k, v in s.items() if k != "sharding"}, time_model=time_model)
+    compute = st["step_seconds"]
+    comm_s = comm["per_rank_traffic_bytes"] / (bw * 1e9) if bw else None
+    serial = compute + comm_s if bw else None
+    overlapped = max(compute, comm_s) if bw else None
+    tokens = st["tokens_per_step"]
+    time = {"compute_step_seconds": compute, "comm_seconds": comm_s, "step_seconds_not_overlapped": serial,
+            "step_seconds_overlapped": overlapped, "tokens_per_step": tokens,
+            "tokens_per_second_not_overlapped": tokens / serial if serial else None,
+            "steps_per_epoch": steps_per_epoch,
+            "epoch_hours_not_overlapped": steps_per_epoch * serial / 3600 if serial and steps_per_epoch else None,
+            "epoch_hours_overlapped": steps_per_epoch * overlapped / 3600 if overlapped and steps_per_epoch else None,
+            "time_model": st["time_model"],
+            "assumption": ASSUMPTION if bw else ("no interconnect_gbs for this GPU in the catalog: add it "
+                                                 "(lora_kit.plan.gpus.add_gpu(..., interconnect_gbs=...)) to time "
+                                                 "the communication")}
+    return {"model": spec.name if hasattr(spec, "name") else str(model), "gpu": row["name"], "num_gpus": N,
+            "sharding": s["sharding"], "planned_as": planned, "method": s["method"], "dtype": s["dtype"],
+            "seq_len": int(seq_len), "batch_size": int(batch_size), "cpu_offload": s["cpu_offload"],
+            "margin": margin, "memory": memory, "communication": comm,
+            "interconnect": {"name": row.get("interconnect"), "gbs_per_direction": bw,
+                             "source": "lora_kit/catalog/gpus.csv interconnect_gbs (the datasheet's figure halved: "
+                                       "per direction)"},
+            "time": time, "checkpoint": checkpoint(
+                spec, s["method"], s["dtype"], s["autocast"], N, planned, r, t, output_dir,
+                state_bytes=sum(one.breakdown[k] for k in ("weights", "quant_constants", "adapters")),
+                optimizer_bytes_per_rank=mine.breakdown["optimizer_states"])}
