@@ -82,6 +82,10 @@ def test_failed_probe_shows_its_message_and_only_blocking_ones_are_to_fix(card):
     assert "8-bit" not in fix[0]  # failed, but this plan (optimizer adamw) does not need it
 
 
+def test_one_gpu_card_has_no_multi_gpu_section(card):
+    assert "multi_gpu" not in card["json"]["plan"] and "## Several GPUs" not in card["md"]
+
+
 def test_settings_read_as_a_params_file(card):
     settings = card["md"].split("## Settings")[1].split("## ")[0]
     assert "| autocast | `false` |" in settings and "| interactive | `true` |" in settings

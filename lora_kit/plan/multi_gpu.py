@@ -18,12 +18,14 @@ as ``multi_gpu`` and the run card shows it under "Several GPUs"):
   measures its step; CPU-offload traffic over PCIe is not counted;
 - **checkpoint on disk**: the adapter (LoRA / QLoRA: trainable parameters in fp32, peft's safetensors)
   or the whole model (full: every parameter in the training dtype), gathered and written once by
-  rank 0; with fsdp, accelerate's ``save_state`` (``SHARDED_STATE_DICT``, what lora_kit's accelerate
-  config sets) writes one shard per rank instead.
+  rank 0; with fsdp, accelerate's ``save_state`` under ``SHARDED_STATE_DICT`` writes the training
+  state as one shard per rank (sizes per rank given), under ``FULL_STATE_DICT`` gathered on rank 0.
 
 Torch-free (the planner's import stays light).
 """
 from __future__ import annotations
+
+import math
 
 from lora_kit.memory.estimate import DTYPE_BYTES, estimate
 from lora_kit.memory.fsdp_math import fsdp_communication
@@ -35,7 +37,7 @@ from lora_kit.settings import check_step, step_kwargs
 
 GiB = 2 ** 30
 ADAPTER_BYTES = 4  # peft keeps (and saves) LoRA weights in fp32 unless told otherwise
-ASSUMPTION = ("assumption until measured: the compute step of the FLOP model plus each rank's collective traffic at "
+ASSUMPTION = ("the FLOP model's compute step (timing.step_time) plus each rank's collective traffic at "
               "the catalog's interconnect bandwidth per direction (no efficiency factor, so communication is a lower "
               "bound); 'not overlapped' adds them, 'overlapped' takes the larger; CPU-offload traffic is not counted")
 
@@ -75,7 +77,7 @@ def communication(spec, method: str, dtype: str, autocast: bool, num_gpus: int, 
     c = fsdp_communication(spec, method, dtype, N, lora_rank, lora_targets, autocast)
     return {"all_reduce_bytes": 0, **{k: c[k] for k in ("all_gather_bytes", "reduce_scatter_bytes",
                                                           "per_rank_traffic_bytes")},
-            "source": "fsdp_communication (the buffers FSDP2 gathers and scatters; simulate counts the same)",
+            "source": "fsdp_communication: the buffers FSDP2 gathers and scatters, as simulate counts them",
             "how": "FSDP2 as accelerate wraps it: each decoder layer (and an untied embedding) all-gathered in "
                    "forward and again in backward, the LM head once; trainable gradients reduce-scattered; "
                    "(N - 1) / N of each buffer per rank" + (
@@ -84,11 +86,12 @@ def communication(spec, method: str, dtype: str, autocast: bool, num_gpus: int, 
 
 
 def checkpoint(spec, method: str, dtype: str, autocast: bool, num_gpus: int, sharding: str, lora_rank: int,
-               lora_targets, output_dir: str, state_bytes: int = 0, optimizer_bytes_per_rank: int = 0) -> dict:
+               lora_targets, output_dir: str, one_gpu=None, optimizer_bytes_per_rank: int = 0) -> dict:
     """What the run writes to disk and where (bytes are tensor data; safetensors adds a small JSON header).
 
-    ``state_bytes``: the model's whole state (weights, quantization constants, adapters) and
-    ``optimizer_bytes_per_rank``: one rank's optimizer states, for fsdp's sharded training checkpoint."""
+    For fsdp's sharded training checkpoint: ``optimizer_bytes_per_rank`` (one rank's optimizer states) and,
+    for QLoRA, ``one_gpu`` (the single-GPU ``estimate``, whose weights, quantization constants and adapters
+    are its model state; other methods count parameters x bytes)."""
     n = trainable_params(spec, method, lora_rank, lora_targets)
     if method == "full":
         e = 4 if autocast else DTYPE_BYTES[dtype]
@@ -102,13 +105,22 @@ def checkpoint(spec, method: str, dtype: str, autocast: bool, num_gpus: int, sha
         out["sharded"] = {
             "where": f"{output_dir}/pytorch_model_fsdp_0/__<rank>_0.distcp (+ .metadata) and "
                      f"{output_dir}/optimizer_0/",
-            "model_bytes_per_rank": -(-int(state_bytes) // int(num_gpus)),
+            "model_bytes_per_rank": -(-_state_bytes(spec, method, dtype, out["bytes"], one_gpu) // int(num_gpus)),
             "optimizer_bytes_per_rank": int(optimizer_bytes_per_rank),
-            "note": "accelerate's save_state with fsdp_state_dict_type SHARDED_STATE_DICT (lora_kit's accelerate "
-                    "config) writes one file per rank: about 1/N of the model's whole state (frozen weights "
-                    "included unless adapter_only) and that rank's optimizer shard; the file above is the "
-                    "gathered result (save_pretrained on rank 0)"}
+            "note": "the resumable training state of accelerate's save_state: with fsdp_state_dict_type "
+                    "SHARDED_STATE_DICT one file per rank, about 1/N of the model's whole state (frozen weights "
+                    "included unless adapter_only) and that rank's optimizer shard; with FULL_STATE_DICT rank 0 "
+                    f"gathers it into {output_dir}/pytorch_model_fsdp.bin. The file above is what you keep"}
     return out
+
+
+def _state_bytes(spec, method: str, dtype: str, trained_bytes: int, one_gpu) -> int:
+    """The model's whole state dict in bytes: the trained weights plus, for LoRA, the frozen base in ``dtype``."""
+    if method == "full":
+        return trained_bytes
+    if method == "qlora":
+        return int(sum(one_gpu.breakdown[k] for k in ("weights", "quant_constants", "adapters")))
+    return spec.num_params * DTYPE_BYTES[dtype] + trained_bytes
 
 
 def multi_gpu_plan(model, gpu: str, num_gpus: int, sharding: str = "fsdp", method: str = "lora",
@@ -146,7 +158,7 @@ def multi_gpu_plan(model, gpu: str, num_gpus: int, sharding: str = "fsdp", metho
                        "shards across the GPUs.")}
     comm = communication(spec, s["method"], s["dtype"], s["autocast"], N, planned, r, t, one)
     bw = row.get("interconnect_gbs")
-    bw = float(bw) if bw is not None and bw == bw and bw > 0 else None
+    bw = float(bw) if isinstance(bw, (int, float)) and math.isfinite(bw) and bw > 0 else None
     st = step_time(spec, row, **{k: v for k, v in s.items() if k != "sharding"}, time_model=time_model)
     compute = st["step_seconds"]
     comm_s = comm["per_rank_traffic_bytes"] / (bw * 1e9) if bw else None
@@ -172,5 +184,4 @@ def multi_gpu_plan(model, gpu: str, num_gpus: int, sharding: str = "fsdp", metho
                                        "per direction)"},
             "time": time, "checkpoint": checkpoint(
                 spec, s["method"], s["dtype"], s["autocast"], N, planned, r, t, output_dir,
-                state_bytes=sum(one.breakdown[k] for k in ("weights", "quant_constants", "adapters")),
-                optimizer_bytes_per_rank=mine.breakdown["optimizer_states"])}
+                one_gpu=one, optimizer_bytes_per_rank=mine.breakdown["optimizer_states"])}

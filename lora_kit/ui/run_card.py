@@ -288,6 +288,129 @@ def loop_lines(plan: dict | None) -> list[str]:
             "turns both on by default).", ""]
 
 
+def _gb(b) -> str:
+    """Bytes moved, in decimal units (divided by the interconnect's GB/s on the same line)."""
+    if b is None:
+        return "—"
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= k:
+            return f"{b / k:.2f} {unit}"
+    return f"{b} B"
+
+
+def _secs(x) -> str:
+    return "—" if x is None else f"{x:.3g} s"
+
+
+def _per_gpu(v):
+    """smoke.json's ``estimate_<sharding>_per_gpu``: bytes, or a dict with them, or an error string (None)."""
+    if isinstance(v, dict):
+        v = v.get("peak_allocated_bytes")
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _planned_lines(mg: dict) -> list[str]:
+    """plan.json's ``multi_gpu`` (:func:`lora_kit.plan.multi_gpu.multi_gpu_plan`) in words."""
+    if mg.get("error"):
+        return [f"_The multi-GPU plan could not be made: {mg['error']}_", ""]
+    m, c, i, t, ck = (mg.get(k) or {} for k in ("memory", "communication", "interconnect", "time", "checkpoint"))
+    sh, n = mg.get("planned_as") or mg.get("sharding"), mg.get("num_gpus")
+    as_ddp = " (sharding 'none' runs as DDP)" if mg.get("sharding") == "none" else ""
+    lines = [f"Planned: **{n} x {mg.get('gpu')}**, {method_label(mg.get('method', '?'))}, sharding **{sh}**{as_ddp}, "
+             f"{mg.get('model')}, seq_len {mg.get('seq_len', 0):,}, micro-batch {mg.get('batch_size')} per GPU"
+             + (", CPU offload on" if mg.get("cpu_offload") else "") + ".", "",
+             f"- {m.get('not_pooled', 'Memory is not pooled: each GPU must hold its own per-GPU peak.')}",
+             f"- Per GPU ({sh}): peak allocated **{_gib(m.get('per_gpu_peak_bytes'))}**, device total "
+             f"**{_gib(m.get('per_gpu_device_total_bytes'))}** (with CUDA context and allocator reserve), of "
+             f"{_gib(m.get('capacity_bytes'))}: {'fits' if m.get('fits') else 'does NOT fit'} with the "
+             f"{mg.get('margin', 0):.0%} margin."]
+    saved, pct = m.get("saving_vs_ddp_bytes") or 0, m.get("saving_vs_ddp_pct") or 0.0
+    if sh != "ddp":
+        lines.append(f"- DDP would need {_gib(m.get('ddp_per_gpu_peak_bytes'))} per GPU (device total "
+                     f"{_gib(m.get('ddp_per_gpu_device_total_bytes'))}): " + (
+                         f"{sh} saves **{_gib(saved)} per GPU ({pct:.1f} %)**." if saved >= 0 else
+                         f"{sh} needs **{_gib(-saved)} MORE per GPU ({-pct:.1f} %)**: on this model the gathered "
+                         "layers and communication buffers outweigh what sharding saves."))
+    moved = (f"all-reduce {_gb(c.get('all_reduce_bytes'))}" if c.get("all_reduce_bytes") else
+             f"all-gather {_gb(c.get('all_gather_bytes'))}, reduce-scatter {_gb(c.get('reduce_scatter_bytes'))}")
+    lines.append(f"- Communication per step, computed from the model ({c.get('source')}): {moved} of buffers; "
+                 f"each rank sends (and receives) **{_gb(c.get('per_rank_traffic_bytes'))}**. {c.get('how', '')}.")
+    bw = i.get("gbs_per_direction")
+    lines.append(f"- Interconnect assumed: {i.get('name') or '?'}, "
+                 + (f"{bw:g} GB/s per direction (the catalog's datasheet figure)." if bw else "no bandwidth in the "
+                    "catalog (add interconnect_gbs)."))
+    if t.get("step_seconds_not_overlapped") is not None:
+        epoch = (f"; an epoch ({t['steps_per_epoch']:,} steps) {t['epoch_hours_overlapped']:.2f}-"
+                 f"{t['epoch_hours_not_overlapped']:.2f} h" if t.get("epoch_hours_not_overlapped") else "")
+        lines.append(f"- Step time, **an assumption until a multi-GPU run measures it**: compute "
+                     f"{_secs(t.get('compute_step_seconds'))} + communication {_secs(t.get('comm_seconds'))} = "
+                     f"**{_secs(t['step_seconds_not_overlapped'])}** not overlapped, "
+                     f"{_secs(t.get('step_seconds_overlapped'))} if communication hides behind compute{epoch} "
+                     f"({t.get('assumption', '')}).")
+    else:
+        lines.append("- Step time with communication: not computed "
+                     f"({t.get('assumption', 'no interconnect bandwidth')}).")
+    if ck:
+        lines.append(f"- Checkpoint: {ck.get('what')}, **{_gib(ck.get('bytes'))}** ({ck.get('dtype')}) at "
+                     f"`{ck.get('file')}`, written by {ck.get('written_by')}.")
+        sh_ck = ck.get("sharded") or {}
+        if sh_ck:
+            lines.append(f"  Resumable training state (fsdp, sharded state dict): `{sh_ck.get('where')}`, per rank "
+                         "about "
+                         f"{_gib(sh_ck.get('model_bytes_per_rank'))} of model state and "
+                         f"{_gib(sh_ck.get('optimizer_bytes_per_rank'))} of optimizer state ({sh_ck.get('note')}).")
+    return lines + [""]
+
+
+def _measured_ranks(smoke: dict, plan_model: str | None) -> list[str]:
+    """The smoke run's per-rank measured peaks beside the estimate for the same model and sharding."""
+    world = (smoke.get("launch") or {}).get("world_size") or 1
+    ranks = [r for r in (smoke.get("peaks") or {}).get("per_rank") or [] if isinstance(r, dict)]
+    if world <= 1 and len(ranks) <= 1:
+        return []
+    st = smoke.get("settings") or {}
+    sh = st.get("sharding") or "none"
+    mm = smoke.get("memory_model") or {}
+    est_keys = [k for k in mm if k.startswith("estimate_") and k.endswith("_per_gpu")]
+    mine = f"estimate_{'ddp' if sh == 'none' else sh}_per_gpu"
+    est = _per_gpu(mm.get(mine))
+    rows = []
+    for r in ranks:
+        peak = r.get("design_step_peak_bytes")
+        err = (f"{(est - peak) / peak * 100:+.1f} %" if est is not None and isinstance(peak, (int, float)) and peak
+               else "—")
+        rows.append({"rank": r.get("rank", "?"), "peak": _gib(peak), "max": _gib(r.get("max_peak_bytes")),
+                     **{k: _gib(_per_gpu(mm.get(k))) for k in est_keys}, "err": err})
+    cols = ([("rank", "rank"), ("peak", "measured peak (step 1)"), ("max", "max over measured steps")]
+            + [(k, f"estimate per GPU ({k[len('estimate_'):-len('_per_gpu')]})") for k in est_keys]
+            + [("err", f"estimate ({sh}) vs measured")])
+    lines = [f"Measured in the smoke run: {world} processes ({(smoke.get('launch') or {}).get('device', '?')}), "
+             f"{st.get('model', '?')}, sharding {sh}, micro-batch {st.get('batch_size', '?')} per process:", ""]
+    lines.append(_md_table(rows, cols) if rows else "_smoke.json has no per-rank peaks._")
+    if plan_model and st.get("model") and st.get("model") != plan_model:
+        lines += ["", f"The smoke run trained {st.get('model')}, not the planned {plan_model}: compare its ranks with "
+                  "the estimate for its own model (columns above), and the planned figures above with a smoke run of "
+                  "the planned model on the rented GPUs."]
+    return lines + [""]
+
+
+def multi_gpu_lines(card: dict) -> list[str]:
+    """"## Several GPUs": the plan's multi-GPU record and the smoke run's per-rank peaks; nothing for one GPU."""
+    plan, smoke = card.get("plan") or {}, card.get("smoke") or {}
+    mg = plan.get("multi_gpu")
+    planned_n = (plan.get("assumptions") or {}).get("num_gpus") or 1
+    measured = _measured_ranks(smoke, plan.get("model")) if smoke else []
+    if not mg and planned_n <= 1 and not measured:
+        return []
+    lines = ["## Several GPUs", ""]
+    if mg:
+        lines += _planned_lines(mg)
+    elif planned_n > 1:
+        lines += [f"_The plan assumes {planned_n} GPUs but plan.json has no multi-GPU section (written by an older "
+                  "notebook 01)._", ""]
+    return lines + measured
+
+
 def render_markdown(card: dict) -> str:
     s = card["settings"] or {}
     lines = title_lines(card)
@@ -316,6 +439,7 @@ def render_markdown(card: dict) -> str:
     else:
         lines.append("_No measured peak (the smoke run did not run or did not reach training)._")
     lines.append("")
+    lines += multi_gpu_lines(card)
     # --- stack -------------------------------------------------------------------------------
     lines += ["## Software stack", ""]
     st = card["stack"]
