@@ -167,6 +167,7 @@ def test_card_shows_the_plan_for_several_gpus(card):
                  f"**{_gib(ck['bytes'])}**", "adapter_model.safetensors", "pytorch_model_fsdp_0"):
         assert said in sec, said
     assert t["step_seconds_not_overlapped"] > t["compute_step_seconds"] == table_row["step_seconds"]
+    assert "--nproc_per_node 4 -m lora_kit.run.smoke" in card["md"].split("## What to check next")[1]
 
 
 def test_card_shows_measured_ranks_beside_the_estimate(card):

@@ -37,8 +37,8 @@ def plan_record(table: pd.DataFrame, model: str, seq_len: int, num_examples: int
     the table's "fits" used.
 
     With ``num_gpus > 1`` the record also holds ``multi_gpu`` (:func:`lora_kit.plan.multi_gpu.multi_gpu_plan`)
-    for one row of the table: ``method`` on ``gpu`` when given (the run's settings), else the
-    recommended row (cheapest fitting, else fastest fitting), at that row's micro-batch; a plan that
+    for one row of the table: ``method`` on ``gpu`` when given (the run's settings) and in the table, else
+    the recommended row (cheapest fitting, else fastest fitting), at that row's micro-batch; a plan that
     cannot be made holds ``{"error": ...}``. One-GPU records are unchanged."""
     assumed = check_step({"seq_len": seq_len, **step})
     assumptions = {k: v for k, v in assumed.items() if k not in ("method", "batch_size", "lora_alpha", "grad_accum")}
@@ -55,22 +55,26 @@ def plan_record(table: pd.DataFrame, model: str, seq_len: int, num_examples: int
 
 
 def _plan_row(rows: list[dict], gpu: str | None, method: str | None) -> dict | None:
-    """The table row the multi-GPU section describes (see :func:`plan_record`)."""
+    """The table row the multi-GPU section describes (see :func:`plan_record`): ``method`` on ``gpu``; where
+    the table has no such row, the recommended row of ``method``, else of the whole table."""
     name = get_gpu(gpu)["name"] if gpu is not None else None
-    want = [r for r in rows if (name is None or r["gpu"] == name) and (method is None or r["method"] == method)]
-    fits = [r for r in want if r.get("fits")]
-    for key in ("epoch_cost", "epoch_hours"):
-        priced = [r for r in fits if r.get(key) is not None]
-        if priced:
-            return min(priced, key=lambda r: r[key])
-    return want[0] if want else None
+    for g, m in ((name, method), (None, method), (None, None)):
+        want = [r for r in rows if (g is None or r["gpu"] == g) and (m is None or r["method"] == m)]
+        fits = [r for r in want if r.get("fits")]
+        for key in ("epoch_cost", "epoch_hours"):
+            priced = [r for r in fits if r.get(key) is not None]
+            if priced:
+                return min(priced, key=lambda r: r[key])
+        if want:
+            return want[0]
+    return None
 
 
 def _multi_gpu(rows, model, seq_len, margin, gpu, method, output_dir, time_model, step) -> dict:
     try:
         row = _plan_row(rows, gpu, method)
         if row is None:
-            return {"error": f"the plan has no row for method={method!r} on gpu={gpu!r}"}
+            return {"error": "the plan has no rows"}
         return multi_gpu_plan(model, row["gpu"], int(step["num_gpus"]), step.get("sharding", "none"), row["method"],
                               seq_len=seq_len, batch_size=int(row["batch_size"]),
                               margin=0.10 if margin is None else margin, output_dir=output_dir,

@@ -103,6 +103,12 @@ def next_checks(card: dict) -> list[str]:
                        "(`base_mix`) or lower the learning rate, then re-check the control set.")
     if plan and not any(r.get("fits") for r in plan.get("rows", [])):
         out.append("No listed GPU fits the planned settings: see 02 for the largest seq_len / batch that fits.")
+    mg = (plan or {}).get("multi_gpu") or {}
+    if mg.get("num_gpus"):
+        out.append(f"Several GPUs: on the {mg['num_gpus']} rented GPUs launch the smoke run with "
+                   f"`torchrun --standalone --nproc_per_node {mg['num_gpus']} -m lora_kit.run.smoke --params run.yaml` "
+                   "and compare each rank's peak and the step time with *Several GPUs* (its communication time is "
+                   "an assumption).")
     out.append("On the rented GPU, run `lora-kit check` first, then the smoke run with the same params file; "
                "compare its measured peak and step time with this card before starting the long run.")
     return out
@@ -398,7 +404,8 @@ def multi_gpu_lines(card: dict) -> list[str]:
     """"## Several GPUs": the plan's multi-GPU record and the smoke run's per-rank peaks; nothing for one GPU."""
     plan, smoke = card.get("plan") or {}, card.get("smoke") or {}
     mg = plan.get("multi_gpu")
-    planned_n = (plan.get("assumptions") or {}).get("num_gpus") or 1
+    planned_n = max((plan.get("assumptions") or {}).get("num_gpus") or 1,
+                    (card.get("settings") or {}).get("num_gpus") or 1)
     measured = _measured_ranks(smoke, plan.get("model")) if smoke else []
     if not mg and planned_n <= 1 and not measured:
         return []
@@ -406,8 +413,8 @@ def multi_gpu_lines(card: dict) -> list[str]:
     if mg:
         lines += _planned_lines(mg)
     elif planned_n > 1:
-        lines += [f"_The plan assumes {planned_n} GPUs but plan.json has no multi-GPU section (written by an older "
-                  "notebook 01)._", ""]
+        lines += [f"_The run is for {planned_n} GPUs but plan.json has no multi-GPU section (notebook 01 did not "
+                  "run with num_gpus > 1 in this run)._", ""]
     return lines + measured
 
 
