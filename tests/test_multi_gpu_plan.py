@@ -127,6 +127,16 @@ def test_one_gpu_has_no_multi_gpu_section():
     assert "multi_gpu" not in plan_record(table, "tiny", seq_len=64)
 
 
+def test_plan_record_describes_the_settings_row_else_the_recommended_one():
+    step = {"seq_len": 64, "num_gpus": 2, "sharding": "ddp"}
+    table = compare_methods("tiny", gpus=["L4", "T4"], **step)
+    mine = plan_record(table, "tiny", gpu="t4", method="full", **step)["multi_gpu"]
+    assert (mine["gpu"], mine["method"], mine["planned_as"]) == ("T4", "full", "ddp")
+    rec = table.loc[table[table["fits"]]["epoch_cost"].idxmin()]
+    other = plan_record(table, "tiny", gpu="H100-SXM", **step)["multi_gpu"]  # not in the table
+    assert (other["gpu"], other["method"], other["batch_size"]) == (rec["gpu"], rec["method"], rec["batch_size"])
+
+
 @pytest.fixture(scope="module")
 def card(tmp_path_factory, fsdp_toy, random_llama_dir):
     """A run folder: the plan for 4 x L40S under fsdp (llama-3.1-8b) and a 2-rank smoke record of the toy model
