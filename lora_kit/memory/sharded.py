@@ -84,6 +84,15 @@ def decoder_layers(net) -> list:
     return layers
 
 
+def layer_class(net) -> str | None:
+    """Class name of the decoder layers FSDP2 wraps one by one (accelerate's ``fsdp_transformer_layer_cls_to_wrap``);
+    None when the model names none."""
+    try:
+        return type(decoder_layers(net)[0]).__name__
+    except ValueError:
+        return None
+
+
 def _final_norm(net):
     """accelerate's ``_find_final_norm``: the last *Norm* among the base model's direct children. Asked of a
     PeftModel, as accelerate asks it, this finds none (its ``model`` is the CausalLM, whose children are the
@@ -139,6 +148,14 @@ def _upcast_trainable(net) -> None:
     for p in net.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
+
+
+def shard_for_training(net, mesh, s: dict, policy: str = "accelerate"):
+    """:func:`apply_fsdp2` for the step settings ``s`` (``sharding``, ``autocast``, ``dtype``): with autocast,
+    trainable parameters up-cast to fp32 and accelerate's mixed-precision policy. Build the optimizer after."""
+    if s["autocast"]:
+        _upcast_trainable(net)
+    return apply_fsdp2(net, mesh, s["sharding"], policy, _mp_policy(s))
 
 
 def label_fsdp(tracker: LiveBytesTracker, net, optimizer=None) -> None:
@@ -229,9 +246,7 @@ def simulate_sharded(net, batch: dict, s: dict, fake_mode, ctx, policy: str = "a
     from lora_kit.training import optimizer_for
     check_simulable(s)
     with fake_world(s["num_gpus"]) as mesh, fake_mode:
-        if s["autocast"]:
-            _upcast_trainable(net)
-        apply_fsdp2(net, mesh, s["sharding"], policy, _mp_policy(s))
+        shard_for_training(net, mesh, s, policy)
         opt = optimizer_for(net.parameters(), s["optimizer"], device_type="cpu")
         return tracked_sharded_step(net, opt, batch, steps=2, autocast_ctx=ctx)
 
@@ -252,9 +267,7 @@ def measure_sharded(model, policy: str = "accelerate", seed: int = 0, steps: int
     cfg = load_config(model)
     net, _, batch = build_real_model(cfg, {**s, "optimizer": "sgd"}, seed=seed)  # optimizer rebuilt after sharding
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    if s["autocast"]:
-        _upcast_trainable(net)
-    apply_fsdp2(net, mesh, s["sharding"], policy, _mp_policy(s))
+    shard_for_training(net, mesh, s, policy)
     opt = optimizer_for(net.parameters(), s["optimizer"], device_type="cpu")
     t0 = time.perf_counter()
     tracker = tracked_sharded_step(net, opt, batch, steps=steps,

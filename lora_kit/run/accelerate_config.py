@@ -3,7 +3,9 @@
 none/ddp -> MULTI_GPU (DDP: every GPU holds everything, no memory saved, simplest and fastest);
 zero1/2/3 -> DEEPSPEED with that ZeRO stage (shards optimizer states / + gradients / + params;
 more communication per step); fsdp -> FSDP (v2, full sharding of params, grads and states, wrapped
-per transformer block). ``cpu_offload`` moves optimizer states (and params for zero3 / fsdp) to host
+per transformer block: ``layer_class``, resharded after forward; the state dict gathered whole when
+saving, so a trained adapter is saved once in peft's format) -- what the sharded smoke run ran
+(:func:`lora_kit.run.distributed.shard_fsdp2`), which its 2-process test launches from this file. ``cpu_offload`` moves optimizer states (and params for zero3 / fsdp) to host
 memory: large savings, much slower steps. QLoRA with FSDP/ZeRO-3 needs
 ``bnb_4bit_quant_storage`` equal to the compute dtype on the real run -- noted in the file.
 """
@@ -43,7 +45,7 @@ def accelerate_config(sharding: str = "ddp", num_gpus: int = 2, cpu_offload: boo
         cfg["fsdp_config"] = {
             "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_cpu_ram_efficient_loading": True, "fsdp_offload_params": bool(cpu_offload),
-            "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "FULL_STATE_DICT",
             "fsdp_activation_checkpointing": bool(gradient_checkpointing)}
         if layer_class:
             cfg["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = layer_class

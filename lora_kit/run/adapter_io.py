@@ -17,8 +17,12 @@ import torch
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
-def save_adapter(model, out_dir, is_main_process: bool = True) -> dict:
+def save_adapter(model, out_dir, is_main_process: bool = True, state_dict: dict | None = None) -> dict:
     """Save the adapter with safetensors, atomically; returns {file: bytes} of what is on disk.
+
+    ``state_dict``: the tensors to save instead of the model's own (peft keeps its LoRA entries), e.g. the
+    adapter gathered whole from FSDP2 shards (:func:`lora_kit.run.distributed.full_trainable_state`); the
+    files are the same peft format either way.
 
     The files are written into a temporary folder beside ``out_dir`` and renamed into place only when
     complete, so ``out_dir`` never holds half an adapter (a kill during the save leaves the previous
@@ -37,7 +41,7 @@ def save_adapter(model, out_dir, is_main_process: bool = True) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.saving-", dir=out.parent))
     old = out.parent / f".{out.name}.replaced-{tmp.name.rsplit('-', 1)[-1]}"
     try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        model.save_pretrained(str(tmp), safe_serialization=True, state_dict=state_dict)
         card = tmp / "README.md"
         if card.exists():
             card.unlink()

@@ -1,9 +1,14 @@
 """More than one process: the few torch.distributed pieces the smoke run needs.
 
 Launch with ``torchrun --nproc_per_node N -m lora_kit.run.smoke --params run.yaml`` (or accelerate's
-launcher). Backend: NCCL on CUDA, gloo on CPU -- slow, but it runs the real DDP code path, so a
-2-process CPU run proves the script before a multi-GPU rental. (``accelerate launch --cpu
+launcher). Backend: NCCL on CUDA, gloo on CPU -- slow, but it runs the real DDP / FSDP2 code path, so
+a 2-process CPU run proves the script before a multi-GPU rental. (``accelerate launch --cpu
 --num_processes 2`` starts only one process on this stack; use torchrun on CPU.)
+
+Which engine runs: ``sharding`` "fsdp" or "zero3" -> PyTorch FSDP2 (``fully_shard``), wrapped as
+accelerate's FSDP2 wraps (:func:`lora_kit.memory.sharded.apply_fsdp2`: every decoder layer, the
+embedding, the tail, the root) on a 1-D device mesh over the launched group; every other value -> DDP
+(ZeRO-1/2 are DeepSpeed's; the smoke run does not run DeepSpeed).
 """
 from __future__ import annotations
 
@@ -36,6 +41,74 @@ def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if dist.is_initialized() else 0)
     return torch.device("cpu")
+
+
+SHARDED = ("fsdp", "zero3")  # sharding values the smoke run runs on FSDP2 (DeepSpeed ZeRO-3 is not run)
+
+
+def runs_sharded(s) -> bool:
+    """True when this launch trains ``s`` (Settings) on FSDP2: several processes and sharding fsdp / zero3."""
+    return world_size() > 1 and s.sharding in SHARDED
+
+
+def engine(s) -> str:
+    """What this launch runs, in words: "none", "ddp (2 ranks)", "fsdp (FSDP2, 2 ranks)"."""
+    n = world_size()
+    if n <= 1:
+        return "none"
+    return f"{s.sharding} (FSDP2, {n} ranks)" if runs_sharded(s) else f"ddp ({n} ranks)"
+
+
+def check_sharded(s) -> None:
+    """Refuse, saying what to change, what the FSDP2 smoke run does not run."""
+    if s.method == "qlora":
+        raise ValueError(f"sharding={s.sharding!r} with method='qlora' is not run by the smoke run: FSDP2 shards "
+                         "bitsandbytes 4-bit weights only with bnb_4bit_quant_storage set to the compute dtype, which "
+                         "lora_kit does not load; use sharding='ddp' (or method='lora') for the multi-process smoke run.")
+    if s.optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"sharding={s.sharding!r} runs FSDP2 with torch optimizers; optimizer={s.optimizer!r} on "
+                         "sharded (DTensor) parameters is not run: use optimizer='adamw' or 'sgd', or sharding='ddp'.")
+    if s.cpu_offload:
+        raise ValueError(f"sharding={s.sharding!r} with cpu_offload=True is not run by the smoke run (FSDP2's "
+                         "CPUOffloadPolicy needs a GPU); set cpu_offload=False for the smoke run.")
+
+
+def shard_fsdp2(model, s):
+    """Shard ``model`` in place with FSDP2 over every launched process, as accelerate's FSDP2 does
+    (:func:`lora_kit.memory.sharded.apply_fsdp2`, ``policy="accelerate"``); build the optimizer after this.
+    Returns (model, {"policy", "layer_class", "mesh", "reshard_after_forward"})."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lora_kit.memory.sharded import layer_class, shard_for_training
+    check_sharded(s)
+    wrapped = layer_class(model)  # before sharding: fully_shard renames the class (FSDP<name>)
+    shard_for_training(model, init_device_mesh(device().type, (world_size(),)), s.to_dict())
+    return model, {"policy": "accelerate (fully_shard per decoder layer, embedding, tail [final norm, lm_head], root)",
+                   "layer_class": wrapped, "mesh": [world_size()], "reshard_after_forward": True}
+
+
+def full_trainable_state(model) -> dict | None:
+    """Every trainable parameter gathered whole (``DTensor.full_tensor``, a collective: every rank calls this,
+    in the same parameter order); ``{name: CPU tensor}`` on rank 0, None on the others. Frozen base weights
+    are not gathered."""
+    out = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if rank() == 0:
+            out[name] = full.detach().to("cpu", copy=True)
+        del full
+    return out if rank() == 0 else None
+
+
+def in_fresh_process(fn, **kwargs):
+    """``fn(**kwargs)`` in a spawned process of its own, outside this process group (``simulate``'s fake
+    FSDP2 world cannot start in a process that has joined a real one). ``fn`` and its result must pickle."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(fn, **kwargs).result()
 
 
 def wrap_ddp(model):

@@ -59,7 +59,8 @@ class MicroBatches(Sequence):
 
 def train_steps(model, optimizer, micro_batches, max_steps: int, grad_accum: int, tracker=None,
                 measure_steps: int = 3, tracker_always_on: bool = False, progress: bool = True,
-                on_step=None, label_module=None, autocast_ctx=None, paged: bool = False, run_dir=None) -> list[dict]:
+                on_step=None, label_module=None, autocast_ctx=None, paged: bool = False, run_dir=None,
+                label=None) -> list[dict]:
     """Run ``max_steps`` optimizer steps of :func:`lora_kit.training.train_step`; returns one metrics
     dict per step.
 
@@ -71,17 +72,22 @@ def train_steps(model, optimizer, micro_batches, max_steps: int, grad_accum: int
     step (the caller rewrites its results there). A measured step records ``peak_bytes``,
     ``peak_phase`` and ``peak_breakdown`` (the estimate's parts, summing to ``peak_bytes``).
     Progress: a bar when ``progress``, else periodic lines when ``run_dir`` is in a ``lora-kit run``
-    (:func:`lora_kit.progress.bar`).
+    (:func:`lora_kit.progress.bar`). ``label(tracker, module, optimizer=None)`` labels the live training state
+    for the breakdown (default :func:`~lora_kit.memory.breakdown.label_training_state`; FSDP2 runs pass
+    :func:`lora_kit.memory.sharded.label_fsdp`, which also labels gathered parameters).
     """
     cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
     labelled = label_module if label_module is not None else model
+    if label is None:
+        def label(tr, module, optimizer=None):
+            label_training_state(tr, module, optimizer, paged=paged)
     steps = []
     model.train()
     bar = progress_bar(max_steps, "smoke steps", enabled=progress, run_dir=run_dir)
     for step in range(max_steps):
         measured = tracker is not None and (tracker_always_on or step < measure_steps)
         if measured:
-            label_training_state(tracker, labelled, optimizer, paged=paged)
+            label(tracker, labelled, optimizer)
             tracker.reset_peak()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -90,7 +96,7 @@ def train_steps(model, optimizer, micro_batches, max_steps: int, grad_accum: int
         with mode:
             out = training.train_step(model, MicroBatches(micro_batches, step, grad_accum), optimizer,
                                       tracker=tracker, autocast_ctx=autocast_ctx,
-                                      on_grads=(lambda: label_training_state(tracker, labelled)) if measured else None)
+                                      on_grads=(lambda: label(tracker, labelled)) if measured else None)
         loss_value, tokens, padded = float(out.loss), out.tokens, out.padded_tokens
         del out  # its loss tensor would otherwise be live (and counted) during the next step
         seconds = time.perf_counter() - t0

@@ -24,7 +24,16 @@ the estimate's six parts (``lora_kit.memory.breakdown.BREAKDOWN_KEYS``) and sums
 peak, so :func:`breakdown_rows` lays measured, estimated and simulated parts side by side.
 
 Under ``torchrun --nproc_per_node N -m lora_kit.run.smoke --params run.yaml`` each rank trains its
-share of the data with DDP; rank 0 gathers every rank's peaks and writes the one result.
+share of the data: with DDP, or, when ``sharding`` is "fsdp" or "zero3", with PyTorch FSDP2 wrapped as
+accelerate wraps it (:func:`lora_kit.run.distributed.shard_fsdp2`; the optimizer is built after
+sharding; QLoRA, CPU offload and bitsandbytes optimizers are refused with a ValueError). Rank r's
+micro-batch k of step t is block ``(t * grad_accum + k) * N + r`` of ``batch_size`` examples of the one
+training order, so N ranks train exactly what one process trains with ``grad_accum * N`` (same
+examples, same loss average). Rank 0 gathers every rank's peaks and writes the one result; under
+FSDP2 the adapter is gathered whole from the shards (every rank takes part), the trained model's
+logits are taken collectively, and rank 0 alone writes the adapter, then reloads it into a fresh
+single-process base and verifies it while the other ranks wait at a barrier. ``estimate`` and
+``simulate`` then describe the step that ran: per GPU, ``num_gpus=N``, that sharding.
 """
 from __future__ import annotations
 
@@ -43,6 +52,7 @@ from lora_kit.data import (control_source, field_settings, is_conversational, lo
 from lora_kit.loading import fix_bnb_cpu_repack, load_model, load_tokenizer, resolve_model
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
 from lora_kit.memory.estimate import estimate
+from lora_kit.memory.sharded import label_fsdp, layer_class
 from lora_kit.memory.simulate import simulate as simulate_step
 from lora_kit.memory.tracker import LiveBytesTracker
 from lora_kit.noise import quiet
@@ -194,15 +204,24 @@ def _control_prompts(s, n: int = 4) -> tuple[list[dict], str]:
 
 
 def _memory_model(s, model_path: str, measured: int | None, world: int, simulate: bool) -> dict:
-    """estimate / simulate beside the measured peak (per-GPU ddp / fsdp too when several processes run)."""
+    """estimate / simulate beside the measured peak (per-GPU ddp / fsdp too when several processes run).
+
+    They describe the step that ran: one GPU (``sharding="none"``), or, under FSDP2, one GPU of
+    ``num_gpus=world`` with that sharding (simulate then runs in a spawned process: its fake FSDP2 world
+    cannot start in a process that joined the real one)."""
     kw = {**s.estimate_kwargs(), "model": model_path}
+    step = {"num_gpus": world, "sharding": s.sharding} if dist_util.runs_sharded(s) else {"num_gpus": 1,
+                                                                                          "sharding": "none"}
     out = {}
     models = {"estimate": estimate, "simulate": simulate_step} if simulate else {"estimate": estimate}
     for name, fn in models.items():
         try:
-            r = fn(**{**kw, "num_gpus": 1, "sharding": "none"})
+            if fn is simulate_step and step["sharding"] != "none" and torch.distributed.is_initialized():
+                r = dist_util.in_fresh_process(simulate_step, **{**kw, **step})
+            else:
+                r = fn(**{**kw, **step})
             out[name] = {"peak_allocated_bytes": int(r.peak_allocated_bytes), "breakdown": dict(r.breakdown),
-                         "phase": getattr(r, "phase", None)}
+                         "phase": getattr(r, "phase", None), **step}
             if measured:
                 out[name]["error_vs_measured"] = (int(r.peak_allocated_bytes) - measured) / measured
         except Exception as e:  # noqa: BLE001 - a failing model of memory must not lose the measurement
@@ -262,6 +281,8 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
                                     or cpu_threads < 1):
         raise ValueError(f"cpu_threads must be a positive integer or None, got {cpu_threads!r}.")
+    if dist_util.runs_sharded(s):
+        dist_util.check_sharded(s)
     threads_before = torch.get_num_threads()
     if cpu_threads:
         torch.set_num_threads(cpu_threads)
@@ -270,7 +291,7 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     out = Path(s.run_dir) / "smoke"
     record = {"run": run_identity("smoke_run", s.run_dir), "kind": "lora_kit.run.smoke", "status": "running",
               "settings": s.to_dict(), "stack": versions(),
-              "launch": {"world_size": world, "device": str(dist_util.device()),
+              "launch": {"world_size": world, "device": str(dist_util.device()), "sharding": dist_util.engine(s),
                          "torch_threads": torch.get_num_threads(), "memory_limit_bytes": memory_limit_bytes},
               "phases": {p: {"status": "pending"} for p in PHASES},
               "measurement": {
@@ -375,14 +396,14 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     fmt = PromptFormat(tok, resolve_prompt_format(s.prompt_format, tok, is_conversational(rows)))
     per_step = s.batch_size * s.grad_accum
     order, rec["data"] = smoke_data.verified_slice(
-        tok, rows, s.seq_len, per_step * s.max_steps * world, seed=s.seed, n_first=s.batch_size * world, fmt=fmt,
+        tok, rows, s.seq_len, per_step * s.max_steps * world, seed=s.seed, n_first=per_step * world, fmt=fmt,
         long_examples=s.long_examples)
     rec["data"].update(source)
     if rank == 0:  # the rows actually trained on: 04's overlap check compares held-out prompts with them
         rec["data"]["trained_file"] = str(write_run_data(s.run_dir, "trained", [rows[i] for i in
                                                                                 sorted({e["row"] for e in order})]))
     log.info("%s", long_examples_line(rec["data"]))
-    mine = order[rank::world]
+    mine = _rank_share(order, rank, world, s.batch_size)
     state["train_prompts"], state["fmt"] = [rows[e["row"]] for e in mine[:4]], fmt
     model = load_model(path, method=s.method, dtype=s.dtype, double_quant=s.double_quant,
                        attn_implementation=s.attn_implementation, trust_remote_code=s.trust_remote_code,
@@ -408,6 +429,9 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     run.start("adapter", tracker)
     model = attach_adapter(model, s.method, s.seed, s.lora_rank, s.lora_alpha, s.lora_dropout, s.lora_targets,
                            s.gradient_checkpointing)
+    sharded = dist_util.runs_sharded(s)
+    if sharded:  # FSDP2 over every rank, before the optimizer exists (it must hold the sharded parameters)
+        model, rec["launch"]["fsdp"] = dist_util.shard_fsdp2(model, s)
     state["model"] = model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     rec["model"]["trainable_parameters"] = trainable
@@ -416,7 +440,7 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     run.done("adapter", note=f"{trainable} trainable parameters, seed {s.seed} set before creation")
 
     run.start("train", tracker)
-    train_model = dist_util.wrap_ddp(model)
+    train_model = model if sharded else dist_util.wrap_ddp(model)
 
     def micro(step, k):
         i = (step * s.grad_accum + k) * s.batch_size
@@ -431,7 +455,8 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     train_steps(train_model, optimizer, micro, s.max_steps, s.grad_accum, tracker=tracker,
                 measure_steps=measure_steps, tracker_always_on=always_on, progress=progress and rank == 0,
                 on_step=on_step, label_module=model, autocast_ctx=autocast_context(s.autocast, s.dtype, dev.type),
-                paged=s.optimizer.startswith("paged_") and dev.type != "cuda", run_dir=s.run_dir if rank == 0 else None)
+                paged=s.optimizer.startswith("paged_") and dev.type != "cuda", run_dir=s.run_dir if rank == 0 else None,
+                label=label_fsdp if sharded else None)
     steps = rec["steps"]
     key = "cuda_max_allocated_bytes" if torch.cuda.is_available() else "peak_bytes"
     design = rec["measurement"]["design_step"]
@@ -456,7 +481,8 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
             run.out / "accelerate_config.yaml", sharding=s.sharding if s.sharding != "none" else "ddp",
             num_gpus=max(world, s.num_gpus), cpu_offload=s.cpu_offload,
             dtype="bfloat16" if s.dtype == "float32" else s.dtype, grad_accum=s.grad_accum,
-            gradient_checkpointing=s.gradient_checkpointing))
+            gradient_checkpointing=s.gradient_checkpointing,
+            layer_class=(rec["launch"].get("fsdp") or {}).get("layer_class") or layer_class(model)))
     run.done("train")
     del train_model
 
@@ -464,25 +490,44 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
         for p in ("save", "reload", "verify", "generate"):
             run.skip(p, "method='full' trains the whole model: there is no adapter to save and verify")
         return
-    if rank != 0:  # other ranks: rank 0 alone saves, reloads, verifies and generates
+    probe = smoke_data.collate(_rank_share(order, 0, world, s.batch_size)[:4], s.seq_len, tok.pad_token_id)
+    probe = {k: v.to(dev) for k, v in probe.items()}  # rank 0's first examples, on every rank
+    if rank != 0:  # other ranks: rank 0 alone writes, reloads, verifies and generates
+        if sharded:
+            _trained_outputs(model, probe, sharded)  # the save's collectives: every rank takes part
         dist_util.barrier()
         return
     try:
-        _verify_phases(s, run, state, tracker, tok, mine, path, control_prompts)
+        _verify_phases(s, run, state, tracker, tok, probe, path, control_prompts, sharded)
     finally:
         dist_util.barrier()
 
 
-def _verify_phases(s, run, state, tracker, tok, mine, path, control_prompts):
+def _rank_share(order: list, rank: int, world: int, batch_size: int) -> list:
+    """The examples rank ``rank`` of ``world`` trains, in order: blocks of ``batch_size`` taken round robin, so
+    micro-batch k of step t on rank r is block ``(t * grad_accum + k) * world + r`` -- what one process
+    training with ``grad_accum * world`` takes as micro-batch ``k * world + r`` of step t."""
+    blocks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    return [e for b in blocks[rank::world] for e in b]
+
+
+def _trained_outputs(model, probe: dict, sharded: bool):
+    """(trained logits, base logits, adapter tensors to save) on ``probe``. Under FSDP2 a collective: the adapter is
+    gathered whole from the shards and the forward passes all-gather the weights, so every rank calls this (the
+    tensors are rank 0's; None elsewhere and without sharding: the model saves its own)."""
+    full = dist_util.full_trainable_state(model) if sharded else None
+    return adapter_io.logits(model, probe), adapter_io.logits(model, probe, adapter=False), full
+
+
+def _verify_phases(s, run, state, tracker, tok, probe, path, control_prompts, sharded):
     rec, dev, model = run.record, dist_util.device(), state["model"]
-    probe = smoke_data.collate(mine[:4], s.seq_len, tok.pad_token_id)
-    probe = {k: v.to(dev) for k, v in probe.items()}
 
     run.start("save", tracker)
-    files = adapter_io.save_adapter(model, run.out / "adapter")
-    rec["checkpoint"] = {"dir": str(run.out / "adapter"), "files": files, "bytes": sum(files.values())}
-    trained_logits = adapter_io.logits(model, probe)
-    base_logits = adapter_io.logits(model, probe, adapter=False)
+    trained_logits, base_logits, full = _trained_outputs(model, probe, sharded)
+    files = adapter_io.save_adapter(model, run.out / "adapter", state_dict=full)
+    rec["checkpoint"] = {"dir": str(run.out / "adapter"), "files": files, "bytes": sum(files.values()),
+                         "gathered_from_ranks": dist_util.world_size() if sharded else 1, "written_by_rank": 0}
+    del full
     for k in ("model", "optimizer"):  # free the trained model and optimizer before loading a fresh base
         state.pop(k, None)
     del model
@@ -554,6 +599,8 @@ def summary(rec: dict) -> str:
     """A few lines: status, per-rank measured peaks beside estimate / simulate (and ddp / fsdp per GPU)."""
     mib = lambda b: f"{b / 2**20:.2f} MiB" if isinstance(b, (int, float)) else str(b)  # noqa: E731
     lines = [f"smoke run: {rec['status']}"]
+    if (rec.get("launch") or {}).get("sharding", "none") != "none":
+        lines.append(f"  sharding: {rec['launch']['sharding']}")
     if rec.get("data"):
         lines.append("  " + long_examples_line(rec["data"]))
     peaks = rec.get("peaks") or {}
