@@ -346,8 +346,8 @@ def _planned_lines(mg: dict) -> list[str]:
                  + (f"{bw:g} GB/s per direction (the catalog's datasheet figure)." if bw else "no bandwidth in the "
                     "catalog (add interconnect_gbs)."))
     if t.get("step_seconds_not_overlapped") is not None:
-        epoch = (f"; an epoch ({t['steps_per_epoch']:,} steps) {t['epoch_hours_overlapped']:.2f}-"
-                 f"{t['epoch_hours_not_overlapped']:.2f} h" if t.get("epoch_hours_not_overlapped") else "")
+        epoch = (f"; an epoch ({t['steps_per_epoch']:,} steps) {t['epoch_hours_overlapped']:.3g} h overlapped, "
+                 f"{t['epoch_hours_not_overlapped']:.3g} h not" if t.get("epoch_hours_not_overlapped") else "")
         lines.append(f"- Step time, **an assumption until a multi-GPU run measures it**: compute "
                      f"{_secs(t.get('compute_step_seconds'))} + communication {_secs(t.get('comm_seconds'))} = "
                      f"**{_secs(t['step_seconds_not_overlapped'])}** not overlapped, "
