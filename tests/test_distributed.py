@@ -50,6 +50,7 @@ def test_two_process_smoke_run_under_torchrun(random_llama_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rec = json.loads((tmp_path / "run" / "smoke" / "smoke.json").read_text())
     assert rec["status"] == "complete" and rec["launch"]["world_size"] == 2
+    assert rec["launch"]["sharding"] == "ddp (2 ranks)" and "fsdp" not in rec["launch"]
     per_rank = rec["peaks"]["per_rank"]
     assert [r["rank"] for r in per_rank] == [0, 1] and all(r["design_step_peak_bytes"] > 0 for r in per_rank)
     mm = rec["memory_model"]
