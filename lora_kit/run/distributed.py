@@ -83,8 +83,12 @@ def shard_fsdp2(model, s):
     check_sharded(s)
     wrapped = layer_class(model)  # before sharding: fully_shard renames the class (FSDP<name>)
     shard_for_training(model, init_device_mesh(device().type, (world_size(),)), s.to_dict())
-    return model, {"policy": "accelerate (fully_shard per decoder layer, embedding, tail [final norm, lm_head], root)",
-                   "layer_class": wrapped, "mesh": [world_size()], "reshard_after_forward": True}
+    info = {"policy": "accelerate (fully_shard per decoder layer, embedding, tail [final norm, lm_head], root)",
+            "layer_class": wrapped, "mesh": [world_size()], "reshard_after_forward": True}
+    if s.sharding == "zero3":
+        info["note"] = ("DeepSpeed ZeRO-3 was not run: FSDP2 stood in (parameters, gradients and optimizer states "
+                        "sharded alike; DeepSpeed's buffers differ); the accelerate config written launches DeepSpeed")
+    return model, info
 
 
 def full_trainable_state(model) -> dict | None:
