@@ -152,11 +152,15 @@ def card(tmp_path_factory, fsdp_toy, random_llama_dir):
     (d / "smoke").mkdir()
     (d / "smoke" / "smoke.json").write_text(json.dumps({
         "status": "complete", "settings": {"model": str(random_llama_dir), "sharding": "fsdp", "batch_size": 2},
-        "launch": {"world_size": 2, "device": "cpu"},
+        "launch": {"world_size": 2, "device": "cpu", "sharding": "fsdp (FSDP2, 2 ranks)"},
+        "checkpoint": {"dir": str(d / "smoke" / "adapter"), "bytes": 37847, "gathered_from_ranks": 2,
+                       "written_by_rank": 0},
         "peaks": {"design_step_peak_bytes": sim.peak_allocated_bytes,
                   "per_rank": [{"rank": r, "design_step_peak_bytes": sim.peak_allocated_bytes,
                                 "max_peak_bytes": sim.peak_allocated_bytes} for r in (0, 1)]},
-        "memory_model": {"estimate_ddp_per_gpu": est["ddp"], "estimate_fsdp_per_gpu": est["fsdp"]}}))
+        "memory_model": {"simulate": {"peak_allocated_bytes": sim.peak_allocated_bytes, "num_gpus": 2,
+                                      "sharding": "fsdp"},
+                         "estimate_ddp_per_gpu": est["ddp"], "estimate_fsdp_per_gpu": est["fsdp"]}}))
     build_report(d)
     return {"md": (d / "report.md").read_text(), "plan": plan, "sim": sim, "est": est}
 
@@ -188,5 +192,6 @@ def test_card_shows_measured_ranks_beside_the_estimate(card):
     for line in rows:
         cells = [x.strip() for x in line.strip("|").split("|")]
         assert cells[1] == _gib(peak) and cells[4] == _gib(est) and cells[3] == _gib(card["est"]["ddp"])
-        assert cells[5] == f"{(est - peak) / peak * 100:+.1f} %"
-    assert "2 processes" in sec and "not the planned llama-3.1-8b" in sec
+        assert cells[5] == _gib(card["sim"].peak_allocated_bytes) and cells[6] == f"{(est - peak) / peak * 100:+.1f} %"
+    assert "2 processes" in sec and "sharding fsdp (FSDP2, 2 ranks)" in sec and "not the planned llama-3.1-8b" in sec
+    assert "gathered from 2 ranks and written by rank 0 alone" in sec

@@ -374,25 +374,32 @@ def _measured_ranks(smoke: dict, plan_model: str | None) -> list[str]:
     ranks = [r for r in (smoke.get("peaks") or {}).get("per_rank") or [] if isinstance(r, dict)]
     if world <= 1 and len(ranks) <= 1:
         return []
-    st = smoke.get("settings") or {}
-    sh = st.get("sharding") or "none"
+    st, launch = smoke.get("settings") or {}, smoke.get("launch") or {}
+    ran = str(launch.get("sharding") or st.get("sharding") or "none")  # smoke.json names the engine that ran
+    sh = "ddp" if ran.startswith(("ddp", "none")) else ("fsdp" if "FSDP2" in ran else ran.split()[0])
     mm = smoke.get("memory_model") or {}
     est_keys = [k for k in mm if k.startswith("estimate_") and k.endswith("_per_gpu")]
-    mine = f"estimate_{'ddp' if sh == 'none' else sh}_per_gpu"
-    est = _per_gpu(mm.get(mine))
+    est = _per_gpu(mm.get(f"estimate_{sh}_per_gpu"))
+    sim = mm.get("simulate") if isinstance(mm.get("simulate"), dict) else {}
+    sim = _per_gpu(sim) if sim.get("num_gpus") == world and sim.get("sharding", "none") != "none" else None
     rows = []
     for r in ranks:
         peak = r.get("design_step_peak_bytes")
         err = (f"{(est - peak) / peak * 100:+.1f} %" if est is not None and isinstance(peak, (int, float)) and peak
                else "—")
         rows.append({"rank": r.get("rank", "?"), "peak": _gib(peak), "max": _gib(r.get("max_peak_bytes")),
-                     **{k: _gib(_per_gpu(mm.get(k))) for k in est_keys}, "err": err})
+                     **{k: _gib(_per_gpu(mm.get(k))) for k in est_keys}, "sim": _gib(sim), "err": err})
     cols = ([("rank", "rank"), ("peak", "measured peak (step 1)"), ("max", "max over measured steps")]
             + [(k, f"estimate per GPU ({k[len('estimate_'):-len('_per_gpu')]})") for k in est_keys]
+            + ([("sim", "simulate (FSDP2, rank 0)")] if sim is not None else [])
             + [("err", f"estimate ({sh}) vs measured")])
-    lines = [f"Measured in the smoke run: {world} processes ({(smoke.get('launch') or {}).get('device', '?')}), "
-             f"{st.get('model', '?')}, sharding {sh}, micro-batch {st.get('batch_size', '?')} per process:", ""]
+    lines = [f"Measured in the smoke run: {world} processes ({launch.get('device', '?')}), "
+             f"{st.get('model', '?')}, sharding {ran}, micro-batch {st.get('batch_size', '?')} per process:", ""]
     lines.append(_md_table(rows, cols) if rows else "_smoke.json has no per-rank peaks._")
+    ck = smoke.get("checkpoint") or {}
+    if (ck.get("gathered_from_ranks") or 1) > 1:
+        lines += ["", f"Its adapter: {_gib(ck.get('bytes'))} on disk in `{ck.get('dir')}`, gathered from "
+                  f"{ck['gathered_from_ranks']} ranks and written by rank {ck.get('written_by_rank', 0)} alone."]
     if plan_model and st.get("model") and st.get("model") != plan_model:
         lines += ["", f"The smoke run trained {st.get('model')}, not the planned {plan_model}: compare its ranks with "
                   "the estimate for its own model (columns above), and the planned figures above with a smoke run of "
