@@ -23,10 +23,13 @@ GiB = 1024 ** 3
 
 
 def _gib(b) -> str:
-    """Bytes in GiB, or MiB below 1 GiB (the tiny model's peaks are a few MiB)."""
+    """Bytes in GiB, MiB below 1 GiB (the tiny model's peaks are a few MiB), KiB below 1 MiB (a 2-layer
+    test model's communication per step)."""
     if b is None:
         return "—"
-    return f"{b / GiB:.2f} GiB" if abs(b) >= GiB else f"{b / 2**20:.1f} MiB"
+    if abs(b) >= GiB:
+        return f"{b / GiB:.2f} GiB"
+    return f"{b / 2**20:.1f} MiB" if abs(b) >= 2**20 else f"{b / 2**10:.1f} KiB"
 
 
 def _pct(x) -> str:
