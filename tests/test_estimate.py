@@ -138,7 +138,7 @@ def test_agrees_with_simulate_on_a_tiny_llama():
     (dict(method="full", lora_rank=8), "lora_rank only applies to method='lora' or 'qlora'"),
     (dict(method="full", lora_targets=["q_proj"]), "lora_targets only applies"),
     (dict(sharding="zero2"), "needs num_gpus > 1"),
-    (dict(optimizer="adam"), "optimizer='adam' is not valid; choose one of 'adamw'"),
+    (dict(optimizer="adam"), "optimizer='adam' is not valid \\(did you mean 'adamw'\\?\\); choose one of 'adamw'"),
     (dict(lora_targets=["q_proj", "qkv"]), r"\['qkv'\] are not linear layers.*valid names: \['q_proj'"),
     (dict(method="dora"), "method='dora' is not valid"),
     (dict(dtype="int8"), "dtype='int8' is not valid"),

@@ -99,6 +99,7 @@ NF4_BLOCK = 64  # bitsandbytes 4-bit blocksize
 DQ_BLOCK = 256  # double-quant: absmax of the absmax, per 256 blocks
 OPT8_BLOCK = 256  # bitsandbytes 8-bit optimizer blocksize
 OPT8_MIN_SIZE = 4096
+FP32_SCALED_NORMS = ("gemma", "gemma2", "gemma3_text")  # RMSNorm output = normalized * (1 + weight.float())
 
 
 @dataclass
@@ -254,6 +255,31 @@ def _window_masks(spec: ModelSpec, S) -> int:
     return np.where(S > int(spec.config["sliding_window"]), n, 0)
 
 
+def _kv_cache(spec: ModelSpec, method: str, autocast: bool, gc: bool, attn: str, loop: str, T, masked,
+              repeated: bool, e: int, ea: int, es: int):
+    """What one block's K/V cache holds beyond what attention saves, live through the forward only.
+
+    Without checkpointing transformers builds a ``DynamicCache`` in training too (config ``use_cache``, on by
+    default; checkpointing and TRL's loss turn it off): each block's ``update`` keeps a concatenated copy of K
+    (after the rotary embedding) and V, and attention reads those copies; the cache dies with the model's output,
+    before backward. Where attention saves the very copies (same dtype, K/V not repeated) they are counted in its
+    saved tensors already; otherwise -- autocast casting them for SDPA, ``repeat_kv`` copying them to every query
+    head -- the cache's copies are extra. Under autocast the projections return bf16 (QLoRA: fp32, bitsandbytes
+    casts its output back to the input's dtype) and K is promoted to fp32 by the rotary cos/sin, which are in the
+    embedding output's dtype ``es`` (fp32 weights, QLoRA's up-cast embedding)."""
+    if gc or loop == "sft" or not spec.config.get("use_cache", True):
+        return 0
+    kv, d = spec.num_kv_heads, spec.head_dim
+    ev = (4 if method == "qlora" else 2) if autocast else e
+    ek = max(ev, es)
+    if attn == "sdpa":
+        saved, copied = ea, masked & repeated
+    else:  # eager: the matmuls save K/V repeated to every query head (GQA) in the stream dtype
+        saved, copied = e, kv < spec.num_heads
+    return np.where(copied | (ek != saved), _r(T * kv * d * ek), 0) + np.where(copied | (ev != saved),
+                                                                             _r(T * kv * d * ev), 0)
+
+
 def _autocast_casts(spec: ModelSpec, method: str, dtype: str, targets: tuple, r, first_free: bool):
     """16-bit weight copies autocast makes and the matmuls keep for backward: (one block's, lm_head's, what block 0
     keeps less, one block's that autocast's cache holds until the forward ends: copies of weights that need grad).
@@ -261,20 +287,21 @@ def _autocast_casts(spec: ModelSpec, method: str, dtype: str, targets: tuple, r,
     LoRA / QLoRA: one cached copy of every adapter A and B; a copy of an fp32 frozen lm_head (QLoRA's up-cast,
     LoRA on fp32 weights) and, on fp32 base weights, of every frozen linear per call, kept for the input's
     gradient. Block 0 keeps no copy of its attention-input A matrices (nor of their fp32 base weights) when its
-    input needs no gradient (``first_free``)."""
+    input needs no gradient (``first_free``); the A copies are cached all the same until the forward ends (the
+    fifth value: autocast caches copies of leaves that need grad only)."""
     head = _r(spec.vocab_size * spec.hidden_size * 2)
     if method == "full":
         block = sum(_r(lin.out_features * lin.in_features * 2) for lin in spec.linears)
-        return block, head, 0, block
+        return block, head, 0, block, 0
     base = method == "lora" and dtype == "float32"
-    block, first, cached = 0, 0, 0
+    block, first, cached, first_cached = 0, 0, 0, 0
     for lin in spec.linears:
         w = _r(lin.out_features * lin.in_features * 2) if base else 0
         ab = _r(r * lin.in_features * 2) + _r(lin.out_features * r * 2) if lin.name in targets else 0
         block, cached = block + w + ab, cached + ab
-        first = first + (_r(r * lin.in_features * 2) * (lin.name in targets) + w
-                         if first_free and lin.kind == "attn_in" else 0)
-    return block, (head if base or method == "qlora" else 0), first, cached
+        spared = _r(r * lin.in_features * 2) * (lin.name in targets) if first_free and lin.kind == "attn_in" else 0
+        first, first_cached = first + spared + (w if first_free and lin.kind == "attn_in" else 0), first_cached + spared
+    return block, (head if base or method == "qlora" else 0), first, cached, first_cached
 
 
 def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: bool, attn: str, targets: tuple,
@@ -288,6 +315,9 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     # under autocast (LoRA) that fp32 copy is cast to 16-bit again for the LoRA matmul: the 16-bit one is kept
     ce = 2 if (autocast and lora) else 4
     ea = 2 if autocast else e  # attention's tensors: autocast runs SDPA in 16-bit (QLoRA's fp32 stream too)
+    # the embedding output's dtype, which the rotary cos/sin take: under autocast the weights' (fp32 for full
+    # fine-tuning and for QLoRA's up-cast embedding)
+    es = (4 if method in ("full", "qlora") else DTYPE_BYTES[dtype]) if autocast else e
     width = {"attn_in": h, "attn_out": H * d, "mlp_in": h, "mlp_out": i}
     n_t = {k: sum(1 for lin in spec.linears if lin.kind == k and lin.name in targets) for k in width}
     # -- one block's saved tensors --
@@ -297,7 +327,9 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             spec.norms_per_layer * norm  # parallel residual: both norms read (and keep) the same input
     else:  # RMSNorm: fp32 input copy + rsqrt; full fine-tuning also keeps the normalized input (weight grad)
         # full fine-tuning under autocast keeps the normalized input in fp32 (the stream stays fp32)
-        norm = _r(T * h * 4) + _r(T * 4) + (0 if lora else _r(T * h * (4 if autocast else e)))
+        # (Gemma's norms scale by ``1 + weight.float()``: in fp32 whatever the dtype)
+        kept = 4 if autocast or spec.model_type in FP32_SCALED_NORMS else e
+        norm = _r(T * h * 4) + _r(T * 4) + (0 if lora else _r(T * h * kept))
         norms = _norms_per_layer(spec) * norm
     # what block 0 saves less: its input needs no grad (OLMo-2 normalizes block outputs: no input norm to spare)
     first_free = norms if spec.parallel_residual else (0 if spec.model_type == "olmo2" else norm)
@@ -335,6 +367,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         if spec.attn_softcap:
             attn_base = attn_base + _r(scores * e)
     attn_base = attn_base + _qk_norm(spec, T, lora, e)
+    kv_cache = _kv_cache(spec, method, autocast, gc, attn, loop, T, masked, kv_repeat != 0, e, ea, es)
     mlp_base = (3 if spec.gated_mlp else 1) * _r(T * i * e)
     moe = _moe_terms(spec, method, dtype, autocast, e, experts, group, T, r) if spec.moe else None
     if moe is not None:
@@ -360,6 +393,18 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     stream = 3 * _r(T * h * e)  # embedding output (held by the model's forward), residual, norm output
     not_yet = group["mlp_out"] + (3 if spec.gated_mlp and wi > i else 1) * _r(T * i * e)  # fused gate_up: all
     fwd_transient = stream + _r(T * wi * e) + (2 * _r(T * wi * 4) if up_lora else 0) - not_yet
+    if autocast and lora and mlp_in and any(lin.name in targets for lin in spec.linears if lin.kind == "mlp_out"):
+        # under autocast the MLP's output projection can hold the forward's peak instead: at its LoRA sum live
+        # the embedding output and the MLP's input (stream dtype ``es``) -- with a 16-bit stream also the block's
+        # input and its residual, which the norms do not keep (they keep fp32 copies) --, the MLP product it reads (the
+        # projections' output dtype ``eo``: bf16, QLoRA fp32) and, if that is not fp32, peft's fp32 cast of it
+        # for the fp32 A matrix, and three h-wide outputs: LoRA -- the base output, B's output and its scaled
+        # copy; QLoRA -- peft's clone of the base output, the scaled LoRA output cast back to fp32 (peft casts
+        # when ``torch.is_autocast_enabled()`` is false, as it is for CPU autocast) and their sum
+        eo = 4 if method == "qlora" else 2
+        stream_live = 2 if es == 4 else 3 + min(L - 1, 1)
+        down = stream_live * _r(T * h * es) + _r(T * i * eo) + (_r(T * i * 4) if eo != 4 else 0) + 3 * _r(T * h * eo)
+        fwd_transient = np.maximum(fwd_transient, down)
     if moe is not None:  # the routed experts' end (shared experts, if any, ran before them)
         fwd_transient = np.maximum(fwd_transient, 0) if moe["dense_mlp"] else 0 * T
         fwd_transient = np.maximum(fwd_transient, stream + moe["forward"])
@@ -382,39 +427,50 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         attn_temps = 2 * _r(scores * 4) - (_r(scores * e) if e != 4 else 0) - mlp_saved - norm
         bwd_temps = np.maximum(bwd_temps, attn_temps)
     first_norm_free = lora and not gc  # the frozen embedding's output needs no grad: block 0's norm saves nothing
-    blk_casts, head_cast, first_casts, cached = _autocast_casts(spec, method, dtype, targets, r, first_norm_free) \
-        if autocast else (0, 0, 0, 0)
-    rope = _rope_bytes(spec, S, e)  # cos/sin + the inv_freq buffers
+    blk_casts, head_cast, first_casts, cached, first_cached = \
+        _autocast_casts(spec, method, dtype, targets, r, first_norm_free) if autocast else (0, 0, 0, 0, 0)
+    rope = _rope_bytes(spec, S, es)  # cos/sin (in the embedding output's dtype) + the inv_freq buffers
     final = norm + (_r(T * h * e) if not lora else 0)  # full fine-tuning: lm_head keeps its input
+    # full fine-tuning under autocast: lm_head keeps its own 16-bit cast (in ``final``); the final norm's fp32
+    # output, which the model holds until the loss is taken, is one more copy through the forward's end
+    head_in = _r(T * h * 4) if autocast and not lora else 0
     el = 4 if method == "qlora" else e  # logits dtype (QLoRA: lm_head up-cast to fp32)
     loss_saved = _r(T * V * 4) + _r(T * 8) + 512
     if method == "full":
         loss_saved = loss_saved + _r(T * 8)  # embedding backward keeps the indices
     logits_fwd = _r(T * V * el) + (_r(T * V * 4) if el != 4 else 0)
-    if spec.final_softcap:
-        logits_fwd = logits_fwd + 2 * _r(T * V * el)
+    if spec.final_softcap:  # logits / cap, tanh, * cap: tanh's output is kept for backward, the division is freed
+        loss_saved = loss_saved + _r(T * V * el)
     loss_bwd = 2 * _r(T * V * 4)  # backward start: the fp32 gradients of the loss and of the log-softmax
     if loop == "sft":  # TRL's fused LM head: no logits; the head's own saved tensors and tiles (memory.loops)
         head = sft_head(T, B, S, h, V, el, not lora)
         final, loss_saved, logits_fwd, loss_bwd = norm, head["saved"] + 512, head["forward"], head["backward"]
-    mask = _r(B * S * S * e) if attn == "eager" else 0
+    # eager: a (B, 1, S, S) mask per attention type (Gemma-2: sliding and global); checkpointing keeps them as block
+    # inputs through backward
+    mask = len(set(_layer_types(spec))) * _r(B * S * S * e) if attn == "eager" else 0
     if gc:  # only block inputs stay; one block is recomputed during backward
-        layers = L * _r(T * h * e) + rope + bool_mask  # the bool mask is an input of every checkpointed block
+        layers = L * _r(T * h * es) + rope + bool_mask  # block inputs (the stream dtype); the bool mask is one too
         layers = layers + np.where(window > 0, _r(B * S * S), 0)  # the sliding-window bool mask, an input too
         block = block + np.minimum(window, _r(B * S * S * e) + kv_repeat)  # the recomputed block's own mask
         layers, block = layers + head_cast, block + blk_casts  # autocast's copies: lm_head's, the recomputed block's
         fwd_block = layers + block + fwd_transient + (L - 1) * cached  # autocast's cache: earlier blocks' copies
-        bwd_block = layers + block + bwd_temps + mask  # the checkpoint keeps the eager mask as an input
+        # the checkpoint keeps the eager mask as an input; lm_head's 16-bit copy is freed by its backward, before
+        bwd_block = layers - head_cast + block + bwd_temps + mask
     else:
         layers = L * block - (first_free if first_norm_free else 0) + rope + window
         layers = layers + L * blk_casts + head_cast - first_casts  # autocast's 16-bit weight copies
         if moe is not None:  # dense blocks (DeepSeek's first) hold no routed experts
             layers = layers - (L - moe["blocks"]) * moe["saved"]
-        fwd_block = layers + fwd_transient
-        bwd_block = layers + bwd_temps
+        fwd_block = layers + fwd_transient + first_cached  # autocast's cache keeps block 0's A copies till the end
+        bwd_block = layers - head_cast + bwd_temps  # lm_head's backward has freed its 16-bit copy
     saved = layers + final + loss_saved
-    fwd = np.maximum(saved + logits_fwd + (L * cached if gc else 0), fwd_block) + mask + (0 if gc else bool_mask)
-    bwd_start = saved + loss_bwd
+    fwd_block = fwd_block + L * kv_cache  # the cache holds every block's K/V through the forward
+    # checkpointed (non-reentrant) blocks keep none of their saved tensors in the forward: the block inputs, the
+    # stream and the running projection's outputs are live inside one
+    in_fwd = fwd_block - block + not_yet if gc else fwd_block
+    fwd = np.maximum(saved + logits_fwd + head_in + (L * cached if gc else 0) + L * kv_cache, in_fwd) + mask + \
+        (0 if gc else bool_mask)
+    bwd_start = saved + loss_bwd + (mask if gc else 0)
     bwd_norm = layers + norm + (4 if e == 4 else 5) * _r(T * h * 4) + _r(T * h * e)  # fp32: one cast is a no-op
     # the collator's attention_mask and labels (a tensor of their own when padded) are live all step
     inputs = 2 * _r(T * 8) if padding != "none" else (_r(T * 8) if loop == "sft" else 0 * T)  # SFT: an all-ones mask
@@ -422,8 +478,9 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             "backward_end": 2 * _r(V * h * 4) if method == "full" and autocast else  # fp32 grad of lm_head's copy
             _r(T * h * 4) + (_r(T * h * e) + (2 if e == 4 else 1) * _r(V * h * 4) if not lora else 0),
             # the two forward moments apart (sharded steps gather different groups at each)
-            "forward_logits": saved + logits_fwd + (L * cached if gc else 0) + mask + (0 if gc else bool_mask),
-            "forward_block": fwd_block + mask + (0 if gc else bool_mask), "block_saved": _r(T * h * e) if gc else block}
+            "forward_logits": saved + logits_fwd + head_in + (L * cached if gc else 0) + L * kv_cache + mask +
+            (0 if gc else bool_mask),
+            "forward_block": fwd_block + mask + (0 if gc else bool_mask), "block_saved": _r(T * h * es) if gc else block}
 
 
 def _moe_terms(spec: ModelSpec, method: str, dtype: str, autocast: bool, e: int, experts, group: dict, T, r) -> dict:
@@ -502,13 +559,19 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
                        T, B, S, r, s["padding"], experts, loop=s["loop"])
     bwd_end = grads + act["backward_end"]
     in_block, block_grads = act["backward_block"], zero
-    if (experts["gate_up"] or experts["down"]) and gradient_checkpointing:  # LoRA on experts: sizeable grads when
-        block_grads = grads * (spec.num_layers - 1) // spec.num_layers  # the bottom block recomputes
-        in_block = in_block + block_grads
-    if method == "full" and gradient_checkpointing:  # the bottom block recomputes with (almost) all grads made
-        embed = 0 if spec.tied_embeddings else int(_r(spec.vocab_size * spec.hidden_size * wb))
-        block_grads = np.maximum(grads - embed, 0)
-        in_block = in_block + block_grads
+    if gradient_checkpointing:  # a recomputed block's backward: the top block's with every block input still kept,
+        # or the bottom block's, with the inputs above it freed and the gradients of the blocks above it made
+        if method == "full":  # all but the embedding's and, at its MLP input gradient, the bottom block's own
+            embed = 0 if spec.tied_embeddings else int(_r(spec.vocab_size * spec.hidden_size * wb))
+            own = sum(int(_r(lin.out_features * lin.in_features * wb)) + (int(_r(lin.out_features * wb)) if lin.bias
+                      else 0) for lin in spec.linears if lin.kind in ("attn_in", "attn_out")) + \
+                _norms_per_layer(spec) * int(_r(spec.hidden_size * wb)) * (1 + spec.norm_bias)  # attention's, norms'
+            block_grads = np.maximum(grads - embed - own, 0)
+        else:  # the adapters of the blocks above
+            block_grads = grads * (spec.num_layers - 1) // spec.num_layers
+        bottom = in_block - (spec.num_layers - 1) * act["block_saved"] + block_grads
+        block_grads = np.where(bottom >= in_block, block_grads, 0)
+        in_block = np.maximum(in_block, bottom)
     bwd = np.maximum(np.maximum(act["backward"], in_block), bwd_end)
     totals = np.stack([static + act["forward"], static + bwd, static + grads + np.maximum(opt_tmp, loop_t["clip"])]) \
         + act["inputs"] + loop_t["scalars"]
