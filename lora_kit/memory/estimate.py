@@ -52,9 +52,10 @@ How it is built (exact by construction where the arithmetic allows it):
   fine-tuning (no offload, adamw or sgd) the figure is instead FSDP2's, group by group as
   ``simulate`` runs it (:mod:`lora_kit.memory.fsdp_math`: padded per-parameter shards, the groups
   gathered at each moment -- a tied embedding all step, the untied one again at the end of
-  backward -- flat all-gather and reduce-scatter buffers, sharded optimizer states; within 4.5 % of
+  backward -- flat all-gather and reduce-scatter buffers, sharded optimizer states; within 1.6 % of
   ``simulate`` on ``benchmarks/memory_accuracy.py --sharded``); zero1, zero2, QLoRA, ``cpu_offload``
-  and the 8-bit / paged / adafactor optimizers keep the arithmetic above.
+  and the 8-bit / paged / adafactor optimizers keep the arithmetic above (DeepSpeed's own buffers are not
+  in it: ``benchmarks/deepspeed_accuracy.py``).
 
 ``device_total_bytes`` = peak + CUDA context + allocator reserve. Both are **assumptions from
 public measurements until ``benchmarks/gpu_validate.py`` measures them on a GPU**: the context of a
@@ -100,6 +101,7 @@ DQ_BLOCK = 256  # double-quant: absmax of the absmax, per 256 blocks
 OPT8_BLOCK = 256  # bitsandbytes 8-bit optimizer blocksize
 OPT8_MIN_SIZE = 4096
 FP32_SCALED_NORMS = ("gemma", "gemma2", "gemma3_text")  # RMSNorm output = normalized * (1 + weight.float())
+ROPE_BY_CAT = ("phi3", "gpt_neox")  # apply_rotary_pos_emb returns cat([rotated, pass-through], -1)
 
 
 @dataclass
@@ -336,7 +338,10 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     block = norms
     group = {}
     for kind, w in width.items():
-        shared_with_attn = kind == "attn_out" and attn == "sdpa"
+        # SDPA returns its output in the query's layout; transformers makes it (B, S, H, d)-contiguous for the output
+        # projection: the same storage when the query is a transposed view, a copy when the rotary embedding
+        # concatenated it into a (B, H, S, d)-contiguous tensor (Phi-3, GPT-NeoX: ``cat([rotated, passed])``)
+        shared_with_attn = kind == "attn_out" and attn == "sdpa" and spec.model_type not in ROPE_BY_CAT
         if not lora:
             # under autocast each linear casts the fp32 stream to 16-bit on its own and keeps that copy
             each = sum(lin.kind == kind for lin in spec.linears) if autocast and kind in ("attn_in", "mlp_in") else 1
