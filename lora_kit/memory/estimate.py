@@ -477,11 +477,16 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         (0 if gc else bool_mask)
     bwd_start = saved + loss_bwd + (mask if gc else 0)
     bwd_norm = layers + norm + (4 if e == 4 else 5) * _r(T * h * 4) + _r(T * h * e)  # fp32: one cast is a no-op
+    # full fine-tuning's embedding backward: the CPU kernel accumulates into one fp32 (V, h) buffer; in fp32 that
+    # buffer becomes the embedding's gradient (counted with the gradients) unless the embedding is tied to lm_head,
+    # whose gradient exists already: then the buffer and its out-of-place sum with that gradient; in 16 bits the
+    # buffer is cast to the gradient's dtype
+    emb_bwd = (2 * _r(V * h * 4) if spec.tied_embeddings else 0) if e == 4 else _r(V * h * 4)
     # the collator's attention_mask and labels (a tensor of their own when padded) are live all step
     inputs = 2 * _r(T * 8) if padding != "none" else (_r(T * 8) if loop == "sft" else 0 * T)  # SFT: an all-ones mask
     return {"inputs": inputs, "forward": fwd, "backward": np.maximum(bwd_start, bwd_norm), "backward_block": bwd_block,
             "backward_end": 2 * _r(V * h * 4) if method == "full" and autocast else  # fp32 grad of lm_head's copy
-            _r(T * h * 4) + (_r(T * h * e) + (2 if e == 4 else 1) * _r(V * h * 4) if not lora else 0),
+            _r(T * h * 4) + (_r(T * h * e) + emb_bwd if not lora else 0),
             # the two forward moments apart (sharded steps gather different groups at each)
             "forward_logits": saved + logits_fwd + head_in + (L * cached if gc else 0) + L * kv_cache + mask +
             (0 if gc else bool_mask),
