@@ -35,7 +35,7 @@ Results are written atomically to ``benchmarks/results/memory_accuracy.json`` af
 
 ``--sharded`` (several GPUs, per GPU): ``estimate(..., sharding="fsdp")`` vs ``simulate`` (PyTorch's
 FSDP2 on fake tensors over a fake process group, rank 0) over tiny / SmolLM2 / Mistral-7B
-cut to 2 layers, LoRA and full fine-tuning, checkpointing on/off, N in {2, 8, 64}. ``--real``
+cut to 2 layers, LoRA and full fine-tuning, checkpointing on/off, N in {2, 4, 8, 64}. ``--real``
 instead compares ``simulate`` with real FSDP2 steps: ``torchrun --nproc_per_node N`` (gloo, CPU),
 N in {2, 4}, on tiny and SmolLM2-135M cut to 2 layers (fp32), each rank's peak from the same
 live-bytes tracker (rank 0 is compared; all ranks are kept). They write
@@ -368,21 +368,26 @@ SHARDED_OUT = {part: Path(__file__).parent / "results" / f"memory_accuracy_shard
                for part in ("estimate", "real")}
 def sharded_cases(real: bool = False) -> list[dict]:
     """estimate vs simulate: tiny (untied), SmolLM2-135M (tied embeddings), Mistral-7B (untied, GQA) cut to 2
-    layers x lora/full x checkpointing x N in {2, 8, 64} (seq 512, batch 1, bf16); ``real``: simulate vs
+    layers x lora/full x checkpointing x N in {2, 4, 8, 64} (seq 512, batch 1, bf16); ``real``: simulate vs
     torchrun on tiny and SmolLM2-135M (2 layers), N in {2, 4} (tiny also 3: dims that do not divide, so the
-    last rank's shards are smaller), seq 128, batch 2, fp32 (bf16 matmuls are slow on a CPU without AVX512-BF16)."""
+    last rank's shards are smaller), seq 128, batch 2, fp32 (bf16 matmuls are slow on a CPU without AVX512-BF16),
+    plus two ``sharding="zero2"`` rows (FSDP2's ``reshard_after_forward=False``): tiny LoRA N=2, tiny full N=3."""
     models = [("tiny", None), ("smollm2-135m", 2)] + ([] if real else [("mistral-7b", 2)])
     shape = dict(seq_len=128, batch_size=2) if real else dict(seq_len=512, batch_size=1)
-    return [dict(model=m, layers=layers, method=method, gradient_checkpointing=gc, num_gpus=n, sharding="fsdp",
-                 dtype="float32" if m == "tiny" or real else "bfloat16", **shape)
-            for m, layers in models for method in ("lora", "full") for gc in (False, True)
-            for n in (((2, 3, 4) if m == "tiny" else (2, 4)) if real else (2, 8, 64))]  # 3: shards of unequal size
+    cases = [dict(model=m, layers=layers, method=method, gradient_checkpointing=gc, num_gpus=n, sharding="fsdp",
+                  dtype="float32" if m == "tiny" or real else "bfloat16", **shape)
+             for m, layers in models for method in ("lora", "full") for gc in (False, True)
+             for n in (((2, 3, 4) if m == "tiny" else (2, 4)) if real else (2, 4, 8, 64))]  # 3: shards of unequal size
+    if real:
+        cases += [dict(cases[0], method=method, num_gpus=n, sharding="zero2") for method, n in (("lora", 2), ("full", 3))]
+    return cases
 
 
 def _sharded_line(row) -> str:
     c = row["case"]
     desc = (f"{c['model']}{'' if c.get('layers') is None else '[' + str(c['layers']) + 'L]'} {c['method']} "
-            f"{'gc' if c['gradient_checkpointing'] else '--'} N={c['num_gpus']:<3d} S{c['seq_len']} B{c['batch_size']}")
+            f"{'gc' if c['gradient_checkpointing'] else '--'} N={c['num_gpus']:<3d} S{c['seq_len']} B{c['batch_size']}"
+            f"{'' if c['sharding'] == 'fsdp' else ' ' + c['sharding']}")
     ref = "real" if "real" in row else "simulate"
     if ref not in row or "estimate" not in row and ref == "simulate":
         return f"{desc:48s} failed: {row.get('error')}"

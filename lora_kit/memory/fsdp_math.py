@@ -40,10 +40,11 @@ class _Group:
         self.flat = 0  # padded bytes of the group (all-gather buffer before rounding)
         self.grad_flat = 0  # padded bytes of the trainable parameters (reduce-scatter buffers)
         self.grad_unsharded = 0  # autograd's unsharded gradients of the trainable parameters
+        self.grad_mlp = 0  # of them, the MLP output linear's (the first autograd makes in a layer's backward)
         self.states = 0
         self.opt_tmp = 0
 
-    def add(self, dim0, rest, e, trainable: bool, adapter: bool, optimizer: str, count=1):
+    def add(self, dim0, rest, e, trainable: bool, adapter: bool, optimizer: str, count=1, mlp: bool = False):
         rows = _rows(dim0, self.N)
         part = rows * rest * e
         shard = count * _r(part)
@@ -56,6 +57,8 @@ class _Group:
         if trainable:
             self.grad_flat = self.grad_flat + count * part
             self.grad_unsharded = self.grad_unsharded + count * _r(dim0 * rest * e)
+            if mlp:
+                self.grad_mlp = self.grad_mlp + count * _r(dim0 * rest * e)
             if optimizer == "adamw":
                 self.states = self.states + 2 * shard
                 self.opt_tmp = self.opt_tmp + shard
@@ -67,9 +70,10 @@ def _groups(spec, method: str, wb: int, targets: tuple, N, r, optimizer: str) ->
     full = method == "full"
     layer = _Group(N)
     for lin in spec.linears:
-        layer.add(lin.out_features, lin.in_features, wb, full, False, optimizer)
+        mlp = lin.kind == "mlp_out"
+        layer.add(lin.out_features, lin.in_features, wb, full, False, optimizer, mlp=mlp)
         if lin.bias:
-            layer.add(lin.out_features, 1, wb, full, False, optimizer)
+            layer.add(lin.out_features, 1, wb, full, False, optimizer, mlp=mlp)
         if not full and lin.name in targets:
             layer.add(r, lin.in_features, 4, True, True, optimizer)  # lora_A: (r, in), fp32
             layer.add(lin.out_features, r, 4, True, True, optimizer)  # lora_B: (out, r), fp32
@@ -97,7 +101,8 @@ def fsdp_groups(spec, method: str, wb: int, targets: tuple, N, r, optimizer: str
         "states": sum(g.states * n for g, n in groups), "opt_tmp": sum(g.opt_tmp * n for g, n in groups),
         "grads": sum(_r(g.grad_flat) * n for g, n in groups),
         "layer_gathered": layer.gathered, "layer_flat": _r(N * layer.flat),
-        "layer_grads": layer.grad_unsharded, "layer_rs_in": _r(N * layer.grad_flat), "layer_grads_s": _r(layer.grad_flat),
+        "layer_grads": layer.grad_unsharded, "layer_mlp_grads": layer.grad_mlp,
+        "layer_rs_in": _r(N * layer.grad_flat), "layer_grads_s": _r(layer.grad_flat),
         "tail_grads": tail.grad_unsharded, "tail_rs_in": _r(N * tail.grad_flat), "tail_grads_s": _r(tail.grad_flat),
         "embed_gathered": embed.gathered, "embed_flat": _r(N * embed.flat),
         "embed_grads": embed.grad_unsharded, "tail_flat": _r(N * tail.flat),
@@ -115,14 +120,15 @@ def fsdp_totals(spec, method: str, wb: int, targets: tuple, N, r, optimizer: str
 
     ``act``: the unsharded step's activation moments (``estimate._activations``); the gathered groups live at
     each moment are added to them. ``layer_input``: bytes of one decoder layer's input (what checkpointing
-    keeps per layer). Backward moments: the loss gradients (tail and root still gathered); inside the top
-    layer (its gathered parameters and unsharded gradients, the next layer's all-gather buffer, the tail's
-    reduce-scatter input, which FSDP2 keeps until the next reduce-scatter); inside layer 1 (with
-    checkpointing: fewer saved inputs, more gradient shards done); the embedding at the end. Forward
-    moments: the logits (an untied tail's all-gather buffer still held), inside the last layer, inside the
-    layer before (the next layer's buffer prefetched). ``sharding``: "fsdp" / "zero3" (the same FSDP2
-    figure). Where a moment is placed by measurement rather than derived, ``benchmarks/memory_accuracy.py
-    --sharded`` is the check (median 0.97 %, max 4.5 % vs ``simulate`` on 2-layer models). At full depth,
+    keeps per layer). Backward moments: the loss gradients (tail and root still gathered); inside and at
+    the end of the top layer, the one below it and the bottom one (``in_layer``: its gathered parameters and
+    unsharded gradients, the next group's all-gather buffer, the last reduce-scatter's input, which FSDP2
+    keeps until the next reduce-scatter, the shards of the layers done); the embedding at the end. Forward
+    moments: the logits (an untied tail's all-gather buffer still held), inside the last layer, at the last
+    layer's all-gather (the previous layer's buffer still held). ``sharding``: "fsdp" / "zero3" (the same
+    FSDP2 figure). ``benchmarks/memory_accuracy.py --sharded`` is the check (vs ``simulate``; tiny, and
+    SmolLM2-135M and Mistral-7B cut to 2 layers; LoRA / full, checkpointing on / off, N in {2, 4, 8, 64}:
+    48 rows, median 0.05 %, p90 0.96 %, max 1.57 %). At full depth,
     Llama-3.1-8B on 8 GPUs (seq 2048, checkpointing): LoRA -0.23 %, full fine-tuning -0.00 % (the end-of-backward
     moment leaves out the embedding's unsharded gradient: with it, +8.2 % above ``simulate``, whose backward
     never reached that; only that one full-depth case pins this term)."""
@@ -132,32 +138,49 @@ def fsdp_totals(spec, method: str, wb: int, targets: tuple, N, r, optimizer: str
     kept = g["kept"]
     tied_full = spec.tied_embeddings and full  # the shared embedding's gradient builds up over all of backward
     persist = g["root"] + g["tail_tied"]
-    top_g = g["layer_gathered"] + (g["layer_flat"] if L > 1 else g["embed_flat"]) + persist
-    mid_g = g["layer_gathered"] + g["layer_flat"] + persist
     end_g = g["embed_gathered"] + persist  # its all-gather buffer is freed before the embedding's backward
     tail_unsh = g["tail_grads"] if tied_full else z
-    top_grads = (g["layer_grads"] + g["tail_rs_in"] + g["tail_grads_s"] + tail_unsh) if full else z
-    mid_grads = (g["layer_grads"] + g["tail_grads_s"] + tail_unsh
-                 + (L - 2) * g["layer_grads_s"]) if full else z
-    end_grads = g["grads"] + (tail_unsh if full else 0)
-    moments = [  # (activations, gathered, gradients) of the backward moments
-        (act["backward"], kept, z),
-        (act["backward_block"], top_g, top_grads),
-        (act["backward_block"] - (L - 2) * layer_input if L > 2 else act["backward_block"] * 0, mid_g, mid_grads),
-        (act["backward_end"], end_g, end_grads),
-    ]
+    freed = layer_input if gc else act["block_saved"]  # what one layer's backward frees of its saved activations
+
+    def in_layer(k, end: bool):
+        """(activations, gathered, gradients) inside layer k's backward (k = L - 1 first), or at its end.
+
+        FSDP2: layer k is gathered and the next group in backward (layer k - 1, or the embedding) already
+        prefetched into its all-gather buffer; the layers above have reduce-scattered their gradients into
+        shards, and the input of the last reduce-scatter (the tail's, or layer k + 1's) is kept until the next
+        one is issued, in layer k's post-backward hook. Autograd makes layer k's unsharded gradients as it
+        goes: inside the block (at its MLP input gradient, estimate's ``backward_block``) only its MLP output
+        linear's (autograd reaches it first; the input-side MLP weights' come after that moment's
+        temporaries); at its end (its input norm's backward, estimate's ``backward_norm``) all of them, and
+        its saved activations are freed but for the norm's. The layers above freed theirs (checkpointing:
+        their inputs)."""
+        above = L - 1 - k
+        gathered = g["layer_gathered"] + (g["layer_flat"] if k > 0 else g["embed_flat"]) + persist
+        a = (act["backward_norm"] - (0 if gc else act["block_saved"]) if end else act["backward_block"]) \
+            - above * freed
+        grads = ((g["layer_grads"] if end else g["layer_mlp_grads"]) + above * g["layer_grads_s"]
+                 + (g["tail_rs_in"] if above == 0 else g["layer_rs_in"]) + g["tail_grads_s"] + tail_unsh)
+        return a, gathered, grads if full else z
+    # the step's extremes: each term is linear in k but the kept reduce-scatter input (the tail's above layer
+    # L - 1, a layer's below): the top layer, the one below it and the bottom one
+    layers = sorted({L - 1, max(L - 2, 0), 0})
+    moments = [(act["backward"], kept, z)]  # the loss gradients: tail and root still gathered
+    moments += [in_layer(k, end) for k in layers for end in (False, True)]
+    moments += [(act["backward_end"], end_g, g["grads"] + (tail_unsh if full else 0))]
     tot = [static + a + gathered + grads for a, gathered, grads in moments]
     bwd_i = np.argmax(np.stack(tot), axis=0)
     pick = lambda xs: np.choose(bwd_i, [np.broadcast_to(x, np.shape(tot[0])) for x in xs])  # noqa: E731
-    # forward: at the logits (tail and root gathered; the tail's all-gather buffer is kept until the next
-    # all-gather, in backward) or inside a layer (its parameters, its own buffer, the next group's prefetched)
-    persist = g["root"] + g["tail_tied"]
+    # forward (FSDP2 in program order): a block is all-gathered in its pre-forward, into a new buffer, while the
+    # buffer of the previous all-gather is still held (freed once the new one is copied out); the block is
+    # resharded after its forward. Moments: at the logits (tail and root gathered, the tail's buffer held until
+    # the next all-gather, in backward); inside the last block (its parameters and its buffer); at the last
+    # block's all-gather (its parameters, its buffer and the previous block's)
     tail_flat = 0 * N if spec.tied_embeddings else g["tail_flat"]  # a tied tail was gathered first, not last
+    prev_flat = g["layer_flat"] if L > 1 else (g["tail_flat"] if spec.tied_embeddings else g["embed_flat"])
     f_moments = [  # (activations, gathered)
         (act["forward_logits"], kept + tail_flat),
-        (act["forward_block"], g["layer_gathered"] + g["layer_flat"] + tail_flat + persist),  # last layer
-        (act["forward_block"] - act["block_saved"] if L > 1 else 0 * N,  # the layer before: next layer prefetched
-         g["layer_gathered"] + (1 if gc else 2) * g["layer_flat"] + persist),
+        (act["forward_block"], g["layer_gathered"] + g["layer_flat"] + persist),
+        (act["forward_between"], g["layer_gathered"] + g["layer_flat"] + prev_flat + persist),
     ]
     f_tot = np.stack([a + gathered for a, gathered in f_moments])
     f_i = np.argmax(f_tot, axis=0)
