@@ -35,7 +35,12 @@ def test_trainer_fused_adamw_makes_no_foreach_copy():
     assert simulate("tiny", loop="trainer", **kw).peak_allocated_bytes == real.peak_allocated_bytes
     copy = kit.breakdown["gradients"]  # one fp32 copy per trainable tensor, as large as the gradients
     assert kit.peak_allocated_bytes - real.peak_allocated_bytes > 0.9 * copy
-    assert estimate("tiny", loop="trainer", **kw).peak_allocated_bytes < estimate("tiny", **kw).peak_allocated_bytes
+    trainer = estimate("tiny", loop="trainer", **kw)
+    assert trainer.peak_allocated_bytes < estimate("tiny", **kw).peak_allocated_bytes
+    # the fp32 embedding backward's one (V, h) buffer is the embedding's gradient (untied): estimate's backward end
+    # no longer counts two more, which put it 0.94 % above this real step (issue 15)
+    assert trainer.phase == "optimizer"
+    assert abs(trainer.peak_allocated_bytes - real.peak_allocated_bytes) <= 0.003 * real.peak_allocated_bytes
 
 
 def test_run_card_says_where_your_trainer_run_will_peak():
