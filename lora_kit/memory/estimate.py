@@ -490,7 +490,16 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             # the two forward moments apart (sharded steps gather different groups at each)
             "forward_logits": saved + logits_fwd + head_in + (L * cached if gc else 0) + L * kv_cache + mask +
             (0 if gc else bool_mask),
-            "forward_block": fwd_block + mask + (0 if gc else bool_mask), "block_saved": _r(T * h * es) if gc else block}
+            # checkpointed (non-reentrant) blocks keep none of their saved tensors in the forward: only the block
+            # inputs, the stream and the running projection's outputs are live inside one (sharded steps only)
+            "forward_block": (fwd_block - block + not_yet if gc else fwd_block) + mask + (0 if gc else bool_mask),
+            "block_saved": _r(T * h * es) if gc else block,
+            "backward_norm": bwd_norm,
+            # between blocks L - 2 and L - 1 (sharded: the last block's all-gather): what blocks 0 .. L - 2 saved, the
+            # embedding output and the stream (checkpointing: every block's input)
+            "forward_between": (layers - head_cast + (L - 1) * cached if gc else
+                                layers - block - blk_casts - head_cast + 2 * _r(T * h * es))
+            + (L - 1) * kv_cache + mask + (0 if gc else bool_mask)}
 
 
 def _moe_terms(spec: ModelSpec, method: str, dtype: str, autocast: bool, e: int, experts, group: dict, T, r) -> dict:
