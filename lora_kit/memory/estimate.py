@@ -68,13 +68,15 @@ comparisons in public issues). The constants are ``CUDA_CONTEXT_BYTES`` and ``RE
 Known limits: architectures outside llama / mistral / qwen2 / qwen3 / gemma / gemma2 / phi3 /
 gpt_neox are read from a meta-device build and their activations modelled as a Llama-like block;
 mixture-of-experts blocks (router, dispatch buffers, experts, LoRA on experts) by :mod:`lora_kit.memory.moe`;
-``autocast=True`` counts autocast's 16-bit weight copies, LoRA's 16-bit input copies and QLoRA's 16-bit
-attention, but not every dtype change inside a block: within 0.02 % of real CPU steps where the loss holds
-the peak (SmolLM2-135M cut to 2 layers), up to 10 % off where a block does (the embedded tiny model; the
-README's accuracy table); DeepSpeed / FSDP
-communication buffers are not counted; full fine-tuning's backward end counts the fp32 ``V x h``
-buffer the CPU embedding-backward kernel allocates (two of them in fp32) (what ``simulate`` sees: the CUDA kernel
-accumulates per unique token instead, so on a GPU this term is smaller -- ``gpu_validate`` measures
+``autocast=True`` counts autocast's 16-bit weight copies, LoRA's 16-bit input copies, QLoRA's 16-bit
+attention, the K/V cache's copies beside them and the forward's moments a block holds (SmolLM2-135M cut to 2
+layers: within 0.003 % of ``simulate``, 8 settings; the embedded tiny model without checkpointing: within
+0.21 % of real CPU steps), but not yet the backward of a recomputed block under autocast, where its dtypes
+differ from the forward's: with checkpointing the tiny model's rows are -2.2 to +3.8 % off (the README's
+accuracy table); DeepSpeed / FSDP communication buffers are not counted; full fine-tuning's backward end counts
+the fp32 ``V x h`` buffer the CPU embedding-backward kernel accumulates into (in fp32 it is the embedding's
+gradient itself unless tied to lm_head, then it and its sum with lm_head's gradient) (what ``simulate`` sees:
+the CUDA kernel accumulates per unique token instead, so on a GPU this term is smaller -- ``gpu_validate`` measures
 it); SDPA saves what the CPU flash kernel saves (same as CUDA flash / memory-efficient: output and
 fp32 logsumexp); AdamW's ``step`` scalars live on the host on CUDA and are not counted.
 """
