@@ -23,13 +23,15 @@ the root, ``reshard_after_forward=True`` everywhere.
 How each ``sharding`` value maps onto FSDP2, and what stays arithmetic:
 
 - ``fsdp``, ``zero3``: ``fully_shard`` as above (parameters, gradients and optimizer states
-  sharded; gathered per unit in forward and again in backward). DeepSpeed ZeRO-3 is not run:
-  its buffers (prefetch bucket, persistence threshold) differ, so ``zero3`` is FSDP2's figure.
+  sharded; gathered per unit in forward and again in backward). DeepSpeed ZeRO-3 is not simulated:
+  its buffers (gradient bucket, prefetch bucket, persistence threshold) differ, so ``zero3`` is FSDP2's
+  figure (real DeepSpeed steps on CPU: ``benchmarks/deepspeed_accuracy.py``).
 - ``zero2``: FSDP2's ZeRO-2-like mode, ``reshard_after_forward=False`` everywhere (parameters stay
   gathered from forward to backward; gradients and states sharded). DeepSpeed ZeRO-2 (what
   ``accelerate_config`` writes for zero2) also keeps the full parameters between steps; that
-  difference is not simulated, this mode is not yet checked against real runs, and ``estimate``
-  keeps its DeepSpeed arithmetic for zero2.
+  difference is not simulated. This mode equals real FSDP2 ranks (torchrun, gloo) byte for byte on
+  rank 0 (tiny model, fp32: LoRA N=2, full N=3; ``benchmarks/memory_accuracy.py --sharded --real``);
+  ``estimate`` keeps its ZeRO arithmetic for zero2.
 - ``zero1`` (states sharded only) has no FSDP2 counterpart: ``estimate``'s arithmetic.
 - ``ddp``: not sharded; :mod:`lora_kit.memory.simulate` (one GPU's step + DDP's gradient buckets).
 - ``cpu_offload=True``: FSDP2's ``CPUOffloadPolicy`` needs an accelerator device distinct from the
