@@ -59,3 +59,48 @@ def test_two_process_smoke_run_under_torchrun(random_llama_dir, tmp_path):
     assert rec["verify"]["passed"] and len(rec["steps"]) == 2
     from accelerate.commands.config.config_args import load_config_from_file
     assert load_config_from_file(rec["accelerate_config"]).num_processes == 2
+
+
+def test_smoke_cli_refuses_a_lora_kit_run_folder_once_naming_its_own(tmp_path, monkeypatch, capsys):
+    """The README's journey: `lora-kit run` into runs/x, then torchrun's smoke run with the same params file.
+    Into runs/x it would replace the smoke/ that run's notebook 04 evaluated and, with its own run id, be left
+    off that run's card; the CLI refuses before loading anything, names -p run_dir runs/x-2ranks, and says it
+    once (rank 0), not once per process."""
+    from lora_kit.results import RUN_ENV
+    from lora_kit.run.smoke import check_own_folder, main
+    run = tmp_path / "x"
+    run.mkdir()
+    ident = {"id": "20261203T000000Z-abcdef", "started": "2026-12-03T00:00:00Z", "kind": "lora-kit run",
+             "dir": str(run)}
+    (run / "pipeline.json").write_text(json.dumps({"run": ident, "status": "complete"}))
+    monkeypatch.delenv(RUN_ENV, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, said in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["-p", "run_dir", str(run), "-p", "num_gpus", "2", "-p", "sharding", "fsdp"]) == 2
+        err = capsys.readouterr().err
+        assert (f"-p run_dir {run}-2ranks" in err and ident["id"] in err and "build_report" in err) is said
+        assert said or err == ""
+    assert not (run / "smoke").exists()
+    for rank in ("0", "1"):  # what the FSDP2 smoke run refuses: said once too
+        monkeypatch.setenv("RANK", rank)
+        assert main(["-p", "run_dir", str(tmp_path / "q"), "-p", "method", "qlora", "-p", "num_gpus", "2",
+                     "-p", "sharding", "fsdp"]) == 2
+        err = capsys.readouterr().err
+        assert ("method='qlora' is not run by the smoke run" in err) is (rank == "0") and (rank == "0" or err == "")
+    check_own_folder(str(tmp_path / "fresh"), 2)  # a folder of its own (no pipeline.json): fine
+    monkeypatch.setenv(RUN_ENV, json.dumps(ident))  # notebook 03 inside that very `lora-kit run`: fine
+    check_own_folder(str(run), 2)
+
+
+def test_fresh_process_keeps_the_known_library_messages_silent(capfd):
+    """simulate runs in a spawned process under torchrun: it printed transformers' known
+    `is_gradient_checkpointing is deprecated` FutureWarning that lora_kit.noise silences everywhere else."""
+    import warnings
+
+    from lora_kit.run.distributed import in_fresh_process
+    known = "`is_gradient_checkpointing` is deprecated and will be removed in v6."
+    in_fresh_process(warnings.warn, message=known, category=FutureWarning)
+    in_fresh_process(warnings.warn, message="an unknown message still shows", category=FutureWarning)
+    err = capfd.readouterr().err
+    assert "an unknown message still shows" in err and "is_gradient_checkpointing" not in err

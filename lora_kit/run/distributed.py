@@ -111,7 +111,8 @@ def in_fresh_process(fn, **kwargs):
     FSDP2 world cannot start in a process that has joined a real one). ``fn`` and its result must pickle."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+    from lora_kit.noise import quiet  # the spawned process starts with no filters: the same silence as here
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=quiet) as pool:
         return pool.submit(fn, **kwargs).result()
 
 

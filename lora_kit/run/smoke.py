@@ -57,8 +57,8 @@ from lora_kit.memory.simulate import simulate as simulate_step
 from lora_kit.memory.tracker import LiveBytesTracker
 from lora_kit.noise import quiet
 from lora_kit.prompting import PromptFormat, resolve_prompt_format
-from lora_kit.results import (NotWritten, check_output_dir, interrupts, run_identity, signal_name, touch,
-                              write_json_atomic)
+from lora_kit.results import (NotWritten, active_run, check_output_dir, interrupts, read_record, run_identity,
+                              signal_name, touch, write_json_atomic)
 from lora_kit.run import adapter_io
 from lora_kit.run import batches as smoke_data
 from lora_kit.run import distributed as dist_util
@@ -568,6 +568,21 @@ def _verify_phases(s, run, state, tracker, tok, probe, path, control_prompts, sh
     run.done("generate")
 
 
+def check_own_folder(run_dir: str, world: int = 1) -> None:
+    """Refuse a command-line smoke run into the folder of a ``lora-kit run`` it is not part of: it would
+    replace that run's ``smoke/`` (the adapter its notebook 04 evaluated) and, carrying another run id,
+    would not be shown on that run's card. ValueError naming a folder of its own."""
+    owner = (read_record(Path(run_dir) / "pipeline.json") or {}).get("run")
+    if not owner or active_run(run_dir) is not None:
+        return
+    mine = f"{str(run_dir).rstrip('/')}-{world}ranks" if world > 1 else f"{str(run_dir).rstrip('/')}-smoke"
+    raise ValueError(
+        f"run_dir {str(run_dir)!r} holds the lora-kit run {owner.get('id', '?')} (pipeline.json): this smoke run "
+        "would replace its smoke/ (the adapter its notebook 04 evaluated) and that run's card would not show it "
+        f"(another run id). Give it a folder of its own: -p run_dir {mine} ; then its run card: python -c "
+        f"\"from lora_kit.ui.run_card import build_report; build_report('{mine}')\"")
+
+
 def main(argv=None) -> int:
     """``python -m lora_kit.run.smoke --params run.yaml [-p key value ...]`` (works under torchrun)."""
     quiet()
@@ -581,6 +596,14 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         s = load_settings(a.params, dict(a.p))
+        check_own_folder(s.run_dir, dist_util.world_size())
+        if dist_util.runs_sharded(s):
+            dist_util.check_sharded(s)
+    except ValueError as e:  # the same on every rank: said once, not once per torchrun process
+        if dist_util.rank() == 0:
+            print(f"smoke run: {e}", file=sys.stderr)
+        return 2
+    try:
         r = smoke_run(s, memory_limit_bytes=a.memory_limit_bytes, measure_steps=a.measure_steps,
                       simulate=not a.no_simulate, cpu_threads=a.cpu_threads)
     except KeyboardInterrupt as e:  # one line, not a traceback: smoke.json holds the record
