@@ -92,3 +92,28 @@ def test_settings_read_as_a_params_file(card):
     assert "| gpus | `[T4, L4, A10G, RTX-4090, L40S, A100-80GB, H100-SXM]` |" in settings
     table = settings.split("|---|---|")[1]
     assert "True" not in table and "False" not in table and "'" not in table
+
+
+def test_card_of_a_smoke_run_folder_of_its_own(tmp_path):
+    """torchrun's smoke run goes into a folder of its own (no settings.json, no pipeline.json): the card takes
+    the settings from smoke.json (title, settings table, several GPUs), and the pipeline card's next check
+    names such a folder in its torchrun command."""
+    from lora_kit.ui.run_card import collect, next_checks
+    s = Settings(model="/models/my-llama", num_gpus=2, sharding="fsdp", run_dir=str(tmp_path))
+    (tmp_path / "smoke").mkdir()
+    (tmp_path / "smoke" / "smoke.json").write_text(json.dumps({
+        "status": "complete", "settings": s.to_dict(),
+        "launch": {"world_size": 2, "device": "cpu", "sharding": "fsdp (FSDP2, 2 ranks)"},
+        "measurement": {"design_step": 1},
+        "peaks": {"per_rank": [{"rank": 0, "design_step_peak_bytes": 2 ** 20, "max_peak_bytes": 2 ** 20},
+                               {"rank": 1, "design_step_peak_bytes": 2 ** 20, "max_peak_bytes": 2 ** 20}]},
+        "memory_model": {"estimate_fsdp_per_gpu": 2 ** 20}}))
+    build_report(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert md.startswith("# Run card: fine-tuning /models/my-llama · LoRA")
+    assert "| sharding | `fsdp` |" in md and "| 1 | 1.0 MiB |" in md.split("## Several GPUs")[1]
+    assert "this folder holds a smoke run of its own" in md and "plan.json has no multi-GPU section" not in md
+    card = {**collect(tmp_path), "plan": {"multi_gpu": {"num_gpus": 2}},
+            "settings": {**s.to_dict(), "run_dir": "runs/x/"}}
+    line = next(x for x in next_checks(card) if x.startswith("Several GPUs"))
+    assert "--nproc_per_node 2 -m lora_kit.run.smoke --params run.yaml -p run_dir runs/x-2ranks`" in line

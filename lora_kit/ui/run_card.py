@@ -58,6 +58,8 @@ def collect(run_dir: str | Path) -> dict:
         card["settings"] = {k: v for k, v in card["settings"].items() if k != "run"}
     elif pipe:
         card["settings"] = pipe.get("settings")
+    elif card["smoke"] and isinstance(card["smoke"].get("settings"), dict):  # a smoke run in a folder of its own
+        card["settings"] = dict(card["smoke"]["settings"])                    # (e.g. under torchrun)
     return card
 
 
@@ -108,9 +110,11 @@ def next_checks(card: dict) -> list[str]:
         out.append("No listed GPU fits the planned settings: see 02 for the largest seq_len / batch that fits.")
     mg = (plan or {}).get("multi_gpu") or {}
     if mg.get("num_gpus"):
+        rd = str((card.get("settings") or {}).get("run_dir") or "").rstrip("/")
+        own = f" -p run_dir {rd}-{mg['num_gpus']}ranks" if rd else ""  # the CLI refuses a lora-kit run's folder
         out.append(f"Several GPUs: on the {mg['num_gpus']} rented GPUs launch the smoke run with "
-                   f"`torchrun --standalone --nproc_per_node {mg['num_gpus']} -m lora_kit.run.smoke --params run.yaml` "
-                   "and compare each rank's peak and the step time with *Several GPUs* (its communication time is "
+                   f"`torchrun --standalone --nproc_per_node {mg['num_gpus']} -m lora_kit.run.smoke --params run.yaml"
+                   f"{own}` (a folder of its own: it carries its own run id) and compare each rank's peak and the step time with *Several GPUs* (its communication time is "
                    "an assumption).")
     out.append("On the rented GPU, run `lora-kit check` first, then the smoke run with the same params file; "
                "compare its measured peak and step time with this card before starting the long run.")
@@ -422,6 +426,9 @@ def multi_gpu_lines(card: dict) -> list[str]:
     lines = ["## Several GPUs", ""]
     if mg:
         lines += _planned_lines(mg)
+    elif planned_n > 1 and not card.get("pipeline") and not card.get("plan") and measured:
+        lines += [f"_The run is for {planned_n} GPUs; this folder holds a smoke run of its own (no plan.json): the "
+                  "planned multi-GPU figures are on the card of the `lora-kit run` whose notebook 01 planned it._", ""]
     elif planned_n > 1:
         lines += [f"_The run is for {planned_n} GPUs but plan.json has no multi-GPU section (notebook 01 did not "
                   "run with num_gpus > 1 in this run)._", ""]
