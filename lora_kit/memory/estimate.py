@@ -463,6 +463,16 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         fwd_block = layers + block + fwd_transient + (L - 1) * cached  # autocast's cache: earlier blocks' copies
         # the checkpoint keeps the eager mask as an input; lm_head's 16-bit copy is freed by its backward, before
         bwd_block = layers - head_cast + block + bwd_temps + mask
+        if autocast and lora and mlp_in and n_t["mlp_out"]:
+            # or while its forward is recomputed under autocast, at the MLP output projection's LoRA A: the
+            # gradients waiting at the block's output, the MLP's input, the residual (a 16-bit stream's: the norms
+            # keep fp32 copies; an fp32 stream's is the norm's saved input), the base output, the MLP product and
+            # peft's fp32 cast of it (stream dtype ``es``, projections' ``eo``); with an fp32 stream the first
+            # norm keeps the checkpoint's saved input itself, not a copy
+            eo = 4 if method == "qlora" else 2
+            rec = (3 if es == 4 else 4) * _r(T * h * es) + _r(T * h * eo) + _r(T * i * eo) + \
+                (_r(T * i * 4) if eo != 4 else 0) - (_r(T * h * 4) if es == 4 else 0)
+            bwd_block = np.maximum(bwd_block, layers - head_cast + block + rec + mask)
     else:
         layers = L * block - (first_free if first_norm_free else 0) + rope + window
         layers = layers + L * blk_casts + head_cast - first_casts  # autocast's 16-bit weight copies
