@@ -71,8 +71,8 @@ mixture-of-experts blocks (router, dispatch buffers, experts, LoRA on experts) b
 ``autocast=True`` counts autocast's 16-bit weight copies, LoRA's 16-bit input copies, QLoRA's 16-bit
 attention, the K/V cache's copies beside them and the forward's moments a block holds (SmolLM2-135M cut to 2
 layers: within 0.003 % of ``simulate``, 8 settings; the embedded tiny model without checkpointing: within
-0.21 % of real CPU steps), but not yet the backward of a recomputed block under autocast, where its dtypes
-differ from the forward's: with checkpointing the tiny model's rows are -2.2 to +3.8 % off (the README's
+0.21 % of real CPU steps, with checkpointing LoRA / QLoRA within 0.44 %), but not yet full fine-tuning's
+bottom block with checkpointing, whose backward peaks before its gate/up gradients exist (+3.77 %, the README's
 accuracy table); DeepSpeed / FSDP communication buffers are not counted; full fine-tuning's backward end counts
 the fp32 ``V x h`` buffer the CPU embedding-backward kernel accumulates into (in fp32 it is the embedding's
 gradient itself unless tied to lm_head, then it and its sum with lm_head's gradient) (what ``simulate`` sees:
