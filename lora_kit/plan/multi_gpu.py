@@ -36,6 +36,7 @@ from lora_kit.plan.timing import step_time, trainable_params
 from lora_kit.settings import check_step, step_kwargs
 
 GiB = 2 ** 30
+OUTPUT_DIR = "<your trainer's output_dir>"  # where the real run writes; the plan does not know it
 ADAPTER_BYTES = 4  # peft keeps (and saves) LoRA weights in fp32 unless told otherwise
 ASSUMPTION = ("the FLOP model's compute step (timing.step_time) plus each rank's collective traffic at "
               "the catalog's interconnect bandwidth per direction (no efficiency factor, so communication is a lower "
@@ -124,7 +125,7 @@ def _state_bytes(spec, method: str, dtype: str, trained_bytes: int, one_gpu) -> 
 
 
 def multi_gpu_plan(model, gpu: str, num_gpus: int, sharding: str = "fsdp", method: str = "lora",
-                   seq_len: int = 2048, batch_size: int = 1, margin: float = 0.10, output_dir: str = "<output_dir>",
+                   seq_len: int = 2048, batch_size: int = 1, margin: float = 0.10, output_dir: str = OUTPUT_DIR,
                    steps_per_epoch: int | None = None, time_model=None, **step) -> dict:
     """The multi-GPU record for ``num_gpus`` (> 1) GPUs named ``gpu`` (see the module docstring).
 

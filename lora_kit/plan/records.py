@@ -12,7 +12,7 @@ import math
 import pandas as pd
 
 from lora_kit.plan.gpus import get_gpu
-from lora_kit.plan.multi_gpu import multi_gpu_plan
+from lora_kit.plan.multi_gpu import OUTPUT_DIR, multi_gpu_plan
 from lora_kit.settings import check_step
 
 PLAN_BATCH = "largest micro-batch that fits (up to 64)"
@@ -27,7 +27,7 @@ def _clean(value):
 
 def plan_record(table: pd.DataFrame, model: str, seq_len: int, num_examples: int = 10_000,
                 margin: float | None = None, gpu: str | None = None, method: str | None = None,
-                output_dir: str = "<output_dir>", time_model=None, **step) -> dict:
+                output_dir: str = OUTPUT_DIR, time_model=None, **step) -> dict:
     """plan.json: the method x GPU table of ``compare_methods`` with what it assumed.
 
     ``step`` are the step settings the table was computed with (as passed to ``compare_methods``);
