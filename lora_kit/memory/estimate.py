@@ -463,6 +463,12 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         fwd_block = layers + block + fwd_transient + (L - 1) * cached  # autocast's cache: earlier blocks' copies
         # the checkpoint keeps the eager mask as an input; lm_head's 16-bit copy is freed by its backward, before
         bwd_block = layers - head_cast + block + bwd_temps + mask
+        if cast and not autocast and up_lora:
+            # or while its forward is recomputed, at its widest MLP projection's LoRA sum (the forward's moment, the
+            # embedding output being block 0's input here), with the gradients waiting at the block's output: two
+            # in the 16-bit stream and the norm backward's fp32 one
+            rec = fwd_transient + _r(T * h * e) + _r(T * h * 4)
+            bwd_block = np.maximum(bwd_block, layers - head_cast + block + rec + mask)
         if autocast and lora and mlp_in and n_t["mlp_out"]:
             # or while its forward is recomputed under autocast, at the MLP output projection's LoRA A: the
             # gradients waiting at the block's output, the MLP's input, the residual (a 16-bit stream's: the norms
