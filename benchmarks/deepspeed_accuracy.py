@@ -102,13 +102,18 @@ def rank_main(case: dict, out: str) -> None:
 
 
 def main() -> None:
-    from lora_kit.memory.estimate import estimate
+    from lora_kit.memory.estimate import DEEPSPEED_REDUCE_BUCKET, DTYPE_BYTES, estimate
+    from lora_kit.memory.specs import model_spec
     from lora_kit.results import write_json_atomic
     rows = []
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     for case in cases():
         kw = {k: v for k, v in case.items() if k != "buckets"}
         row = {"case": case, "estimate": estimate(**kw).peak_allocated_bytes}
+        if case["buckets"] == "trainer":  # estimate counts the default bucket: swap in the Trainer's hidden_size**2
+            h = model_spec(case["model"]).hidden_size
+            row["estimate"] -= (DEEPSPEED_REDUCE_BUCKET - h * h) * DTYPE_BYTES[case["dtype"]]
+            row["estimate_note"] = "estimate with reduce_bucket_size = hidden_size**2 instead of the default 5e8"
         with tempfile.TemporaryDirectory() as d:
             out = Path(d) / "ranks.json"
             r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",

@@ -54,8 +54,12 @@ How it is built (exact by construction where the arithmetic allows it):
   gathered at each moment -- a tied embedding all step, the untied one again at the end of
   backward -- flat all-gather and reduce-scatter buffers, sharded optimizer states; within 1.6 % of
   ``simulate`` on ``benchmarks/memory_accuracy.py --sharded``); zero1, zero2, QLoRA, ``cpu_offload``
-  and the 8-bit / paged / adafactor optimizers keep the arithmetic above (DeepSpeed's own buffers are not
-  in it: ``benchmarks/deepspeed_accuracy.py``).
+  and the 8-bit / paged / adafactor optimizers keep the arithmetic above. ``zero2`` / ``zero3`` launch
+  DeepSpeed (the accelerate config lora_kit writes), so both add DeepSpeed's gradient bucket
+  (``DEEPSPEED_REDUCE_BUCKET`` elements of the trained dtype: 1 GB in bf16, whatever the model's size); its
+  other buffers are not modelled (``benchmarks/deepspeed_accuracy.py``: tiny fp32, 2 ranks, within 0.21 %
+  of the measured rank-0 peak with DeepSpeed's default buckets). ``simulate``'s zero2 / zero3 are FSDP2's
+  modes and have no such bucket.
 
 ``device_total_bytes`` = peak + CUDA context + allocator reserve. Both are **assumptions from
 public measurements until ``benchmarks/gpu_validate.py`` measures them on a GPU**: the context of a
@@ -98,6 +102,10 @@ PHASES = ("forward", "backward", "optimizer")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CUDA_CONTEXT_BYTES = 512 * 2**20  # assumption (see module docstring) until gpu_validate measures it
 RESERVE_FRACTION = 0.08  # assumption: allocator reserve / fragmentation as a share of the peak
+# DeepSpeed ZeRO-2 / ZeRO-3 allocate one gradient bucket of ``reduce_bucket_size`` elements (default 5e8, which the
+# accelerate config lora_kit writes leaves as is), in the trained dtype, whatever the model's size; measured on CPU
+# (deepspeed 0.19.8, 2 gloo ranks, tiny fp32: benchmarks/deepspeed_accuracy.py): 2,000,000,000 B of each rank's peak
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
 NF4_BLOCK = 64  # bitsandbytes 4-bit blocksize
 DQ_BLOCK = 256  # double-quant: absmax of the absmax, per 256 blocks
 OPT8_BLOCK = 256  # bitsandbytes 8-bit optimizer blocksize
@@ -632,6 +640,10 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
         totals = totals + extra
         idx, peak = np.argmax(totals, axis=0), np.max(totals, axis=0)
         out = {k: np.choose(idx, [np.broadcast_to(x, peak.shape) for x in v]) for k, v in parts.items()}
+    if sharding in ("zero2", "zero3"):  # the engine the accelerate config launches: DeepSpeed's reduce bucket
+        ds_bucket = zero + DEEPSPEED_REDUCE_BUCKET * DTYPE_BYTES[dtype]  # allocated whole at the first backward, kept
+        peak = peak + ds_bucket
+        out["gradients"] = out["gradients"] + ds_bucket
     out["activations"] = peak - sum(out[k] for k in BREAKDOWN_KEYS[:5])
     out = {k: np.asarray(v, dtype=np.int64) for k, v in out.items()}
     out["peak_allocated_bytes"] = peak.astype(np.int64)

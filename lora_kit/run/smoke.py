@@ -207,11 +207,12 @@ def _memory_model(s, model_path: str, measured: int | None, world: int, simulate
     """estimate / simulate beside the measured peak (per-GPU ddp / fsdp too when several processes run).
 
     They describe the step that ran: one GPU (``sharding="none"``), or, under FSDP2, one GPU of
-    ``num_gpus=world`` with that sharding (simulate then runs in a spawned process: its fake FSDP2 world
-    cannot start in a process that joined the real one)."""
+    ``num_gpus=world`` and ``sharding="fsdp"`` (FSDP2 ran, also for "zero3": ``estimate``'s zero3 is DeepSpeed's,
+    with its gradient bucket; simulate then runs in a spawned process: its fake FSDP2 world cannot start in a
+    process that joined the real one)."""
     kw = {**s.estimate_kwargs(), "model": model_path}
-    step = {"num_gpus": world, "sharding": s.sharding} if dist_util.runs_sharded(s) else {"num_gpus": 1,
-                                                                                          "sharding": "none"}
+    step = {"num_gpus": world, "sharding": "fsdp"} if dist_util.runs_sharded(s) else {"num_gpus": 1,
+                                                                                      "sharding": "none"}
     out = {}
     models = {"estimate": estimate, "simulate": simulate_step} if simulate else {"estimate": estimate}
     for name, fn in models.items():
