@@ -42,7 +42,7 @@ def test_two_process_smoke_run_under_torchrun(random_llama_dir, tmp_path):
     params.write_text(yaml.safe_dump({"model": str(random_llama_dir), "dataset": str(data),
                                       "control_dataset": str(control), "max_steps": 2, "batch_size": 2,
                                       "seq_len": 32, "lora_rank": 4, "lora_alpha": 8, "max_new_tokens": 2,
-                                      "run_dir": str(tmp_path / "run")}))
+                                      "run_dir": str(tmp_path / "run"), "num_gpus": 4}))  # planned: 4
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "lora_kit.run.smoke", "--params", str(params), "--no-simulate", "--measure-steps", "2"]
@@ -58,7 +58,9 @@ def test_two_process_smoke_run_under_torchrun(random_llama_dir, tmp_path):
     assert "rank 1: measured peak" in out.stdout and "estimate_ddp_per_gpu" in out.stdout
     assert rec["verify"]["passed"] and len(rec["steps"]) == 2
     from accelerate.commands.config.config_args import load_config_from_file
-    assert load_config_from_file(rec["accelerate_config"]).num_processes == 2
+    assert load_config_from_file(rec["accelerate_config"]).num_processes == 4  # the config is for the planned run
+    assert rec["launch"]["note"].startswith("settings plan num_gpus=4; this run has 2 ranks")  # not silent
+    assert "note: settings plan num_gpus=4" in out.stdout
 
 
 def test_smoke_cli_refuses_a_lora_kit_run_folder_once_naming_its_own(tmp_path, monkeypatch, capsys):

@@ -303,6 +303,9 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
                   "note": "peak of the second step (index 1) is what estimate/simulate describe; batches are "
                           "padded to seq_len; untracked steps record time, loss and process RSS only"},
               "steps": [], "oom": None, "error": None}
+    if world > 1 and s.num_gpus not in (1, world):  # the plan's N is not the launch's: say which one is measured
+        record["launch"]["note"] = (f"settings plan num_gpus={s.num_gpus}; this run has {world} ranks: the measured "
+                                    f"peaks, estimate and simulate describe {world}")
     run = _Run(out, record, write=rank == 0)
     handler = None
     if rank == 0:
@@ -625,6 +628,8 @@ def summary(rec: dict) -> str:
     lines = [f"smoke run: {rec['status']}"]
     if (rec.get("launch") or {}).get("sharding", "none") != "none":
         lines.append(f"  sharding: {rec['launch']['sharding']}")
+    if (rec.get("launch") or {}).get("note"):
+        lines.append(f"  note: {rec['launch']['note']}")
     if rec.get("data"):
         lines.append("  " + long_examples_line(rec["data"]))
     peaks = rec.get("peaks") or {}
