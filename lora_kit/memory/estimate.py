@@ -75,9 +75,9 @@ mixture-of-experts blocks (router, dispatch buffers, experts, LoRA on experts) b
 ``autocast=True`` counts autocast's 16-bit weight copies, LoRA's 16-bit input copies, QLoRA's 16-bit
 attention, the K/V cache's copies beside them and the forward's moments a block holds (SmolLM2-135M cut to 2
 layers: within 0.003 % of ``simulate``, 8 settings; the embedded tiny model without checkpointing: within
-0.21 % of real CPU steps, with checkpointing LoRA / QLoRA within 0.44 %), but not yet full fine-tuning's
-bottom block with checkpointing, whose backward peaks before its gate/up gradients exist (+3.77 %, the README's
-accuracy table); DeepSpeed / FSDP communication buffers are not counted; full fine-tuning's backward end counts
+0.21 % of real CPU steps, with checkpointing within 0.44 %: full fine-tuning's recomputed blocks at their MLP's
+output-projection weight gradient and product backward, before the gate/up gradients exist, -0.18 %, was +3.77 %);
+DeepSpeed / FSDP communication buffers are not counted; full fine-tuning's backward end counts
 the fp32 ``V x h`` buffer the CPU embedding-backward kernel accumulates into (in fp32 it is the embedding's
 gradient itself unless tied to lm_head, then it and its sum with lm_head's gradient) (what ``simulate`` sees:
 the CUDA kernel accumulates per unique token instead, so on a GPU this term is smaller -- ``gpu_validate`` measures
@@ -463,6 +463,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     # eager: a (B, 1, S, S) mask per attention type (Gemma-2: sliding and global); checkpointing keeps them as block
     # inputs through backward
     mask = len(set(_layer_types(spec))) * _r(B * S * S * e) if attn == "eager" else 0
+    block_moments = None
     if gc:  # only block inputs stay; one block is recomputed during backward
         layers = L * _r(T * h * es) + rope + bool_mask  # block inputs (the stream dtype); the bool mask is one too
         layers = layers + np.where(window > 0, _r(B * S * S), 0)  # the sliding-window bool mask, an input too
@@ -487,6 +488,23 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             rec = (3 if es == 4 else 4) * _r(T * h * es) + _r(T * h * eo) + _r(T * i * eo) + \
                 (_r(T * i * 4) if eo != 4 else 0) - (_r(T * h * 4) if es == 4 else 0)
             bwd_block = np.maximum(bwd_block, layers - head_cast + block + rec + mask)
+        if method == "full" and autocast and spec.gated_mlp and mlp_in and moe is None and attn == "sdpa":
+            # a recomputed block's backward -- the top block's, every block input kept, or the bottom block's, the
+            # embedding output its only input left --, at two moments: (a) the MLP
+            # output projection's weight gradient -- its 16-bit copy and the product still live, with the
+            # gradient at the block's output (fp32), its 16-bit cast, the product's gradient and the 16-bit weight
+            # gradient; (b) the product's backward (mul) -- the projection's fp32 gradient made and its 16-bit copy
+            # freed, the product freed, its gradient and both of mul's outputs (the activation's and the up
+            # projection's gradients) live with the gate/up outputs and the activation, before any gate/up weight
+            # gradient exists. The first norm's fp32 input is the block input itself (fp32 stream), not a copy.
+            # (activations only: estimate_arrays adds the gradients made by then)
+            u, dn = _r(T * i * e), [lin for lin in spec.linears if lin.kind == "mlp_out"]
+            dn_copy = sum(_r(lin.out_features * lin.in_features * 2) for lin in dn)
+            top = layers - head_cast + block - _r(T * h * 4) + mask
+            at_down = _r(T * h * 2) + u + _r(T * h * 4) + dn_copy  # the 16-bit weight gradient: the copy's size
+            at_mul = 3 * u + _r(T * h * 4) - dn_copy - group["mlp_out"]
+            bottom = top - (L - 1) * _r(T * h * es)
+            block_moments = (top + at_down, top + at_mul, bottom + at_down, bottom + at_mul)
     else:
         layers = L * block - (first_free if first_norm_free else 0) + rope + window
         layers = layers + L * blk_casts + head_cast - first_casts  # autocast's 16-bit weight copies
@@ -520,7 +538,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             # inputs, the stream and the running projection's outputs are live inside one (sharded steps only)
             "forward_block": (fwd_block - block + not_yet if gc else fwd_block) + mask + (0 if gc else bool_mask),
             "block_saved": _r(T * h * es) if gc else block,
-            "backward_norm": bwd_norm,
+            "backward_norm": bwd_norm, "backward_moments": block_moments,
             # between blocks L - 2 and L - 1 (sharded: the last block's all-gather): what blocks 0 .. L - 2 saved, the
             # embedding output and the stream (checkpointing: every block's input)
             "forward_between": (layers - head_cast + (L - 1) * cached if gc else
@@ -616,6 +634,22 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
             block_grads = grads * (spec.num_layers - 1) // spec.num_layers
         if method != "full" and (experts["gate_up"] or experts["down"]):  # LoRA on experts: the top block's
             in_block = in_block + block_grads  # own expert gradients are this large already, every input kept
+        elif act["backward_moments"] is not None:  # full fine-tuning under autocast: the moments apart
+            def wgrads(kind):  # one block's weight (and bias) gradients of one kind of linear
+                return sum(int(_r(lin.out_features * lin.in_features * wb)) + (int(_r(lin.out_features * wb)) if
+                           lin.bias else 0) for lin in spec.linears if lin.kind == kind)
+            wi, wo = wgrads("mlp_in"), wgrads("mlp_out")
+            # the top block: lm_head's and the final norm's gradients made (its output projection's at (b)); the
+            # bottom block: every gradient but the embedding's and its own (but its output projection's at (b))
+            head = int(_r(spec.vocab_size * spec.hidden_size * wb)) + \
+                int(_r(spec.hidden_size * wb)) * (1 + spec.norm_bias)
+            g_mul = np.maximum(block_grads - wi, 0)
+            moments = [(m, g) for m, g in zip(act["backward_moments"], (zero + head, zero + head + wo,
+                                                                        np.maximum(g_mul - wo, 0), g_mul))]
+            in_block, block_grads = moments[0][0] + moments[0][1], moments[0][1]
+            for m, g in moments[1:]:
+                block_grads = np.where(m + g > in_block, g, block_grads)
+                in_block = np.maximum(in_block, m + g)
         else:
             bottom = in_block - (spec.num_layers - 1) * act["block_saved"] + block_grads
             block_grads = np.where(bottom >= in_block, block_grads, 0)
