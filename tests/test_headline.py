@@ -14,10 +14,10 @@ def test_65b_fits_48gb_only_with_the_paged_optimizer_and_70b_does_not():
     assert r65["fits_no_margin"] and not no_paging["fits_no_margin"]  # paging the 32-bit states is what fits it
     assert not r70["fits_no_margin"] and not r70["fits_10%_margin"]
     assert no_paging["breakdown"]["optimizer_states"] == h["paged_optimizer_bytes"] > 0
-    # the parts that differ between the two models add up to the whole gap (both peaks: end of backward)
+    # the parts that differ between the two models add up to the whole gap (both peaks in backward)
     d65, d70 = h["differences"]
     parts = ("4-bit linear weights", "embedding + lm_head (fp32)", "quantization constants", "LoRA adapters (fp32)",
-             "their gradients")
+             "gradients at the peak", "activations at the peak")
     assert r65["phase"] == r70["phase"] == "backward"
     assert sum(d70[p] - d65[p] for p in parts) == r70["peak_allocated_bytes"] - r65["peak_allocated_bytes"]
     assert d70["embedding + lm_head (fp32)"] - d65["embedding + lm_head (fp32)"] > 0.7 * (
