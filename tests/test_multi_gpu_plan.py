@@ -152,7 +152,8 @@ def card(tmp_path_factory, fsdp_toy, random_llama_dir):
     (d / "smoke").mkdir()
     (d / "smoke" / "smoke.json").write_text(json.dumps({
         "status": "complete", "settings": {"model": str(random_llama_dir), "sharding": "fsdp", "batch_size": 2},
-        "launch": {"world_size": 2, "device": "cpu", "sharding": "fsdp (FSDP2, 2 ranks)"},
+        "launch": {"world_size": 2, "device": "cpu", "sharding": "fsdp (FSDP2, 2 ranks)",
+                   "fsdp": {"policy": "accelerate", "layer_class": "LlamaDecoderLayer", "mesh": [2], "reshard_after_forward": True}},  # as the sharded smoke run records it
         "checkpoint": {"dir": str(d / "smoke" / "adapter"), "bytes": 37847, "gathered_from_ranks": 2,
                        "written_by_rank": 0},
         "peaks": {"design_step_peak_bytes": sim.peak_allocated_bytes,

@@ -103,7 +103,8 @@ def test_card_of_a_smoke_run_folder_of_its_own(tmp_path):
     (tmp_path / "smoke").mkdir()
     (tmp_path / "smoke" / "smoke.json").write_text(json.dumps({
         "status": "complete", "settings": s.to_dict(),
-        "launch": {"world_size": 2, "device": "cpu", "sharding": "fsdp (FSDP2, 2 ranks)"},
+        "launch": {"world_size": 2, "device": "cpu", "sharding": "fsdp (FSDP2, 2 ranks)",
+                   "fsdp": {"policy": "accelerate", "layer_class": "LlamaDecoderLayer", "mesh": [2], "reshard_after_forward": True}},  # as the sharded smoke run records it
         "measurement": {"design_step": 1},
         "peaks": {"per_rank": [{"rank": 0, "design_step_peak_bytes": 2 ** 20, "max_peak_bytes": 2 ** 20},
                                {"rank": 1, "design_step_peak_bytes": 2 ** 20, "max_peak_bytes": 2 ** 20}]},

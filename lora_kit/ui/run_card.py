@@ -383,7 +383,7 @@ def _measured_ranks(smoke: dict, plan_model: str | None) -> list[str]:
         return []
     st, launch = smoke.get("settings") or {}, smoke.get("launch") or {}
     ran = str(launch.get("sharding") or st.get("sharding") or "none")  # smoke.json names the engine that ran
-    sh = "ddp" if ran.startswith(("ddp", "none")) else ("fsdp" if "FSDP2" in ran else ran.split()[0])
+    sh = "fsdp" if launch.get("fsdp") else "ddp"  # launch.fsdp is there when FSDP2 sharded the run, else DDP ran
     mm = smoke.get("memory_model") or {}
     est_keys = [k for k in mm if k.startswith("estimate_") and k.endswith("_per_gpu")]
     est = _per_gpu(mm.get(f"estimate_{sh}_per_gpu"))
