@@ -624,10 +624,12 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
     in_block, block_grads = act["backward_block"], zero
     if gradient_checkpointing:  # a recomputed block's backward: the top block's with every block input still kept,
         # or the bottom block's, with the inputs above it freed and the gradients of the blocks above it made
+        def wgrads(kind):  # one block's weight (and bias) gradients of one kind of linear
+            return sum(int(_r(lin.out_features * lin.in_features * wb)) + (int(_r(lin.out_features * wb)) if
+                       lin.bias else 0) for lin in spec.linears if lin.kind == kind)
         if method == "full":  # all but the embedding's and, at its MLP input gradient, the bottom block's own
             embed = 0 if spec.tied_embeddings else int(_r(spec.vocab_size * spec.hidden_size * wb))
-            own = sum(int(_r(lin.out_features * lin.in_features * wb)) + (int(_r(lin.out_features * wb)) if lin.bias
-                      else 0) for lin in spec.linears if lin.kind in ("attn_in", "attn_out")) + \
+            own = wgrads("attn_in") + wgrads("attn_out") + \
                 _norms_per_layer(spec) * int(_r(spec.hidden_size * wb)) * (1 + spec.norm_bias)  # attention's, norms'
             block_grads = np.maximum(grads - embed - own, 0)
         else:  # the adapters of the blocks above
@@ -635,9 +637,6 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
         if method != "full" and (experts["gate_up"] or experts["down"]):  # LoRA on experts: the top block's
             in_block = in_block + block_grads  # own expert gradients are this large already, every input kept
         elif act["backward_moments"] is not None:  # full fine-tuning under autocast: the moments apart
-            def wgrads(kind):  # one block's weight (and bias) gradients of one kind of linear
-                return sum(int(_r(lin.out_features * lin.in_features * wb)) + (int(_r(lin.out_features * wb)) if
-                           lin.bias else 0) for lin in spec.linears if lin.kind == kind)
             wi, wo = wgrads("mlp_in"), wgrads("mlp_out")
             # the top block: lm_head's and the final norm's gradients made (its output projection's at (b)); the
             # bottom block: every gradient but the embedding's and its own (but its output projection's at (b))
