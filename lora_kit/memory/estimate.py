@@ -72,6 +72,7 @@ comparisons in public issues). The constants are ``CUDA_CONTEXT_BYTES`` and ``RE
 Known limits: architectures outside llama / mistral / qwen2 / qwen3 / gemma / gemma2 / phi3 /
 gpt_neox are read from a meta-device build and their activations modelled as a Llama-like block;
 mixture-of-experts blocks (router, dispatch buffers, experts, LoRA on experts) by :mod:`lora_kit.memory.moe`;
+DeepSeek's multi-head latent attention by :mod:`lora_kit.memory.mla` (the CPU kernel's math path: on CUDA less);
 ``autocast=True`` counts autocast's 16-bit weight copies, LoRA's 16-bit input copies, QLoRA's 16-bit
 attention, the K/V cache's copies beside them and the forward's moments a block holds (SmolLM2-135M cut to 2
 layers: within 0.003 % of ``simulate``, 8 settings; the embedded tiny model without checkpointing: within
@@ -93,6 +94,7 @@ import numpy as np
 
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
 from lora_kit.memory.fsdp_math import fsdp_totals
+from lora_kit.memory.mla import is_mla, mla_attention, mla_rope_bytes
 from lora_kit.memory.moe import expert_lora, expert_lora_tensors, moe_block
 from lora_kit.memory.loops import loop_terms, sft_head
 from lora_kit.memory.specs import ModelSpec, check_targets, model_spec
@@ -362,6 +364,12 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         else:
             group[kind] = 0
         block = block + group[kind]
+    # DeepSeek's multi-head latent attention: its own linears' widths, latent norms, cache and kernel (memory.mla)
+    mla = mla_attention(spec, lora=lora, targets=targets, e=e, ce=ce, cast=cast, attn=attn, T=T, B=B, S=S, r=r,
+                        cache=not gc and loop != "sft" and spec.config.get("use_cache", True)) if is_mla(spec) else None
+    if mla is not None:
+        block = block - group["attn_in"] - group["attn_out"] + mla["attn_in"] + mla["attn_out"]
+        group["attn_in"], group["attn_out"] = mla["attn_in"], mla["attn_out"]
     v_bytes = _r(T * kv * d * ea)
     # a padded batch: transformers builds a (B, 1, S, S) bool mask; SDPA casts it to the compute dtype in every
     # layer and, with a mask, GQA is off: repeat_kv copies K and V out to all H heads (both kept for backward)
@@ -383,6 +391,8 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             attn_base = attn_base + _r(scores * e)
     attn_base = attn_base + _qk_norm(spec, T, lora, e)
     kv_cache = _kv_cache(spec, method, autocast, gc, attn, loop, T, masked, kv_repeat != 0, e, ea, es)
+    if mla is not None:  # the math path keeps no mask (it adds it), and K / V are per head already
+        attn_base, kv_cache = mla["base"], mla["cache"]
     mlp_base = (3 if spec.gated_mlp else 1) * _r(T * i * e)
     moe = _moe_terms(spec, method, dtype, autocast, e, experts, group, T, r) if spec.moe else None
     if moe is not None:
@@ -394,6 +404,8 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     # and then a sequential MLP too unless its inputs are targeted)
     if lora and spec.parallel_residual:
         first_free = first_free + (0 if n_t["attn_in"] else attn_base) + (0 if n_t["mlp_in"] else mlp_base)
+    elif mla is not None and lora and n_t["attn_in"]:  # MLA: what its block 0 keeps less (memory.mla)
+        first_free = first_free + mla["first_free"]
     elif lora and not n_t["attn_in"]:
         first_free = first_free + attn_base
         if not n_t["attn_out"]:  # the MLP's input has no grad either: only what its targeted inputs need
@@ -433,18 +445,28 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     bwd_temps = bwd_temps + (0 if gc and lora and not cast else 2 * _r(T * h * 4)) - group["mlp_out"]
     if moe is not None:  # routed experts' backward, or the end of a checkpoint's recomputed forward
         moe_bwd = moe["backward"]
-        if gc:
-            moe_bwd = np.maximum(moe_bwd, stream + moe["forward"])
+        if gc and moe["recompute"] is not None and spec.model_type.startswith("deepseek"):
+            moe_bwd = np.maximum(moe_bwd, stream + moe["recompute"])  # DeepSeek: as it was (shared experts after)
+        elif gc:  # the gradient at the recomputed block's output waits through its experts' backward
+            moe_bwd = moe_bwd + _r(T * h * e)
+            if moe["recompute"] is not None:  # the recompute reaches the experts' end (Qwen2-MoE's shared gate after
+                # them): the gradient waiting, the stream, less the gate's LoRA input copy and A output, not made yet
+                gate = [lin for lin in spec.linears if lin.kind == "mlp_in" and lin.out_features == 1]
+                post = sum(_r(T * h * ce) * (cast or ce == 2) + _r(T * r * ce) for lin in gate if lin.name in targets)
+                moe_bwd = np.maximum(moe_bwd, stream + moe["recompute"] + _r(T * h * e) - post)
         bwd_temps = np.maximum(bwd_temps if moe["dense_mlp"] else 0, moe_bwd)
-    if attn == "eager":  # softmax backward: fp32 grad of the scores + its result, once the MLP's saved are freed
+    if attn == "eager" or mla is not None:  # softmax backward: fp32 grad of the scores + its result, once the
+        # MLP's saved are freed (MLA's SDPA takes the math path, which keeps fp32 probabilities like eager)
         scores = B * H * S * S
         mlp_saved = (3 if spec.gated_mlp else 1) * _r(T * i * e) + group["mlp_in"] + group["mlp_out"]
-        attn_temps = 2 * _r(scores * 4) - (_r(scores * e) if e != 4 else 0) - mlp_saved - norm
+        attn_temps = (mla["softmax_bwd"] if mla is not None else 2 * _r(scores * 4) - (_r(scores * e) if e != 4 else 0)) \
+            - mlp_saved - norm
         bwd_temps = np.maximum(bwd_temps, attn_temps)
     first_norm_free = lora and not gc  # the frozen embedding's output needs no grad: block 0's norm saves nothing
     blk_casts, head_cast, first_casts, cached, first_cached = \
         _autocast_casts(spec, method, dtype, targets, r, first_norm_free) if autocast else (0, 0, 0, 0, 0)
-    rope = _rope_bytes(spec, S, es)  # cos/sin (in the embedding output's dtype) + the inv_freq buffers
+    rope = _rope_bytes(spec, S, es) if mla is None else mla_rope_bytes(spec, S)  # cos/sin (in the embedding output's
+    # dtype) + the inv_freq buffers
     final = norm + (_r(T * h * e) if not lora else 0)  # full fine-tuning: lm_head keeps its input
     # full fine-tuning under autocast: lm_head keeps its own 16-bit cast (in ``final``); the final norm's fp32
     # output, which the model holds until the loss is taken, is one more copy through the forward's end
@@ -472,7 +494,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         fwd_block = layers + block + fwd_transient + (L - 1) * cached  # autocast's cache: earlier blocks' copies
         # the checkpoint keeps the eager mask as an input; lm_head's 16-bit copy is freed by its backward, before
         bwd_block = layers - head_cast + block + bwd_temps + mask
-        if cast and not autocast and up_lora:
+        if cast and not autocast and up_lora and moe is None:  # (MoE: the experts' end, above)
             # or while its forward is recomputed, at its widest MLP projection's LoRA sum (the forward's moment, the
             # embedding output being block 0's input here), with the gradients waiting at the block's output: two
             # in the 16-bit stream and the norm backward's fp32 one
@@ -634,9 +656,7 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
             block_grads = np.maximum(grads - embed - own, 0)
         else:  # the adapters of the blocks above
             block_grads = grads * (spec.num_layers - 1) // spec.num_layers
-        if method != "full" and (experts["gate_up"] or experts["down"]):  # LoRA on experts: the top block's
-            in_block = in_block + block_grads  # own expert gradients are this large already, every input kept
-        elif act["backward_moments"] is not None:  # full fine-tuning under autocast: the moments apart
+        if act["backward_moments"] is not None:  # full fine-tuning under autocast: the moments apart
             wi, wo = wgrads("mlp_in"), wgrads("mlp_out")
             # the top block: lm_head's and the final norm's gradients made (its output projection's at (b)); the
             # bottom block: every gradient but the embedding's and its own (but its output projection's at (b))
