@@ -581,7 +581,10 @@ def _moe_terms(spec: ModelSpec, method: str, dtype: str, autocast: bool, e: int,
     if dense and i_s and i_s != i:  # DeepSeek: the dense terms are block 0's MLP; MoE blocks' shared experts are narrower
         drop = drop + (3 if spec.gated_mlp else 1) * (_r(T * i * e) - _r(T * i_s * e)) + \
             (_r(T * i * e) - _r(T * i_s * e) if method == "full" else 0)
-    out = moe_block(spec, method, e, w, experts or expert_lora(spec, ()), T, r)
+    # the experts run in the residual stream's dtype: under autocast ``grouped_mm`` (and peft's W + B@A) are not cast,
+    # so with fp32 weights the routed part stays fp32 while the attention's linears run in 16-bit
+    ex = (4 if method in ("full", "qlora") else DTYPE_BYTES[dtype]) if autocast else e
+    out = moe_block(spec, method, ex, w, experts or expert_lora(spec, ()), T, r)
     return {**out, "saved": out["saved"] - drop, "dense_mlp": dense, "blocks": len(spec.moe["moe_layers"])}
 
 
