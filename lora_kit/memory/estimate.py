@@ -445,15 +445,16 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     bwd_temps = bwd_temps + (0 if gc and lora and not cast else 2 * _r(T * h * 4)) - group["mlp_out"]
     if moe is not None:  # routed experts' backward, or the end of a checkpoint's recomputed forward
         moe_bwd = moe["backward"]
-        if gc and moe["recompute"] is not None and spec.model_type.startswith("deepseek"):
-            moe_bwd = np.maximum(moe_bwd, stream + moe["recompute"])  # DeepSeek: as it was (shared experts after)
-        elif gc:  # the gradient at the recomputed block's output waits through its experts' backward
-            moe_bwd = moe_bwd + _r(T * h * e)
-            if moe["recompute"] is not None:  # the recompute reaches the experts' end (Qwen2-MoE's shared gate after
-                # them): the gradient waiting, the stream, less the gate's LoRA input copy and A output, not made yet
-                gate = [lin for lin in spec.linears if lin.kind == "mlp_in" and lin.out_features == 1]
-                post = sum(_r(T * h * ce) * (cast or ce == 2) + _r(T * r * ce) for lin in gate if lin.name in targets)
-                moe_bwd = np.maximum(moe_bwd, stream + moe["recompute"] + _r(T * h * e) - post)
+        if gc and spec.model_type.startswith("deepseek"):  # DeepSeek: as it was (its shared experts run after)
+            moe_bwd = np.maximum(moe_bwd, stream + moe["recompute"])
+        elif gc:  # the gradient at the recomputed block's output waits through its experts' backward; or the
+            # recompute's last moment (moe.py), less what the block saves after it: Qwen2-MoE's shared-expert gate's
+            # LoRA input copy and A output
+            gate = [lin for lin in spec.linears if lin.kind == "mlp_in" and lin.out_features == 1]
+            post = sum(_r(T * h * ce) * (cast or ce == 2) + _r(T * r * ce) for lin in gate if lin.name in targets)
+            moe_bwd = np.maximum(moe_bwd + _r(T * h * e), stream + moe["recompute"] - post)
+        if moe["dense_mlp"] and moe["shared_first"]:  # the shared expert's backward, the routed experts' saved freed
+            bwd_temps = bwd_temps - moe["saved"]
         bwd_temps = np.maximum(bwd_temps if moe["dense_mlp"] else 0, moe_bwd)
     if attn == "eager" or mla is not None:  # softmax backward: fp32 grad of the scores + its result, once the
         # MLP's saved are freed (MLA's SDPA takes the math path, which keeps fp32 probabilities like eager)

@@ -108,8 +108,10 @@ def expert_lora_tensors(spec, flags: dict, r) -> list:
 
 def moe_block(spec, method: str, e: int, w: int, flags: dict, T, r) -> dict:
     """Bytes of one MoE block's routed part (router, dispatch, experts; shared experts are the dense MLP
-    machinery's): ``saved`` for backward, the forward transient on top of it (``forward``) and the backward
-    transient inside the block (``backward``, on top of what the block saved), arrays over ``T`` / ``r``.
+    machinery's): ``saved`` for backward, the forward transient on top of it (``forward``), the backward
+    transient inside the block (``backward``, on top of what the block saved) and, with checkpointing, the
+    transient where the block's recomputed forward holds most (``recompute``, on top of what the block saved and
+    the stream), arrays over ``T`` / ``r``.
 
     ``e``: bytes of the stream's dtype; ``w``: of the expert weights (QLoRA: fp32, as
     ``prepare_model_for_kbit_training`` up-casts every non-quantized parameter)."""
@@ -157,7 +159,20 @@ def moe_block(spec, method: str, e: int, w: int, flags: dict, T, r) -> dict:
     if gu:  # the up projection's weight gradient, a full (E, 2i, h) tensor, once the down projection's part is freed
         down_part = _r(S * i * e) + _r(S * h * e) + (_r(E * h * i * w) if flags["down"] and not full else 0)
         bwd = np.maximum(bwd, _r(E * 2 * i * h * w) + _r(S * h * e) + _r(S * 2 * i * e) - down_part)
-    return {"saved": saved, "forward": fwd, "backward": bwd}
+    # a checkpoint's recomputed forward (non-reentrant, early stop) runs only up to the block's last saved tensor. With
+    # nothing saved after the routed experts (Mixtral, Qwen3-MoE) it stops before putting their output back in token
+    # order, with the backward's copy of the output gradient (``(T, k, h)``, taken before the recompute), the weighted
+    # output and the dispatch's locals live: as large as ``forward`` (the stream: residual, norm output and the
+    # gradient at the block's output). Qwen2-MoE's shared-expert gate saves after them, so its recompute reaches the
+    # experts' end (``forward``, no copy taken yet), with the gradient at the block's output waiting beside the stream
+    # (residual, norm output, shared expert output) and the gate's sigmoid not made yet (``saved`` counts it and
+    # the shared expert output the gating multiply keeps). DeepSeek (shared experts after the routed ones): ``forward``.
+    recompute = fwd + _r(T * h * e) - _r(T * h * e) - _r(T * e) if spec.config.get("shared_expert_intermediate_size") \
+        else fwd
+    # Qwen2-MoE runs its shared expert before the routed ones: its backward (the dense MLP's moments) comes after the
+    # routed experts' backward has freed what the block saved for them (``saved``)
+    shared_first = bool(spec.config.get("shared_expert_intermediate_size"))
+    return {"saved": saved, "forward": fwd, "backward": bwd, "recompute": recompute, "shared_first": shared_first}
 
 
 def moe_note(spec, method: str, targets="all-linear") -> str:
