@@ -445,8 +445,14 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     bwd_temps = bwd_temps + (0 if gc and lora and not cast else 2 * _r(T * h * 4)) - group["mlp_out"]
     if moe is not None:  # routed experts' backward, or the end of a checkpoint's recomputed forward
         moe_bwd = moe["backward"]
-        if gc and spec.model_type.startswith("deepseek"):  # DeepSeek: as it was (its shared experts run after)
-            moe_bwd = np.maximum(moe_bwd, stream + moe["recompute"])
+        if gc and spec.model_type.startswith("deepseek"):  # DeepSeek's shared experts run after the routed ones, so
+            # what they save (counted in the block) is not there at either moment: the routed experts' backward, with
+            # the gradient at the block's output (the shared experts' backward has run and freed theirs), or the
+            # recompute's end of the routed experts (the shared experts not run yet)
+            i_s = spec.moe["shared_intermediate_size"]
+            shared = (3 if spec.gated_mlp else 1) * _r(T * i_s * e) + (0 if lora else _r(T * i_s * e)) + \
+                group["mlp_in"] + group["mlp_out"]
+            moe_bwd = np.maximum(moe_bwd + _r(T * h * e), stream + moe["recompute"]) - shared
         elif gc:  # the gradient at the recomputed block's output waits through its experts' backward; or the
             # recompute's last moment (moe.py), less what the block saves after it: Qwen2-MoE's shared-expert gate's
             # LoRA input copy and A output
