@@ -53,7 +53,8 @@ def mla_attention(spec, *, lora: bool, targets: tuple, e: int, ce: int, cast: bo
     reading the frozen embedding's output, keeps less with LoRA when only some attention linears are targeted).
 
     ``e``: the stream's dtype bytes, ``ce``: peft's cast of a LoRA input (fp32, or 16-bit under autocast),
-    ``cast``: whether peft copies each LoRA input (the stream is not fp32); ``cache``: a forward without
+    ``cast``: whether peft copies each LoRA input (the stream is not fp32; under autocast each LoRA matmul keeps
+    its own 16-bit cast anyway); ``cache``: a forward without
     checkpointing builds the cache."""
     m = mla_dims(spec)
     H, c, qr, dr, dq, dv = m["H"], m["c"], m["qr"], m["dr"], m["dq"], m["dv"]
@@ -71,7 +72,7 @@ def mla_attention(spec, *, lora: bool, targets: tuple, e: int, ce: int, cast: bo
         if not lora:  # full fine-tuning: each input once, in the stream dtype, for the weights' gradients
             kept = _r(T * width[src] * e)
         else:
-            kept = len(hit) * _r(T * width[src] * ce) if cast else _r(T * width[src] * e)
+            kept = len(hit) * _r(T * width[src] * ce) if cast or ce == 2 else _r(T * width[src] * e)
             kept = kept + len(hit) * _r(T * r * ce)
         if src == "out":
             attn_out = attn_out + kept
