@@ -48,3 +48,14 @@ def test_estimate_within_half_a_percent_of_simulate(over, kw):
     e, s = estimate(cfg, **kw), simulate(cfg, **kw)
     assert abs(e.peak_allocated_bytes - s.peak_allocated_bytes) <= 0.005 * s.peak_allocated_bytes
     assert e.breakdown["adapters"] == s.breakdown["adapters"]
+
+
+def test_a_plan_says_which_attention_kernel_it_counts():
+    """The planner's note on an MLA model names the CPU math path and the probabilities it keeps, from the same
+    arithmetic as the estimate (one block with checkpointing, every block without)."""
+    from lora_kit.plan.planner import check_plan
+    on = check_plan("deepseek-v2-lite", "H100-SXM", method="lora", seq_len=2048)["note"]
+    off = check_plan("deepseek-v2-lite", "H100-SXM", method="lora", seq_len=2048, gradient_checkpointing=False)["note"]
+    assert "math path" in on and "0.25 GiB in the recomputed block" in on  # 16 heads x 2048^2 x 4 B
+    assert "6.75 GiB in all blocks" in off  # x 27 blocks
+    assert check_plan("llama-3.1-8b", "H100-SXM", method="lora")["note"] == ""

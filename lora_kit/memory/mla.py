@@ -111,3 +111,19 @@ def mla_rope_bytes(spec, S):
     """The rotary table: one complex64 ``(S, dr/2)`` tensor and the two fp32 inverse-frequency buffers."""
     dr = mla_dims(spec)["dr"]
     return _r(S * dr * 4) + 2 * _r(dr // 2 * 4)
+
+
+def mla_note(spec, attn: str = "sdpa", seq_len: int = 2048, batch_size: int = 1, gradient_checkpointing: bool = True
+             ) -> str:
+    """One line for a plan on an MLA model: which attention kernel the figure counts (empty for other models)."""
+    if not is_mla(spec):
+        return ""
+    m = mla_dims(spec)
+    blocks = 1 if gradient_checkpointing else spec.num_layers
+    probs = blocks * int(_r(batch_size * m["H"] * seq_len * seq_len * 4))
+    kernel = (f"SDPA's math path, which PyTorch takes on a CPU because the query/key heads ({m['dq']}) are wider than "
+              "the value heads" if attn == "sdpa" else "eager attention, which keeps them too") + f" ({m['dv']})"
+    return (f"{spec.name} uses multi-head latent attention: the figure counts {kernel}, keeping fp32 attention "
+            f"probabilities ({probs / 2**30:.2f} GiB in {'the recomputed block' if blocks == 1 else 'all blocks'}); "
+            "on a GPU, PyTorch's memory-efficient SDPA kernel accepts these widths and keeps no probabilities: up to "
+            "that much less (arithmetic, not measured here).")

@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from lora_kit.memory.estimate import estimate, estimate_arrays
+from lora_kit.memory.mla import mla_note
 from lora_kit.memory.moe import moe_note
 from lora_kit.memory.specs import model_spec
 from lora_kit.plan.gpus import get_gpu, gpu_table, resolve_prices
@@ -352,7 +353,10 @@ def check_plan(model, gpu: str, margin: float = 0.10, **kwargs) -> dict:
     v = fit_verdict(est.device_total_bytes, gpu, margin)
     fits = bool(v["fits"])
     fix = None if fits else next(iter(fixes(gpu, margin, model=model, first_only=True, **kwargs)), None)
-    note = moe_note(model_spec(model), est.settings["method"], est.settings.get("lora_targets"))  # MoE only
+    spec, st = model_spec(model), est.settings
+    note = " ".join(n for n in (moe_note(spec, st["method"], st.get("lora_targets")),  # MoE only
+                                mla_note(spec, st["attn_implementation"], st["seq_len"], st["batch_size"],  # MLA only
+                                         st["gradient_checkpointing"])) if n)
     return {**v, "fits": fits, "headroom_bytes": float(v["headroom_bytes"]),
             "headroom_pct": float(v["headroom_pct"]), "margin": margin, "estimate": est, "fix": fix, "note": note}
 
