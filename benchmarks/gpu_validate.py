@@ -59,6 +59,38 @@ GPU_CONFIGS = [
 ]
 
 
+def moe_gpu_configs():
+    """Mixture-of-experts catalog entries cut to 2 layers (every expert, real widths): Mixtral's grouped_mm experts and
+    DeepSeek-V2-Lite's multi-head latent attention, whose q/k heads (192) differ from v's (128): the CPU runs SDPA's
+    math path (what estimate / simulate count); the row records the kernel CUDA picks (``sdpa_backend``)."""
+    from transformers import AutoConfig
+
+    from lora_kit.memory.specs import catalog_config
+    out = []
+    for label, name, kw in (("deepseek-v2-lite 2L lora s2048 (MLA)", "deepseek-v2-lite",
+                             dict(method="lora", seq_len=2048, gradient_checkpointing=False)),
+                            ("deepseek-v2-lite 2L lora ckpt s4096 (MLA)", "deepseek-v2-lite",
+                             dict(method="lora", seq_len=4096, gradient_checkpointing=True)),
+                            ("mixtral 2L lora attn s2048", "mixtral-8x7b",
+                             dict(method="lora", seq_len=2048, lora_targets=["q_proj", "v_proj"]))):
+        c = {**catalog_config(name), "num_hidden_layers": 2}
+        cfg = AutoConfig.for_model(c.pop("model_type"), **c)
+        cfg.name_or_path = f"{name}[2 layers]"
+        out.append((label, cfg, kw))
+    return out
+
+
+def sdpa_backend(dq: int, dv: int, heads: int = 16, seq: int = 2048) -> str:
+    """The SDPA kernel PyTorch picks on this CUDA device for bf16 q/k heads ``dq`` wide and v heads ``dv`` wide."""
+    import torch
+    q = torch.empty(1, heads, seq, dq, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.empty(1, heads, seq, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    try:
+        return str(torch.nn.attention.SDPBackend(torch._fused_sdp_choice(q, q, v, is_causal=True)))
+    except Exception as e:  # noqa: BLE001 - private API: record why
+        return f"unknown ({type(e).__name__}: {e})"
+
+
 def tiny_configs(matrix: bool = False):
     """Two tiny CPU configs (the dry run), or with ``matrix`` a wider set: simulate vs a real CPU step."""
     from transformers import (Gemma2Config, GPTNeoXConfig, LlamaConfig, Phi3Config, Qwen2Config)
@@ -213,7 +245,7 @@ def main(argv=None):
               "or pass --cpu-dry-run to exercise the script on tiny CPU configs.")
         return 0
     else:
-        device, configs, ctx = "cuda", GPU_CONFIGS, context_bytes()
+        device, configs, ctx = "cuda", GPU_CONFIGS + moe_gpu_configs(), context_bytes()
     configs = [c for c in configs if args.only in c[0]]
     t_start = time.perf_counter()
     rows = []
@@ -232,6 +264,8 @@ def main(argv=None):
             print(f"skip {label}: time budget spent", flush=True)
             continue
         row = run_one(label, model, kw, device, ctx)
+        if device == "cuda" and "(MLA)" in label:
+            row["sdpa_backend"] = sdpa_backend(192, 128)
         rows.append(row)
         print(f"{label}: measured {_fmt(row['measured_peak'])} {UNIT[0]} simulate {_fp(row['simulate_err_pct'])} "
               f"estimate {_fp(row['estimate_err_pct'])} ({time.perf_counter() - t_start:.0f} s)", flush=True)
