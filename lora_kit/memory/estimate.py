@@ -443,9 +443,11 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     else:
         bwd_temps = 3 * _r(T * i * 4)
     bwd_temps = bwd_temps + (0 if gc and lora and not cast else 2 * _r(T * h * 4)) - group["mlp_out"]
+    moe_temps = dense_temps = None
     if moe is not None:  # routed experts' backward, or the end of a checkpoint's recomputed forward
-        moe_bwd = moe["backward"]
-        if gc and spec.model_type.startswith("deepseek"):  # DeepSeek's shared experts run after the routed ones, so
+        deepseek = spec.model_type.startswith("deepseek")  # DeepSeek: its MoE moments apart (moe.py's ``backward``)
+        moe_bwd = moe["backward"] if deepseek else np.maximum(moe["backward_first"], moe["backward_late"])
+        if gc and deepseek:  # DeepSeek's shared experts run after the routed ones, so
             # what they save (counted in the block) is not there at either moment: the routed experts' backward, with
             # the gradient at the block's output (the shared experts' backward has run and freed theirs), or the
             # recompute's end of the routed experts (the shared experts not run yet)
@@ -458,9 +460,27 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             # LoRA input copy and A output
             gate = [lin for lin in spec.linears if lin.kind == "mlp_in" and lin.out_features == 1]
             post = sum(_r(T * h * ce) * (cast or ce == 2) + _r(T * r * ce) for lin in gate if lin.name in targets)
-            moe_bwd = np.maximum(moe_bwd + _r(T * h * e), stream + moe["recompute"] - post)
+            # the recompute's stream (tensors of the stream's dtype ``es``) is the gradient at the block's output, the
+            # residual and the norm output, each extra unless the block saved that very tensor: the residual when the
+            # stream is fp32 (the RMSNorm's fp32 "copy" is the input itself), the norm output when a trained router
+            # (full fine-tuning, LoRA on the router: its input) or peft's LoRA on an fp32 stream (no cast: the input
+            # itself) keeps it (under autocast they keep 16-bit casts)
+            gs = _r(T * h * es)
+            resid_saved = es == 4 and not spec.norm_bias
+            norm_saved = not autocast and (method == "full" or bool((experts or {}).get("router")) or
+                                           (lora and not cast and n_t["mlp_in"] > 0))
+            rec_stream = gs + (0 if resid_saved else gs) + (0 if norm_saved else gs)
+            # Qwen2-MoE: the gating multiply's and the gate's backward have made the shared expert output's gradient
+            # and the gate's input gradient, which wait through the routed experts' backward, and freed the shared
+            # expert output, the gate's LoRA input copy and A output; an fp32 stream's first norm keeps the
+            # checkpoint's input itself (``block`` counts a copy)
+            waiting = gs if moe["shared_first"] else 0
+            moe_bwd = np.maximum(moe_bwd + gs + waiting, rec_stream + moe["recompute"] + moe["recompute_locals"]) - \
+                post - (_r(T * h * 4) if resid_saved else 0)
         if moe["dense_mlp"] and moe["shared_first"]:  # the shared expert's backward, the routed experts' saved freed
             bwd_temps = bwd_temps - moe["saved"]
+        if not deepseek:  # the recomputed bottom block holds different gradients at the two (estimate_arrays)
+            moe_temps, dense_temps = moe_bwd, (bwd_temps if moe["dense_mlp"] else None)
         bwd_temps = np.maximum(bwd_temps if moe["dense_mlp"] else 0, moe_bwd)
     if attn == "eager" or mla is not None:  # softmax backward: fp32 grad of the scores + its result, once the
         # MLP's saved are freed (MLA's SDPA takes the math path, which keeps fp32 probabilities like eager)
@@ -492,7 +512,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     # eager: a (B, 1, S, S) mask per attention type (Gemma-2: sliding and global); checkpointing keeps them as block
     # inputs through backward
     mask = len(set(_layer_types(spec))) * _r(B * S * S * e) if attn == "eager" else 0
-    block_moments = None
+    block_moments = moe_moments = None
     if gc:  # only block inputs stay; one block is recomputed during backward
         layers = L * _r(T * h * es) + rope + bool_mask  # block inputs (the stream dtype); the bool mask is one too
         layers = layers + np.where(window > 0, _r(B * S * S), 0)  # the sliding-window bool mask, an input too
@@ -501,6 +521,9 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         fwd_block = layers + block + fwd_transient + (L - 1) * cached  # autocast's cache: earlier blocks' copies
         # the checkpoint keeps the eager mask as an input; lm_head's 16-bit copy is freed by its backward, before
         bwd_block = layers - head_cast + block + bwd_temps + mask
+        if moe_temps is not None:  # the routed experts' moments, and the shared expert's (Qwen2-MoE), apart
+            moe_moments = (layers - head_cast + block + moe_temps + mask,
+                           None if dense_temps is None else layers - head_cast + block + dense_temps + mask)
         if cast and not autocast and up_lora and moe is None:  # (MoE: the experts' end, above)
             # or while its forward is recomputed, at its widest MLP projection's LoRA sum (the forward's moment, the
             # embedding output being block 0's input here), with the gradients waiting at the block's output: two
@@ -567,7 +590,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             # inputs, the stream and the running projection's outputs are live inside one (sharded steps only)
             "forward_block": (fwd_block - block + not_yet if gc else fwd_block) + mask + (0 if gc else bool_mask),
             "block_saved": _r(T * h * es) if gc else block,
-            "backward_norm": bwd_norm, "backward_moments": block_moments,
+            "backward_norm": bwd_norm, "backward_moments": block_moments, "moe_moments": moe_moments,
             # between blocks L - 2 and L - 1 (sharded: the last block's all-gather): what blocks 0 .. L - 2 saved, the
             # embedding output and the stream (checkpointing: every block's input)
             "forward_between": (layers - head_cast + (L - 1) * cached if gc else
@@ -681,7 +704,26 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
                 in_block = np.maximum(in_block, m + g)
         else:
             bottom = in_block - (spec.num_layers - 1) * act["block_saved"] + block_grads
-            block_grads = np.where(bottom >= in_block, block_grads, 0)
+            g_bottom = block_grads
+            if method == "full" and act["moe_moments"] is not None:
+                # a MoE block (not DeepSeek's): at its routed experts' moments the bottom block has made none of its
+                # own experts', router's and shared expert's gradients yet (moe.py counts the ones made by then;
+                # Qwen2-MoE's 1-wide shared-expert gate runs last, its gradient is made); at the shared expert's
+                # backward (Qwen2-MoE: after the routed experts') the dense rule above
+                E, i_e = spec.moe["experts"], spec.moe["expert_intermediate_size"]
+                h = spec.hidden_size
+                moe_own = int(_r(E * 2 * i_e * h * wb) + _r(E * h * i_e * wb) + _r(E * h * wb)) + sum(
+                    int(_r(lin.out_features * lin.in_features * wb)) + (int(_r(lin.out_features * wb)) if lin.bias
+                                                                        else 0)
+                    for lin in spec.linears if lin.kind in ("mlp_in", "mlp_out") and lin.out_features > 1)
+                moe_m, dense_m = act["moe_moments"]
+                g_moe = np.maximum(block_grads - moe_own, 0)
+                b_moe = moe_m - (spec.num_layers - 1) * act["block_saved"] + g_moe
+                b_dense = b_moe if dense_m is None else dense_m - (spec.num_layers - 1) * act["block_saved"] + \
+                    block_grads
+                bottom = np.maximum(b_moe, b_dense)
+                g_bottom = np.where(b_moe >= b_dense, g_moe, block_grads)
+            block_grads = np.where(bottom >= in_block, g_bottom, 0)
             in_block = np.maximum(in_block, bottom)
     bwd = np.maximum(np.maximum(act["backward"], in_block), bwd_end)
     totals = np.stack([static + act["forward"], static + bwd, static + grads + np.maximum(opt_tmp, loop_t["clip"])]) \

@@ -111,7 +111,9 @@ def moe_block(spec, method: str, e: int, w: int, flags: dict, T, r) -> dict:
     machinery's): ``saved`` for backward, the forward transient on top of it (``forward``), the backward
     transient inside the block (``backward``, on top of what the block saved) and, with checkpointing, the
     transient where the block's recomputed forward holds most (``recompute``, on top of what the block saved and
-    the stream), arrays over ``T`` / ``r``.
+    the stream), arrays over ``T`` / ``r``. ``backward`` is DeepSeek's; the other families take ``backward_first``
+    (the backward's first op) and ``backward_late`` (the moments after the down projection's backward, with full
+    fine-tuning's weight gradients of the block made by then), and ``recompute_locals`` on top of ``recompute``.
 
     ``e``: bytes of the stream's dtype; ``w``: of the expert weights (QLoRA: fp32, as
     ``prepare_model_for_kbit_training`` up-casts every non-quantized parameter)."""
@@ -153,12 +155,29 @@ def moe_block(spec, method: str, e: int, w: int, flags: dict, T, r) -> dict:
     # backward, first op of the experts: grad of the summed output expanded to (T, k, h) (a copy), then the
     # token-order gather's backward: zeros (S, h) and index_put into them
     bwd = 3 * _r(S * h * ow)
+    first = bwd
     # then inside the gate activation's backward: the down projection's input gradient and the two gradients of
     # act(gate) * up, once the down output is freed (wide experts: Mixtral)
     bwd = np.maximum(bwd, 3 * _r(S * i * e) - _r(S * h * e))
     if gu:  # the up projection's weight gradient, a full (E, 2i, h) tensor, once the down projection's part is freed
         down_part = _r(S * i * e) + _r(S * h * e) + (_r(E * h * i * w) if flags["down"] and not full else 0)
         bwd = np.maximum(bwd, _r(E * 2 * i * h * w) + _r(S * h * e) + _r(S * 2 * i * e) - down_part)
+    # the moments after the first op, as the trace shows them (``backward`` above is kept for DeepSeek, whose MoE
+    # moments are modelled apart): once the down projection's backward has run, what it alone kept is freed -- the
+    # routed output it made (``S x h``), with ``dn`` the product act(gate) * up its weight gradient read and, with
+    # LoRA on it, peft's W + B@A (and its factors' 16-bit copies); full fine-tuning keeps that weight gradient
+    # (the block's own, made by then). (a) the down projection's backward: its input gradient and the weight
+    # gradient (full: kept; LoRA: W + B@A's, a transient); (b) the gate activation's: its input gradient and act *
+    # up's two gradients; (c) the up projection's weight gradient (E, 2i, h) with its input gradient (S, h), the
+    # gate/up output and the activation freed (their gradient, cat's (S, 2i), takes the output's place)
+    lora_dn = _r(E * h * i * w) + (_r(E * h * r * w) + _r(E * r * i * w) if w != 4 else 0) \
+        if flags["down"] and not full else 0
+    own_dn = _r(E * h * i * w) if full else 0
+    freed = _r(S * h * e) + (_r(S * i * e) if dn else 0) + lora_dn
+    late = _r(S * i * e) + (_r(E * h * i * w) if dn else 0)
+    late = np.maximum(late, 3 * _r(S * i * e) - freed + own_dn)
+    if gu:
+        late = np.maximum(late, _r(E * 2 * i * h * w) + _r(S * h * e) - _r(S * i * e) - freed + own_dn)
     # a checkpoint's recomputed forward (non-reentrant, early stop) runs only up to the block's last saved tensor. With
     # nothing saved after the routed experts (Mixtral, Qwen3-MoE) it stops before putting their output back in token
     # order, with the backward's copy of the output gradient (``(T, k, h)``, taken before the recompute), the weighted
@@ -172,7 +191,13 @@ def moe_block(spec, method: str, e: int, w: int, flags: dict, T, r) -> dict:
     # Qwen2-MoE runs its shared expert before the routed ones: its backward (the dense MLP's moments) comes after the
     # routed experts' backward has freed what the block saved for them (``saved``)
     shared_first = bool(spec.config.get("shared_expert_intermediate_size"))
-    return {"saved": saved, "forward": fwd, "backward": bwd, "recompute": recompute, "shared_first": shared_first}
+    # the experts function's other locals at the recompute's last moment (not DeepSeek's, modelled apart): the sorted
+    # expert ids (int64), histc's float input and its counts, the routing weights cast to the stream's dtype (not
+    # where they stay fp32) and, where the recompute stops at the inverse permutation (no shared expert), its arange
+    rec_locals = _r(S * 8) + _r(S * 4) + _r(E * 4) + (0 if mt in FP32_SCORES else _r(T * k * e)) + \
+        (0 if shared_first else _r(S * 8))
+    return {"saved": saved, "forward": fwd, "backward": bwd, "recompute": recompute, "shared_first": shared_first,
+            "backward_first": first, "backward_late": late, "recompute_locals": rec_locals}
 
 
 def moe_note(spec, method: str, targets="all-linear") -> str:
