@@ -443,7 +443,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     else:
         bwd_temps = 3 * _r(T * i * 4)
     bwd_temps = bwd_temps + (0 if gc and lora and not cast else 2 * _r(T * h * 4)) - group["mlp_out"]
-    moe_temps = dense_temps = None
+    moe_temps = dense_temps = ds_shared = ds_dense = None
     if moe is not None:  # routed experts' backward, or the end of a checkpoint's recomputed forward
         deepseek = spec.model_type.startswith("deepseek")  # DeepSeek: its MoE moments apart (moe.py's ``backward``)
         moe_bwd = moe["backward"] if deepseek else np.maximum(moe["backward_first"], moe["backward_late"])
@@ -454,7 +454,16 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             i_s = spec.moe["shared_intermediate_size"]
             shared = (3 if spec.gated_mlp else 1) * _r(T * i_s * e) + (0 if lora else _r(T * i_s * e)) + \
                 group["mlp_in"] + group["mlp_out"]
-            moe_bwd = np.maximum(moe_bwd + _r(T * h * e), stream + moe["recompute"]) - shared
+            # (the routed backward: the gradient at the block's output and its sum with the shared experts' input
+            # gradient, for the residual)
+            # an fp32 stream's first norm keeps the checkpoint's input itself (``block`` counts a copy)
+            own_input = _r(T * h * 4) if es == 4 and not spec.norm_bias else 0
+            moe_bwd = np.maximum(moe_bwd + 2 * _r(T * h * e), stream + moe["recompute"]) - shared - own_input
+            if lora:  # peft never targets DeepSeek's MLP linears (their names mean the experts): a frozen gated MLP's
+                # backward holds the gradient at the block's output, the down projection's input gradient and the
+                # product's two; the shared experts' in the top block, the dense MLP's in the bottom one (block 0)
+                ds_shared = _r(T * h * e) + 3 * _r(T * i_s * e) - own_input
+                ds_dense = _r(T * h * e) + 3 * _r(T * i * e) - own_input
         elif gc:  # the gradient at the recomputed block's output waits through its experts' backward; or the
             # recompute's last moment (moe.py), less what the block saves after it: Qwen2-MoE's shared-expert gate's
             # LoRA input copy and A output
@@ -481,14 +490,20 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             bwd_temps = bwd_temps - moe["saved"]
         if not deepseek:  # the recomputed bottom block holds different gradients at the two (estimate_arrays)
             moe_temps, dense_temps = moe_bwd, (bwd_temps if moe["dense_mlp"] else None)
-        bwd_temps = np.maximum(bwd_temps if moe["dense_mlp"] else 0, moe_bwd)
+        if ds_shared is not None:  # DeepSeek (LoRA, checkpointing): the top block's moments; the bottom's below
+            bwd_temps = np.maximum(ds_shared, moe_bwd)
+        else:
+            bwd_temps = np.maximum(bwd_temps if moe["dense_mlp"] else 0, moe_bwd)
     if attn == "eager" or mla is not None:  # softmax backward: fp32 grad of the scores + its result, once the
         # MLP's saved are freed (MLA's SDPA takes the math path, which keeps fp32 probabilities like eager)
         scores = B * H * S * S
         mlp_saved = (3 if spec.gated_mlp else 1) * _r(T * i * e) + group["mlp_in"] + group["mlp_out"]
         attn_temps = (mla["softmax_bwd"] if mla is not None else 2 * _r(scores * 4) - (_r(scores * e) if e != 4 else 0)) \
             - mlp_saved - norm
-        bwd_temps = np.maximum(bwd_temps, attn_temps)
+        # a MoE block's routed experts have freed their saved tensors too (DeepSeek's dense bottom block has none)
+        bwd_temps = np.maximum(bwd_temps, attn_temps - (moe["saved"] if moe is not None else 0))
+        if ds_dense is not None:
+            ds_dense = np.maximum(ds_dense, attn_temps)
     first_norm_free = lora and not gc  # the frozen embedding's output needs no grad: block 0's norm saves nothing
     blk_casts, head_cast, first_casts, cached, first_cached = \
         _autocast_casts(spec, method, dtype, targets, r, first_norm_free) if autocast else (0, 0, 0, 0, 0)
@@ -521,6 +536,8 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         fwd_block = layers + block + fwd_transient + (L - 1) * cached  # autocast's cache: earlier blocks' copies
         # the checkpoint keeps the eager mask as an input; lm_head's 16-bit copy is freed by its backward, before
         bwd_block = layers - head_cast + block + bwd_temps + mask
+        # DeepSeek's bottom block is dense (``first_k_dense_replace``): no routed experts, its own MLP
+        bwd_bottom = None if ds_dense is None else layers - head_cast + block - moe["saved"] + ds_dense + mask
         if moe_temps is not None:  # the routed experts' moments, and the shared expert's (Qwen2-MoE), apart
             moe_moments = (layers - head_cast + block + moe_temps + mask,
                            None if dense_temps is None else layers - head_cast + block + dense_temps + mask)
@@ -591,6 +608,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             "forward_block": (fwd_block - block + not_yet if gc else fwd_block) + mask + (0 if gc else bool_mask),
             "block_saved": _r(T * h * es) if gc else block,
             "backward_norm": bwd_norm, "backward_moments": block_moments, "moe_moments": moe_moments,
+            "backward_bottom": bwd_bottom if gc else None,
             # between blocks L - 2 and L - 1 (sharded: the last block's all-gather): what blocks 0 .. L - 2 saved, the
             # embedding output and the stream (checkpointing: every block's input)
             "forward_between": (layers - head_cast + (L - 1) * cached if gc else
@@ -703,7 +721,8 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
                 block_grads = np.where(m + g > in_block, g, block_grads)
                 in_block = np.maximum(in_block, m + g)
         else:
-            bottom = in_block - (spec.num_layers - 1) * act["block_saved"] + block_grads
+            bottom = (in_block if act["backward_bottom"] is None else act["backward_bottom"]) - \
+                (spec.num_layers - 1) * act["block_saved"] + block_grads
             g_bottom = block_grads
             if method == "full" and act["moe_moments"] is not None:
                 # a MoE block (not DeepSeek's): at its routed experts' moments the bottom block has made none of its
