@@ -40,7 +40,9 @@ def test_simulate_equals_a_real_cpu_step():
                                      # checkpointing: the top (MoE) block's routed backward, the shared experts' saved
                                      # freed; the bottom block is dense (first_k_dense_replace)
                                      ({}, dict(method="lora", gradient_checkpointing=True)),
-                                     ({}, dict(method="qlora", gradient_checkpointing=True))])
+                                     ({}, dict(method="qlora", gradient_checkpointing=True)),
+                                     # 4 blocks: the lowest MoE block (block 1) with the adapters above it made
+                                     ({"num_hidden_layers": 4}, dict(method="lora", gradient_checkpointing=True))])
 def test_estimate_within_half_a_percent_of_simulate(over, kw):
     """Without checkpointing every block keeps its attention: the math path's fp32 probabilities, scaled q / k
     and v copy, the latent norm, the LoRA inputs at their own widths (kv_b_proj reads the 32-wide latent, o_proj

@@ -721,9 +721,19 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
                 block_grads = np.where(m + g > in_block, g, block_grads)
                 in_block = np.maximum(in_block, m + g)
         else:
-            bottom = (in_block if act["backward_bottom"] is None else act["backward_bottom"]) - \
-                (spec.num_layers - 1) * act["block_saved"] + block_grads
+            bottom = in_block - (spec.num_layers - 1) * act["block_saved"] + block_grads
             g_bottom = block_grads
+            if act["backward_bottom"] is not None:  # DeepSeek (LoRA): block 0 is dense, with the adapters of every
+                # block above it made; or the lowest MoE block (block K), with those of the K+1 .. L-1 blocks above
+                L, bs = spec.num_layers, act["block_saved"]
+                K = L - len(spec.moe["moe_layers"])
+                exp_all = zero + sum(c * _r(rows * cols * eb) for rows, cols, c, eb in expert_lora_tensors(spec,
+                                                                                                         experts, r))
+                g_attn = (grads - exp_all) // L  # one block's attention adapters
+                g0, gk = grads - g_attn, (L - 1 - K) * (g_attn + exp_all // (L - K))
+                b0 = act["backward_bottom"] - (L - 1) * bs + g0
+                bk = in_block - (L - 1 - K) * bs + gk
+                bottom, g_bottom = np.maximum(b0, bk), np.where(b0 >= bk, g0, gk)
             if method == "full" and act["moe_moments"] is not None:
                 # a MoE block (not DeepSeek's): at its routed experts' moments the bottom block has made none of its
                 # own experts', router's and shared expert's gradients yet (moe.py counts the ones made by then;
