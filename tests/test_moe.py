@@ -59,7 +59,11 @@ def test_simulate_equals_a_real_cpu_step_whatever_the_routing():
 
 @pytest.mark.parametrize("mt,kw", [("mixtral", dict(method="lora")), ("qwen3_moe", dict(method="qlora")),
                                    ("qwen2_moe", dict(method="lora", lora_targets=["q_proj", "v_proj"])),
-                                   ("qwen3_moe", dict(method="full"))])
+                                   ("qwen3_moe", dict(method="full")),
+                                   # autocast on fp32 weights: the experts (grouped_mm) stay fp32, the router's linear
+                                   # keeps a 16-bit cast of its input
+                                   ("mixtral", dict(method="lora", dtype="float32", autocast=True)),
+                                   ("qwen3_moe", dict(method="full", dtype="float32", autocast=True))])
 def test_estimate_within_one_percent_of_simulate(mt, kw):
     cfg = tiny(mt)
     kw = dict(seq_len=256, batch_size=2, gradient_checkpointing=False, **kw)

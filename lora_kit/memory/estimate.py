@@ -632,7 +632,8 @@ def _moe_terms(spec: ModelSpec, method: str, dtype: str, autocast: bool, e: int,
     # the experts run in the residual stream's dtype: under autocast ``grouped_mm`` (and peft's W + B@A) are not cast,
     # so with fp32 weights the routed part stays fp32 while the attention's linears run in 16-bit
     ex = (4 if method in ("full", "qlora") else DTYPE_BYTES[dtype]) if autocast else e
-    out = moe_block(spec, method, ex, w, experts or expert_lora(spec, ()), T, r)
+    # (QLoRA under autocast keeps the fp32 count: it matches simulate on the tiny configs; not traced further)
+    out = moe_block(spec, method, ex, w, experts or expert_lora(spec, ()), T, r, autocast and method != "qlora")
     return {**out, "saved": out["saved"] - drop, "dense_mlp": dense, "blocks": len(spec.moe["moe_layers"])}
 
 

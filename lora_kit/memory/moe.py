@@ -106,7 +106,7 @@ def expert_lora_tensors(spec, flags: dict, r) -> list:
     return out
 
 
-def moe_block(spec, method: str, e: int, w: int, flags: dict, T, r) -> dict:
+def moe_block(spec, method: str, e: int, w: int, flags: dict, T, r, autocast: bool = False) -> dict:
     """Bytes of one MoE block's routed part (router, dispatch, experts; shared experts are the dense MLP
     machinery's): ``saved`` for backward, the forward transient on top of it (``forward``), the backward
     transient inside the block (``backward``, on top of what the block saved) and, with checkpointing, the
@@ -129,8 +129,10 @@ def moe_block(spec, method: str, e: int, w: int, flags: dict, T, r) -> dict:
     saved = _r(T * E * 4) + _r(T * k * 8) + (_r(T * k * 4) + _r(T * 4) if norm_topk else 0)
     if mt.startswith("deepseek"):  # scores scaled by routed_scaling_factor: a new (T, k) fp32
         saved = saved + 0 * T
-    if rt:  # the router's weight needs a gradient: its input is kept (DeepSeek: an fp32 copy)
-        saved = saved + (_r(T * h * 4) if mt.startswith("deepseek") else (0 if full else _r(T * h * e)))
+    if rt:  # the router's weight needs a gradient: its input is kept (DeepSeek: an fp32 copy; under autocast the
+        # router's linear keeps its own 16-bit cast)
+        saved = saved + (_r(T * h * 2) if autocast else _r(T * h * 4) if mt.startswith("deepseek") else
+                         (0 if full else _r(T * h * e)))
         if not full:  # peft: W + B@A of the router, in its dtype
             saved = saved + _r(E * h * w)
     # dispatch: perm, perm // k, inverse perm (int64), gathered routing weights, per-expert offsets (int32)
