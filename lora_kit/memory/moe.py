@@ -150,7 +150,8 @@ def moe_block(spec, method: str, e: int, w: int, flags: dict, T, r, autocast: bo
         if flags["down"]:
             saved = saved + _r(E * h * i * w) + (_r(E * h * r * w) + _r(E * r * i * w) if cast else 0)
     if spec.config.get("shared_expert_intermediate_size"):  # Qwen2-MoE: sigmoid(gate(x)) * shared expert output
-        saved = saved + _r(T * h * e) + _r(T * e)
+        el = 2 if autocast else e  # both come out of linears: 16-bit under autocast
+        saved = saved + _r(T * h * el) + _r(T * el)
     # forward, end of the experts: the weighted output and its copy in token order; the experts function's
     # locals (the gathered rows) and the router logits are still alive
     fwd = 2 * _r(S * h * ow) + (0 if gu else _r(S * h * e)) + _r(T * E * (4 if mt.startswith("deepseek") else e))
