@@ -304,14 +304,17 @@ def _autocast_casts(spec: ModelSpec, method: str, dtype: str, targets: tuple, r,
     input needs no gradient (``first_free``); the A copies are cached all the same until the forward ends (the
     fifth value: autocast caches copies of leaves that need grad only)."""
     head = _r(spec.vocab_size * spec.hidden_size * 2)
+    L = spec.num_layers
+    share = [lin.layers or L for lin in spec.linears]  # DeepSeek: the dense MLP in block 0 only, the shared experts'
+    # in the others: one block's copies are their average over the blocks (whole bytes: exact unless they differ)
     if method == "full":
-        block = sum(_r(lin.out_features * lin.in_features * 2) for lin in spec.linears)
+        block = sum(_r(lin.out_features * lin.in_features * 2) * n for lin, n in zip(spec.linears, share)) // L
         return block, head, 0, block, 0
     base = method == "lora" and dtype == "float32"
     block, first, cached, first_cached = 0, 0, 0, 0
-    for lin in spec.linears:
-        w = _r(lin.out_features * lin.in_features * 2) if base else 0
-        ab = _r(r * lin.in_features * 2) + _r(lin.out_features * r * 2) if lin.name in targets else 0
+    for lin, n in zip(spec.linears, share):
+        w = _r(lin.out_features * lin.in_features * 2) * n // L if base else 0
+        ab = (_r(r * lin.in_features * 2) + _r(lin.out_features * r * 2)) * n // L if lin.name in targets else 0
         block, cached = block + w + ab, cached + ab
         spared = _r(r * lin.in_features * 2) * (lin.name in targets) if first_free and lin.kind == "attn_in" else 0
         first, first_cached = first + spared + (w if first_free and lin.kind == "attn_in" else 0), first_cached + spared
