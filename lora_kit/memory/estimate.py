@@ -242,13 +242,18 @@ def _qk_norm(spec: ModelSpec, T, lora: bool, e: int):
     """What the q/k RMSNorms keep per block: their fp32 input copies and rsqrt (full fine-tuning: also the
     normalized output, for the weight's gradient). Qwen3 and Gemma-3 normalize per head (rsqrt per head),
     OLMo-2 over the full q / k width (rsqrt per token); other families have none."""
+    return sum(_qk_norm_parts(spec, T, lora, e))
+
+
+def _qk_norm_parts(spec: ModelSpec, T, lora: bool, e: int) -> tuple:
+    """:func:`_qk_norm` as (the q norm's, the k norm's): block 0 keeps a norm's only if its projection is targeted."""
     H, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     per_head = spec.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
     if not per_head and spec.model_type != "olmo2":
-        return 0
+        return 0, 0
     rows_q, rows_k = (T * H, T * kv) if per_head else (T, T)
-    out = _r(T * H * d * 4) + _r(T * kv * d * 4) + _r(rows_q * 4) + _r(rows_k * 4)
-    return out if lora else out + _r(T * H * d * e) + _r(T * kv * d * e)
+    q, k = _r(T * H * d * 4) + _r(rows_q * 4), _r(T * kv * d * 4) + _r(rows_k * 4)
+    return (q, k) if lora else (q + _r(T * H * d * e), k + _r(T * kv * d * e))
 
 
 def _rope_bytes(spec: ModelSpec, S, e: int):
@@ -409,6 +414,10 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         first_free = first_free + (0 if n_t["attn_in"] else attn_base) + (0 if n_t["mlp_in"] else mlp_base)
     elif mla is not None and lora and n_t["attn_in"]:  # MLA: what its block 0 keeps less (memory.mla)
         first_free = first_free + mla["first_free"]
+    elif lora and n_t["attn_in"]:  # q/k norms (Qwen3, Gemma-3, OLMo-2): block 0 keeps one only if its projection is
+        # targeted
+        qn, kn = _qk_norm_parts(spec, T, lora, e)
+        first_free = first_free + (0 if "q_proj" in targets else qn) + (0 if "k_proj" in targets else kn)
     elif lora and not n_t["attn_in"]:
         first_free = first_free + attn_base
         if not n_t["attn_out"]:  # the MLP's input has no grad either: only what its targeted inputs need
