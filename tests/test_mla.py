@@ -42,7 +42,14 @@ def test_simulate_equals_a_real_cpu_step():
                                      ({}, dict(method="lora", gradient_checkpointing=True)),
                                      ({}, dict(method="qlora", gradient_checkpointing=True)),
                                      # 4 blocks: the lowest MoE block (block 1) with the adapters above it made
-                                     ({"num_hidden_layers": 4}, dict(method="lora", gradient_checkpointing=True))])
+                                     ({"num_hidden_layers": 4}, dict(method="lora", gradient_checkpointing=True)),
+                                     # full fine-tuning: the top block's routed backward with lm_head's and the shared
+                                     # experts' gradients made, not the dense block 0 with all; at 512 tokens block
+                                     # 0's softmax backward (v's fp32 gradient, the residual's gradient waiting)
+                                     ({}, dict(method="full", gradient_checkpointing=True)),
+                                     ({}, dict(method="full", gradient_checkpointing=True, seq_len=512)),
+                                     ({}, dict(method="lora", lora_targets=["q_proj", "o_proj"],
+                                               gradient_checkpointing=True, seq_len=512))])
 def test_estimate_within_half_a_percent_of_simulate(over, kw):
     """Without checkpointing every block keeps its attention: the math path's fp32 probabilities, scaled q / k
     and v copy, the latent norm, the LoRA inputs at their own widths (kv_b_proj reads the 32-wide latent, o_proj

@@ -464,8 +464,10 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             # the gradient at the block's output (the shared experts' backward has run and freed theirs), or the
             # recompute's end of the routed experts (the shared experts not run yet)
             i_s = spec.moe["shared_intermediate_size"]
-            shared = (3 if spec.gated_mlp else 1) * _r(T * i_s * e) + (0 if lora else _r(T * i_s * e)) + \
-                group["mlp_in"] + group["mlp_out"]
+            # (full fine-tuning: ``group["mlp_out"]`` is the product the down projection keeps, counted here at the
+            # shared experts' width, not again)
+            shared = (3 if spec.gated_mlp else 1) * _r(T * i_s * e) + (group["mlp_out"] if lora else _r(T * i_s * e)) \
+                + group["mlp_in"]
             # (the routed backward: the gradient at the block's output and its sum with the shared experts' input
             # gradient, for the residual)
             # an fp32 stream's first norm keeps the checkpoint's input itself (``block`` counts a copy)
@@ -476,6 +478,8 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
                 # product's two; the shared experts' in the top block, the dense MLP's in the bottom one (block 0)
                 ds_shared = _r(T * h * e) + 3 * _r(T * i_s * e) - own_input
                 ds_dense = _r(T * h * e) + 3 * _r(T * i * e) - own_input
+            else:  # full fine-tuning: block 0's MLP backward by the dense rule (estimate_arrays adds its gradients)
+                ds_dense = bwd_temps
         elif gc:  # the gradient at the recomputed block's output waits through its experts' backward; or the
             # recompute's last moment (moe.py), less what the block saves after it: Qwen2-MoE's shared-expert gate's
             # LoRA input copy and A output
@@ -512,6 +516,11 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         mlp_saved = (3 if spec.gated_mlp else 1) * _r(T * i * e) + group["mlp_in"] + group["mlp_out"]
         attn_temps = (mla["softmax_bwd"] if mla is not None else 2 * _r(scores * 4) - (_r(scores * e) if e != 4 else 0)) \
             - mlp_saved - norm
+        if mla is not None and gc:  # DeepSeek (checkpointing): the gradient at the attention's residual waits, the
+            # output projection's backward has run, freeing what it kept, and an fp32 stream's first norm keeps the
+            # checkpoint's input itself (``block`` counts a copy)
+            attn_temps = attn_temps + _r(T * h * e) - group["attn_out"] - \
+                (_r(T * h * 4) if es == 4 and not spec.norm_bias else 0)
         # a MoE block's routed experts have freed their saved tensors too (DeepSeek's dense bottom block has none)
         bwd_temps = np.maximum(bwd_temps, attn_temps - (moe["saved"] if moe is not None else 0))
         if ds_dense is not None:
@@ -736,7 +745,28 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
         else:
             bottom = in_block - (spec.num_layers - 1) * act["block_saved"] + block_grads
             g_bottom = block_grads
-            if act["backward_bottom"] is not None:  # DeepSeek (LoRA): block 0 is dense, with the adapters of every
+            if act["backward_bottom"] is not None and method == "full":  # DeepSeek, full fine-tuning: the top
+                # (MoE) block's routed backward with lm_head's, the final norm's and its shared experts' gradients made;
+                # block 0 (dense) by the rule above; the lowest MoE block (K) with the gradients of the blocks above
+                L, bs = spec.num_layers, act["block_saved"]
+                K = L - len(spec.moe["moe_layers"])
+                mlp = [lin for lin in spec.linears if lin.kind in ("mlp_in", "mlp_out")]
+                def lin_g(lins):  # the weight (and bias) gradients of some linears
+                    return sum(int(_r(lin.out_features * lin.in_features * wb)) + (int(_r(lin.out_features * wb)) if
+                               lin.bias else 0) for lin in lins)
+                shared_g = lin_g(mlp[len(mlp) // 2:])  # the shared experts' linears (after block 0's dense MLP's)
+                head = int(_r(spec.vocab_size * spec.hidden_size * wb)) + \
+                    int(_r(spec.hidden_size * wb)) * (1 + spec.norm_bias)
+                dense_blk = own + lin_g(mlp[:len(mlp) // 2])
+                moe_blk = (grads - embed - head - K * dense_blk) // (L - K)  # one MoE block's gradients
+                g_top = zero + head + shared_g
+                top = in_block + g_top
+                bk = in_block - (L - 1 - K) * bs + g_top + (L - 1 - K) * moe_blk
+                bottom = act["backward_bottom"] - (L - 1) * bs + block_grads
+                g_bottom = np.where(bottom >= bk, block_grads, g_top + (L - 1 - K) * moe_blk)
+                bottom = np.maximum(bottom, bk)
+                in_block, block_grads = top, g_top
+            elif act["backward_bottom"] is not None:  # DeepSeek (LoRA): block 0 is dense, with the adapters of every
                 # block above it made; or the lowest MoE block (block K), with those of the K+1 .. L-1 blocks above
                 L, bs = spec.num_layers, act["block_saved"]
                 K = L - len(spec.moe["moe_layers"])
@@ -765,7 +795,8 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
                     block_grads
                 bottom = np.maximum(b_moe, b_dense)
                 g_bottom = np.where(b_moe >= b_dense, g_moe, block_grads)
-            block_grads = np.where(bottom >= in_block, g_bottom, 0)
+            block_grads = np.where(bottom >= in_block, g_bottom, block_grads if act["backward_bottom"] is not None and
+                                   method == "full" else 0)
             in_block = np.maximum(in_block, bottom)
     bwd = np.maximum(np.maximum(act["backward"], in_block), bwd_end)
     totals = np.stack([static + act["forward"], static + bwd, static + grads + np.maximum(opt_tmp, loop_t["clip"])]) \

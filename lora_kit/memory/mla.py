@@ -49,7 +49,8 @@ def mla_attention(spec, *, lora: bool, targets: tuple, e: int, ce: int, cast: bo
     ``"base"`` (the latent norms' and the kernel's saved
     tensors), ``"cache"`` (the DynamicCache's copies not kept
     otherwise, live through the forward) and ``"softmax_bwd"`` (what the softmax backward adds: the fp32
-    probability gradients less the value copy the product's backward freed) and ``"first_free"`` (what block 0,
+    probability gradients; on the math path the product's backward freed the value copy and made v's fp32
+    gradient in its place) and ``"first_free"`` (what block 0,
     reading the frozen embedding's output, keeps less with LoRA when only some attention linears are targeted).
 
     ``e``: the stream's dtype bytes, ``ce``: peft's cast of a LoRA input (fp32, or 16-bit under autocast),
@@ -87,7 +88,7 @@ def mla_attention(spec, *, lora: bool, targets: tuple, e: int, ce: int, cast: bo
     scores = B * H * S * S
     if attn == "sdpa":  # the math path (dq != dv): scaled q and k, probabilities, v's contiguous copy, all fp32
         qk, probs, v = _r(T * H * dq * 4), _r(scores * 4), _r(T * H * dv * 4)
-        softmax_bwd = 2 * _r(scores * 4) - v
+        softmax_bwd = 2 * _r(scores * 4)  # v's copy freed, its fp32 gradient (the product's backward) made
     else:  # eager: q, k, v's contiguous copy in the stream dtype, fp32 probabilities and their cast
         qk, probs, v = _r(T * H * dq * e), _r(scores * 4) + (_r(scores * e) if e != 4 else 0), _r(T * H * dv * e)
         softmax_bwd = 2 * _r(scores * 4) - (_r(scores * e) if e != 4 else 0)
