@@ -719,9 +719,12 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
     in_block, block_grads = act["backward_block"], zero
     if gradient_checkpointing:  # a recomputed block's backward: the top block's with every block input still kept,
         # or the bottom block's, with the inputs above it freed and the gradients of the blocks above it made
-        def wgrads(kind):  # one block's weight (and bias) gradients of one kind of linear
+        def lin_g(lins):  # the weight (and bias) gradients of some linears
             return sum(int(_r(lin.out_features * lin.in_features * wb)) + (int(_r(lin.out_features * wb)) if
-                       lin.bias else 0) for lin in spec.linears if lin.kind == kind)
+                       lin.bias else 0) for lin in lins)
+
+        def wgrads(kind):  # one block's gradients of one kind of linear
+            return lin_g(lin for lin in spec.linears if lin.kind == kind)
         if method == "full":  # all but the embedding's and, at its MLP input gradient, the bottom block's own
             embed = 0 if spec.tied_embeddings else int(_r(spec.vocab_size * spec.hidden_size * wb))
             own = wgrads("attn_in") + wgrads("attn_out") + \
@@ -751,9 +754,6 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
                 L, bs = spec.num_layers, act["block_saved"]
                 K = L - len(spec.moe["moe_layers"])
                 mlp = [lin for lin in spec.linears if lin.kind in ("mlp_in", "mlp_out")]
-                def lin_g(lins):  # the weight (and bias) gradients of some linears
-                    return sum(int(_r(lin.out_features * lin.in_features * wb)) + (int(_r(lin.out_features * wb)) if
-                               lin.bias else 0) for lin in lins)
                 shared_g = lin_g(mlp[len(mlp) // 2:])  # the shared experts' linears (after block 0's dense MLP's)
                 head = int(_r(spec.vocab_size * spec.hidden_size * wb)) + \
                     int(_r(spec.hidden_size * wb)) * (1 + spec.norm_bias)
@@ -784,10 +784,8 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
                 # backward (Qwen2-MoE: after the routed experts') the dense rule above
                 E, i_e = spec.moe["experts"], spec.moe["expert_intermediate_size"]
                 h = spec.hidden_size
-                moe_own = int(_r(E * 2 * i_e * h * wb) + _r(E * h * i_e * wb) + _r(E * h * wb)) + sum(
-                    int(_r(lin.out_features * lin.in_features * wb)) + (int(_r(lin.out_features * wb)) if lin.bias
-                                                                        else 0)
-                    for lin in spec.linears if lin.kind in ("mlp_in", "mlp_out") and lin.out_features > 1)
+                moe_own = int(_r(E * 2 * i_e * h * wb) + _r(E * h * i_e * wb) + _r(E * h * wb)) + lin_g(
+                    lin for lin in spec.linears if lin.kind in ("mlp_in", "mlp_out") and lin.out_features > 1)
                 moe_m, dense_m = act["moe_moments"]
                 g_moe = np.maximum(block_grads - moe_own, 0)
                 b_moe = moe_m - (spec.num_layers - 1) * act["block_saved"] + g_moe
