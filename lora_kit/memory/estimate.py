@@ -510,6 +510,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             bwd_temps = np.maximum(ds_shared, moe_bwd)
         else:
             bwd_temps = np.maximum(bwd_temps if moe["dense_mlp"] else 0, moe_bwd)
+    attn_top = None  # the top block's softmax-backward moment (estimate_arrays adds the gradients made by then)
     if attn == "eager" or mla is not None:  # softmax backward: fp32 grad of the scores + its result, once the
         # MLP's saved are freed (MLA's SDPA takes the math path, which keeps fp32 probabilities like eager)
         scores = B * H * S * S
@@ -522,7 +523,8 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             attn_temps = attn_temps + _r(T * h * e) - group["attn_out"] - \
                 (_r(T * h * 4) if es == 4 and not spec.norm_bias else 0)
         # a MoE block's routed experts have freed their saved tensors too (DeepSeek's dense bottom block has none)
-        bwd_temps = np.maximum(bwd_temps, attn_temps - (moe["saved"] if moe is not None else 0))
+        attn_top = attn_temps - (moe["saved"] if moe is not None else 0)
+        bwd_temps = np.maximum(bwd_temps, attn_top)
         if ds_dense is not None:
             ds_dense = np.maximum(ds_dense, attn_temps)
     first_norm_free = lora and not gc  # the frozen embedding's output needs no grad: block 0's norm saves nothing
@@ -602,6 +604,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             layers = layers - (L - moe["blocks"]) * moe["saved"]
         fwd_block = layers + fwd_transient + first_cached  # autocast's cache keeps block 0's A copies till the end
         bwd_block = layers - head_cast + bwd_temps  # lm_head's backward has freed its 16-bit copy
+        bwd_attn = None if attn_top is None else layers - head_cast + attn_top
     saved = layers + final + loss_saved
     fwd_block = fwd_block + L * kv_cache  # the cache holds every block's K/V through the forward
     # checkpointed (non-reentrant) blocks keep none of their saved tensors in the forward: the block inputs, the
@@ -629,7 +632,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             "forward_block": (fwd_block - block + not_yet if gc else fwd_block) + mask + (0 if gc else bool_mask),
             "block_saved": _r(T * h * es) if gc else block,
             "backward_norm": bwd_norm, "backward_moments": block_moments, "moe_moments": moe_moments,
-            "backward_bottom": bwd_bottom if gc else None,
+            "backward_bottom": bwd_bottom if gc else None, "backward_attn": None if gc else bwd_attn,
             # between blocks L - 2 and L - 1 (sharded: the last block's all-gather): what blocks 0 .. L - 2 saved, the
             # embedding output and the stream (checkpointing: every block's input)
             "forward_between": (layers - head_cast + (L - 1) * cached if gc else
@@ -717,14 +720,30 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
                        T, B, S, r, s["padding"], experts, loop=s["loop"])
     bwd_end = grads + act["backward_end"]
     in_block, block_grads = act["backward_block"], zero
+
+    def lin_g(lins):  # the weight (and bias) gradients of some linears
+        return sum(int(_r(lin.out_features * lin.in_features * wb)) + (int(_r(lin.out_features * wb)) if
+                   lin.bias else 0) for lin in lins)
+
+    def wgrads(kind):  # one block's gradients of one kind of linear
+        return lin_g(lin for lin in spec.linears if lin.kind == kind)
+    if method == "full" and not gradient_checkpointing and act["backward_attn"] is not None:
+        # eager / MLA attention: the top block's softmax backward runs once lm_head's, the final and second norms',
+        # the block's MLP (experts, router, shared experts) and output projection's weight gradients exist
+        mlp = [lin for lin in spec.linears if lin.kind in ("mlp_in", "mlp_out")]
+        if spec.moe:  # the top block is a MoE block (DeepSeek: its shared experts are listed after block 0's MLP)
+            E, i_e, h = spec.moe["experts"], spec.moe["expert_intermediate_size"], spec.hidden_size
+            top_mlp = int(_r(E * 2 * i_e * h * wb) + _r(E * h * i_e * wb) + _r(E * h * wb)) + \
+                lin_g(mlp[len(mlp) // 2:] if spec.moe["shared_intermediate_size"] and len(mlp) == 6 else mlp)
+        else:
+            top_mlp = lin_g(mlp)
+        made = int(_r(spec.vocab_size * spec.hidden_size * wb)) + wgrads("attn_out") + top_mlp + \
+            2 * int(_r(spec.hidden_size * wb)) * (1 + spec.norm_bias)
+        attn_m = act["backward_attn"] + made
+        block_grads = np.where(attn_m > in_block, made, block_grads)
+        in_block = np.maximum(in_block, attn_m)
     if gradient_checkpointing:  # a recomputed block's backward: the top block's with every block input still kept,
         # or the bottom block's, with the inputs above it freed and the gradients of the blocks above it made
-        def lin_g(lins):  # the weight (and bias) gradients of some linears
-            return sum(int(_r(lin.out_features * lin.in_features * wb)) + (int(_r(lin.out_features * wb)) if
-                       lin.bias else 0) for lin in lins)
-
-        def wgrads(kind):  # one block's gradients of one kind of linear
-            return lin_g(lin for lin in spec.linears if lin.kind == kind)
         if method == "full":  # all but the embedding's and, at its MLP input gradient, the bottom block's own
             embed = 0 if spec.tied_embeddings else int(_r(spec.vocab_size * spec.hidden_size * wb))
             own = wgrads("attn_in") + wgrads("attn_out") + \
