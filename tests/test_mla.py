@@ -72,3 +72,16 @@ def test_a_plan_says_which_attention_kernel_it_counts():
     assert "math path" in on and "0.25 GiB in the recomputed block" in on  # 16 heads x 2048^2 x 4 B
     assert "6.75 GiB in all blocks" in off  # x 27 blocks
     assert check_plan("llama-3.1-8b", "H100-SXM", method="lora")["note"] == ""
+
+
+def test_cli_estimate_prints_the_models_note(capsys):
+    """`lora-kit estimate` on DeepSeek says what the figure assumes (the planner's note: experts, attention kernel),
+    in the table and in --json; a dense model gets none."""
+    from lora_kit.ui.cli import main
+    assert main(["estimate", "--model", "deepseek-v2-lite", "--seq-len", "4096"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the note is wrapped
+    assert "note:" in out and "math path" in out and "1.00 GiB in the recomputed block" in out  # 16 x 4096^2 x 4 B
+    assert main(["estimate", "--model", "deepseek-v2-lite", "--json"]) == 0
+    assert "multi-head latent attention" in __import__("json").loads(capsys.readouterr().out)["note"]
+    assert main(["estimate", "--model", "llama-3.1-8b"]) == 0
+    assert "note:" not in capsys.readouterr().out

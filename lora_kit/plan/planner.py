@@ -347,16 +347,23 @@ def fixes(gpu, margin: float = 0.10, model=None, first_only: bool = False, **kwa
     return out[:1] if first_only else out
 
 
+def model_note(model, settings: dict) -> str:
+    """What an estimate on ``model`` assumes beyond its settings (``estimate``'s ``settings``): every expert resident
+    and what LoRA reaches on a mixture-of-experts, the attention kernel counted for multi-head latent attention;
+    empty for other models."""
+    spec, st = model_spec(model), settings
+    return " ".join(n for n in (moe_note(spec, st["method"], st.get("lora_targets")),
+                                mla_note(spec, st["attn_implementation"], st["seq_len"], st["batch_size"],
+                                         st["gradient_checkpointing"])) if n)
+
+
 def check_plan(model, gpu: str, margin: float = 0.10, **kwargs) -> dict:
     """One plan: its estimate, the fit verdict on ``gpu`` and, when it does not fit, the cheapest fix."""
     est = estimate(model, **kwargs)
     v = fit_verdict(est.device_total_bytes, gpu, margin)
     fits = bool(v["fits"])
     fix = None if fits else next(iter(fixes(gpu, margin, model=model, first_only=True, **kwargs)), None)
-    spec, st = model_spec(model), est.settings
-    note = " ".join(n for n in (moe_note(spec, st["method"], st.get("lora_targets")),  # MoE only
-                                mla_note(spec, st["attn_implementation"], st["seq_len"], st["batch_size"],  # MLA only
-                                         st["gradient_checkpointing"])) if n)
+    note = model_note(model, est.settings)
     return {**v, "fits": fits, "headroom_bytes": float(v["headroom_bytes"]),
             "headroom_pct": float(v["headroom_pct"]), "margin": margin, "estimate": est, "fix": fix, "note": note}
 

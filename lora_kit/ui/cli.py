@@ -14,11 +14,12 @@ import argparse
 import json
 import logging
 import sys
+import textwrap
 from pathlib import Path
 
 from lora_kit.memory.estimate import estimate
 from lora_kit.noise import quiet
-from lora_kit.plan.planner import fit_verdict
+from lora_kit.plan.planner import fit_verdict, model_note
 from lora_kit.results import check_run_name, signal_name
 from lora_kit.settings import (LORA_FIELDS, PLANNING_DEFAULTS, STEP_FIELDS, Settings, check_step, field_help,
                                coerce_value, field_names, load_settings, read_params)
@@ -132,6 +133,7 @@ def cmd_estimate(args) -> int:
         plan, assumed = estimate_plan(given)
         est = estimate(**{k: v for k, v in plan.items() if k in ("model", *STEP_FIELDS)})
         fit = fit_verdict(est.device_total_bytes, plan["gpu"], plan["margin"])
+        note = model_note(plan["model"], est.settings)
     except ValueError as exc:
         print(f"lora-kit estimate: {exc}", file=sys.stderr)
         return 2
@@ -139,7 +141,7 @@ def cmd_estimate(args) -> int:
         print(json.dumps({"settings": est.settings, "assumed": assumed, "gpu": plan["gpu"], "margin": plan["margin"],
                           "peak_allocated_bytes": est.peak_allocated_bytes,
                           "device_total_bytes": est.device_total_bytes, "breakdown": est.breakdown,
-                          "phase": est.phase, "fit": fit}, indent=2))
+                          "phase": est.phase, "fit": fit, "note": note}, indent=2))
         return 0
     print(f"lora-kit estimate: {plan['model']}, one training step, per GPU")
     print("  values (* = assumed, not given; defaults for planning a real model on a GPU):")
@@ -158,6 +160,8 @@ def cmd_estimate(args) -> int:
     verdict = "fits" if fit["fits"] else "does NOT fit"
     print(f"  {fit['gpu']}: {verdict} with a {plan['margin']:.0%} margin "
           f"(headroom {fit['headroom_bytes'] / GiB:+.2f} GiB of {fit['capacity_bytes'] / GiB:.1f} GiB)")
+    if note:
+        print(textwrap.fill(f"note: {note}", width=110, initial_indent="  ", subsequent_indent="    "))
     return 0
 
 
