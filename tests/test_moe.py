@@ -63,7 +63,10 @@ def test_simulate_equals_a_real_cpu_step_whatever_the_routing():
                                    # autocast on fp32 weights: the experts (grouped_mm) stay fp32, the router's linear
                                    # keeps a 16-bit cast of its input
                                    ("mixtral", dict(method="lora", dtype="float32", autocast=True)),
-                                   ("qwen3_moe", dict(method="full", dtype="float32", autocast=True))])
+                                   ("qwen3_moe", dict(method="full", dtype="float32", autocast=True)),
+                                   # QLoRA under autocast: the up-cast lm_head's logits come out 16-bit (then their
+                                   # fp32 copy), the final norm's fp32 output held through the loss
+                                   ("qwen2_moe", dict(method="qlora", autocast=True))])
 def test_estimate_within_one_percent_of_simulate(mt, kw):
     cfg = tiny(mt)
     kw = dict(seq_len=256, batch_size=2, gradient_checkpointing=False, **kw)

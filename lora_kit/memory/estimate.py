@@ -534,13 +534,16 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
     # dtype) + the inv_freq buffers
     final = norm + (_r(T * h * e) if not lora else 0)  # full fine-tuning: lm_head keeps its input
     # full fine-tuning under autocast: lm_head keeps its own 16-bit cast (in ``final``); the final norm's fp32
-    # output, which the model holds until the loss is taken, is one more copy through the forward's end
-    head_in = _r(T * h * 4) if autocast and not lora else 0
+    # output, which the model holds until the loss is taken, is one more copy through the forward's end (QLoRA's fp32
+    # stream too: its frozen lm_head keeps nothing, but the model holds that output all the same)
+    head_in = _r(T * h * 4) if autocast and (not lora or method == "qlora") else 0
     el = 4 if method == "qlora" else e  # logits dtype (QLoRA: lm_head up-cast to fp32)
+    # under autocast QLoRA's up-cast lm_head runs in 16-bit: its logits and their fp32 copy for the loss
+    el_fwd = 2 if autocast and method == "qlora" else el
     loss_saved = _r(T * V * 4) + _r(T * 8) + 512
     if method == "full":
         loss_saved = loss_saved + _r(T * 8)  # embedding backward keeps the indices
-    logits_fwd = _r(T * V * el) + (_r(T * V * 4) if el != 4 else 0)
+    logits_fwd = _r(T * V * el_fwd) + (_r(T * V * 4) if el_fwd != 4 else 0)
     if spec.final_softcap:  # logits / cap, tanh, * cap: tanh's output is kept for backward, the division is freed
         loss_saved = loss_saved + _r(T * V * el)
     loss_bwd = 2 * _r(T * V * 4)  # backward start: the fp32 gradients of the loss and of the log-softmax
@@ -656,8 +659,7 @@ def _moe_terms(spec: ModelSpec, method: str, dtype: str, autocast: bool, e: int,
     # the experts run in the residual stream's dtype: under autocast ``grouped_mm`` (and peft's W + B@A) are not cast,
     # so with fp32 weights the routed part stays fp32 while the attention's linears run in 16-bit
     ex = (4 if method in ("full", "qlora") else DTYPE_BYTES[dtype]) if autocast else e
-    # (QLoRA under autocast keeps the fp32 count: it matches simulate on the tiny configs; not traced further)
-    out = moe_block(spec, method, ex, w, experts or expert_lora(spec, ()), T, r, autocast and method != "qlora")
+    out = moe_block(spec, method, ex, w, experts or expert_lora(spec, ()), T, r, autocast)
     return {**out, "saved": out["saved"] - drop, "dense_mlp": dense, "blocks": len(spec.moe["moe_layers"])}
 
 

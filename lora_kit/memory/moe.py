@@ -150,7 +150,8 @@ def moe_block(spec, method: str, e: int, w: int, flags: dict, T, r, autocast: bo
         if flags["down"]:
             saved = saved + _r(E * h * i * w) + (_r(E * h * r * w) + _r(E * r * i * w) if cast else 0)
     if spec.config.get("shared_expert_intermediate_size"):  # Qwen2-MoE: sigmoid(gate(x)) * shared expert output
-        el = 2 if autocast else e  # both come out of linears: 16-bit under autocast
+        # both come out of linears: 16-bit under autocast (QLoRA: fp32, peft's sum with the fp32 base output)
+        el = 2 if autocast and method != "qlora" else e
         saved = saved + _r(T * h * el) + _r(T * el)
     # forward, end of the experts: the weighted output and its copy in token order; the experts function's
     # locals (the gathered rows) and the router logits are still alive
