@@ -456,6 +456,10 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         bwd_temps = 3 * _r(T * i * 4)
     bwd_temps = bwd_temps + (0 if gc and lora and not cast else 2 * _r(T * h * 4)) - group["mlp_out"]
     moe_temps = dense_temps = ds_shared = ds_dense = None
+    # an fp32 stream's RMSNorm keeps its input itself, not a copy: with checkpointing the first norm's is the checkpoint's
+    # input, counted with the block inputs (``block`` counts a copy)
+    resid_saved = es == 4 and not spec.norm_bias
+    own_input = _r(T * h * 4) if resid_saved else 0
     if moe is not None:  # routed experts' backward, or the end of a checkpoint's recomputed forward
         deepseek = spec.model_type.startswith("deepseek")  # DeepSeek: its MoE moments apart (moe.py's ``backward``)
         moe_bwd = moe["backward"] if deepseek else np.maximum(moe["backward_first"], moe["backward_late"])
@@ -470,8 +474,6 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
                 + group["mlp_in"]
             # (the routed backward: the gradient at the block's output and its sum with the shared experts' input
             # gradient, for the residual)
-            # an fp32 stream's first norm keeps the checkpoint's input itself (``block`` counts a copy)
-            own_input = _r(T * h * 4) if es == 4 and not spec.norm_bias else 0
             moe_bwd = np.maximum(moe_bwd + 2 * _r(T * h * e), stream + moe["recompute"]) - shared - own_input
             if lora:  # peft never targets DeepSeek's MLP linears (their names mean the experts): a frozen gated MLP's
                 # backward holds the gradient at the block's output, the down projection's input gradient and the
@@ -491,7 +493,6 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             # (full fine-tuning, LoRA on the router: its input) or peft's LoRA on an fp32 stream (no cast: the input
             # itself) keeps it (under autocast they keep 16-bit casts)
             gs = _r(T * h * es)
-            resid_saved = es == 4 and not spec.norm_bias
             norm_saved = not autocast and (method == "full" or bool((experts or {}).get("router")) or
                                            (lora and not cast and n_t["mlp_in"] > 0))
             rec_stream = gs + (0 if resid_saved else gs) + (0 if norm_saved else gs)
@@ -501,7 +502,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
             # checkpoint's input itself (``block`` counts a copy)
             waiting = gs if moe["shared_first"] else 0
             moe_bwd = np.maximum(moe_bwd + gs + waiting, rec_stream + moe["recompute"] + moe["recompute_locals"]) - \
-                post - (_r(T * h * 4) if resid_saved else 0)
+                post - own_input
         if moe["dense_mlp"] and moe["shared_first"]:  # the shared expert's backward, the routed experts' saved freed
             bwd_temps = bwd_temps - moe["saved"]
         if not deepseek:  # the recomputed bottom block holds different gradients at the two (estimate_arrays)
@@ -520,8 +521,7 @@ def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: b
         if mla is not None and gc:  # DeepSeek (checkpointing): the gradient at the attention's residual waits, the
             # output projection's backward has run, freeing what it kept, and an fp32 stream's first norm keeps the
             # checkpoint's input itself (``block`` counts a copy)
-            attn_temps = attn_temps + _r(T * h * e) - group["attn_out"] - \
-                (_r(T * h * 4) if es == 4 and not spec.norm_bias else 0)
+            attn_temps = attn_temps + _r(T * h * e) - group["attn_out"] - own_input
         # a MoE block's routed experts have freed their saved tensors too (DeepSeek's dense bottom block has none)
         attn_top = attn_temps - (moe["saved"] if moe is not None else 0)
         bwd_temps = np.maximum(bwd_temps, attn_top)
@@ -729,18 +729,21 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
 
     def wgrads(kind):  # one block's gradients of one kind of linear
         return lin_g(lin for lin in spec.linears if lin.kind == kind)
+    h = spec.hidden_size
+    norm_g = int(_r(h * wb)) * (1 + spec.norm_bias)  # one norm's weight (and bias) gradient
+    head_g = int(_r(spec.vocab_size * h * wb)) + norm_g  # lm_head's and the final norm's
+    mlp = [lin for lin in spec.linears if lin.kind in ("mlp_in", "mlp_out")]
+    # DeepSeek's first blocks are dense: its MLP linears are listed as block 0's, then the MoE blocks' shared experts'
+    dense_first = bool(spec.moe) and len(spec.moe["moe_layers"]) < spec.num_layers
+    top_mlp = mlp[len(mlp) // 2:] if dense_first else mlp  # the MLP linears of the top block
+    experts_g = 0
+    if spec.moe:  # one MoE block's experts' and router's weight gradients (full fine-tuning)
+        E, i_e = spec.moe["experts"], spec.moe["expert_intermediate_size"]
+        experts_g = int(_r(E * 2 * i_e * h * wb) + _r(E * h * i_e * wb) + _r(E * h * wb))
     if method == "full" and not gradient_checkpointing and act["backward_attn"] is not None:
         # eager / MLA attention: the top block's softmax backward runs once lm_head's, the final and second norms',
         # the block's MLP (experts, router, shared experts) and output projection's weight gradients exist
-        mlp = [lin for lin in spec.linears if lin.kind in ("mlp_in", "mlp_out")]
-        if spec.moe:  # the top block is a MoE block (DeepSeek: its shared experts are listed after block 0's MLP)
-            E, i_e, h = spec.moe["experts"], spec.moe["expert_intermediate_size"], spec.hidden_size
-            top_mlp = int(_r(E * 2 * i_e * h * wb) + _r(E * h * i_e * wb) + _r(E * h * wb)) + \
-                lin_g(mlp[len(mlp) // 2:] if spec.moe["shared_intermediate_size"] and len(mlp) == 6 else mlp)
-        else:
-            top_mlp = lin_g(mlp)
-        made = int(_r(spec.vocab_size * spec.hidden_size * wb)) + wgrads("attn_out") + top_mlp + \
-            2 * int(_r(spec.hidden_size * wb)) * (1 + spec.norm_bias)
+        made = head_g + norm_g + wgrads("attn_out") + experts_g + lin_g(top_mlp)
         attn_m = act["backward_attn"] + made
         block_grads = np.where(attn_m > in_block, made, block_grads)
         in_block = np.maximum(in_block, attn_m)
@@ -757,10 +760,8 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
             wi, wo = wgrads("mlp_in"), wgrads("mlp_out")
             # the top block: lm_head's and the final norm's gradients made (its output projection's at (b)); the
             # bottom block: every gradient but the embedding's and its own (but its output projection's at (b))
-            head = int(_r(spec.vocab_size * spec.hidden_size * wb)) + \
-                int(_r(spec.hidden_size * wb)) * (1 + spec.norm_bias)
             g_mul = np.maximum(block_grads - wi, 0)
-            moments = [(m, g) for m, g in zip(act["backward_moments"], (zero + head, zero + head + wo,
+            moments = [(m, g) for m, g in zip(act["backward_moments"], (zero + head_g, zero + head_g + wo,
                                                                         np.maximum(g_mul - wo, 0), g_mul))]
             in_block, block_grads = moments[0][0] + moments[0][1], moments[0][1]
             for m, g in moments[1:]:
@@ -774,13 +775,9 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
                 # block 0 (dense) by the rule above; the lowest MoE block (K) with the gradients of the blocks above
                 L, bs = spec.num_layers, act["block_saved"]
                 K = L - len(spec.moe["moe_layers"])
-                mlp = [lin for lin in spec.linears if lin.kind in ("mlp_in", "mlp_out")]
-                shared_g = lin_g(mlp[len(mlp) // 2:])  # the shared experts' linears (after block 0's dense MLP's)
-                head = int(_r(spec.vocab_size * spec.hidden_size * wb)) + \
-                    int(_r(spec.hidden_size * wb)) * (1 + spec.norm_bias)
                 dense_blk = own + lin_g(mlp[:len(mlp) // 2])
-                moe_blk = (grads - embed - head - K * dense_blk) // (L - K)  # one MoE block's gradients
-                g_top = zero + head + shared_g
+                moe_blk = (grads - embed - head_g - K * dense_blk) // (L - K)  # one MoE block's gradients
+                g_top = zero + head_g + lin_g(top_mlp)  # its shared experts' linears
                 top = in_block + g_top
                 bk = in_block - (L - 1 - K) * bs + g_top + (L - 1 - K) * moe_blk
                 bottom = act["backward_bottom"] - (L - 1) * bs + block_grads
@@ -803,10 +800,7 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
                 # own experts', router's and shared expert's gradients yet (moe.py counts the ones made by then;
                 # Qwen2-MoE's 1-wide shared-expert gate runs last, its gradient is made); at the shared expert's
                 # backward (Qwen2-MoE: after the routed experts') the dense rule above
-                E, i_e = spec.moe["experts"], spec.moe["expert_intermediate_size"]
-                h = spec.hidden_size
-                moe_own = int(_r(E * 2 * i_e * h * wb) + _r(E * h * i_e * wb) + _r(E * h * wb)) + lin_g(
-                    lin for lin in spec.linears if lin.kind in ("mlp_in", "mlp_out") and lin.out_features > 1)
+                moe_own = experts_g + lin_g(lin for lin in mlp if lin.out_features > 1)
                 moe_m, dense_m = act["moe_moments"]
                 g_moe = np.maximum(block_grads - moe_own, 0)
                 b_moe = moe_m - (spec.num_layers - 1) * act["block_saved"] + g_moe
