@@ -692,7 +692,8 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
     wb = 4 if (method == "full" and autocast) else DTYPE_BYTES[dtype]
     tensors = [((rows * r if rows == 1 else rows) if pr else rows, (cols * r if cols == 1 else cols) if pr else cols,
                 c, eb) for rows, cols, c, eb, pr in _trainable(spec, method, wb, targets)]
-    tensors += expert_lora_tensors(spec, experts, r)
+    expert_tensors = expert_lora_tensors(spec, experts, r)  # LoRA on MoE experts and routers (none elsewhere)
+    tensors += expert_tensors
     trainable = zero + sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
     states = zero + sum(c * _opt_state(optimizer, rows, cols, eb) for rows, cols, c, eb in tensors)
     loop_t = loop_terms(s["loop"], optimizer, sum(c for _, _, c, _ in tensors))  # the Trainer's optimizer phase
@@ -788,8 +789,7 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
                 # block above it made; or the lowest MoE block (block K), with those of the K+1 .. L-1 blocks above
                 L, bs = spec.num_layers, act["block_saved"]
                 K = L - len(spec.moe["moe_layers"])
-                exp_all = zero + sum(c * _r(rows * cols * eb) for rows, cols, c, eb in expert_lora_tensors(spec,
-                                                                                                         experts, r))
+                exp_all = zero + sum(c * _r(rows * cols * eb) for rows, cols, c, eb in expert_tensors)
                 g_attn = (grads - exp_all) // L  # one block's attention adapters
                 g0, gk = grads - g_attn, (L - 1 - K) * (g_attn + exp_all // (L - K))
                 b0 = act["backward_bottom"] - (L - 1) * bs + g0
