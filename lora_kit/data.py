@@ -5,9 +5,13 @@ dicts (plus ``"context"``, the messages before the answer, for conversational ro
 source's format and column names were. Sources:
 
 - ``"tiny:dates"`` (with ``split`` = "train" | "validation" | "test"), ``"tiny:control"``,
-  ``"tiny:base_mix"``: the task data shipped with the embedded model (lora_kit/embedded/data);
+  ``"tiny:base_mix"``: the task data shipped with the embedded model;
   ``"generic:control"``: ~150 short prompts with unambiguous answers (arithmetic, capitals, unit
-  conversions, spelling, dates, simple instructions), the control set for any other model;
+  conversions, spelling, dates, simple instructions), the control set for any other model.
+  These named sources (:data:`TINY_SOURCES`) are files the package ships in :data:`SHIPPED_DATA_DIR`
+  (``lora_kit/embedded/data``): package data, read as files. Nothing here imports the embedded
+  room's code (:mod:`lora_kit.embedded.tasks` generates those files and imports this module), so
+  every layer can load "tiny:dates" and the import graph still points down only;
 - a ``.jsonl`` file (one JSON object per line) or a ``.csv`` file (header row);
 - a folder written by ``datasets.Dataset.save_to_disk`` (needs the optional ``datasets``
   package; a ``DatasetDict`` folder needs ``split``).
@@ -37,9 +41,10 @@ import random
 import unicodedata
 from pathlib import Path
 
-from lora_kit.embedded.tasks import DATA_DIR
-from lora_kit.results import write_text_atomic
+from lora_kit.results import PACKAGE_DIR, write_text_atomic
 
+# the shipped datasets: package data beside the embedded model (written by scripts/build_tiny_model.py)
+SHIPPED_DATA_DIR = PACKAGE_DIR / "embedded" / "data"
 TINY_SOURCES = {"tiny:dates": "dates_{split}.jsonl", "tiny:control": "control.jsonl",
                 "tiny:base_mix": "base_mix.jsonl", "generic:control": "generic_control.jsonl"}
 DATA_FORMATS = ("prompt_response", "alpaca", "messages")
@@ -56,7 +61,7 @@ def _embedded_path(source: str, split: str | None) -> Path:
             raise ValueError(f"split={split!r} is not valid for 'tiny:dates'; choose one of {', '.join(DATES_SPLITS)}.")
     elif split is not None:
         raise ValueError(f"{source!r} has no splits; pass split=None.")
-    return DATA_DIR / TINY_SOURCES[source].format(split=split)
+    return SHIPPED_DATA_DIR / TINY_SOURCES[source].format(split=split)
 
 
 def _read_utf8(path: Path) -> str:

@@ -1,8 +1,11 @@
 """The package's shape: imports point down the journey, no cycles, one public API.
 
 Layers, lowest first (a module may import its own layer and the ones below it):
-ground floor (settings, results, loading, data, prompting, training, generation, with the embedded
-model's task data below it) -> memory -> plan / check -> run -> evaluation -> embedded.story -> ui.
+ground floor (settings, results, loading, data, prompting, training, generation) -> memory ->
+plan / check -> run -> evaluation -> embedded -> ui. A layer is the first name under lora_kit (the
+ground floor: modules directly in it); there are no special cases. The files the package ships
+(the embedded model, the named datasets such as "tiny:dates") are package data, read as files by
+the ground floor (``loading``, ``data``), not imported from ``embedded``.
 """
 from __future__ import annotations
 
@@ -15,8 +18,7 @@ from pathlib import Path
 import lora_kit
 
 PACKAGE = Path(lora_kit.__file__).parent
-LAYERS = {"embedded.tasks": 0, "": 1, "memory": 2, "plan": 3, "check": 3, "run": 4, "evaluation": 5,
-          "embedded.story": 6, "ui": 7}
+LAYERS = {"": 0, "memory": 1, "plan": 2, "check": 2, "run": 3, "evaluation": 4, "embedded": 5, "ui": 6}
 
 
 def _modules() -> dict[str, Path]:
@@ -30,9 +32,6 @@ def _modules() -> dict[str, Path]:
 
 def _layer(module: str) -> int:
     name = module.removeprefix("lora_kit").lstrip(".")
-    for key in ("embedded.tasks", "embedded.story"):
-        if name == key:
-            return LAYERS[key]
     sub = name.split(".")[0] if "." in name else ""
     return LAYERS[sub]
 

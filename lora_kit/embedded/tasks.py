@@ -1,4 +1,4 @@
-"""The embedded default's tasks and shipped files (data only: imports nothing from lora_kit).
+"""The embedded default's tasks and shipped files.
 
 Tasks are synthetic string/number jobs a ~2M-parameter Llama can master from scratch. The base
 model was pretrained on :data:`BASE_TASKS` only; :func:`date_example` ("3 March 2021" ->
@@ -13,9 +13,10 @@ import random
 import string
 from pathlib import Path
 
+from lora_kit.data import SHIPPED_DATA_DIR as DATA_DIR  # the files "tiny:dates" etc. name (one definition)
+
 EMBEDDED_ROOT = Path(__file__).parent
 TINY_DIR = EMBEDDED_ROOT / "tiny"
-DATA_DIR = EMBEDDED_ROOT / "data"
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
           "October", "November", "December")
 DAYS_IN_MONTH = (31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
