@@ -7,7 +7,7 @@ checks it)::
     training, generation                            atomic results, model/data loading, the step
     memory/      specs, tracker, estimate, measure, simulate
     plan/        gpus, timing, planner, dataset_fit, figures
-    run/         smoke, batches, loop, adapter_io, oom, distributed, accelerate_config
+    run/         smoke, adapters, batches, loop, adapter_io, oom, distributed, accelerate_config
     evaluation/  evaluate, compare, metrics, hygiene, adapters, figures
     check/       stack, probes
     embedded/    tasks (the tiny model's data), story (its train/evaluate harness), shipped files
@@ -18,6 +18,8 @@ Public API (imported lazily so ``import lora_kit`` stays fast)::
     estimate, simulate, measure_step        memory: analytic, simulated, measured
     sweep, max_fit, compare_methods         planning over GPUs and settings
     smoke_run, stack                        a short real run; the software/hardware check
+    train_adapters, trained_adapters        every adapter of a run (03: the smoke run's, the base-mix
+                                            comparison's) and where they are (04 evaluates them)
     evaluate                                base vs adapter on held-out and control data
     Settings, load_settings                 the one settings definition
     DEFAULT_MODEL                           "tiny": the embedded model shipped in the package
@@ -45,6 +47,8 @@ _LAZY = {
     "gpu_table": "lora_kit.plan.gpus",
     "dataset_lengths": "lora_kit.plan.dataset_fit",
     "smoke_run": "lora_kit.run.smoke",
+    "train_adapters": "lora_kit.run.adapters",
+    "trained_adapters": "lora_kit.run.adapters",
     "evaluate": "lora_kit.evaluation.evaluate",
     "load_model": "lora_kit.loading",
     "load_tokenizer": "lora_kit.loading",

@@ -44,10 +44,10 @@ from lora_kit.progress import bar as progress_bar
 from lora_kit.prompting import PromptFormat, resolve_prompt_format
 from lora_kit.results import (check_output_dir, read_json, read_record, run_identity, settled, write_json_atomic,
                               write_text_atomic)
+from lora_kit.run.adapters import trained_adapters
 from lora_kit.settings import Settings, _check_int, check_count, check_heldout_split, parse_bool
 
 EVAL_DIR = "eval"
-SMOKE_ADAPTER = Path("smoke") / "adapter"
 
 
 @dataclass
@@ -142,10 +142,8 @@ def _round_robin(rows: list[dict]) -> list[dict]:
 
 
 def _adapters(adapters, run_dir) -> dict[str, str]:
-    if adapters is None:
-        if run_dir is not None and (Path(run_dir) / SMOKE_ADAPTER / "adapter_config.json").is_file():
-            return {"adapter": str(Path(run_dir) / SMOKE_ADAPTER)}
-        return {}
+    if adapters is None:  # what the run's notebook 03 trained (lora_kit.run.adapters)
+        return trained_adapters(run_dir) if run_dir is not None else {}
     if isinstance(adapters, (str, os.PathLike)):
         adapters = {"adapter": os.fspath(adapters)}
     if not isinstance(adapters, dict):
@@ -239,8 +237,10 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
     arguments given beside it override it (an argument left at its default keeps the settings' value).
 
     Parameters (the rest mirror :class:`lora_kit.Settings`):
-        adapters: an adapter folder, ``{name: folder}`` for several, or None (= ``<run_dir>/smoke/adapter``
-            if it exists, else the base model alone).
+        adapters: an adapter folder, ``{name: folder}`` for several, or None (= every adapter the run in
+            ``run_dir`` trained, as its ``smoke/smoke.json`` lists them -- the smoke run's and the base-mix
+            comparison's, see :func:`lora_kit.run.adapters.trained_adapters`; else ``<run_dir>/smoke/adapter``
+            if it exists; else the base model alone).
         heldout / control: a source name or path for ``lora_kit.data.load_examples``, a
             ``(source, split)`` tuple, a list of ``{"prompt", "response"[, "task"]}`` dicts or a
             DataFrame. ``control=None`` skips the control set. Control rows are grouped by ``task``.

@@ -52,7 +52,7 @@ PIPELINE = (
 PROOF = {"00_stack_check.ipynb": "stack.json", "01_choose_method.ipynb": "plan.json",
          "02_memory_sweeps.ipynb": "sweeps.json", "03_smoke_run.ipynb": "smoke/smoke.json",
          "04_evaluate.ipynb": "eval/eval.json"}
-OWNED = {"03_smoke_run.ipynb": ("smoke",), "04_evaluate.ipynb": ("eval", "mix")}
+OWNED = {"03_smoke_run.ipynb": ("smoke", "mix"), "04_evaluate.ipynb": ("eval",)}  # mix: 03's base-mix comparison
 SETTINGS_NOT_COMPARED = ("run_dir", "interactive")  # differ between runs of the same plan
 
 
