@@ -1,0 +1,29 @@
+"""The estimate grid (issue 31): every row of ``benchmarks/grid.py``'s grid, recomputed with today's
+``lora_kit.estimate``, equals the golden file byte for byte (peak, device total, each breakdown key,
+phase). An intended change to the estimate regenerates the file (``python benchmarks/grid.py``) and
+commits it with the reason; anything else that moves a number fails here, naming the rows."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _grid_module():
+    spec = importlib.util.spec_from_file_location("lora_kit_benchmark_grid", ROOT / "benchmarks" / "grid.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_estimate_grid_matches_golden():
+    grid = _grid_module()
+    golden = grid.load()
+    pairs = grid.grid()
+    assert len(pairs) >= 3000
+    rows = [grid.compute(model, kw) for model, kw in pairs]
+    diff = grid.differences(golden, rows)
+    assert not diff, (f"{len(diff)} of {len(rows)} grid rows differ from tests/golden/estimate_grid.json "
+                      "(first 20; `python benchmarks/grid.py --check` lists them, `python benchmarks/grid.py` "
+                      "regenerates after an intended change):\n" + "\n".join(diff[:20]))
