@@ -59,15 +59,16 @@ def rank_main(case: dict, out: str) -> None:
     from lora_kit.memory.tracker import LiveBytesTracker
     from lora_kit.training import optimizer_for
     deepspeed.init_distributed(dist_backend="gloo")
-    kw = {k: v for k, v in case.items() if k != "buckets"}
-    s = check_model_step(**kw)
-    cfg = load_config(s["model"])
-    net, _, batch = build_real_model(cfg, {**s, "optimizer": "sgd"}, seed=0)
+    from lora_kit.settings import as_step
+    s = as_step({k: v for k, v in case.items() if k != "buckets"})
+    check_model_step(case["model"], s)
+    cfg = load_config(case["model"])
+    net, _, batch = build_real_model(cfg, s.replace(optimizer="sgd"), seed=0)
     params = [p for p in net.parameters() if p.requires_grad]
-    ds_cfg = {"train_micro_batch_size_per_gpu": s["batch_size"], "gradient_accumulation_steps": 1,
-              "zero_optimization": _zero_config(int(s["sharding"][-1]), case["buckets"], cfg.hidden_size),
+    ds_cfg = {"train_micro_batch_size_per_gpu": s.batch_size, "gradient_accumulation_steps": 1,
+              "zero_optimization": _zero_config(int(s.sharding[-1]), case["buckets"], cfg.hidden_size),
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
-    eng, opt, _, _ = deepspeed.initialize(model=net, optimizer=optimizer_for(params, s["optimizer"], "cpu"),
+    eng, opt, _, _ = deepspeed.initialize(model=net, optimizer=optimizer_for(params, s.optimizer, "cpu"),
                                           config=ds_cfg, model_parameters=params)
 
     def step(tracker=None):
@@ -102,7 +103,8 @@ def rank_main(case: dict, out: str) -> None:
 
 
 def main() -> None:
-    from lora_kit.memory.estimate import DEEPSPEED_REDUCE_BUCKET, DTYPE_BYTES, estimate
+    from lora_kit.memory.device import DEEPSPEED_REDUCE_BUCKET
+    from lora_kit.memory.estimate import DTYPE_BYTES, estimate
     from lora_kit.memory.specs import model_spec
     from lora_kit.results import write_json_atomic
     rows = []

@@ -202,11 +202,11 @@ def _get(row: dict, field: str):
 
 def coverage(rows: list[dict]) -> dict:
     """Rows per value of each step field (the value estimate used: passed, else its default)."""
-    from lora_kit.settings import PLANNING_DEFAULTS
+    from lora_kit.settings import PLANNING
     out: dict = {"model": {}}
     for row in rows:
         out["model"][row["model"]] = out["model"].get(row["model"], 0) + 1
-        for k, default in PLANNING_DEFAULTS.items():
+        for k, default in PLANNING.to_dict().items():
             v = row["settings"].get(k, default)
             v = "+".join(v) if isinstance(v, list) else str(v)
             out.setdefault(k, {})

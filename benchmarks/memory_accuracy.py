@@ -138,7 +138,7 @@ def model_arg(case: dict):
 
 # What a case or a published row leaves unsaid was run (real steps, simulate, the public tools) without
 # gradient checkpointing, estimate's default when they were written; estimate now defaults to planning
-# (checkpointing on, settings.PLANNING_DEFAULTS), so the benchmark states it. Keys stay as written, so
+# (checkpointing on, settings.PLANNING), so the benchmark states it. Keys stay as written, so
 # saved results are still found.
 UNSTATED = {"gradient_checkpointing": False}
 

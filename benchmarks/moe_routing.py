@@ -23,6 +23,7 @@ from transformers import AutoConfig  # noqa: E402
 from lora_kit.memory.measure import build_real_model, measure_step  # noqa: E402
 from lora_kit.memory.simulate import simulate  # noqa: E402
 from lora_kit.memory.specs import check_model_step  # noqa: E402
+from lora_kit.settings import Step  # noqa: E402
 
 
 def config():
@@ -54,7 +55,8 @@ def main() -> None:
         for gc in (False, True):
             kw = dict(method=method, seq_len=512, batch_size=1, gradient_checkpointing=gc,
                       **({} if method == "full" else dict(lora_rank=8)))
-            s = check_model_step(cfg, **kw)
+            s = Step(**kw)
+            check_model_step(cfg, s)
             sim = simulate(cfg, **kw).peak_allocated_bytes
             for impl in ("grouped_mm", "eager"):
                 for routing in ("random", "two"):

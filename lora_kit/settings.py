@@ -1,27 +1,20 @@
-"""The one settings definition, and the one step schema and validator.
+"""The one settings definition: the :class:`Step` schema, its two named default sets, and :class:`Settings`.
 
-Every knob of a lora_kit run is defined once here, in :class:`Settings`, with its default and a
-one-line comment (extracted as its help text). Notebook ``parameters`` cells, the CLI flags, the
-YAML params files and the widgets' choices are derived from or checked against it
-(``tests/test_settings.py`` and ``tests/test_step_schema.py`` keep them in sync).
+:class:`Step` (frozen) defines one training step: every field once, with its meaning, unit, allowed values,
+default and why (``Step.doc(name)``), validated once when a ``Step`` is made. ``estimate``, ``simulate``,
+``measure_config``, the planner, the time model, the smoke run, the CLI flags, the params keys and
+:class:`Settings` all derive from it: a new ``Step`` field is a flag and a params key with no other edit.
+A sweep is a ``Step`` plus the integer fields it varies (:func:`check_axes`), validated by the same rules.
 
-**The step schema.** The settings that define one training step's memory -- :data:`STEP_FIELDS` --
-are checked by one validator, :func:`check_step`, which :class:`Settings`, ``estimate``,
-``simulate``, ``measure_config``, the planner, the OOM advice and the CLI all call; nothing else
-re-checks them. Two honest default sets, each stated where it applies:
-
-- :data:`EMBEDDED_DEFAULTS` (the :class:`Settings` defaults): the tiny model shipped in the
-  package, trained on a CPU in minutes -- float32, 64 tokens, micro-batch 16, no checkpointing.
-- :data:`PLANNING_DEFAULTS` (the defaults of ``estimate`` / ``simulate`` / ``measure_config`` and of
-  ``lora-kit estimate``): planning a real model on a GPU -- bfloat16 weights, 2048 tokens,
-  micro-batch 1, gradient checkpointing on (the planner's first no-quality-cost saving), AdamW.
+Two default sets, one per purpose: :data:`PLANNING` (the ``Step`` defaults: planning a real model on a
+rented GPU) and :data:`EMBEDDED` (the embedded tiny model's CPU journey, :data:`EMBEDDED_CHANGES` gives each
+difference with its reason). :class:`Settings` is a run: the step fields with the embedded defaults, plus the
+model, data, evaluation and output settings (:class:`RunFields`).
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
-import inspect
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -30,6 +23,7 @@ from typing import Any
 import numpy as np
 
 TINY_ALIASES = ("tiny", "lora_kit:tiny", "embedded")  # names of the embedded model
+EMBEDDED_PLAN_MODEL = "llama-3.1-8b"  # what the embedded tutorial plans: the tiny model itself fits any GPU
 METHODS = ("full", "lora", "qlora")
 METHOD_LABELS = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}  # one spelling in tables, figures, texts
 
@@ -49,22 +43,7 @@ DATA_FORMATS = ("auto", "prompt_response", "alpaca", "messages")
 PROMPT_FORMATS = ("auto", "plain", "chat")  # or a user template holding {prompt}
 LONG_EXAMPLES = ("truncate", "drop", "error")
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-# The fields that define one training step (``model`` aside), in the order of estimate's signature.
-STEP_FIELDS = ("method", "dtype", "autocast", "double_quant", "seq_len", "batch_size", "lora_rank", "lora_alpha",
-               "lora_targets", "gradient_checkpointing", "attn_implementation", "optimizer", "num_gpus", "sharding",
-               "cpu_offload", "grad_accum", "padding", "loop")
-LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")  # meaningless with method="full"
-CHOICES = {"method": METHODS, "dtype": DTYPES, "attn_implementation": ATTN_IMPLEMENTATIONS, "optimizer": OPTIMIZERS,
-           "sharding": SHARDINGS, "padding": PADDINGS, "loop": LOOPS}
-BOOLS = ("autocast", "double_quant", "gradient_checkpointing", "cpu_offload")
-# positive integers and the largest value that makes sense (beyond it a typo is likelier than a plan)
-INT_BOUNDS = {"seq_len": 1 << 24, "batch_size": 1 << 16, "lora_rank": 1 << 16, "lora_alpha": 1 << 20,
-              "num_gpus": 1 << 16, "grad_accum": 1 << 16}
-PLANNING_DEFAULTS = dict(method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
-                         batch_size=1, lora_rank=16, lora_alpha=32, lora_targets="all-linear",
-                         gradient_checkpointing=True, attn_implementation="sdpa", optimizer="adamw", num_gpus=1,
-                         sharding="none", cpu_offload=False, grad_accum=1, padding="none", loop="kit")
+SHARDED_STATES = ("zero1", "zero2", "zero3", "fsdp")  # shardings that split optimizer states over the GPUs
 
 
 def parse_bool(name: str, value: Any) -> bool:
@@ -78,7 +57,6 @@ def parse_bool(name: str, value: Any) -> bool:
 
 def _check_int(name: str, value: Any, lo: int = 1, hi: int | None = None):
     """A bounded integer setting (scalar, or a numpy array of them for sweeps)."""
-    hi = INT_BOUNDS.get(name) if hi is None else hi
     arr = np.asarray(value)
     ok = arr.dtype.kind in "iu" and arr.size > 0 and not isinstance(value, (bool, np.bool_))
     if ok and (arr.min() < lo or (hi is not None and arr.max() > hi)):
@@ -89,16 +67,17 @@ def _check_int(name: str, value: Any, lo: int = 1, hi: int | None = None):
             value = bad[0] if bad else value
         kind = "a positive integer" if lo == 1 else "a non-negative integer" if lo == 0 else f"an integer >= {lo}"
         raise ValueError(f"{name} must be {kind}" + (f" (at most {hi:,})" if hi is not None else "") + f", got {value!r}.")
-    return int(value) if arr.ndim == 0 else value
+    return int(value) if arr.ndim == 0 else arr.astype(np.int64)
 
 
 def _check_targets(value: Any):
+    """"all-linear", or a tuple of module names (a list, a tuple or the CLI's "q_proj,v_proj")."""
     if value == "all-linear":
         return value
     if isinstance(value, str) and value.strip():
-        value = [t.strip() for t in value.strip("[]").replace("'", "").replace('"', "").split(",") if t.strip()]
+        value = [t.strip() for t in value.strip("[]()").replace("'", "").replace('"', "").split(",") if t.strip()]
     if isinstance(value, (list, tuple)) and value and all(isinstance(t, str) and t for t in value):
-        return list(value)
+        return tuple(value)
     raise ValueError(f"lora_targets must be 'all-linear' or a non-empty list of module names, e.g. "
                      f"['q_proj', 'v_proj']; got {value!r}.")
 
@@ -106,7 +85,7 @@ def _check_targets(value: Any):
 def check_count(name: str, value: Any):
     """A number of examples to evaluate: a non-negative integer, 0 (or None) meaning all of them.
     The one check for ``Settings.eval_examples`` / ``control_examples`` and ``evaluate``'s ``n_heldout`` /
-    ``n_control`` (``-1`` was once read as "all but the last")."""
+    ``n_control``."""
     return None if value is None else _check_int(name, value, 0, (1 << 32) - 1)
 
 
@@ -133,107 +112,237 @@ def check_choice(name: str, value, choices) -> None:
                          f"choose one of {', '.join(map(repr, choices))}.")
 
 
-def check_step(values: dict, defaults: dict | None = None) -> dict:
-    """The one validator of step settings: ``values`` (any subset of :data:`STEP_FIELDS`, plus extra
-    keys passed through) checked and normalised; missing fields come from ``defaults``
-    (:data:`PLANNING_DEFAULTS` unless given). Raises ValueError naming the setting to change.
+def check_names(given, valid, what: str = "setting") -> None:
+    """Unknown names refused with "did you mean ..." for each and the list of valid ones."""
+    unknown = [k for k in given if k not in valid]
+    if unknown:
+        hints = "".join(f" {k!r}{did_you_mean(k, valid) or ' (no close name)'}" for k in unknown)
+        raise ValueError(f"Unknown {what}(s):{hints}; valid {what}s are: {', '.join(valid)}.")
 
-    Checks: choices; booleans (True/False or CLI words, nothing else); integers bounded to what
-    makes sense (numpy arrays allowed for sweeps); LoRA settings left at their defaults with
-    ``method="full"``; sharding needs several GPUs; CPU offload needs sharded states. What needs
-    the model (target names, rank vs layer width) is checked by ``lora_kit.memory.specs.check_targets``.
+
+def setting(default, doc: str, *, choices=None, kind: str | None = None, most: int | None = None,
+            lora: bool = False, factory=None):
+    """A settings field: its default and its documentation (meaning, unit, allowed values, why this default),
+    plus the rule :class:`Step` validates it by (``kind``: "choice" | "bool" | "int" (1 .. ``most``) |
+    "targets"). ``lora``: the field only applies to LoRA / QLoRA."""
+    kind = "choice" if choices else kind
+    meta = {"doc": doc, "kind": kind, "choices": choices, "most": most, "lora": lora}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _check_field(f: dataclasses.Field, value):
+    m = f.metadata
+    if m["kind"] == "choice":
+        check_choice(f.name, value, m["choices"])
+    elif m["kind"] == "bool":
+        return parse_bool(f.name, value)
+    elif m["kind"] == "int":
+        return _check_int(f.name, value, 1, m["most"])
+    elif m["kind"] == "targets":
+        return _check_targets(value)
+    return value
+
+
+@dataclass(frozen=True)
+class Step:
+    """One training step, per GPU: everything that sets its memory and time (``model`` aside).
+
+    The defaults are :data:`PLANNING`'s: planning a real model on a rented GPU. Made once, validated once;
+    a bad value raises ValueError naming the field and its allowed values. ``Step.doc(name)`` is a field's
+    documentation; ``step.replace(**changes)`` a changed copy (unknown names: "did you mean ...").
     """
-    defaults = PLANNING_DEFAULTS if defaults is None else defaults
-    s = {**{k: defaults[k] for k in STEP_FIELDS if k in defaults}, **values}
-    for name, choices in CHOICES.items():
-        check_choice(name, s[name], choices)
-    for name in BOOLS:
-        s[name] = parse_bool(name, s[name])
-    for name in INT_BOUNDS:
-        s[name] = _check_int(name, s[name])
-    s["lora_targets"] = _check_targets(s["lora_targets"])
-    if s["method"] == "full":
-        changed = [k for k in LORA_FIELDS if s[k] != PLANNING_DEFAULTS[k] and np.any(s[k] != PLANNING_DEFAULTS[k])]
+    method: str = setting("lora", "Fine-tuning method: 'full' trains every weight; 'lora' trains low-rank adapters "
+                          "on frozen weights; 'qlora' is LoRA on a 4-bit NF4 base (bitsandbytes). Default 'lora': "
+                          "the usual choice for a 7-8B model on one GPU.", choices=METHODS)
+    dtype: str = setting("bfloat16", "Dtype the base weights are loaded in: 'float32' | 'bfloat16' | 'float16'. "
+                         "Default 'bfloat16': what every current training GPU computes fastest.", choices=DTYPES)
+    autocast: bool = setting(False, "Mixed-precision compute (torch.autocast in 16-bit; fp32 master weights when "
+                             "method='full'). Default false: weights are loaded in dtype and computed in it.",
+                             kind="bool")
+    double_quant: bool = setting(True, "QLoRA only: also quantise the 4-bit quantisation constants "
+                                 "(bitsandbytes' bnb_4bit_use_double_quant). Default true, as in the QLoRA paper.",
+                                 kind="bool")
+    seq_len: int = setting(2048, "Tokens per row (the padded or longest length), 1 to 16,777,216. Default 2048: "
+                           "a common instruction-tuning length; plan for your data's longest example.",
+                           kind="int", most=1 << 24)
+    batch_size: int = setting(1, "Micro-batch: rows per GPU per forward/backward, 1 to 65,536. Default 1: the "
+                              "smallest step; raise it (or grad_accum) once it fits.", kind="int", most=1 << 16)
+    lora_rank: int = setting(16, "LoRA rank r (LoRA/QLoRA only), 1 to 65,536: adapter capacity, memory and time "
+                             "grow with it. Default 16, a common choice (peft's default is 8).", kind="int",
+                             most=1 << 16, lora=True)
+    lora_alpha: int = setting(32, "LoRA scaling numerator (scale = alpha / rank; LoRA/QLoRA only), 1 to 1,048,576. "
+                              "Costs no memory. Default 32 = 2 x rank.", kind="int", most=1 << 20, lora=True)
+    lora_targets: Any = setting("all-linear", "Modules LoRA adapts (LoRA/QLoRA only): 'all-linear' (every linear "
+                                "of the blocks, as peft; lm_head excluded) or a list of module names, e.g. "
+                                "['q_proj', 'v_proj']. Default 'all-linear': the QLoRA paper's finding that adapting "
+                                "every linear matters most.", kind="targets", lora=True)
+    gradient_checkpointing: bool = setting(True, "Recompute each block's activations in backward (non-reentrant, as "
+                                           "the HF Trainer): much less memory, about 30 % more time. Default true: "
+                                           "the first saving a plan makes, at no cost in quality.", kind="bool")
+    attn_implementation: str = setting("sdpa", "Attention kernel: 'sdpa' (torch's scaled_dot_product_attention) | "
+                                       "'eager' (materialised scores). Default 'sdpa', transformers' default.",
+                                       choices=ATTN_IMPLEMENTATIONS)
+    optimizer: str = setting("adamw", "Optimizer: adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | sgd | "
+                             "adafactor (8-bit and paged ones from bitsandbytes). Default 'adamw' "
+                             "(torch.optim.AdamW, foreach), what the HF Trainer uses.", choices=OPTIMIZERS)
+    num_gpus: int = setting(1, "GPUs in the job, 1 to 65,536; every figure is per GPU. Default 1.", kind="int",
+                            most=1 << 16)
+    sharding: str = setting("none", "How several GPUs share the job: none | ddp (replicas) | zero1 | zero2 | zero3 "
+                            "(DeepSpeed) | fsdp (PyTorch FSDP2). Anything but 'none' needs num_gpus > 1. "
+                            "Default 'none'.", choices=SHARDINGS)
+    cpu_offload: bool = setting(False, "Keep sharded optimizer states (and zero3/fsdp parameters) in CPU memory; "
+                                "needs sharding zero1/zero2/zero3/fsdp. Default false.", kind="bool")
+    grad_accum: int = setting(1, "Gradient accumulation micro-steps per optimizer step, 1 to 65,536: multiplies "
+                              "tokens per update, not peak memory. Default 1.", kind="int", most=1 << 16)
+    padding: str = setting("none", "How rows are batched: 'none' (every row exactly seq_len tokens, no attention "
+                           "mask) | 'longest' / 'max_length' (padded rows with a mask). Default 'none': a plan "
+                           "sizes full rows of seq_len tokens, the worst case, and padding adds only the mask.",
+                           choices=PADDINGS)
+    loop: str = setting("kit", "Training loop the figures describe: 'kit' (lora_kit's step) | 'trainer' "
+                        "(transformers' Trainer) | 'sft' (TRL's SFTTrainer), each with its own defaults. "
+                        "Default 'kit'.", choices=LOOPS)
+
+    def __post_init__(self):
+        for name, value in check_values({f.name: getattr(self, f.name) for f in fields(self)}).items():
+            object.__setattr__(self, name, value)
+
+    @staticmethod
+    def doc(name: str) -> str:
+        """A field's documentation."""
+        return STEP_FIELD[name].metadata["doc"]
+
+    def to_dict(self) -> dict:
+        """The fields as plain values (``lora_targets`` as a list), for JSON records and keyword arguments."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        if isinstance(d["lora_targets"], tuple):
+            d["lora_targets"] = list(d["lora_targets"])
+        return d
+
+    def replace(self, **changes) -> "Step":
+        check_names(changes, STEP_FIELDS, "step setting")
+        return dataclasses.replace(self, **changes)
+
+    def for_method(self, method: str) -> "Step":
+        """This step with another method; LoRA fields go back to their defaults for ``method="full"``."""
+        lora = {k: getattr(PLANNING, k) for k in LORA_FIELDS} if method == "full" else {}
+        return self.replace(method=method, **lora)
+
+    def lora_changed(self) -> list[str]:
+        """The LoRA fields set away from their defaults."""
+        return [k for k in LORA_FIELDS if getattr(self, k) != getattr(PLANNING, k)]
+
+
+STEP_FIELD = {f.name: f for f in fields(Step)}
+STEP_FIELDS = tuple(STEP_FIELD)
+LORA_FIELDS = tuple(k for k, f in STEP_FIELD.items() if f.metadata["lora"])
+CHOICES = {k: f.metadata["choices"] for k, f in STEP_FIELD.items() if f.metadata["choices"]}
+AXIS_FIELDS = tuple(k for k, f in STEP_FIELD.items() if f.metadata["kind"] == "int")  # what a sweep may vary
+
+
+def check_values(values: dict) -> dict:
+    """The one validator of step values (scalars, or integer arrays for a sweep's axes): each field by its
+    rule, then the rules between fields. Returns the normalised values."""
+    out = {k: _check_field(STEP_FIELD[k], v) for k, v in values.items()}
+    if out["method"] == "full":
+        changed = [k for k in LORA_FIELDS if np.any(np.asarray(out[k] != getattr(PLANNING, k), dtype=bool))]
         if changed:
             raise ValueError(f"{', '.join(changed)} only appl{'y' if len(changed) > 1 else 'ies'} to method='lora' "
-                             f"or 'qlora'; leave "
-                             f"{'them' if len(changed) > 1 else 'it'} at the default with method='full', "
-                             "or choose a LoRA method.")
-    if s["sharding"] != "none" and np.any(np.asarray(s["num_gpus"]) < 2):
-        raise ValueError(f"sharding={s['sharding']!r} needs num_gpus > 1; set num_gpus or use sharding='none'.")
-    if s["cpu_offload"] and s["sharding"] not in ("zero1", "zero2", "zero3", "fsdp"):
+                             f"or 'qlora'; leave {'them' if len(changed) > 1 else 'it'} at the default with "
+                             "method='full', or choose a LoRA method.")
+    if out["sharding"] != "none" and np.any(np.asarray(out["num_gpus"]) < 2):
+        raise ValueError(f"sharding={out['sharding']!r} needs num_gpus > 1; set num_gpus or use sharding='none'.")
+    if out["cpu_offload"] and out["sharding"] not in SHARDED_STATES:
         raise ValueError("cpu_offload=True needs sharding='zero1', 'zero2', 'zero3' or 'fsdp'; set sharding, "
                          "or cpu_offload=False.")
-    return s
-
-
-def step_kwargs(source, method: str | None = None) -> dict:
-    """The step fields of ``source`` (Settings or dict), ready for estimate / simulate / measure:
-    with ``method`` (default: the source's), LoRA fields are left out for method="full"."""
-    d = source.to_dict() if hasattr(source, "to_dict") else dict(source)
-    out = {k: d[k] for k in STEP_FIELDS if k in d}
-    if method is not None:
-        out["method"] = method
-    if out.get("method") == "full":
-        out = {k: v for k, v in out.items() if k not in LORA_FIELDS}
     return out
 
 
-@dataclass
-class Settings:
-    # --- model and method -------------------------------------------------------------------
-    model: str = "tiny"  # catalog name, local directory, hub id, or "tiny" (the embedded default)
-    method: str = "lora"  # "full" | "lora" | "qlora" (4-bit NF4 base + LoRA)
-    dtype: str = "float32"  # dtype the base weights are loaded in ("bfloat16" on a modern GPU)
-    autocast: bool = False  # mixed-precision compute (fp32 master weights for method "full")
-    double_quant: bool = True  # QLoRA: quantize the 4-bit quantization constants too
-    trust_remote_code: bool = False  # run model code from the hub; off unless you trust the repo
-    # --- adapter -------------------------------------------------------------------------
-    lora_rank: int = 16  # LoRA rank r, higher means more capacity and more memory
-    lora_alpha: int = 32  # LoRA scaling numerator (scale is alpha / rank)
-    lora_dropout: float = 0.0  # dropout on the LoRA input
-    lora_targets: Any = "all-linear"  # "all-linear" or a list of module names, e.g. ["q_proj", "v_proj"]
-    # --- step shape ----------------------------------------------------------------------
-    seq_len: int = 64  # max tokens per example (longer examples are truncated and reported)
-    batch_size: int = 16  # micro-batch per GPU per step
-    grad_accum: int = 1  # gradient accumulation steps (does not change peak memory)
-    padding: str = "max_length"  # batch padding: "max_length" (to seq_len, as the smoke run) | "longest" | "none"
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30 % slower
-    attn_implementation: str = "sdpa"  # "sdpa" | "eager"
-    optimizer: str = "adamw"  # adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | sgd | adafactor
-    loop: str = "kit"  # training loop the memory figures are for: "kit" (lora_kit's step) | "trainer" (HF Trainer) | "sft" (TRL SFTTrainer)
-    learning_rate: float = 2e-3  # peak learning rate
-    # --- hardware ------------------------------------------------------------------------
-    num_gpus: int = 1  # GPUs in the job (memory is per GPU)
-    sharding: str = "none"  # none | ddp | zero1 | zero2 | zero3 | fsdp
-    cpu_offload: bool = False  # offload sharded optimizer states (and zero3/fsdp params) to CPU
-    plan_model: str = "llama-3.1-8b"  # model the planning notebooks size GPUs for ("same" means model), the tiny model fits anywhere
-    gpu: str = "A100-80GB"  # GPU the plan targets (see lora_kit.plan.gpus.gpu_table())
-    gpus: list = field(default_factory=lambda: ["T4", "L4", "A10G", "RTX-4090", "L40S", "A100-80GB", "H100-SXM"])  # GPUs to compare
-    margin: float = 0.10  # safety margin: a plan "fits" when it uses at most (1 - margin) of the GPU
-    # --- data ----------------------------------------------------------------------------
-    dataset: str = "tiny:dates"  # "tiny:dates" (embedded), or a JSONL / CSV file / datasets folder
-    prompt_field: str = "prompt"  # dataset column holding the prompt
-    response_field: str = "response"  # dataset column holding the reference answer
-    data_format: str = "auto"  # "auto" | "prompt_response" | "alpaca" (instruction/input/output) | "messages" (role/content lists)
-    messages_field: str = "messages"  # dataset column holding the conversation when data_format is "messages"
-    prompt_format: str = "auto"  # "auto" | "plain" (prompt, newline, "Answer: ") | "chat" (the tokenizer's chat template) | a template with {prompt}
-    long_examples: str = "truncate"  # examples longer than seq_len: "truncate" | "drop" | "error"
-    heldout_dataset: str = ""  # held-out file/folder for evaluation (empty: the embedded test split, or heldout_fraction of dataset)
-    heldout_fraction: float = 0.1  # share of dataset held out (split by seed) when heldout_dataset is empty and dataset is your own
-    control_dataset: str = "auto"  # prompts the fine-tune is not about ("auto": tiny:control for tiny, the shipped generic:control otherwise)
-    base_mix: float = 0.0  # share of control-task examples mixed into training (limits forgetting)
-    compare_base_mix: float = 0.25  # notebook 04 also trains an adapter with this share of base-task rows and compares (0 skips)
-    # --- smoke run and evaluation --------------------------------------------------------
-    max_steps: int = 300  # optimizer steps in the smoke run (the tutorial trains its adapter here)
-    seed: int = 0  # seed set before the adapter is created and before data shuffling
-    eval_examples: int = 200  # held-out examples to evaluate (0 means all)
-    control_examples: int = 200  # control examples to evaluate (0 means all)
-    max_new_tokens: int = 16  # generation budget, same for base and adapter
-    # --- output --------------------------------------------------------------------------
-    run_dir: str = "runs/default"  # where results, adapter, notebooks and the run card are written
-    interactive: bool = True  # show ipywidgets panels (headless papermill runs set this to false)
+def check_axes(step: "Step", **axes) -> dict:
+    """A sweep: ``step`` plus the integer fields it varies (each a list or array of values), validated by the
+    same rules as a Step. Returns the axes as int64 arrays."""
+    check_names(axes, AXIS_FIELDS, "sweep axis")
+    checked = check_values({**step.to_dict(), **{k: np.asarray(v) for k, v in axes.items()}})
+    return {k: np.asarray(checked[k], dtype=np.int64) for k in axes}
 
+
+def as_step(source=None, /, **overrides) -> Step:
+    """The Step of ``source`` with ``overrides``: a Step, Settings (its step fields), a dict of step fields
+    (other keys ignored, e.g. a record's "model"), or None for :data:`PLANNING`'s defaults."""
+    if source is None:
+        base = PLANNING
+    elif isinstance(source, Step):
+        base = source
+    elif isinstance(source, dict):
+        base = Step(**{k: v for k, v in source.items() if k in STEP_FIELD})
+    else:
+        base = source.step
+    return base.replace(**overrides) if overrides else base
+
+
+PLANNING = Step()  # planning a real model on a rented GPU: the Step defaults
+# The embedded tiny model's journey on a CPU: each difference from PLANNING with its reason.
+EMBEDDED_CHANGES = {
+    "dtype": ("float32", "the tiny model trains on a CPU, where float32 is the exact, fast path (CPUs without "
+                         "AVX512-BF16 emulate bfloat16 matmuls)"),
+    "seq_len": (64, "the embedded tasks' rows are at most 64 tokens"),
+    "batch_size": (16, "a 3M-parameter model learns the tutorial task in minutes only with many rows per step"),
+    "gradient_checkpointing": (False, "its activations are a few MB; recomputing them would only cost time"),
+    "padding": ("max_length", "the smoke run pads each batch of the user's rows to seq_len (so every step has the "
+                              "planned shape), and the figures must describe those padded, masked batches"),
+}
+EMBEDDED = PLANNING.replace(**{k: v for k, (v, _) in EMBEDDED_CHANGES.items()})
+
+
+@dataclass
+class RunFields:
+    """The settings of a run besides its step (declarations; :class:`Settings` holds them with the step's)."""
+    # --- model ---------------------------------------------------------------------------
+    model: str = setting("tiny", "catalog name, local directory, hub id, or \"tiny\" (the embedded default)")
+    trust_remote_code: bool = setting(False, "run model code from the hub; off unless you trust the repo")
+    # --- adapter -------------------------------------------------------------------------
+    lora_dropout: float = setting(0.0, "dropout on the LoRA input")
+    learning_rate: float = setting(2e-3, "peak learning rate")
+    # --- planning ------------------------------------------------------------------------
+    plan_model: str = setting("", "model the planning notebooks size GPUs for; empty: the model you train (the "
+                              f"embedded tiny model, which fits any GPU, plans {EMBEDDED_PLAN_MODEL} and says so)")
+    gpu: str = setting("A100-80GB", "GPU the plan targets (see lora_kit.plan.gpus.gpu_table())")
+    gpus: list = setting(None, "GPUs to compare", factory=lambda: ["T4", "L4", "A10G", "RTX-4090", "L40S",
+                                                                     "A100-80GB", "H100-SXM"])
+    margin: float = setting(0.10, "safety margin: a plan \"fits\" when it uses at most (1 - margin) of the GPU")
+    # --- data ----------------------------------------------------------------------------
+    dataset: str = setting("tiny:dates", "\"tiny:dates\" (embedded), or a JSONL / CSV file / datasets folder")
+    prompt_field: str = setting("prompt", "dataset column holding the prompt")
+    response_field: str = setting("response", "dataset column holding the reference answer")
+    data_format: str = setting("auto", "\"auto\" | \"prompt_response\" | \"alpaca\" (instruction/input/output) | "
+                               "\"messages\" (role/content lists)")
+    messages_field: str = setting("messages", "dataset column holding the conversation when data_format is "
+                                  "\"messages\"")
+    prompt_format: str = setting("auto", "\"auto\" | \"plain\" (prompt, newline, \"Answer: \") | \"chat\" (the "
+                                 "tokenizer's chat template) | a template with {prompt}")
+    long_examples: str = setting("truncate", "examples longer than seq_len: \"truncate\" | \"drop\" | \"error\"")
+    heldout_dataset: str = setting("", "held-out file/folder for evaluation (empty: the embedded test split, or "
+                                   "heldout_fraction of dataset)")
+    heldout_fraction: float = setting(0.1, "share of dataset held out (split by seed) when heldout_dataset is empty "
+                                      "and dataset is your own")
+    control_dataset: str = setting("auto", "prompts the fine-tune is not about (\"auto\": tiny:control for tiny, the "
+                                   "shipped generic:control otherwise)")
+    base_mix: float = setting(0.0, "share of control-task examples mixed into training (limits forgetting)")
+    compare_base_mix: float = setting(0.25, "notebook 03 also trains an adapter with this share of base-task rows; "
+                                      "04 compares it with the main one (0 skips)")
+    # --- smoke run and evaluation --------------------------------------------------------
+    max_steps: int = setting(300, "optimizer steps in the smoke run (the tutorial trains its adapter here)")
+    seed: int = setting(0, "seed set before the adapter is created and before data shuffling")
+    eval_examples: int = setting(200, "held-out examples to evaluate (0 means all)")
+    control_examples: int = setting(200, "control examples to evaluate (0 means all)")
+    max_new_tokens: int = setting(16, "generation budget, same for base and adapter")
+    # --- output --------------------------------------------------------------------------
+    run_dir: str = setting("runs/default", "where results, adapter, notebooks and the run card are written")
+    interactive: bool = setting(True, "show ipywidgets panels (headless papermill runs set this to false)")
+
+
+class _SettingsMethods:
     def __post_init__(self) -> None:
         validate(self)
 
@@ -243,46 +352,78 @@ class Settings:
     def replace(self, **changes) -> "Settings":
         return from_dict({**self.to_dict(), **changes})
 
+    @property
+    def step(self) -> Step:
+        """The training step these settings run (and plan, for ``model``)."""
+        return Step(**{k: getattr(self, k) for k in STEP_FIELDS})
+
+    def plan_step(self) -> Step:
+        """The step the planning notebooks size GPUs for: this run's step, except that a field left at its
+        embedded CPU default (:data:`EMBEDDED_CHANGES`) takes the planning default (:data:`PLANNING`): the plan is
+        a real GPU run of the planned model, with what the user set."""
+        mine = self.step.to_dict()
+        return Step(**{k: getattr(PLANNING, k) if k in EMBEDDED_CHANGES and v == EMBEDDED_CHANGES[k][0] else v
+                       for k, v in mine.items()})
+
     def planning_model(self) -> str:
-        """The model the planning notebooks size GPUs for (``plan_model``, or ``model`` if "same")."""
-        return self.model if self.plan_model == "same" else self.plan_model
+        """The model the planning notebooks size GPUs for: ``plan_model`` when named ("same" means ``model``),
+        else the model being trained -- except the embedded tiny model, for which the tutorial plans
+        :data:`EMBEDDED_PLAN_MODEL` (the tiny model fits any GPU)."""
+        if self.plan_model and self.plan_model != "same":
+            return self.plan_model
+        return EMBEDDED_PLAN_MODEL if not self.plan_model and self.model in TINY_ALIASES else self.model
 
-    def estimate_kwargs(self) -> dict:
-        """``model`` plus the step fields: the arguments ``estimate`` / ``simulate`` accept."""
-        return {"model": self.model, **step_kwargs(self)}
 
-EMBEDDED_DEFAULTS = {f.name: f.default for f in fields(Settings) if f.name in STEP_FIELDS}
+def _settings_fields() -> list:
+    """``model``, the step fields with the EMBEDDED defaults, then the other run fields (one order everywhere)."""
+    run = {f.name: f for f in fields(RunFields)}
+
+    def spec(f, default=dataclasses.MISSING):
+        kw = {"metadata": f.metadata}
+        if f.default_factory is not dataclasses.MISSING:
+            kw["default_factory"] = f.default_factory
+        else:
+            kw["default"] = f.default if default is dataclasses.MISSING else default
+        return (f.name, f.type, field(**kw))
+    embedded = EMBEDDED.to_dict()
+    step = [spec(f, embedded[f.name] if f.name != "lora_targets" else f.default) for f in fields(Step)]
+    return [spec(run["model"]), *step, *(spec(f) for name, f in run.items() if name != "model")]
+
+
+Settings = dataclasses.make_dataclass("Settings", _settings_fields(), bases=(_SettingsMethods,))
+Settings.__module__ = __name__  # pickling and reprs name this module
+Settings.__doc__ = ("A run's settings: ``model``, the :class:`Step` fields with the :data:`EMBEDDED` defaults, and "
+                    "the run's other fields (:class:`RunFields`). Notebook parameters cells, params files and the "
+                    "CLI flags are these names; ``Settings.doc(name)`` documents each.")
+SETTINGS_FIELD = {f.name: f for f in fields(Settings)}
+EMBEDDED_DEFAULTS = {k: SETTINGS_FIELD[k].default for k in STEP_FIELDS}
 
 
 def field_help() -> dict[str, str]:
-    """Field name -> the comment written after it in this file (used for CLI help and docs)."""
-    src = inspect.getsource(Settings).splitlines()
-    out = {}
-    for line in src:
-        s = line.strip()
-        if ":" in s and "#" in s and not s.startswith("#"):
-            name = s.split(":", 1)[0].strip()
-            if name.isidentifier():
-                out[name] = s.split("#", 1)[1].strip()
-    return out
+    """Field name -> its documentation (CLI help, docs)."""
+    return {k: f.metadata["doc"] for k, f in SETTINGS_FIELD.items()}
 
 
 def field_names() -> list[str]:
-    return [f.name for f in fields(Settings)]
+    return list(SETTINGS_FIELD)
 
 
-def validate(s: Settings) -> None:
-    """Raise ValueError naming the field to change. Cheap checks only (no model loading); the step
-    fields go through :func:`check_step`, the same validator ``estimate`` and ``simulate`` use."""
-    step = check_step({k: getattr(s, k) for k in STEP_FIELDS}, EMBEDDED_DEFAULTS)
-    for k, v in step.items():
+def default_of(name: str):
+    f = SETTINGS_FIELD[name]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def validate(s) -> None:
+    """Raise ValueError naming the field to change. Cheap checks only (no model loading); the step fields
+    are checked by making the :class:`Step` (the one validator)."""
+    for k, v in s.step.to_dict().items():
         setattr(s, k, v)
     for name in ("max_steps", "max_new_tokens"):
         setattr(s, name, _check_int(name, getattr(s, name), 1, 1 << 24))
     for name in ("eval_examples", "control_examples"):
         setattr(s, name, check_count(name, getattr(s, name)))
     s.seed = _check_int("seed", s.seed, 0, (1 << 32) - 1)
-    for name in ("autocast", "double_quant", "trust_remote_code", "interactive"):
+    for name in ("trust_remote_code", "interactive"):
         setattr(s, name, parse_bool(name, getattr(s, name)))
     lr = s.learning_rate
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or not 0 < lr < 1:
@@ -308,14 +449,14 @@ def validate(s: Settings) -> None:
     for name in ("dataset", "prompt_field", "response_field", "messages_field", "control_dataset"):
         if not isinstance(getattr(s, name), str) or not getattr(s, name).strip():
             raise ValueError(f"{name} must be a non-empty string, got {getattr(s, name)!r}.")
-    if not isinstance(s.heldout_dataset, str):
-        raise ValueError(f"heldout_dataset must be a path (or '' for a split of dataset), got {s.heldout_dataset!r}.")
+    for name in ("heldout_dataset", "plan_model"):
+        if not isinstance(getattr(s, name), str):
+            raise ValueError(f"{name} must be a string ('' for the default), got {getattr(s, name)!r}.")
 
 
 def coerce_value(name: str, value: Any) -> Any:
     """Coerce a string (CLI ``-p key value``) to the type of the field's default."""
-    default = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-               for f in fields(Settings)}[name]
+    default = default_of(name)
     if not isinstance(value, str) or isinstance(default, str) and name != "lora_targets":
         return value
     if isinstance(default, bool):
@@ -328,6 +469,7 @@ def coerce_value(name: str, value: Any) -> Any:
     if name == "lora_targets":
         return _check_targets(value)
     if isinstance(default, list):
+        import ast
         try:
             v = ast.literal_eval(value)
             return list(v) if isinstance(v, (list, tuple)) else [v]
@@ -336,18 +478,13 @@ def coerce_value(name: str, value: Any) -> Any:
     return value
 
 
-def from_dict(d: dict) -> Settings:
-    """Build Settings from a dict; unknown keys raise with the list of valid ones."""
-    valid = field_names()
-    unknown = sorted(set(d) - set(valid))
-    if unknown:
-        hints = "".join(f" {k!r}{did_you_mean(k, valid) or ' (no close name)'}" for k in unknown)
-        raise ValueError(f"Unknown setting(s):{hints}; valid settings are: {', '.join(valid)}.")
-    types = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in fields(Settings)}
+def from_dict(d: dict) -> "Settings":
+    """Build Settings from a dict; unknown keys raise with "did you mean" and the list of valid ones."""
+    check_names(d, field_names())
     clean = {}
     for k, v in d.items():
         v = coerce_value(k, v)
-        t = types[k]
+        t = default_of(k)
         if isinstance(t, bool):
             v = parse_bool(k, v)
         if isinstance(t, float) and isinstance(v, int) and not isinstance(v, bool):

@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
-from lora_kit.memory.estimate import DEEPSPEED_REDUCE_BUCKET, estimate, estimate_arrays
+from lora_kit.memory.device import DEEPSPEED_REDUCE_BUCKET
+from lora_kit.memory.estimate import estimate, estimate_arrays
 from lora_kit.memory.specs import model_spec
 
 R = lambda n: (n + 511) // 512 * 512  # noqa: E731 - the CUDA allocator's 512-byte granularity

@@ -44,9 +44,9 @@ def test_trainer_fused_adamw_makes_no_foreach_copy():
 
 
 def test_run_card_says_where_your_trainer_run_will_peak():
-    from lora_kit.settings import check_step
+    from lora_kit.settings import PLANNING
     from lora_kit.ui.run_card import _gib, loop_lines
-    a = {k: v for k, v in check_step({"seq_len": 2048}).items()
+    a = {k: v for k, v in PLANNING.replace(seq_len=2048).to_dict().items()
          if k not in ("method", "batch_size", "lora_alpha", "grad_accum")}
     plan = {"model": "llama-3.1-8b", "batch_size": 1, "assumptions": a, "rows": [{"method": "full"}]}
     text = "\n".join(loop_lines(plan))

@@ -8,6 +8,7 @@ from lora_kit.memory.estimate import estimate
 from lora_kit.memory.measure import build_real_model, measure_step
 from lora_kit.memory.simulate import simulate
 from lora_kit.memory.specs import check_model_step
+from lora_kit.settings import Step
 
 
 def tiny(**over):
@@ -24,10 +25,11 @@ def tiny(**over):
 def test_simulate_equals_a_real_cpu_step():
     torch.manual_seed(0)
     cfg = tiny()
-    s = check_model_step(cfg, method="lora", seq_len=64, batch_size=2, lora_rank=4, gradient_checkpointing=False)
+    s = Step(method="lora", seq_len=64, batch_size=2, lora_rank=4, gradient_checkpointing=False)
+    check_model_step(cfg, s)
     net, opt, batch = build_real_model(cfg, s)
     real = measure_step(net, batch, opt).peak_allocated_bytes
-    assert simulate(cfg, **{k: v for k, v in s.items() if k != "model"}).peak_allocated_bytes == real
+    assert simulate(cfg, s).peak_allocated_bytes == real
 
 
 @pytest.mark.parametrize("over,kw", [({}, dict(method="lora")),

@@ -33,7 +33,7 @@ def _safetensors_data_bytes(path) -> int:
 def fsdp_toy(random_llama_dir):
     """FSDP2 on 2 fake ranks (simulate) and the plan for the same step."""
     sim = simulate(str(random_llama_dir), **TOY, **LORA, num_gpus=2, sharding="fsdp")
-    plan = multi_gpu_plan(str(random_llama_dir), "L40S", 2, "fsdp", **TOY, **LORA)
+    plan = multi_gpu_plan(str(random_llama_dir), "L40S", num_gpus=2, sharding="fsdp", **TOY, **LORA)
     return sim, plan
 
 
@@ -101,28 +101,32 @@ def test_ddp_volume_and_checkpoint_from_the_real_peft_model(random_llama_dir, tm
     model.save_pretrained(tmp_path / "adapter", safe_serialization=True)
     kw = dict(seq_len=32, batch_size=2, dtype="bfloat16")
     for n in (2, 3, 8):
-        plan = multi_gpu_plan(str(random_llama_dir), "H100-SXM", n, "ddp", "lora", lora_rank=4, **kw)
+        plan = multi_gpu_plan(str(random_llama_dir), "H100-SXM", num_gpus=n, sharding="ddp", method="lora",
+                              lora_rank=4, **kw)
         c = plan["communication"]
         assert c["all_reduce_bytes"] == lora_grads and c["per_rank_traffic_bytes"] == 2 * (n - 1) * lora_grads // n
         assert c["source"] == "arithmetic" and plan["memory"]["saving_vs_ddp_bytes"] == 0
-        z = multi_gpu_plan(str(random_llama_dir), "H100-SXM", n, "zero2", "lora", lora_rank=4, **kw)["communication"]
+        z = multi_gpu_plan(str(random_llama_dir), "H100-SXM", num_gpus=n, sharding="zero2", method="lora",
+                           lora_rank=4, **kw)["communication"]
         assert z["reduce_scatter_bytes"] == z["all_gather_bytes"] == lora_grads  # ZeRO-2: DDP's volume, say so
         assert z["per_rank_traffic_bytes"] == c["per_rank_traffic_bytes"] and "arithmetic" in z["how"]
     assert plan["checkpoint"]["bytes"] == _safetensors_data_bytes(tmp_path / "adapter" / "adapter_model.safetensors")
-    full = multi_gpu_plan(str(random_llama_dir), "H100-SXM", 3, "ddp", "full", **kw)
+    full = multi_gpu_plan(str(random_llama_dir), "H100-SXM", num_gpus=3, sharding="ddp", method="full", **kw)
     assert full["communication"]["per_rank_traffic_bytes"] == 2 * 2 * full_grads // 3
     assert full["checkpoint"]["bytes"] == _safetensors_data_bytes(tmp_path / "full" / "model.safetensors")
-    sharded = multi_gpu_plan(str(random_llama_dir), "H100-SXM", 3, "fsdp", "full", **kw)["checkpoint"]
+    sharded = multi_gpu_plan(str(random_llama_dir), "H100-SXM", num_gpus=3, sharding="fsdp", method="full",
+                             **kw)["checkpoint"]
     assert "pytorch_model_fsdp_0" in sharded["sharded"]["where"]
     assert sharded["sharded"]["model_bytes_per_rank"] == -(-full_grads // 3)
-    sharded = multi_gpu_plan(str(random_llama_dir), "H100-SXM", 2, "fsdp", "lora", lora_rank=4, **kw)["checkpoint"]
+    sharded = multi_gpu_plan(str(random_llama_dir), "H100-SXM", num_gpus=2, sharding="fsdp", method="lora",
+                             lora_rank=4, **kw)["checkpoint"]
     whole = sum(p.numel() * p.element_size() for p in model.parameters())  # save_state keeps the frozen base too
     assert sharded["sharded"]["model_bytes_per_rank"] == -(-whole // 2)
 
 
 def test_one_gpu_has_no_multi_gpu_section():
     with pytest.raises(ValueError, match="num_gpus > 1"):
-        multi_gpu_plan("tiny", "L4", 1, "none")
+        multi_gpu_plan("tiny", "L4", num_gpus=1, sharding="none")
     table = compare_methods("tiny", gpus=["L4"], seq_len=64)
     assert "multi_gpu" not in plan_record(table, "tiny", seq_len=64)
 

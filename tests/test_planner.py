@@ -6,7 +6,7 @@ import pytest
 
 from lora_kit.memory.estimate import estimate
 from lora_kit.plan.planner import check_plan, compare_methods, fit_verdict, fixes, max_fit, sweep, verdict_text
-from lora_kit.settings import METHODS, step_kwargs
+from lora_kit.settings import LORA_FIELDS, METHODS
 
 M = "llama-3.2-1b"
 
@@ -18,7 +18,7 @@ def _row_kwargs(row) -> dict:
     kw = {k: (row[k].item() if hasattr(row[k], "item") else row[k]) for k in keys}
     if isinstance(kw["lora_targets"], tuple):
         kw["lora_targets"] = list(kw["lora_targets"])
-    return step_kwargs(kw)
+    return {k: v for k, v in kw.items() if not (kw["method"] == "full" and k in LORA_FIELDS)}  # full ignores LoRA
 
 
 def test_sweep_agrees_with_estimate_on_random_rows():
@@ -53,7 +53,7 @@ def test_sweep_multi_gpu_sharding_and_margin():
 
 
 def test_sweep_bad_input():
-    with pytest.raises(ValueError, match="unknown argument"):
+    with pytest.raises(ValueError, match="Unknown sweep argument.*did you mean 'seq_len'"):
         sweep(M, seqlen=[1])
     with pytest.raises(ValueError, match="seq_len must be a positive integer .*got -1"):
         sweep(M, seq_len=[-1, 5])
@@ -151,16 +151,16 @@ def test_compare_methods_table_and_recommendation():
                                  dict(gradient_checkpointing="maybe"), dict(lora_targets=[])])
 def test_planner_oom_and_timing_refuse_bad_steps_with_the_one_validator(bad):
     """No own positivity or choice checks: the planner, the OOM advice and the time model all answer
-    with check_step's message."""
+    with the message of making the Step."""
     from lora_kit.plan.gpus import get_gpu
     from lora_kit.plan.timing import step_time
     from lora_kit.run.oom import fit_suggestions
-    from lora_kit.settings import PLANNING_DEFAULTS, check_step
+    from lora_kit.settings import PLANNING, Step
     with pytest.raises(ValueError) as want:
-        check_step(bad)
+        Step(**bad)
     calls = [lambda: fixes("L4", model=M, **bad), lambda: check_plan(M, "L4", **bad),
              lambda: step_time(M, get_gpu("L4"), **bad),
-             lambda: fit_suggestions({"model": M, **PLANNING_DEFAULTS, **bad}, 10**9, cuda=True)]
+             lambda: fit_suggestions({"model": M, **PLANNING.to_dict(), **bad}, 10**9, cuda=True)]
     if "method" in bad:
         calls.append(lambda: compare_methods(M, gpus=["L4"], methods=[bad["method"]]))
     for call in calls:

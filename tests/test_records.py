@@ -10,7 +10,7 @@ from lora_kit.plan.records import PLAN_BATCH, plan_record, sweeps_record
 
 def test_plan_record_states_every_assumption_and_is_json():
     table = compare_methods("llama-3.1-8b", gpus=["L4", "A100-80GB"], seq_len=2048, lora_rank=8)
-    rec = plan_record(table, "llama-3.1-8b", 2048, lora_rank=8)
+    rec = plan_record(table, "llama-3.1-8b", seq_len=2048, lora_rank=8)
     json.dumps(rec, allow_nan=False)  # NaN (rows that do not fit) became null
     a = rec["assumptions"]
     assert a["dtype"] == "bfloat16" and a["gradient_checkpointing"] is True and a["lora_rank"] == 8
@@ -32,11 +32,11 @@ def test_sweeps_record_keeps_the_estimate_and_its_settings():
 
 def test_plan_record_takes_the_epoch_and_margin_the_table_used():
     table = compare_methods("llama-3.1-8b", gpus=["A100-80GB"], seq_len=1024, num_examples=500, margin=0.2)
-    rec = plan_record(table, "llama-3.1-8b", 1024, margin=0.2)
+    rec = plan_record(table, "llama-3.1-8b", seq_len=1024, margin=0.2)
     assert rec["epoch"] == {"examples": 500, "tokens": 500 * 1024, "note": "each example padded to seq_len"}
     assert rec["margin"] == 0.2
     packed = compare_methods("llama-3.1-8b", gpus=["A100-80GB"], seq_len=1024, dataset_tokens=3_000_000)
-    assert plan_record(packed, "llama-3.1-8b", 1024)["epoch"]["tokens"] == 3_000_000
+    assert plan_record(packed, "llama-3.1-8b", seq_len=1024)["epoch"]["tokens"] == 3_000_000
 
 
 def test_sweeps_record_keeps_the_longest_seq_len_per_setting():

@@ -14,6 +14,7 @@ from lora_kit.memory.estimate import estimate
 from lora_kit.memory.fsdp_math import fsdp_communication
 from lora_kit.memory.simulate import simulate
 from lora_kit.memory.tracker import LiveBytesTracker
+from lora_kit.settings import Step
 
 STEP = dict(dtype="float32", seq_len=32, batch_size=2, gradient_checkpointing=False, optimizer="adamw",
             num_gpus=2, sharding="fsdp")
@@ -67,7 +68,7 @@ def test_simulate_equals_real_two_process_fsdp2_per_rank(random_llama_dir, tmp_p
     assert exact, [(c, [x["peak_allocated_bytes"] for x in r["ranks"]], s.peak_allocated_bytes)
                    for c, r, s in zip(CASES, recs, sims)]
     for case, sim in zip(CASES, sims):
-        comm = fsdp_communication(str(random_llama_dir), case["method"], "float32", 2, case.get("lora_rank", 16))
+        comm = fsdp_communication(str(random_llama_dir), Step(**{**case, "dtype": "float32", "num_gpus": 2}))
         assert {k: comm[k] for k in sim.collectives} == sim.collectives  # the same count by arithmetic
         one_gpu = estimate(str(random_llama_dir), **{**STEP, "num_gpus": 1, "sharding": "none"}, **case)
         assert sim.breakdown["optimizer_states"] < one_gpu.breakdown["optimizer_states"]  # states are sharded

@@ -13,7 +13,7 @@ from lora_kit.results import read_json
 from lora_kit.run import adapter_io
 from lora_kit.run.oom import fit_suggestions, is_oom
 from lora_kit.run.smoke import smoke_run, summary
-from lora_kit.settings import Settings, step_kwargs
+from lora_kit.settings import Settings, as_step
 
 ROWS = [{"prompt": f"Name {i}", "response": f"n{i}"} for i in range(30)]
 FAST = dict(max_steps=2, batch_size=4, seq_len=48, lora_rank=8, lora_alpha=16, max_new_tokens=2, cpu_threads=1)
@@ -39,12 +39,12 @@ def test_oom_in_training_is_recorded_with_ranked_fixes(random_llama_dir, tmp_pat
     # the advice is the planner's one ladder, on the emulated device (no CUDA context: its total is the peak)
     sugg = oom["suggestions"]
     device = {"name": sugg["device"], "capacity_bytes": 1_500_000, "cuda": False}
-    step = step_kwargs({**rec["settings"], "model": str(random_llama_dir)})
-    assert sugg["ranked"] == json.loads(json.dumps(fixes(device, 0.10, model=str(random_llama_dir), **step)))
+    step = as_step(rec["settings"])
+    assert sugg["ranked"] == json.loads(json.dumps(fixes(device, 0.10, model=str(random_llama_dir), step=step)))
     assert sugg["ranked"] and not sugg["estimate_fits"] and sugg["usable_bytes"] == 0.9 * 1_500_000
     usable = fit_verdict(0, device, 0.10)["usable_bytes"]
     for fix in sugg["ranked"]:  # every rung fits by the one rule: the estimated peak within the usable bytes
-        assert estimate(str(random_llama_dir), **{**step, **fix["settings"]}).peak_allocated_bytes \
+        assert estimate(str(random_llama_dir), step, **fix["settings"]).peak_allocated_bytes \
             == fix["device_total_bytes"] <= usable
     assert sugg["ranked"][0]["settings"] == {"batch_size": 1}  # quality first: same effective batch
     assert "micro-batch 4 -> 1" in summary(rec)
@@ -80,12 +80,12 @@ def test_oom_advice_on_a_gpu_is_the_planner_ladder_for_that_gpu():
     """After an OOM on a CUDA device of an L4's size the advice is exactly planner.fixes for the L4."""
     s = Settings(model="llama-3.1-8b", method="lora", dtype="bfloat16", seq_len=4096, batch_size=8, margin=0.15)
     advice = fit_suggestions(s, get_gpu("L4")["capacity_bytes"], cuda=True, name="L4")
-    ladder = fixes("L4", 0.15, model="llama-3.1-8b", **step_kwargs(s))
+    ladder = fixes("L4", 0.15, model="llama-3.1-8b", step=s.step)
     assert advice["ranked"] == ladder and len(ladder) >= 3 and advice["estimate_fits"] is False
-    assert advice["estimated_device_total_bytes"] == estimate("llama-3.1-8b", **step_kwargs(s)).device_total_bytes
-    assert check_plan("llama-3.1-8b", "L4", 0.15, **step_kwargs(s))["fix"] == ladder[0]
+    assert advice["estimated_device_total_bytes"] == estimate("llama-3.1-8b", step=s.step).device_total_bytes
+    assert check_plan("llama-3.1-8b", "L4", 0.15, step=s.step)["fix"] == ladder[0]
     full = fit_suggestions(s.replace(method="full", lora_rank=16), get_gpu("L4")["capacity_bytes"], cuda=True,
                            name="L4")
-    assert full["ranked"] == fixes("L4", 0.15, model="llama-3.1-8b", **step_kwargs(s, method="full"))
+    assert full["ranked"] == fixes("L4", 0.15, model="llama-3.1-8b", step=s.step.for_method("full"))
     unknown = fit_suggestions(s, None)
     assert unknown["ranked"] == [] and "no device size" in unknown["note"]

@@ -4,6 +4,7 @@ from transformers import LlamaConfig
 
 from lora_kit.plan.gpus import get_gpu
 from lora_kit.plan.timing import TimeModel, calibrate, flops_per_step, step_time, trainable_params
+from lora_kit.settings import Step
 
 CFG = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=4)
@@ -14,7 +15,8 @@ P_HEAD = V * H
 
 def test_full_is_six_n_plus_attention():
     T, s = 8 * 128, 128
-    f = flops_per_step(CFG, "full", seq_len=s, batch_size=8, attn_implementation="eager")
+    f = flops_per_step(CFG, method="full", seq_len=s, batch_size=8, attn_implementation="eager",
+                       gradient_checkpointing=False)
     attn = 4 * T * s * H * L
     assert f["forward"] == 2 * T * (P_LIN + P_HEAD) + attn
     assert f["total"] == 6 * T * (P_LIN + P_HEAD) + 3 * attn
@@ -23,27 +25,27 @@ def test_full_is_six_n_plus_attention():
 def test_lora_frozen_backward_adapters_and_checkpointing():
     T, s, r = 4 * 64, 64, 8
     ad = L * r * (4 * (H + H) + 2 * (H + FFN) + (FFN + H))  # r * (in + out) per adapted linear
-    f = flops_per_step(CFG, "lora", seq_len=s, batch_size=4, lora_rank=r, attn_implementation="eager")
+    f = flops_per_step(CFG, method="lora", seq_len=s, batch_size=4, lora_rank=r, attn_implementation="eager", gradient_checkpointing=False)
     attn = 4 * T * s * H * L
     assert f["backward"] == 2 * T * (P_LIN + P_HEAD) + 2 * attn  # input grads only, no weight grads
     assert f["adapters"] == 6 * T * ad
-    assert trainable_params(CFG, "lora", r, "all-linear") == ad
-    ck = flops_per_step(CFG, "lora", seq_len=s, batch_size=4, lora_rank=r, gradient_checkpointing=True,
+    assert trainable_params(CFG, Step(lora_rank=r)) == ad
+    ck = flops_per_step(CFG, method="lora", seq_len=s, batch_size=4, lora_rank=r, gradient_checkpointing=True,
                         attn_implementation="eager")
     assert ck["recompute"] == 2 * T * P_LIN + attn + 2 * T * ad  # blocks re-run forward, not the LM head
-    full = flops_per_step(CFG, "full", seq_len=s, batch_size=4, attn_implementation="eager")
+    full = flops_per_step(CFG, method="full", seq_len=s, batch_size=4, attn_implementation="eager", gradient_checkpointing=False)
     assert f["total"] < full["total"]
-    sdpa = flops_per_step(CFG, "lora", seq_len=s, batch_size=4, lora_rank=r)
+    sdpa = flops_per_step(CFG, method="lora", seq_len=s, batch_size=4, lora_rank=r, gradient_checkpointing=False)
     assert sdpa["total"] < f["total"]  # causal kernels skip the masked half
-    qv = flops_per_step(CFG, "lora", seq_len=s, batch_size=4, lora_rank=r, lora_targets=["q_proj", "v_proj"])
+    qv = flops_per_step(CFG, method="lora", seq_len=s, batch_size=4, lora_rank=r, lora_targets=["q_proj", "v_proj"], gradient_checkpointing=False)
     assert qv["adapters"] == 6 * T * L * r * 4 * H
 
 
 def test_qlora_adds_memory_bound_dequant_that_does_not_scale_with_batch():
     g = get_gpu("L4")
-    lo = step_time("llama-3.1-8b", g, "lora", seq_len=1024, batch_size=1)
-    q1 = step_time("llama-3.1-8b", g, "qlora", seq_len=1024, batch_size=1)
-    q8 = step_time("llama-3.1-8b", g, "qlora", seq_len=1024, batch_size=8)
+    lo = step_time("llama-3.1-8b", g, method="lora", seq_len=1024, batch_size=1, gradient_checkpointing=False)
+    q1 = step_time("llama-3.1-8b", g, method="qlora", seq_len=1024, batch_size=1, gradient_checkpointing=False)
+    q8 = step_time("llama-3.1-8b", g, method="qlora", seq_len=1024, batch_size=8, gradient_checkpointing=False)
     assert q1["step_seconds"] > lo["step_seconds"]
     assert q1["dequant_seconds"] == q8["dequant_seconds"] > 0
     assert q1["tokens_per_second"] < q8["tokens_per_second"]
@@ -74,7 +76,7 @@ def test_assumptions_are_visible_and_dtype_rates():
     t4 = step_time("llama-3.2-1b", get_gpu("T4"), dtype="bfloat16", seq_len=512)  # falls back to the fp16 figure
     assert t4["step_seconds"] > 0
     with pytest.raises(ValueError, match="lora_targets"):
-        flops_per_step(CFG, "lora", lora_targets=["nope"])
+        flops_per_step(CFG, method="lora", lora_targets=["nope"])
 
 
 def test_two_run_calibration_recovers_fixed_overhead():

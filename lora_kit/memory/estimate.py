@@ -67,7 +67,7 @@ PyTorch process with CUDA 12 lazy loading and cuBLAS initialised is ~0.5 GiB on 
 forum and issue reports, e.g. pytorch/pytorch#98998 "CUDA context ~ 300-600 MB"); the caching
 allocator's reserved-minus-allocated is taken as 8 % of the peak (typical fragmentation of a
 training step with variable-size activations, as reported by ``torch.cuda.memory_reserved``
-comparisons in public issues). The constants are ``CUDA_CONTEXT_BYTES`` and ``RESERVE_FRACTION``.
+comparisons in public issues). The constants live in ``lora_kit.memory.device``.
 
 Known limits: architectures outside llama / mistral / qwen2 / qwen3 / gemma / gemma2 / phi3 /
 gpt_neox are read from a meta-device build and their activations modelled as a Llama-like block;
@@ -93,21 +93,17 @@ from functools import lru_cache
 import numpy as np
 
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
+from lora_kit.memory.device import DEEPSPEED_REDUCE_BUCKET, device_total
+from lora_kit.memory.device import alloc_bytes as _r
 from lora_kit.memory.fsdp_math import fsdp_totals
 from lora_kit.memory.mla import is_mla, mla_attention, mla_rope_bytes
 from lora_kit.memory.moe import expert_lora, expert_lora_tensors, moe_block
 from lora_kit.memory.loops import loop_terms, sft_head
 from lora_kit.memory.specs import ModelSpec, check_targets, model_spec
-from lora_kit.settings import check_step
+from lora_kit.settings import Step, as_step, check_axes
 
 PHASES = ("forward", "backward", "optimizer")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-CUDA_CONTEXT_BYTES = 512 * 2**20  # assumption (see module docstring) until gpu_validate measures it
-RESERVE_FRACTION = 0.08  # assumption: allocator reserve / fragmentation as a share of the peak
-# DeepSpeed ZeRO-2 / ZeRO-3 allocate one gradient bucket of ``reduce_bucket_size`` elements (default 5e8, which the
-# accelerate config lora_kit writes leaves as is), in the trained dtype, whatever the model's size; measured on CPU
-# (deepspeed 0.19.8, 2 gloo ranks, tiny fp32: benchmarks/deepspeed_accuracy.py): 2,000,000,000 B of each rank's peak
-DEEPSPEED_REDUCE_BUCKET = 500_000_000
 NF4_BLOCK = 64  # bitsandbytes 4-bit blocksize
 DQ_BLOCK = 256  # double-quant: absmax of the absmax, per 256 blocks
 OPT8_BLOCK = 256  # bitsandbytes 8-bit optimizer blocksize
@@ -130,9 +126,6 @@ class Estimate:
                 "breakdown": dict(self.breakdown), "phase": self.phase, "settings": dict(self.settings)}
 
 
-def _r(nbytes):
-    """Bytes of a storage as the CUDA caching allocator hands it out (rounded up to 512)."""
-    return (np.asarray(nbytes, dtype=np.int64) + 511) // 512 * 512
 
 
 def _param_bytes(spec: ModelSpec, groups, bytes_per_elem: float) -> int:
@@ -327,7 +320,7 @@ def _autocast_casts(spec: ModelSpec, method: str, dtype: str, targets: tuple, r,
 
 
 def _activations(spec: ModelSpec, method: str, dtype: str, autocast: bool, gc: bool, attn: str, targets: tuple,
-                 T, B, S, r, padding: str = "none", experts: dict | None = None, loop: str = "kit") -> dict:
+                 T, B, S, r, padding: str, experts: dict | None, loop: str) -> dict:
     """Activation bytes (arrays over the broadcast shape) at the moments that can hold the peak."""
     h, i, H, kv, d, V, L = (spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads,
                             spec.head_dim, spec.vocab_size, spec.num_layers)
@@ -663,25 +656,25 @@ def _moe_terms(spec: ModelSpec, method: str, dtype: str, autocast: bool, e: int,
     return {**out, "saved": out["saved"] - drop, "dense_mlp": dense, "blocks": len(spec.moe["moe_layers"])}
 
 
-def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
-                    batch_size=1, lora_rank=16, lora_targets="all-linear", gradient_checkpointing=True,
-                    attn_implementation="sdpa", optimizer="adamw", num_gpus=1, sharding="none",
-                    cpu_offload=False, padding="none", loop="kit") -> dict:
+def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
     """Vectorized core of :func:`estimate` (the planner's engine).
 
-    Categorical arguments are scalars; ``seq_len``, ``batch_size``, ``lora_rank`` and ``num_gpus`` are
-    numpy-broadcastable arrays. Returns every ``breakdown`` key plus ``peak_allocated_bytes`` and
+    ``step``: the step (:data:`lora_kit.settings.PLANNING` when None); ``fields``: step fields changed from it,
+    each a scalar, or for an integer field (``seq_len``, ``batch_size``, ``lora_rank``, ``num_gpus`` ...) an
+    array: a sweep axis, numpy-broadcastable with the others and validated with the step
+    (:func:`lora_kit.settings.check_axes`). Returns every ``breakdown`` key plus ``peak_allocated_bytes`` and
     ``device_total_bytes`` as int64 arrays, and ``phase`` as an array of phase names.
     """
     spec = model_spec(spec)
-    s = check_step(dict(method=method, dtype=dtype, autocast=autocast, double_quant=double_quant, seq_len=seq_len,
-                        batch_size=batch_size, gradient_checkpointing=gradient_checkpointing,
-                        attn_implementation=attn_implementation, optimizer=optimizer, num_gpus=num_gpus,
-                        sharding=sharding, cpu_offload=cpu_offload, padding=padding, loop=loop,
-                        **({} if method == "full" else dict(lora_rank=lora_rank, lora_targets=lora_targets))))
-    autocast, double_quant, gradient_checkpointing, cpu_offload = (
-        s["autocast"], s["double_quant"], s["gradient_checkpointing"], s["cpu_offload"])
-    targets = check_targets(spec, method, lora_rank, s["lora_targets"], attn_implementation)
+    axes = {k: v for k, v in fields.items() if np.ndim(v) > 0}
+    s = as_step(step, **{k: v for k, v in fields.items() if k not in axes})
+    ax = check_axes(s, **axes)
+    method, dtype, autocast, double_quant = s.method, s.dtype, s.autocast, s.double_quant
+    gradient_checkpointing, attn_implementation, optimizer = s.gradient_checkpointing, s.attn_implementation, s.optimizer
+    sharding, cpu_offload = s.sharding, s.cpu_offload
+    seq_len, batch_size, lora_rank, num_gpus = (ax.get(k, getattr(s, k)) for k in ("seq_len", "batch_size", "lora_rank",
+                                                                                    "num_gpus"))
+    targets = check_targets(spec, method, lora_rank, s.lora_targets, attn_implementation)
     experts = expert_lora(spec, targets)  # MoE: what peft trains on the experts; linears it drops from targets
     targets = tuple(t for t in targets if t not in experts["dropped"])
     S, B, r, N = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (seq_len, batch_size, lora_rank,
@@ -696,7 +689,7 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
     tensors += expert_tensors
     trainable = zero + sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
     states = zero + sum(c * _opt_state(optimizer, rows, cols, eb) for rows, cols, c, eb in tensors)
-    loop_t = loop_terms(s["loop"], optimizer, sum(c for _, _, c, _ in tensors))  # the Trainer's optimizer phase
+    loop_t = loop_terms(s.loop, optimizer, sum(c for _, _, c, _ in tensors))  # the Trainer's optimizer phase
     opt_tmp = zero + loop_t["foreach_temp"] * _opt_temp(optimizer, tensors)
     adapters = zero if method == "full" else trainable
     grads = trainable
@@ -720,7 +713,7 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
 
     # ---- phases -----------------------------------------------------------------------------------
     act = _activations(spec, method, dtype, autocast, bool(gradient_checkpointing), attn_implementation, targets,
-                       T, B, S, r, s["padding"], experts, loop=s["loop"])
+                       T, B, S, r, s.padding, experts, loop=s.loop)
     bwd_end = grads + act["backward_end"]
     in_block, block_grads = act["backward_block"], zero
 
@@ -838,29 +831,25 @@ def estimate_arrays(spec, *, method="lora", dtype="bfloat16", autocast=False, do
     out["activations"] = peak - sum(out[k] for k in BREAKDOWN_KEYS[:5])
     out = {k: np.asarray(v, dtype=np.int64) for k, v in out.items()}
     out["peak_allocated_bytes"] = peak.astype(np.int64)
-    out["device_total_bytes"] = (peak + CUDA_CONTEXT_BYTES + np.ceil(RESERVE_FRACTION * peak)).astype(np.int64)
+    out["device_total_bytes"] = device_total(peak.astype(np.int64))
     out["phase"] = np.asarray(PHASES)[idx]
     return out
 
 
-def estimate(model="tiny", method="lora", dtype="bfloat16", autocast=False, double_quant=True, seq_len=2048,
-             batch_size=1, lora_rank=16, lora_alpha=32, lora_targets="all-linear", gradient_checkpointing=True,
-             attn_implementation="sdpa", optimizer="adamw", num_gpus=1, sharding="none", cpu_offload=False,
-             grad_accum=1, padding="none", loop="kit") -> Estimate:
+def estimate(model="tiny", step: Step | None = None, **overrides) -> Estimate:
     """Peak GPU memory of one training step, per GPU, by arithmetic (see the module docstring).
 
     ``model``: catalog name, "tiny", local folder / config.json, hub id (online) or PretrainedConfig.
-    The other arguments are the step schema (``lora_kit.settings.STEP_FIELDS``, validated by
-    ``check_step``); their defaults are ``PLANNING_DEFAULTS``: a real model on a GPU, bf16, 2048
-    tokens, micro-batch 1, gradient checkpointing on. ``grad_accum`` does not change the peak
-    (gradient buffers exist after the first micro-batch anyway); ``lora_alpha`` only scales the
-    update and costs no memory. Raises ValueError saying what to change for bad input.
+    ``step``: a :class:`lora_kit.settings.Step` (default: ``PLANNING``, a real model on a GPU: bf16, 2048
+    tokens, micro-batch 1, gradient checkpointing on); ``overrides``: step fields changed from it, e.g.
+    ``estimate("llama-3.1-8b", method="qlora", seq_len=4096)``. ``grad_accum`` and ``lora_alpha`` do not
+    change the peak. Raises ValueError saying what to change for bad input.
     """
-    s = check_step({k: v for k, v in locals().items() if k != "model"})
-    settings = {"model": model if isinstance(model, str) else getattr(model, "name_or_path", repr(model)), **s}
+    s = as_step(step, **overrides)
     spec = model_spec(model)
-    arrays = estimate_arrays(spec, **{k: v for k, v in s.items() if k not in ("lora_alpha", "grad_accum")})
+    arrays = estimate_arrays(spec, s)
     return Estimate(peak_allocated_bytes=int(arrays["peak_allocated_bytes"]),
                     device_total_bytes=int(arrays["device_total_bytes"]),
                     breakdown={k: int(arrays[k]) for k in BREAKDOWN_KEYS}, phase=str(arrays["phase"]),
-                    settings=settings)
+                    settings={"model": model if isinstance(model, str) else getattr(model, "name_or_path", repr(model)),
+                              **s.to_dict()})

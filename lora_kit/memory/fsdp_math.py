@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from lora_kit.memory.device import alloc_bytes as _r
 
-def _r(nbytes):
-    return (np.asarray(nbytes, dtype=np.int64) + 511) // 512 * 512
 
 
 def _rows(dim0, N):
@@ -197,17 +196,19 @@ def fsdp_totals(spec, method: str, wb: int, targets: tuple, N, r, optimizer: str
     return totals, parts
 
 
-def fsdp_communication(spec, method: str = "lora", dtype: str = "bfloat16", num_gpus: int = 8, lora_rank: int = 16,
-                       lora_targets="all-linear", autocast: bool = False) -> dict:
+def fsdp_communication(spec, step) -> dict:
     """Buffer bytes FSDP2 all-gathers and reduce-scatters per step (rank 0; accelerate's wrapping), by arithmetic.
 
     Decoder layers and an untied embedding are gathered twice (forward, and again in backward: resharded
     after forward; the embedding's output needs a gradient), the tail and root once (kept from forward to
     backward); every group with trainable parameters reduce-scatters their padded gradients once. A ring
     moves (N - 1) / N of each buffer per rank; divide by the interconnect's bandwidth for a lower bound on
-    the time. ``simulate`` counts the same buffers from FSDP2's own calls (``SimResult.collectives``)."""
+    the time. ``simulate`` counts the same buffers from FSDP2's own calls (``SimResult.collectives``).
+    ``step``: a ``lora_kit.settings.Step`` (its method, dtype, autocast, num_gpus and LoRA fields)."""
     from lora_kit.memory.specs import check_targets, model_spec
     spec = model_spec(spec)
+    method, dtype, autocast, num_gpus, lora_rank = step.method, step.dtype, step.autocast, step.num_gpus, step.lora_rank
+    lora_targets = step.lora_targets
     targets = check_targets(spec, method, lora_rank, lora_targets, "sdpa")
     wb = 4 if (method == "full" and autocast) else {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     N = np.int64(num_gpus)

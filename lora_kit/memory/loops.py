@@ -33,27 +33,25 @@ from __future__ import annotations
 import time
 
 from lora_kit.memory.breakdown import label_training_state, tracked_peak
+from lora_kit.memory.device import alloc_bytes as _r
 
 SFT_TOKEN_TILE = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 SFT_VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
 
 
-def _r(nbytes):
-    import numpy as np
-    return (np.asarray(nbytes, dtype=np.int64) + 511) // 512 * 512
 
 
-def loop_parts(net, s: dict, device_type: str = "cpu") -> tuple:
-    """(optimizer, train_step keyword arguments, already-live loop tensors) of the loop ``s["loop"]`` for a
+def loop_parts(net, s, device_type: str = "cpu") -> tuple:
+    """(optimizer, train_step keyword arguments, already-live loop tensors) of the loop ``s.loop`` for a
     prepared model: the SFT head added to it, the loop's optimizer, its clipping and loss, and the Trainer's
     running-loss scalar (live all training)."""
     import torch
 
     from lora_kit.training import TRAINER_MAX_GRAD_NORM, add_sft_head, loop_optimizer, sft_loss, trainer_loss
-    loop = s["loop"]
+    loop = s.loop
     if loop == "sft":
         add_sft_head(net)
-    opt = loop_optimizer(net, s["optimizer"], loop, device_type)
+    opt = loop_optimizer(net, s.optimizer, loop, device_type)
     if loop == "kit":
         return opt, {}, []
     kw = {"max_grad_norm": TRAINER_MAX_GRAD_NORM, "loss_fn": sft_loss if loop == "sft" else trainer_loss,
@@ -62,8 +60,8 @@ def loop_parts(net, s: dict, device_type: str = "cpu") -> tuple:
 
 
 # -- the real loops, measured ---------------------------------------------------------------------------------
-def measure_real_loop(net, batch: dict, s: dict, steps: int = 2, tokenizer=None) -> dict:
-    """Peak of the last of ``steps`` steps of the real ``Trainer`` (``s["loop"] == "trainer"``) or ``SFTTrainer``
+def measure_real_loop(net, batch: dict, s, steps: int = 2, tokenizer=None) -> dict:
+    """Peak of the last of ``steps`` steps of the real ``Trainer`` (``s.loop == "trainer"``) or ``SFTTrainer``
     (``"sft"``) training ``net`` (prepared: adapter, checkpointing) on ``batch`` every step, on the CPU.
 
     The loop is the library's own ``train()``: its data loader (a collator returning ``batch``), batch
@@ -79,9 +77,9 @@ def measure_real_loop(net, batch: dict, s: dict, steps: int = 2, tokenizer=None)
     from lora_kit.memory.tracker import LiveBytesTracker  # torch: imported here, estimate stays torch-free
     from lora_kit.training import TRAINER_OPTIM
     from lora_kit.training import loop_inputs
-    batch = loop_inputs(batch, s["loop"])  # SFTTrainer's collator always builds an attention mask
+    batch = loop_inputs(batch, s.loop)  # SFTTrainer's collator always builds an attention mask
     tracker = LiveBytesTracker()
-    paged = s["optimizer"].startswith("paged_")
+    paged = s.optimizer.startswith("paged_")
     state = {"on": False, "t0": 0.0, "wall": 0.0}
 
     class _Leave(TrainerCallback):
@@ -119,10 +117,10 @@ def measure_real_loop(net, batch: dict, s: dict, steps: int = 2, tokenizer=None)
     common = dict(max_steps=steps, per_device_train_batch_size=batch["input_ids"].shape[0], use_cpu=True,
                   report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, learning_rate=1e-4,
                   dataloader_num_workers=0, remove_unused_columns=False, gradient_checkpointing=False,
-                  bf16=bool(s["autocast"]), optim=TRAINER_OPTIM[s["optimizer"]])
+                  bf16=bool(s.autocast), optim=TRAINER_OPTIM[s.optimizer])
     rows = [{"input_ids": [0]} for _ in range(steps * batch["input_ids"].shape[0])]
     with tempfile.TemporaryDirectory() as out_dir:
-        if s["loop"] == "sft":
+        if s.loop == "sft":
             from trl import SFTConfig, SFTTrainer
             if tokenizer is None:
                 from lora_kit.loading import load_tokenizer

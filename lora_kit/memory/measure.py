@@ -26,6 +26,7 @@ from lora_kit.loading import DTYPE_MAP, load_model
 from lora_kit.memory.breakdown import label_training_state, tracked_peak
 from lora_kit.memory.specs import check_model_step, load_config
 from lora_kit.memory.tracker import LiveBytesTracker
+from lora_kit.settings import Step, as_step
 from lora_kit.training import attach_adapter, autocast_context, optimizer_for, train_step
 
 
@@ -82,61 +83,58 @@ def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, aut
     return MeasureResult(peak, None, breakdown, tracker.peak_phase, str(device), wall, losses)
 
 
-def measure_config(model, method: str = "lora", dtype: str = "bfloat16", autocast: bool = False,
-                   double_quant: bool = True, seq_len: int = 2048, batch_size: int = 1, lora_rank: int = 16,
-                   lora_alpha: int = 32, lora_targets="all-linear", gradient_checkpointing: bool = True,
-                   attn_implementation: str = "sdpa", optimizer: str = "adamw", num_gpus: int = 1,
-                   sharding: str = "none", cpu_offload: bool = False, grad_accum: int = 1, padding: str = "none",
-                   loop: str = "kit", device: str = "cpu", seed: int = 0, steps: int = 2) -> MeasureResult:
-    """Build a random-init real model from ``model``'s config (same arguments as ``estimate``) and
-    measure one real step on ``device``. QLoRA quantizes with bitsandbytes (saved to a temporary
-    folder and loaded as users load it). Only small models make sense on a CPU. ``loop="trainer"`` / ``"sft"``
-    runs the real ``Trainer`` / ``SFTTrainer`` (CPU only; ``lora_kit.memory.loops.measure_real_loop``)."""
-    s = check_model_step(**{k: v for k, v in locals().items() if k not in ("device", "seed", "steps")})
+def measure_config(model, step: Step | None = None, *, device: str = "cpu", seed: int = 0, steps: int = 2,
+                   **overrides) -> MeasureResult:
+    """Build a random-init real model from ``model``'s config (same ``model``, ``step`` and overrides as
+    ``estimate``) and measure one real step on ``device``. QLoRA quantizes with bitsandbytes (saved to a
+    temporary folder and loaded as users load it). Only small models make sense on a CPU. ``loop="trainer"`` /
+    ``"sft"`` runs the real ``Trainer`` / ``SFTTrainer`` (CPU only; ``lora_kit.memory.loops.measure_real_loop``)."""
+    s = as_step(step, **overrides)
+    check_model_step(model, s)
     net, opt, batch = build_real_model(load_config(model), s, device=device, seed=seed)
-    if s["loop"] != "kit":
+    if s.loop != "kit":
         return _measure_loop(net, batch, s, steps, device)
-    ctx = autocast_context(s["autocast"], s["dtype"], torch.device(device).type)
+    ctx = autocast_context(s.autocast, s.dtype, torch.device(device).type)
     return measure_step(net, batch, opt, steps=steps, device=device, autocast_ctx=ctx,
-                        paged=s["optimizer"].startswith("paged_") and torch.device(device).type != "cuda")
+                        paged=s.optimizer.startswith("paged_") and torch.device(device).type != "cuda")
 
 
-def _measure_loop(net, batch, s: dict, steps: int, device: str) -> MeasureResult:
+def _measure_loop(net, batch, s, steps: int, device: str) -> MeasureResult:
     """The real Trainer / SFTTrainer step (``lora_kit.memory.loops.measure_real_loop``) as a MeasureResult."""
     from lora_kit.memory.loops import measure_real_loop
     if torch.device(device).type != "cpu":
-        raise ValueError(f"loop={s['loop']!r} is measured on the CPU here; on a GPU run your Trainer and read "
+        raise ValueError(f"loop={s.loop!r} is measured on the CPU here; on a GPU run your Trainer and read "
                          "torch.cuda.max_memory_allocated(), or measure loop='kit'.")
     r = measure_real_loop(net, batch, s, steps=steps)
     return MeasureResult(r["peak"], None, r["breakdown"], r["phase"], device, r["wall"], [])
 
 
-def build_real_model(cfg, s: dict, device: str = "cpu", seed: int = 0):
+def build_real_model(cfg, s, device: str = "cpu", seed: int = 0):
     """(trainable model, optimizer, batch) of a random-init model for the settings ``s``."""
     import tempfile
 
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    weight_dtype = "float32" if s["method"] == "full" and s["autocast"] else s["dtype"]
+    weight_dtype = "float32" if s.method == "full" and s.autocast else s.dtype
     with torch.device(device):  # initialise on the device: fast on a GPU, no host copy
         net = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE_MAP[weight_dtype],
-                                               attn_implementation=s["attn_implementation"])
-    if s["method"] == "qlora":
+                                               attn_implementation=s.attn_implementation)
+    if s.method == "qlora":
         with tempfile.TemporaryDirectory() as d:
             net.save_pretrained(d, safe_serialization=True)
             del net
-            net = load_model(d, method="qlora", dtype=s["dtype"], double_quant=s["double_quant"],
-                             attn_implementation=s["attn_implementation"], device=device)
-    net = attach_adapter(net, s["method"], seed, s["lora_rank"], s["lora_alpha"], 0.0, s["lora_targets"],
-                         s["gradient_checkpointing"])
+            net = load_model(d, method="qlora", dtype=s.dtype, double_quant=s.double_quant,
+                             attn_implementation=s.attn_implementation, device=device)
+    net = attach_adapter(net, s.method, seed, s.lora_rank, s.lora_alpha, 0.0, s.lora_targets,
+                         s.gradient_checkpointing)
     net.train()  # from_pretrained returns eval mode, where checkpointing is off
-    opt = optimizer_for(net.parameters(), s["optimizer"], device_type=torch.device(device).type)
-    ids = torch.randint(0, cfg.vocab_size, (s["batch_size"], s["seq_len"]), device=device)
-    return net, opt, step_batch(ids, s["padding"])
+    opt = optimizer_for(net.parameters(), s.optimizer, device_type=torch.device(device).type)
+    ids = torch.randint(0, cfg.vocab_size, (s.batch_size, s.seq_len), device=device)
+    return net, opt, step_batch(ids, s.padding)
 
 
-def step_batch(ids, padding: str = "none") -> dict:
+def step_batch(ids, padding: str) -> dict:
     """The batch of the measured step for ``ids`` of shape (batch, seq_len), as a collator builds it.
 
     ``"none"``: equal-length rows, no attention mask (labels are the ids). ``"max_length"``: every row

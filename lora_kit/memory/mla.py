@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from lora_kit.memory.device import alloc_bytes as _r
+
 MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
-def _r(nbytes):
-    return (np.asarray(nbytes, dtype=np.int64) + 511) // 512 * 512
 
 
 def is_mla(spec) -> bool:
@@ -114,16 +114,16 @@ def mla_rope_bytes(spec, S):
     return _r(S * dr * 4) + 2 * _r(dr // 2 * 4)
 
 
-def mla_note(spec, attn: str = "sdpa", seq_len: int = 2048, batch_size: int = 1, gradient_checkpointing: bool = True
-             ) -> str:
-    """One line for a plan on an MLA model: which attention kernel the figure counts (empty for other models)."""
+def mla_note(spec, step) -> str:
+    """One line for a plan (a ``lora_kit.settings.Step``) on an MLA model: which attention kernel the figure
+    counts (empty for other models)."""
     if not is_mla(spec):
         return ""
     m = mla_dims(spec)
-    blocks = 1 if gradient_checkpointing else spec.num_layers
-    probs = blocks * int(_r(batch_size * m["H"] * seq_len * seq_len * 4))
+    blocks = 1 if step.gradient_checkpointing else spec.num_layers
+    probs = blocks * int(_r(step.batch_size * m["H"] * step.seq_len * step.seq_len * 4))
     kernel = (f"SDPA's math path, which PyTorch takes on a CPU because the query/key heads ({m['dq']}) are wider than "
-              "the value heads" if attn == "sdpa" else "eager attention, which keeps them too") + f" ({m['dv']})"
+              "the value heads" if step.attn_implementation == "sdpa" else "eager attention, which keeps them too") + f" ({m['dv']})"
     return (f"{spec.name} uses multi-head latent attention: the figure counts {kernel}, keeping fp32 attention "
             f"probabilities ({probs / 2**30:.2f} GiB in {'the recomputed block' if blocks == 1 else 'all blocks'}); "
             "on a GPU, PyTorch's memory-efficient SDPA kernel accepts these widths and keeps no probabilities: up to "

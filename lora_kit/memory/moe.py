@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from lora_kit.memory.device import alloc_bytes as _r
+
 # peft 0.21.2 / transformers 5.24: model types whose expert layers "all-linear" (and old expert names) target,
 # by conversion pattern (transformers.conversion_mapping._MODEL_TO_CONVERSION_PATTERN, plus peft's "mixtral").
 # tests/test_moe.py checks this table against the installed peft on tiny models.
@@ -56,8 +58,6 @@ NORM_TOPK = {"mixtral": True, "deepseek_v2": False}  # others: the config's norm
 FP32_SCORES = ("mixtral", "deepseek_v2", "deepseek_v3")  # routing weights stay fp32: the weighted output is fp32
 
 
-def _r(nbytes):
-    return (np.asarray(nbytes, dtype=np.int64) + 511) // 512 * 512
 
 
 def expert_target_names(spec) -> list[str]:
@@ -106,7 +106,7 @@ def expert_lora_tensors(spec, flags: dict, r) -> list:
     return out
 
 
-def moe_block(spec, method: str, e: int, w: int, flags: dict, T, r, autocast: bool = False) -> dict:
+def moe_block(spec, method: str, e: int, w: int, flags: dict, T, r, autocast: bool) -> dict:
     """Bytes of one MoE block's routed part (router, dispatch, experts; shared experts are the dense MLP
     machinery's): ``saved`` for backward, the forward transient on top of it (``forward``), the backward
     transient inside the block (``backward``, on top of what the block saved) and, with checkpointing, the

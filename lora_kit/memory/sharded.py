@@ -108,7 +108,7 @@ def _final_norm(net):
     return found
 
 
-def apply_fsdp2(net, mesh, sharding: str = "fsdp", policy: str = "accelerate", mp_policy=None):
+def apply_fsdp2(net, mesh, sharding: str, policy: str = "accelerate", mp_policy=None):
     """Shard ``net`` in place with ``fully_shard`` as accelerate does (see the module docstring)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     if policy not in POLICIES:
@@ -135,14 +135,14 @@ def apply_fsdp2(net, mesh, sharding: str = "fsdp", policy: str = "accelerate", m
     return net
 
 
-def _mp_policy(s: dict):
+def _mp_policy(s):
     """``autocast=True`` as accelerate's FSDP2 mixed precision: compute in the 16-bit dtype, fp32 master
     weights of the trainable parameters (accelerate up-casts them before sharding); None otherwise."""
-    if not s["autocast"]:
+    if not s.autocast:
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from lora_kit.loading import DTYPE_MAP
-    compute = DTYPE_MAP[s["dtype"]] if s["dtype"] != "float32" else torch.bfloat16
+    compute = DTYPE_MAP[s.dtype] if s.dtype != "float32" else torch.bfloat16
     return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute)
 
 
@@ -152,12 +152,12 @@ def _upcast_trainable(net) -> None:
             p.data = p.data.float()
 
 
-def shard_for_training(net, mesh, s: dict, policy: str = "accelerate"):
+def shard_for_training(net, mesh, s, policy: str = "accelerate"):
     """:func:`apply_fsdp2` for the step settings ``s`` (``sharding``, ``autocast``, ``dtype``): with autocast,
     trainable parameters up-cast to fp32 and accelerate's mixed-precision policy. Build the optimizer after."""
-    if s["autocast"]:
+    if s.autocast:
         _upcast_trainable(net)
-    return apply_fsdp2(net, mesh, s["sharding"], policy, _mp_policy(s))
+    return apply_fsdp2(net, mesh, s.sharding, policy, _mp_policy(s))
 
 
 def label_fsdp(tracker: LiveBytesTracker, net, optimizer=None) -> None:
@@ -228,28 +228,28 @@ def fake_world(num_gpus: int):
         dist.destroy_process_group()
 
 
-def check_simulable(s: dict) -> None:
+def check_simulable(s) -> None:
     """Refuse, saying what to use instead, the sharded settings FSDP2 on fake tensors cannot show."""
-    if s["cpu_offload"]:
+    if s.cpu_offload:
         raise ValueError("simulate cannot show what CPU offload leaves on the GPU (no device besides the host "
                          "here); use lora_kit.memory.estimate for cpu_offload=True.")
-    if s["method"] == "qlora":
+    if s.method == "qlora":
         raise ValueError("simulate cannot shard QLoRA (bitsandbytes 4-bit weights under FSDP2); use "
                          "lora_kit.memory.estimate (arithmetic) for QLoRA with sharding.")
-    if s["optimizer"] not in ("adamw", "sgd"):
-        raise ValueError(f"simulate runs FSDP2 with torch / transformers optimizers; optimizer={s['optimizer']!r} "
+    if s.optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"simulate runs FSDP2 with torch / transformers optimizers; optimizer={s.optimizer!r} "
                          "on sharded DTensor parameters is not simulated: use optimizer='adamw' or "
                          "lora_kit.memory.estimate.")
 
 
-def simulate_sharded(net, batch: dict, s: dict, fake_mode, ctx, policy: str = "accelerate"):
+def simulate_sharded(net, batch: dict, s, fake_mode, ctx, policy: str = "accelerate"):
     """Rank 0's tracker for the steady-state step of the fake, adapted model ``net`` under FSDP2 over a
-    fake world of ``s["num_gpus"]`` ranks (``batch``: fake tensors, per GPU)."""
+    fake world of ``s.num_gpus`` ranks (``batch``: fake tensors, per GPU)."""
     from lora_kit.training import optimizer_for
     check_simulable(s)
-    with fake_world(s["num_gpus"]) as mesh, fake_mode:
+    with fake_world(s.num_gpus) as mesh, fake_mode:
         shard_for_training(net, mesh, s, policy)
-        opt = optimizer_for(net.parameters(), s["optimizer"], device_type="cpu")
+        opt = optimizer_for(net.parameters(), s.optimizer, device_type="cpu")
         return tracked_sharded_step(net, opt, batch, steps=2, autocast_ctx=ctx)
 
 
@@ -267,13 +267,13 @@ def measure_sharded(model, policy: str = "accelerate", seed: int = 0, steps: int
     s = check_model_step(model=model, **step)
     check_simulable(s)
     cfg = load_config(model)
-    net, _, batch = build_real_model(cfg, {**s, "optimizer": "sgd"}, seed=seed)  # optimizer rebuilt after sharding
+    net, _, batch = build_real_model(cfg, s.replace(optimizer="sgd"), seed=seed)  # optimizer rebuilt after sharding
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     shard_for_training(net, mesh, s, policy)
-    opt = optimizer_for(net.parameters(), s["optimizer"], device_type="cpu")
+    opt = optimizer_for(net.parameters(), s.optimizer, device_type="cpu")
     t0 = time.perf_counter()
     tracker = tracked_sharded_step(net, opt, batch, steps=steps,
-                                   autocast_ctx=autocast_context(s["autocast"], s["dtype"], "cpu"))
+                                   autocast_ctx=autocast_context(s.autocast, s.dtype, "cpu"))
     peak, bd = tracked_peak(tracker)
     return {"rank": dist.get_rank(), "peak_allocated_bytes": peak, "breakdown": bd, "phase": tracker.peak_phase,
             "wall_seconds": time.perf_counter() - t0, "collectives": tracker.collectives}

@@ -48,7 +48,6 @@ Limits (stated, measured where possible by ``benchmarks/gpu_validate.py``):
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -57,12 +56,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lora_kit.loading import DTYPE_MAP, bnb_config
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS, label_training_state, to_breakdown
-from lora_kit.memory.estimate import CUDA_CONTEXT_BYTES, RESERVE_FRACTION
+from lora_kit.memory.device import device_total
 from lora_kit.memory.loops import loop_parts
 from lora_kit.memory.measure import step_batch
 from lora_kit.memory.sharded import SIMULATED, check_simulable, simulate_sharded
 from lora_kit.memory.specs import check_model_step, load_config
 from lora_kit.memory.tracker import LiveBytesTracker
+from lora_kit.settings import Step, as_step
 from lora_kit.training import attach_adapter, autocast_context, loop_batch, loop_inputs, train_step
 
 
@@ -82,25 +82,25 @@ class SimResult:
         return asdict(self)
 
 
-def _meta_model(cfg, s: dict):
+def _meta_model(cfg, s):
     from transformers import AutoModelForCausalLM
-    weight_dtype = "float32" if s["method"] == "full" and s["autocast"] else s["dtype"]
+    weight_dtype = "float32" if s.method == "full" and s.autocast else s.dtype
     try:
         with torch.device("meta"):
             m = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE_MAP[weight_dtype],
-                                                 attn_implementation=s["attn_implementation"])
+                                                 attn_implementation=s.attn_implementation)
     except ValueError as e:
         if "attention implementation" not in str(e):
             raise
-        other = "eager" if s["attn_implementation"] == "sdpa" else "sdpa"
-        raise ValueError(f"transformers has no attn_implementation={s['attn_implementation']!r} for model_type="
+        other = "eager" if s.attn_implementation == "sdpa" else "sdpa"
+        raise ValueError(f"transformers has no attn_implementation={s.attn_implementation!r} for model_type="
                          f"{cfg.model_type!r}; pass attn_implementation={other!r}.") from None
-    if s["method"] == "qlora":
+    if s.method == "qlora":
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
         from transformers.quantizers.base import get_keys_to_not_convert
 
         replace_with_bnb_linear(m, modules_to_not_convert=get_keys_to_not_convert(m),
-                                quantization_config=bnb_config(s["dtype"], s["double_quant"]))
+                                quantization_config=bnb_config(s.dtype, s.double_quant))
         m.is_loaded_in_4bit = True
     return m
 
@@ -196,11 +196,6 @@ def _grouped_mm_any_dtype():
         meta._meta_grouped_mm_common = orig
 
 
-def _device_total(peak: int) -> int:
-    """Peak + CUDA context + allocator reserve, with estimate's constants (one model of that part)."""
-    return int(peak + CUDA_CONTEXT_BYTES + math.ceil(RESERVE_FRACTION * peak))
-
-
 def _tracked_step(net, opt, batch, fake_mode, ctx, has_padding: bool, paged: bool, loop_kw=None,
                   loop_live=()) -> LiveBytesTracker:
     """One GPU's steady-state step on fake tensors: the optimizer state a first step leaves, then the tracked step
@@ -217,43 +212,39 @@ def _tracked_step(net, opt, batch, fake_mode, ctx, has_padding: bool, paged: boo
     return tracker
 
 
-def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: bool = False,
-             double_quant: bool = True, seq_len: int = 2048, batch_size: int = 1, lora_rank: int = 16,
-             lora_alpha: int = 32, lora_targets="all-linear", gradient_checkpointing: bool = True,
-             attn_implementation: str = "sdpa", optimizer: str = "adamw", num_gpus: int = 1,
-             sharding: str = "none", cpu_offload: bool = False, grad_accum: int = 1, padding: str = "none",
-             loop: str = "kit") -> SimResult:
+def simulate(model, step: Step | None = None, **overrides) -> SimResult:
     """Peak memory of one steady-state training step, from a real step on fake tensors.
 
-    Same arguments and result fields as :func:`lora_kit.memory.estimate`. ``grad_accum`` does not change
-    the peak (each micro-step frees its activations; gradients are accumulated in place) and is
-    recorded only. See the module docstring for what is exact and what is not.
+    Same arguments and result fields as :func:`lora_kit.memory.estimate` (``model``, a ``Step`` and step
+    fields overriding it). ``grad_accum`` does not change the peak (each micro-step frees its activations;
+    gradients are accumulated in place) and is recorded only. See the module docstring for what is exact.
     """
-    s = check_model_step(**locals())
+    s = as_step(step, **overrides)
+    name = check_model_step(model, s)
     t0 = time.perf_counter()
-    method, dtype, autocast, sharding = s["method"], s["dtype"], s["autocast"], s["sharding"]
+    method, dtype, autocast, sharding = s.method, s.dtype, s.autocast, s.sharding
     if sharding not in ("none", "ddp") + SIMULATED:
         raise ValueError(f"simulate covers sharding='none', 'ddp' and (on FSDP2) {', '.join(map(repr, SIMULATED))}; "
                          f"for sharding={sharding!r} use lora_kit.memory.estimate (arithmetic).")
     if sharding in SIMULATED:
         check_simulable(s)
-        if s["loop"] != "kit":
-            raise ValueError(f"simulate runs sharding={sharding!r} with loop='kit'; for loop={s['loop']!r} under "
+        if s.loop != "kit":
+            raise ValueError(f"simulate runs sharding={sharding!r} with loop='kit'; for loop={s.loop!r} under "
                              "sharding use lora_kit.memory.estimate.")
     cfg = load_config(model)
     net = _meta_model(cfg, s)
     with torch.device("meta"):
-        net = attach_adapter(net, method, 0, s["lora_rank"], s["lora_alpha"], 0.0, s["lora_targets"],
-                             s["gradient_checkpointing"])
+        net = attach_adapter(net, method, 0, s.lora_rank, s.lora_alpha, 0.0, s.lora_targets,
+                             s.gradient_checkpointing)
     net.train()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fakeify(net, fake_mode, DTYPE_MAP[dtype])
-    paged = s["optimizer"].startswith("paged_")
+    paged = s.optimizer.startswith("paged_")
     opt, loop_kw, loop_live = (None, {}, []) if sharding in SIMULATED else loop_parts(net, s, "cpu")
     # the batch a collator builds (real values: the padding mask's values decide what transformers builds),
     # as constant fake tensors: shapes for the step, values for the few reads of them (the token count)
-    real = loop_inputs(step_batch(torch.randint(0, cfg.vocab_size, (s["batch_size"], s["seq_len"])), s["padding"]),
-                       s["loop"])
+    real = loop_inputs(step_batch(torch.randint(0, cfg.vocab_size, (s.batch_size, s.seq_len)), s.padding),
+                       s.loop)
     has_padding = "attention_mask" in real and not bool(real["attention_mask"].all())
     memo = {}
     batch = {k: memo.setdefault(id(v), fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, v, make_constant=True))
@@ -263,7 +254,7 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
         with _real_mask_decisions(has_padding):
             tracker = simulate_sharded(net, batch, s, fake_mode, ctx)
     else:
-        tracker = _tracked_step(net, opt, loop_batch(batch, s["loop"]), fake_mode, ctx, has_padding, paged,
+        tracker = _tracked_step(net, opt, loop_batch(batch, s.loop), fake_mode, ctx, has_padding, paged,
                                 loop_kw, loop_live)
     raw = tracker.peak_breakdown()
     notes = []
@@ -278,7 +269,7 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
         notes.append(f"ddp: {grad_bytes} bytes of DDP gradient buckets added analytically (as large as the gradients).")
     if sharding in SIMULATED:
         c = tracker.collectives
-        notes.append(f"{sharding}: PyTorch FSDP2 on a fake process group of {s['num_gpus']} ranks; rank 0's peak "
+        notes.append(f"{sharding}: PyTorch FSDP2 on a fake process group of {s.num_gpus} ranks; rank 0's peak "
                      "(the largest shard); see lora_kit.memory.sharded for the wrapping policy. Per step it "
                      f"all-gathered {c['all_gather_bytes']} and reduce-scattered {c['reduce_scatter_bytes']} buffer "
                      "bytes (a ring moves (N-1)/N of them per rank).")
@@ -288,5 +279,6 @@ def simulate(model, method: str = "lora", dtype: str = "bfloat16", autocast: boo
         notes.append("QLoRA includes prepare_model_for_kbit_training's fp32 up-casts of norms, embeddings and lm_head.")
     peak = sum(bd.values())
     assert set(bd) == set(BREAKDOWN_KEYS)
-    return SimResult(int(peak), _device_total(peak), bd, tracker.peak_phase, time.perf_counter() - t0, s, notes,
+    return SimResult(int(peak), device_total(peak), bd, tracker.peak_phase, time.perf_counter() - t0,
+                     {"model": name, **s.to_dict()}, notes,
                      getattr(tracker, "collectives", {}))

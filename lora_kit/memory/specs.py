@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-from lora_kit.settings import check_step
 
 CATALOG_PATH = Path(__file__).parents[1] / "catalog" / "models.json"
 GATED_MLP_TYPES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "qwen3", "olmo2", "granite")
@@ -330,9 +329,8 @@ def valid_targets(spec) -> list[str]:
 SDPA_UNSUPPORTED = ("gemma2",)  # transformers 5.24 refuses sdpa for these (attention soft-capping)
 
 
-def check_targets(spec, method: str, lora_rank=16, lora_targets="all-linear",
-                  attn_implementation: str = "sdpa") -> tuple:
-    """The model-dependent half of the step validator (``lora_kit.settings.check_step`` is the other):
+def check_targets(spec, method: str, lora_rank, lora_targets, attn_implementation: str) -> tuple:
+    """The model-dependent half of the step validation (making a ``lora_kit.settings.Step`` is the other):
     LoRA target names that exist in ``spec``, a rank no larger than the smallest targeted layer, an
     attention implementation transformers runs for this architecture. Returns the targeted layer
     names in the model's order (empty for full fine-tuning). ValueError says what to change."""
@@ -367,12 +365,10 @@ def load_config(model):
     return AutoConfig.for_model(c.pop("model_type"), **c)
 
 
-def check_model_step(model, **step) -> dict:
-    """The step settings for ``model``, checked by the one validator (``lora_kit.settings.check_step``,
-    defaults ``PLANNING_DEFAULTS``) and against the model (:func:`check_targets`); the model is
-    recorded by name. What ``simulate`` and ``measure_config`` record as their settings."""
-    s = check_step(step)
+def check_model_step(model, step) -> str:
+    """``step`` (a :class:`lora_kit.settings.Step`) checked against ``model`` (:func:`check_targets`, the
+    model-dependent half of the step's validation); returns the model's name as ``simulate`` and
+    ``measure_config`` record it."""
     spec = model_spec(model) if isinstance(model, (str, os.PathLike, ModelSpec)) else model_spec(load_config(model))
-    check_targets(spec, s["method"], s["lora_rank"], s["lora_targets"], s["attn_implementation"])
-    name = model if isinstance(model, str) else getattr(model, "name_or_path", "") or type(model).__name__
-    return {"model": name, **s}
+    check_targets(spec, step.method, step.lora_rank, step.lora_targets, step.attn_implementation)
+    return model if isinstance(model, str) else getattr(model, "name_or_path", "") or type(model).__name__

@@ -25,6 +25,7 @@ from lora_kit.memory.estimate import estimate
 from lora_kit.plan.planner import fit_verdict, fixes
 from lora_kit.data import is_conversational, load_examples, to_examples
 from lora_kit.prompting import PromptFormat, resolve_prompt_format
+from lora_kit.settings import Step, as_step
 
 
 @dataclass
@@ -85,10 +86,12 @@ def token_lengths(rows: list[dict], tokenizer, fmt: PromptFormat | None = None) 
 def dataset_lengths(examples_or_source, tokenizer, seq_len: int | None = None, *, prompt_field: str = "prompt",
                     response_field: str = "response", split=None, limit: int | None = None, top_k: int = 5,
                     data_format: str = "auto", messages_field: str = "messages", prompt_format: str = "auto",
-                    model=None, gpu: str | None = None, margin: float = 0.10, **estimate_kwargs) -> DatasetLengths:
+                    model=None, gpu: str | None = None, margin: float = 0.10, step=None,
+                    **step_overrides) -> DatasetLengths:
     """Token-length statistics, the ``top_k`` longest examples, and (with ``model`` and ``gpu``) whether
     the longest example fits at micro-batch 1, with the estimated effect of truncation, checkpointing
-    and packing. ``estimate_kwargs`` are the other ``lora_kit.memory.estimate`` arguments (method, dtype...).
+    and packing. ``step`` (a ``lora_kit.settings.Step``, default ``PLANNING``) with ``step_overrides`` (method,
+    dtype ...) is the step planned; its seq_len and micro-batch are the longest example's and 1.
     ``tokenizer`` is a tokenizer object or anything :func:`lora_kit.loading.load_tokenizer` accepts.
     """
     if isinstance(tokenizer, str):
@@ -115,17 +118,17 @@ def dataset_lengths(examples_or_source, tokenizer, seq_len: int | None = None, *
             out.warnings.append(f"{out.n_over_seq_len} example(s) ({out.n_over_seq_len / len(rows):.1%}) are longer "
                                 f"than seq_len={seq_len} and will be truncated (longest: {out.max} tokens).")
     if model is not None and gpu is not None:
-        _check_longest(out, model, gpu, margin, estimate_kwargs)
+        _check_longest(out, model, gpu, margin, as_step(step, **step_overrides))
     return out
 
 
-def _check_longest(out: DatasetLengths, model, gpu: str, margin: float, kw: dict) -> None:
+def _check_longest(out: DatasetLengths, model, gpu: str, margin: float, step: Step) -> None:
     """Does the longest example fit at micro-batch 1 (the planner's one fit rule)? If not, the
     planner's one fix ladder (:func:`lora_kit.plan.planner.fixes`) in this dataset's terms: a shorter
     ``seq_len`` becomes truncation (how many examples lose their tail) and, beside it, packing."""
-    kw = {k: v for k, v in kw.items() if k not in ("seq_len", "batch_size")}
     need = out.max if out.seq_len is None else min(out.max, out.seq_len)
-    est = estimate(model, seq_len=need, batch_size=1, **kw)
+    step = step.replace(seq_len=need, batch_size=1)
+    est = estimate(model, step)
     v = fit_verdict(est.device_total_bytes, gpu, margin)
     out.longest_fits = v["fits"]
     if v["fits"]:
@@ -135,7 +138,7 @@ def _check_longest(out: DatasetLengths, model, gpu: str, margin: float, kw: dict
         f"the longest example ({need} tokens) does not fit on {v['gpu']} even at micro-batch 1: it needs "
         f"{est.device_total_bytes / gib:.1f} GiB of {v['usable_bytes'] / gib:.1f} GiB usable ({margin:.0%} margin). "
         "Gradient accumulation cannot help: it splits a batch into micro-batches but never splits an example.")
-    ladder = fixes(gpu, margin, model=model, seq_len=need, batch_size=1, **kw)
+    ladder = fixes(gpu, margin, model=model, step=step)
     for f in ladder:
         out.suggestions += _in_dataset_terms(f, out)
     if not ladder:

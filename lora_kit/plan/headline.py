@@ -24,13 +24,14 @@ off: the kit's autocast model is its least exact setting (the README's accuracy 
 """
 from __future__ import annotations
 
-import math
-
-from lora_kit.memory.estimate import CUDA_CONTEXT_BYTES, RESERVE_FRACTION, _r, estimate
+from lora_kit.memory.device import alloc_bytes as _r
+from lora_kit.memory.device import device_total
+from lora_kit.memory.estimate import estimate
 from lora_kit.memory.specs import model_spec
 from lora_kit.plan.planner import GIB, fit_verdict
+from lora_kit.settings import Step
 
-PAPER_STEP = dict(method="qlora", dtype="bfloat16", double_quant=True, lora_rank=64, lora_alpha=16,
+PAPER_STEP = Step(method="qlora", dtype="bfloat16", double_quant=True, lora_rank=64, lora_alpha=16,
                   lora_targets="all-linear", gradient_checkpointing=True, optimizer="paged_adamw_32bit",
                   seq_len=512, batch_size=1, grad_accum=16)
 GPU_48GB = "L40S"  # a 48 GB card in the catalog (46,068 MiB as CUDA reports it)
@@ -48,9 +49,9 @@ def qlora_py_bytes(model) -> int:
 
 
 def _row(case: str, model, gpu, margin, minus: int = 0, **change) -> dict:
-    e = estimate(model, **{**PAPER_STEP, **change})
+    e = estimate(model, PAPER_STEP, **change)
     peak = e.peak_allocated_bytes - minus
-    total = int(peak + CUDA_CONTEXT_BYTES + math.ceil(RESERVE_FRACTION * peak)) if minus else e.device_total_bytes
+    total = device_total(peak) if minus else e.device_total_bytes
     return {"case": case, "model": model, "change": ", ".join(f"{k}={v}" for k, v in change.items()) or "-",
             "peak_allocated_bytes": peak, "device_total_bytes": total, "phase": e.phase,
             "breakdown": dict(e.breakdown), "fits_no_margin": bool(fit_verdict(total, gpu, 0.0)["fits"]),
@@ -67,9 +68,9 @@ def differences(a: str = "llama-65b", b: str = "llama-3.1-70b") -> list[dict]:
     out = []
     for name in (a, b):
         spec = model_spec(name)
-        e = estimate(name, **PAPER_STEP)
+        e = estimate(name, PAPER_STEP)
         emb = (1 if spec.tied_embeddings else 2) * int(_r(spec.vocab_size * spec.hidden_size * 4))
-        T = PAPER_STEP["seq_len"] * PAPER_STEP["batch_size"]
+        T = PAPER_STEP.seq_len * PAPER_STEP.batch_size
         out.append({"model": name, "vocab_size": spec.vocab_size,
                     "4-bit linear weights": e.breakdown["weights"] - emb - _norm_bytes(spec),
                     "embedding + lm_head (fp32)": emb, "quantization constants": e.breakdown["quant_constants"],
@@ -100,15 +101,15 @@ def headline(gpu: str = GPU_48GB, margin: float = 0.10) -> dict:
         _row("Llama-3.1-70B as qlora.py casts it, attention only", "llama-3.1-70b", gpu, margin, bf16_70,
              lora_targets=ATTENTION),
     ]
-    e = estimate("llama-65b", **PAPER_STEP)
-    paged = estimate("llama-65b", **{**PAPER_STEP, "optimizer": "adamw"}).breakdown["optimizer_states"]
+    e = estimate("llama-65b", PAPER_STEP)
+    paged = estimate("llama-65b", PAPER_STEP, optimizer="adamw").breakdown["optimizer_states"]
     ours = {"peak_allocated_bytes": e.peak_allocated_bytes, "device_total_bytes": e.device_total_bytes,
             "peak + paged optimizer states": e.peak_allocated_bytes + paged,
             "base_4bit_bytes": e.breakdown["weights"] + e.breakdown["quant_constants"]}
     paper = {k: {"ours": v, "paper": FIG6_65B["base_4bit_bytes" if k == "base_4bit_bytes" else "total_bytes"],
                  "pct": 100 * (v / FIG6_65B["base_4bit_bytes" if k == "base_4bit_bytes" else "total_bytes"] - 1)}
              for k, v in ours.items()}
-    return {"gpu": gpu, "margin": margin, "step": dict(PAPER_STEP), "rows": rows, "differences": differences(),
+    return {"gpu": gpu, "margin": margin, "step": PAPER_STEP.to_dict(), "rows": rows, "differences": differences(),
             "paper": paper, "paged_optimizer_bytes": paged}
 
 

@@ -33,7 +33,7 @@ from lora_kit.memory.specs import model_spec
 from lora_kit.plan.gpus import get_gpu
 from lora_kit.plan.planner import fit_verdict
 from lora_kit.plan.timing import step_time, trainable_params
-from lora_kit.settings import check_step, step_kwargs
+from lora_kit.settings import Step, as_step
 
 GiB = 2 ** 30
 OUTPUT_DIR = "<your trainer's output_dir>"  # where the real run writes; the plan does not know it
@@ -43,20 +43,20 @@ ASSUMPTION = ("the FLOP model's compute step (timing.step_time) plus each rank's
               "bound); 'not overlapped' adds them, 'overlapped' takes the larger; CPU-offload traffic is not counted")
 
 
-def grad_bytes(spec, method: str, dtype: str, autocast: bool, lora_rank: int, lora_targets) -> int:
+def grad_bytes(spec, step: Step) -> int:
     """Bytes of the trainable parameters' gradients (= of the trainable parameters): fp32 adapters for
     LoRA / QLoRA, every parameter in the training dtype for full fine-tuning (fp32 with autocast)."""
-    n = trainable_params(spec, method, lora_rank, lora_targets)
-    if method != "full":
+    n = trainable_params(spec, step)
+    if step.method != "full":
         return n * ADAPTER_BYTES
-    return n * (4 if autocast else DTYPE_BYTES[dtype])
+    return n * (4 if step.autocast else DTYPE_BYTES[step.dtype])
 
 
-def communication(spec, method: str, dtype: str, autocast: bool, num_gpus: int, sharding: str, lora_rank: int,
-                  lora_targets, one_gpu=None) -> dict:
-    """Collective bytes of one optimizer step on rank 0 and where the count comes from (see the module doc).
-    ``one_gpu``: the step's single-GPU ``estimate`` (QLoRA under fsdp / zero3 reads its weight bytes)."""
-    N, g = int(num_gpus), grad_bytes(spec, method, dtype, autocast, lora_rank, lora_targets)
+def communication(spec, step: Step, sharding: str, one_gpu=None) -> dict:
+    """Collective bytes of one optimizer step on rank 0 under ``sharding`` (the step's, or ddp for "none") and
+    where the count comes from (see the module doc). ``one_gpu``: the step's single-GPU ``estimate`` (QLoRA under
+    fsdp / zero3 reads its weight bytes)."""
+    N, g = step.num_gpus, grad_bytes(spec, step)
     if sharding in ("none", "ddp"):
         return {"all_reduce_bytes": g, "all_gather_bytes": 0, "reduce_scatter_bytes": 0,
                 "per_rank_traffic_bytes": 2 * (N - 1) * g // N, "source": "arithmetic",
@@ -68,14 +68,14 @@ def communication(spec, method: str, dtype: str, autocast: bool, num_gpus: int, 
                 "how": f"DeepSpeed ZeRO-{sharding[-1]} (arithmetic, the ZeRO paper's 2 x parameters): gradients "
                        "reduce-scattered and the updated trainable parameters all-gathered, (N - 1) / N of each "
                        "per rank; the same volume as DDP"}
-    if method == "qlora":  # FSDP2 on 4-bit weights is not simulated
+    if step.method == "qlora":  # FSDP2 on 4-bit weights is not simulated
         ag = 2 * (one_gpu.breakdown["weights"] + one_gpu.breakdown["adapters"])
         return {"all_reduce_bytes": 0, "all_gather_bytes": ag, "reduce_scatter_bytes": g,
                 "per_rank_traffic_bytes": (ag + g) * (N - 1) // N, "source": "arithmetic",
                 "how": f"{sharding} with QLoRA (arithmetic): the packed 4-bit weights, fp32 up-casts and adapters "
                        "gathered twice (forward, backward), the adapters' gradients reduce-scattered; "
                        "quantization constants stay on every rank"}
-    c = fsdp_communication(spec, method, dtype, N, lora_rank, lora_targets, autocast)
+    c = fsdp_communication(spec, step)
     return {"all_reduce_bytes": 0, **{k: c[k] for k in ("all_gather_bytes", "reduce_scatter_bytes",
                                                           "per_rank_traffic_bytes")},
             "source": "fsdp_communication: the buffers FSDP2 gathers and scatters, as simulate counts them",
@@ -86,16 +86,17 @@ def communication(spec, method: str, dtype: str, autocast: bool, num_gpus: int, 
                        else "")}
 
 
-def checkpoint(spec, method: str, dtype: str, autocast: bool, num_gpus: int, sharding: str, lora_rank: int,
-               lora_targets, output_dir: str, one_gpu=None, optimizer_bytes_per_rank: int = 0) -> dict:
+def checkpoint(spec, step: Step, sharding: str, output_dir: str, one_gpu=None,
+               optimizer_bytes_per_rank: int = 0) -> dict:
     """What the run writes to disk and where (bytes are tensor data; safetensors adds a small JSON header).
 
     For fsdp's sharded training checkpoint: ``optimizer_bytes_per_rank`` (one rank's optimizer states) and,
     for QLoRA, ``one_gpu`` (the single-GPU ``estimate``, whose weights, quantization constants and adapters
     are its model state; other methods count parameters x bytes)."""
-    n = trainable_params(spec, method, lora_rank, lora_targets)
+    n = trainable_params(spec, step)
+    method, dtype = step.method, step.dtype
     if method == "full":
-        e = 4 if autocast else DTYPE_BYTES[dtype]
+        e = 4 if step.autocast else DTYPE_BYTES[dtype]
         out = {"what": "the whole model", "bytes": n * e, "dtype": "float32" if e == 4 else dtype,
                "file": f"{output_dir}/model.safetensors (large models: model-0000x-of-0000y.safetensors)"}
     else:
@@ -106,7 +107,7 @@ def checkpoint(spec, method: str, dtype: str, autocast: bool, num_gpus: int, sha
         out["sharded"] = {
             "where": f"{output_dir}/pytorch_model_fsdp_0/__<rank>_0.distcp (+ .metadata) and "
                      f"{output_dir}/optimizer_0/",
-            "model_bytes_per_rank": -(-_state_bytes(spec, method, dtype, out["bytes"], one_gpu) // int(num_gpus)),
+            "model_bytes_per_rank": -(-_state_bytes(spec, method, dtype, out["bytes"], one_gpu) // step.num_gpus),
             "optimizer_bytes_per_rank": int(optimizer_bytes_per_rank),
             "note": "the resumable training state of accelerate's save_state: with fsdp_state_dict_type "
                     "SHARDED_STATE_DICT one file per rank, about 1/N of the model's whole state (frozen weights "
@@ -124,29 +125,23 @@ def _state_bytes(spec, method: str, dtype: str, trained_bytes: int, one_gpu) -> 
     return spec.num_params * DTYPE_BYTES[dtype] + trained_bytes
 
 
-def multi_gpu_plan(model, gpu: str, num_gpus: int, sharding: str = "fsdp", method: str = "lora",
-                   seq_len: int = 2048, batch_size: int = 1, margin: float = 0.10, output_dir: str = OUTPUT_DIR,
-                   steps_per_epoch: int | None = None, time_model=None, **step) -> dict:
-    """The multi-GPU record for ``num_gpus`` (> 1) GPUs named ``gpu`` (see the module docstring).
-
-    ``step``: the other step settings (``dtype``, ``lora_rank``, ``lora_targets``, ``gradient_checkpointing``,
-    ``optimizer``, ``cpu_offload`` ...; planning defaults otherwise). ``sharding="none"`` with several GPUs
-    runs as DDP (the accelerate config lora_kit writes) and is planned as ddp. ``steps_per_epoch``: with it,
-    hours per epoch with the communication included. Raises ValueError for one GPU or bad settings."""
-    if not isinstance(num_gpus, int) or isinstance(num_gpus, bool) or num_gpus < 2:
-        raise ValueError(f"multi_gpu_plan needs num_gpus > 1, got {num_gpus!r}; one GPU has no multi-GPU section.")
-    s = check_step(step_kwargs({**step, "method": method, "seq_len": seq_len, "batch_size": batch_size,
-                                "num_gpus": num_gpus, "sharding": sharding}))
-    planned = "ddp" if s["sharding"] == "none" else s["sharding"]
+def multi_gpu_plan(model, gpu: str, step: Step | None = None, margin: float = 0.10, output_dir: str = OUTPUT_DIR,
+                   steps_per_epoch: int | None = None, time_model=None, **overrides) -> dict:
+    """The multi-GPU record for ``step`` (default ``PLANNING``, with ``overrides``; ``num_gpus`` > 1) on GPUs
+    named ``gpu`` (see the module docstring). ``sharding="none"`` with several GPUs runs as DDP (the accelerate
+    config lora_kit writes) and is planned as ddp. ``steps_per_epoch``: with it, hours per epoch with the
+    communication included. Raises ValueError for one GPU or bad settings."""
+    s = as_step(step, **overrides)
+    if s.num_gpus < 2:
+        raise ValueError(f"multi_gpu_plan needs num_gpus > 1, got {s.num_gpus!r}; one GPU has no multi-GPU section.")
+    planned = "ddp" if s.sharding == "none" else s.sharding
     spec = model_spec(model)
     row = get_gpu(gpu)
-    kw = {k: v for k, v in s.items() if k not in ("sharding",)}
-    mine = estimate(spec, **kw, sharding=planned)
-    one = estimate(spec, **{**kw, "num_gpus": 1, "cpu_offload": False}, sharding="none")
-    ddp = mine if planned == "ddp" else estimate(spec, **{**kw, "cpu_offload": False}, sharding="ddp")
+    mine = estimate(spec, s.replace(sharding=planned))
+    one = estimate(spec, s.replace(num_gpus=1, cpu_offload=False, sharding="none"))
+    ddp = mine if planned == "ddp" else estimate(spec, s.replace(cpu_offload=False, sharding="ddp"))
     fit = fit_verdict(mine.device_total_bytes, row["name"], margin)
-    r, t = s.get("lora_rank", 16), s.get("lora_targets", "all-linear")
-    N, cap = num_gpus, fit["capacity_bytes"]
+    N, cap = s.num_gpus, fit["capacity_bytes"]
     saved = ddp.peak_allocated_bytes - mine.peak_allocated_bytes
     memory = {
         "per_gpu_peak_bytes": mine.peak_allocated_bytes, "per_gpu_device_total_bytes": mine.device_total_bytes,
@@ -157,10 +152,10 @@ def multi_gpu_plan(model, gpu: str, num_gpus: int, sharding: str = "fsdp", metho
                        f"Each GPU must hold its own per-GPU peak ({mine.device_total_bytes / GiB:.1f} GiB with the "
                        f"CUDA context) within its own {cap / GiB:.1f} GiB; sharding ({planned}) only divides what it "
                        "shards across the GPUs.")}
-    comm = communication(spec, s["method"], s["dtype"], s["autocast"], N, planned, r, t, one)
+    comm = communication(spec, s, planned, one)
     bw = row.get("interconnect_gbs")
     bw = float(bw) if isinstance(bw, (int, float)) and math.isfinite(bw) and bw > 0 else None
-    st = step_time(spec, row, **{k: v for k, v in s.items() if k != "sharding"}, time_model=time_model)
+    st = step_time(spec, row, s, time_model=time_model)
     compute = st["step_seconds"]
     comm_s = comm["per_rank_traffic_bytes"] / (bw * 1e9) if bw else None
     serial = compute + comm_s if bw else None
@@ -177,12 +172,11 @@ def multi_gpu_plan(model, gpu: str, num_gpus: int, sharding: str = "fsdp", metho
                                                  "(lora_kit.plan.gpus.add_gpu(..., interconnect_gbs=...)) to time "
                                                  "the communication")}
     return {"model": spec.name if hasattr(spec, "name") else str(model), "gpu": row["name"], "num_gpus": N,
-            "sharding": s["sharding"], "planned_as": planned, "method": s["method"], "dtype": s["dtype"],
-            "seq_len": int(seq_len), "batch_size": int(batch_size), "cpu_offload": s["cpu_offload"],
+            "sharding": s.sharding, "planned_as": planned, "method": s.method, "dtype": s.dtype,
+            "seq_len": s.seq_len, "batch_size": s.batch_size, "cpu_offload": s.cpu_offload,
             "margin": margin, "memory": memory, "communication": comm,
             "interconnect": {"name": row.get("interconnect"), "gbs_per_direction": bw,
                              "source": "lora_kit/catalog/gpus.csv interconnect_gbs (the datasheet's figure halved: "
                                        "per direction)"},
-            "time": time, "checkpoint": checkpoint(
-                spec, s["method"], s["dtype"], s["autocast"], N, planned, r, t, output_dir,
-                one_gpu=one, optimizer_bytes_per_rank=mine.breakdown["optimizer_states"])}
+            "time": time, "checkpoint": checkpoint(spec, s, planned, output_dir, one_gpu=one,
+                                                   optimizer_bytes_per_rank=mine.breakdown["optimizer_states"])}

@@ -22,7 +22,8 @@ That is the kit's one fit rule (:func:`fit_verdict`), and :func:`fixes` its one 
 the OOM advice after a failed smoke run (``lora_kit.run.oom.fit_suggestions``) and the dataset
 check (``lora_kit.plan.dataset_fit``) call them. A "GPU" is a catalog name or any device described
 by its capacity (:func:`device_of`), e.g. the CUDA device a smoke run ran on, or the smaller device
-a CPU smoke run emulates. Step arguments are checked only by ``lora_kit.settings.check_step``.
+a CPU smoke run emulates. Every function takes a ``lora_kit.settings.Step`` (``step=``, default ``PLANNING``)
+and step fields overriding it, validated by making the Step.
 """
 from __future__ import annotations
 
@@ -38,12 +39,12 @@ from lora_kit.memory.moe import moe_note
 from lora_kit.memory.specs import model_spec
 from lora_kit.plan.gpus import get_gpu, gpu_table, resolve_prices
 from lora_kit.plan.timing import TimeModel, step_time
-from lora_kit.settings import (LORA_FIELDS, METHODS, PLANNING_DEFAULTS, STEP_FIELDS, Settings, check_step,
-                               method_label, step_kwargs)
+from lora_kit.settings import (AXIS_FIELDS, LORA_FIELDS, METHODS, STEP_FIELDS, Settings, Step, as_step, check_names,
+                               default_of, method_label)
 
 GIB = 2 ** 30
-ARRAY_ARGS = ("seq_len", "batch_size", "lora_rank", "num_gpus")
-PASSTHROUGH_ARGS = ("lora_alpha", "grad_accum")  # accepted by estimate, no effect on memory
+ARRAY_ARGS = ("seq_len", "batch_size", "lora_rank", "num_gpus")  # vectorised axes of a sweep
+PASSTHROUGH_ARGS = tuple(f for f in AXIS_FIELDS if f not in ARRAY_ARGS)  # integer fields with no effect on memory
 # every other step field of the one schema is a categorical sweep axis (derived, so a new field is never refused)
 CATEGORICAL_ARGS = tuple(f for f in STEP_FIELDS if f not in ARRAY_ARGS + PASSTHROUGH_ARGS)
 FIT_PARAMS = {"seq_len": 1 << 20, "batch_size": 1 << 14, "lora_rank": 1 << 14}  # searchable -> default upper bound
@@ -99,40 +100,40 @@ def _values(name: str, v) -> list:
     return [v]
 
 
-def _int_axis(name: str, vals: list) -> np.ndarray:
-    return np.asarray(check_step({name: np.asarray(vals)})[name], dtype=np.int64)
-
-
-def sweep(model, gpu=None, margin: float = 0.10, **grid) -> pd.DataFrame:
-    """DataFrame over the cartesian grid of ``estimate`` arguments (each a value or a list) and ``gpu``.
+def sweep(model, gpu=None, margin: float = 0.10, step: Step | None = None, **grid) -> pd.DataFrame:
+    """DataFrame over the cartesian grid of step fields (each a value or a list) and ``gpu``, on ``step``
+    (default ``PLANNING``) for the fields not given.
 
     Per row: the settings, the breakdown (bytes), ``peak_allocated_bytes``, ``device_total_bytes``
     (per GPU), ``peak_gib`` / ``device_total_gib`` and, when ``gpu`` is given (a name or a list),
     ``capacity_gib``, ``usable_gib``, ``fits``, ``headroom_gib``, ``headroom_pct``. ``model`` may
     be a list too. Example: ``sweep("llama-3.1-8b", method=["lora", "qlora"], seq_len=[512, 1024,
-    2048], batch_size=[1, 2, 4, 8], gpu=["L4", "A100-80GB"])``.
+    2048], batch_size=[1, 2, 4, 8], gpu=["L4", "A100-80GB"])``. Rows with ``method="full"`` ignore the
+    LoRA fields of a grid that also has LoRA rows.
     """
-    defaults = PLANNING_DEFAULTS
-    valid = set(ARRAY_ARGS) | set(CATEGORICAL_ARGS) | set(PASSTHROUGH_ARGS)
-    unknown = sorted(set(grid) - valid)
-    if unknown:
-        raise ValueError(f"sweep: unknown argument(s) {unknown}; sweepable: model, gpu, {', '.join(sorted(valid))}.")
+    base = as_step(step)
+    check_names(grid, STEP_FIELDS, "sweep argument")
     check_margin(margin)
-    axes = {k: _values(k, grid.get(k, defaults.get(k))) for k in (*CATEGORICAL_ARGS, *PASSTHROUGH_ARGS)}
+    axes = {k: _values(k, grid.get(k, getattr(base, k))) for k in (*CATEGORICAL_ARGS, *PASSTHROUGH_ARGS)}
     if set(axes["method"]) == {"full"}:  # LoRA settings with full fine-tuning only: refused as everywhere
-        single = {k: _values(k, grid[k]) for k in LORA_FIELDS if k in grid}
-        check_step({"method": "full", **{k: list(v[0]) if isinstance(v[0], tuple) else v[0]
-                                         for k, v in single.items() if len(v) == 1}})
-    nums = [_int_axis(k, _values(k, grid.get(k, defaults.get(k)))) for k in ARRAY_ARGS]
-    mesh = [m.ravel() for m in np.meshgrid(*nums, indexing="ij")]
+        base.replace(method="full", **{k: (list(v[0]) if isinstance(v[0], tuple) else v[0])
+                                       for k, v in ((k, _values(k, grid[k])) for k in LORA_FIELDS if k in grid)
+                                       if len(v) == 1})
+    num_axes = {k: _values(k, grid.get(k, getattr(base, k))) for k in ARRAY_ARGS}
+    mesh = [m.ravel() for m in np.meshgrid(*(np.asarray(v) for v in num_axes.values()), indexing="ij")]
     n = mesh[0].size
     groups, results = [], []  # one estimate_arrays call per (model, categorical combination)
     for mdl in _values("model", model):
         spec = model_spec(mdl)
         for combo in itertools.product(*axes.values()):
             cats = dict(zip(axes, combo))
-            est_cats = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cats.items() if k in CATEGORICAL_ARGS}
-            results.append(estimate_arrays(spec, **est_cats, **dict(zip(ARRAY_ARGS, mesh))))
+            full = cats["method"] == "full"
+            fixed = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cats.items()
+                     if not (full and k in LORA_FIELDS)}
+            arrays = {k: m for k, m in zip(ARRAY_ARGS, mesh) if not (full and k in LORA_FIELDS)}
+            st = base.for_method(cats["method"]).replace(**{k: v for k, v in fixed.items() if k != "method"},
+                                                         **{k: int(a[0]) for k, a in arrays.items()})
+            results.append(estimate_arrays(spec, st, **arrays))
             groups.append({"model": mdl if isinstance(mdl, str) else spec.name, **cats})
     gpus = [fit_verdict(0, g, margin) for g in _values("gpu", gpu)] if gpu is not None else [None]
     reps = len(gpus)  # rows: gpu-major, then group, then the numeric mesh
@@ -170,35 +171,28 @@ def _codes_column(values: list, idx: np.ndarray):
     return pd.Categorical.from_codes(codes, categories=pd.Index(cats, dtype=object, tupleize_cols=False))
 
 
-def _device_totals(model, param: str, values: np.ndarray, kwargs: dict,
+def _device_totals(model, param: str, values: np.ndarray, step: Step,
                    total: str = "device_total_bytes") -> np.ndarray:
-    defaults = PLANNING_DEFAULTS
-    cats = {k: kwargs.get(k, defaults.get(k)) for k in CATEGORICAL_ARGS}
-    arrays = {k: np.asarray(kwargs.get(k, defaults.get(k)), dtype=np.int64) for k in ARRAY_ARGS}
-    arrays[param] = values.astype(np.int64)
-    return np.asarray(estimate_arrays(model_spec(model), **cats, **arrays)[total])
+    return np.asarray(estimate_arrays(model_spec(model), step, **{param: values.astype(np.int64)})[total])
 
 
-def _device_total(model, kwargs: dict, total: str = "device_total_bytes") -> int:
-    """``estimate(model, **kwargs).<total>`` through the vectorized core (same number, less overhead)."""
-    return int(_device_totals(model, "seq_len", np.asarray([kwargs.get("seq_len", PLANNING_DEFAULTS["seq_len"])]),
-                              kwargs, total)[0])
+def _device_total(model, step: Step, total: str = "device_total_bytes") -> int:
+    """``estimate(model, step).<total>`` through the vectorized core (same number, less overhead)."""
+    return int(_device_totals(model, "seq_len", np.asarray([step.seq_len]), step, total)[0])
 
 
 def max_fit(param: str, model, gpu, margin: float = 0.10, low: int = 1, high: int | None = None,
-            multiple_of: int = 1, verify: bool = True, **kwargs) -> int:
+            multiple_of: int = 1, verify: bool = True, step: Step | None = None, **overrides) -> int:
     """The largest ``param`` ("seq_len", "batch_size" or "lora_rank") that fits ``gpu``; 0 if ``low`` does not.
 
-    Other settings are ``estimate`` arguments in ``kwargs``. Memory grows monotonically with each
-    searchable parameter, so the answer is exact: ``value`` fits and ``value + multiple_of`` does not
+    The other settings are ``step`` (default ``PLANNING``) with ``overrides``. Memory grows monotonically with
+    each searchable parameter, so the answer is exact: ``value`` fits and ``value + multiple_of`` does not
     (checked with ``estimate`` when ``verify``), unless ``high`` (default: a generous cap) itself fits.
     """
     if param not in FIT_PARAMS:
         raise ValueError(f"max_fit: param must be one of {list(FIT_PARAMS)}, got {param!r}.")
-    unknown = sorted(set(kwargs) - set(ARRAY_ARGS) - set(CATEGORICAL_ARGS) - set(PASSTHROUGH_ARGS))
-    if unknown:
-        raise ValueError(f"max_fit: unknown argument(s) {unknown}.")
-    if param == "lora_rank" and kwargs.get("method") == "full":
+    st = as_step(step, **overrides)
+    if param == "lora_rank" and st.method == "full":
         raise ValueError("max_fit('lora_rank') needs method='lora' or 'qlora'.")
     if multiple_of < 1 or low < 1:
         raise ValueError("max_fit: low and multiple_of must be >= 1.")
@@ -210,7 +204,7 @@ def max_fit(param: str, model, gpu, margin: float = 0.10, low: int = 1, high: in
     lo_k, hi_k = -(-low // multiple_of), high // multiple_of
 
     def fits(ks: np.ndarray) -> np.ndarray:
-        return _device_totals(model, param, ks * multiple_of, kwargs, total) <= usable
+        return _device_totals(model, param, ks * multiple_of, st, total) <= usable
 
     if lo_k > hi_k or not fits(np.array([lo_k]))[0]:
         return 0
@@ -231,10 +225,10 @@ def max_fit(param: str, model, gpu, margin: float = 0.10, low: int = 1, high: in
     if not verify:
         return int(value)
     # the boundary, checked with the scalar estimator (the one users call)
-    while value > 0 and getattr(estimate(model, **{**kwargs, param: value}), total) > usable:
+    while value > 0 and getattr(estimate(model, st, **{param: value}), total) > usable:
         value -= multiple_of
     while value + multiple_of <= high and \
-            getattr(estimate(model, **{**kwargs, param: value + multiple_of}), total) <= usable:
+            getattr(estimate(model, st, **{param: value + multiple_of}), total) <= usable:
         value += multiple_of
     return int(value)
 
@@ -250,7 +244,8 @@ WHY = {
 }
 
 
-def fixes(gpu, margin: float = 0.10, model=None, first_only: bool = False, **kwargs) -> list[dict]:
+def fixes(gpu, margin: float = 0.10, model=None, first_only: bool = False, step: Step | None = None,
+          **overrides) -> list[dict]:
     """Changes that make a plan fit ``gpu`` (a catalog name or a device, see :func:`device_of`),
     cheapest first; [] when it already fits. The kit's one ranked fix ladder.
 
@@ -265,14 +260,10 @@ def fixes(gpu, margin: float = 0.10, model=None, first_only: bool = False, **kwa
        the whole ladder);
     4. the smallest bigger GPU in the catalog that fits the plan unchanged (CUDA devices only).
 
-    ``kwargs`` are step settings (``lora_kit.settings.STEP_FIELDS``, checked by ``check_step``;
-    missing ones are ``PLANNING_DEFAULTS``). Each dict: ``change`` (text), ``settings`` (the changed
+    The plan is ``step`` (default ``PLANNING``) with ``overrides``. Each dict: ``change`` (text), ``settings`` (the changed
     arguments), ``device_total_bytes`` (the device's total: the peak on a non-CUDA device), ``why``.
     """
-    unknown = sorted(set(kwargs) - set(STEP_FIELDS))
-    if unknown:
-        raise ValueError(f"fixes: unknown argument(s) {unknown}; step settings are {', '.join(STEP_FIELDS)}.")
-    kw = check_step(kwargs)
+    kw = as_step(step, **overrides)
     dev = device_of(gpu)
     usable, key = fit_verdict(0, gpu, margin)["usable_bytes"], dev["total"]
     total = _device_total(model, kw, key)
@@ -287,27 +278,27 @@ def fixes(gpu, margin: float = 0.10, model=None, first_only: bool = False, **kwa
         parts = []
         for k, v in ch.items():
             if k == "batch_size":
-                parts.append(f"micro-batch {kw[k]} -> {v} (x grad_accum {math.ceil(kw[k] / v)})")
+                parts.append(f"micro-batch {kw.batch_size} -> {v} (x grad_accum {math.ceil(kw.batch_size / v)})")
             elif k == "gradient_checkpointing":
                 parts.append("gradient checkpointing on")
             else:
-                parts.append(f"{k} {kw[k]} -> {v}")
+                parts.append(f"{k} {getattr(kw, k)} -> {v}")
         return " + ".join(parts)
 
     def fits(ch: dict) -> bool:
-        return _device_total(model, {**kw, **ch}, key) <= usable
+        return _device_total(model, kw.replace(**ch), key) <= usable
 
     def attempt(ch: dict, shrink: str | None = None) -> None:
         """Add ``ch`` if it fits; else, with ``shrink``, the largest smaller value of that setting that fits.
         A combination is pruned: a step that is not needed for the fit is dropped."""
         if done():
             return
-        trial = {**kw, **ch}
+        trial = kw.replace(**ch)
         if not fits(ch):
-            if not shrink or trial[shrink] <= 1:
+            if not shrink or getattr(trial, shrink) <= 1:
                 return
-            v = max_fit(shrink, model=model, gpu=gpu, margin=margin, high=int(trial[shrink]) - 1, verify=False,
-                        **{k: x for k, x in trial.items() if k != shrink})
+            v = max_fit(shrink, model=model, gpu=gpu, margin=margin, high=int(getattr(trial, shrink)) - 1,
+                        verify=False, step=trial)
             if not v:
                 return
             ch = {**ch, shrink: v}
@@ -315,15 +306,15 @@ def fixes(gpu, margin: float = 0.10, model=None, first_only: bool = False, **kwa
             rest = {j: x for j, x in ch.items() if j != k}
             if fits(rest):
                 ch = rest
-        out.append({"change": describe(ch), "settings": ch, "device_total_bytes": _device_total(model, {**kw, **ch}, key),
+        out.append({"change": describe(ch), "settings": ch, "device_total_bytes": _device_total(model, kw.replace(**ch), key),
                     "why": "; ".join(WHY[k] for k in ch)})
 
     free = []  # quality-free steps in ladder order
-    if not kw["gradient_checkpointing"]:
+    if not kw.gradient_checkpointing:
         free.append({"gradient_checkpointing": True})
-    if kw["optimizer"] in ("adamw", "paged_adamw_32bit", "adafactor"):
+    if kw.optimizer in ("adamw", "paged_adamw_32bit", "adafactor"):
         free.append({"optimizer": "paged_adamw_8bit"})
-    free += [{"method": m} for m in {"full": ("lora", "qlora"), "lora": ("qlora",)}.get(kw["method"], ())]
+    free += [{"method": m} for m in {"full": ("lora", "qlora"), "lora": ("qlora",)}.get(kw.method, ())]
     attempt({}, shrink="batch_size")
     for step in free:
         attempt(step)
@@ -332,7 +323,7 @@ def fixes(gpu, margin: float = 0.10, model=None, first_only: bool = False, **kwa
         ladder = {**ladder, **step}
         if len(ladder) > 1:
             attempt(dict(ladder), shrink="batch_size")
-    if kw["method"] != "full":
+    if kw.method != "full":
         attempt({}, shrink="lora_rank")
     attempt({}, shrink="seq_len")
     if ladder:
@@ -347,23 +338,22 @@ def fixes(gpu, margin: float = 0.10, model=None, first_only: bool = False, **kwa
     return out[:1] if first_only else out
 
 
-def model_note(model, settings: dict) -> str:
-    """What an estimate on ``model`` assumes beyond its settings (``estimate``'s ``settings``): every expert resident
-    and what LoRA reaches on a mixture-of-experts, the attention kernel counted for multi-head latent attention;
-    empty for other models."""
-    spec, st = model_spec(model), settings
-    return " ".join(n for n in (moe_note(spec, st["method"], st.get("lora_targets")),
-                                mla_note(spec, st["attn_implementation"], st["seq_len"], st["batch_size"],
-                                         st["gradient_checkpointing"])) if n)
+def model_note(model, step=None) -> str:
+    """What an estimate on ``model`` assumes beyond its step (a Step, or ``estimate``'s ``settings``): every
+    expert resident and what LoRA reaches on a mixture-of-experts, the attention kernel counted for multi-head
+    latent attention; empty for other models."""
+    spec, st = model_spec(model), as_step(step)
+    return " ".join(n for n in (moe_note(spec, st.method, st.lora_targets), mla_note(spec, st)) if n)
 
 
-def check_plan(model, gpu: str, margin: float = 0.10, **kwargs) -> dict:
+def check_plan(model, gpu: str, margin: float = 0.10, step: Step | None = None, **overrides) -> dict:
     """One plan: its estimate, the fit verdict on ``gpu`` and, when it does not fit, the cheapest fix."""
-    est = estimate(model, **kwargs)
+    st = as_step(step, **overrides)
+    est = estimate(model, st)
     v = fit_verdict(est.device_total_bytes, gpu, margin)
     fits = bool(v["fits"])
-    fix = None if fits else next(iter(fixes(gpu, margin, model=model, first_only=True, **kwargs)), None)
-    note = model_note(model, est.settings)
+    fix = None if fits else next(iter(fixes(gpu, margin, model=model, first_only=True, step=st)), None)
+    note = model_note(model, st)
     return {**v, "fits": fits, "headroom_bytes": float(v["headroom_bytes"]),
             "headroom_pct": float(v["headroom_pct"]), "margin": margin, "estimate": est, "fix": fix, "note": note}
 
@@ -383,54 +373,52 @@ def verdict_text(plan: dict) -> str:
     return f"Does NOT fit on {plan['gpu']}: {need}; short by {head}.{tail}{note}"
 
 
-def compare_methods(model, gpus=None, seq_len: int = 2048, batch_size="max", num_examples: int = 10_000,
-                    epochs: float = 1.0, dataset_tokens: int | None = None, prices: dict | None = None,
-                    margin: float = 0.10, methods=METHODS, time_model=None, max_batch: int = 64,
-                    **estimate_kwargs) -> pd.DataFrame:
+def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_000, epochs: float = 1.0,
+                    dataset_tokens: int | None = None, prices: dict | None = None, margin: float = 0.10,
+                    methods=METHODS, time_model=None, max_batch: int = 64, step: Step | None = None,
+                    **overrides) -> pd.DataFrame:
     """Method x GPU table: fits, memory, step time, tokens/s, time and cost per epoch; recommendation.
 
-    ``batch_size="max"`` uses, per row, the largest micro-batch that fits (up to ``max_batch``): the
-    guide's "spend the remaining memory on batch"; an int uses that micro-batch everywhere.
-    An epoch is ``num_examples`` padded to ``seq_len`` (or ``dataset_tokens`` packed into rows of
+    The plan is ``step`` (default ``PLANNING``) with ``overrides``, for each of ``methods`` (LoRA fields back
+    to their defaults for "full"). ``batch_size="max"`` uses, per row, the largest micro-batch that fits (up
+    to ``max_batch``): the guide's "spend the remaining memory on batch"; an int uses that micro-batch
+    everywhere. An epoch is ``num_examples`` padded to ``seq_len`` (or ``dataset_tokens`` packed into rows of
     ``seq_len`` when given). ``prices`` maps GPU -> your price per GPU-hour; missing GPUs use the
     catalog's *example* price and ``price_source`` says so. Time uses :mod:`lora_kit.plan.timing`
     (``time_model``: a calibrated one from a smoke run, else the assumed utilization).
     The plain-language recommendation is in ``df.attrs["recommendation"]`` (and :func:`recommend`).
     """
     check_margin(margin)
-    gpus = list(gpus or Settings().gpus)
+    gpus = list(gpus or default_of("gpus"))
     if num_examples is None or num_examples <= 0:
         raise ValueError(f"num_examples must be a positive integer, got {num_examples!r}.")
     if dataset_tokens is not None and dataset_tokens <= 0:
         raise ValueError(f"dataset_tokens must be positive, got {dataset_tokens!r}.")
-    unknown = sorted(set(estimate_kwargs) - set(STEP_FIELDS))
-    if unknown:
-        raise ValueError(f"compare_methods: unknown argument(s) {unknown}; step settings are {', '.join(STEP_FIELDS)}.")
-    for m in methods:  # each method's step, checked by the one validator (LoRA fields dropped for "full")
-        check_step(step_kwargs({**estimate_kwargs, "seq_len": seq_len}, method=m))
+    base = as_step(step, **overrides)
+    if batch_size != "max":
+        base = base.replace(batch_size=batch_size)
+    steps_by_method = {m: base.for_method(m) for m in methods}  # each method's step, validated
     price = resolve_prices(gpus, prices)
     user_priced = {get_gpu(k)["name"] for k in (prices or {})}
-    num_gpus = int(estimate_kwargs.get("num_gpus", 1))
+    num_gpus = base.num_gpus
+    seq_len = base.seq_len
     rows = []
     for method in methods:
         for g in gpus:
             gname = get_gpu(g)["name"]
-            kw = step_kwargs({**estimate_kwargs, "seq_len": seq_len}, method=method)
-            if batch_size == "max":
-                b = max_fit("batch_size", model=model, gpu=gname, margin=margin, high=max_batch,
-                            **{k: v for k, v in kw.items() if k != "batch_size"})
-            else:
-                b = int(batch_size)
-            e = estimate(model, **{**kw, "batch_size": max(b, 1)})
+            st = steps_by_method[method]
+            b = max_fit("batch_size", model=model, gpu=gname, margin=margin, high=max_batch, step=st) \
+                if batch_size == "max" else st.batch_size
+            st = st.replace(batch_size=max(b, 1))
+            e = estimate(model, st)
             v = fit_verdict(e.device_total_bytes, gname, margin)
-            row = {"method": method, "gpu": gname, "fits": bool(v["fits"]) and b > 0, "batch_size": max(b, 1),
+            row = {"method": method, "gpu": gname, "fits": bool(v["fits"]) and b > 0, "batch_size": st.batch_size,
                    "peak_gib": e.peak_allocated_bytes / GIB, "device_total_gib": e.device_total_bytes / GIB,
                    "capacity_gib": v["capacity_bytes"] / GIB, "headroom_gib": float(v["headroom_bytes"]) / GIB}
-            t = step_time(model, get_gpu(gname), time_model=time_model,
-                          **{k: x for k, x in kw.items() if k != "model"}, batch_size=max(b, 1))
+            t = step_time(model, get_gpu(gname), st, time_model=time_model)
             tokens_step = t["tokens_per_step"]
             steps = (math.ceil(dataset_tokens / tokens_step) if dataset_tokens
-                     else math.ceil(num_examples / (max(b, 1) * num_gpus)))
+                     else math.ceil(num_examples / (st.batch_size * num_gpus)))
             hours = steps * epochs * t["step_seconds"] / 3600
             p = price[gname]
             row.update(step_seconds=t["step_seconds"], tokens_per_second=t["tokens_per_second"],

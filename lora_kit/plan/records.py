@@ -13,7 +13,7 @@ import pandas as pd
 
 from lora_kit.plan.gpus import get_gpu
 from lora_kit.plan.multi_gpu import OUTPUT_DIR, multi_gpu_plan
-from lora_kit.settings import check_step
+from lora_kit.settings import Step, as_step
 
 PLAN_BATCH = "largest micro-batch that fits (up to 64)"
 
@@ -25,13 +25,13 @@ def _clean(value):
     return value.item() if hasattr(value, "item") else value
 
 
-def plan_record(table: pd.DataFrame, model: str, seq_len: int, num_examples: int = 10_000,
+def plan_record(table: pd.DataFrame, model: str, step: Step | None = None, num_examples: int = 10_000,
                 margin: float | None = None, gpu: str | None = None, method: str | None = None,
-                output_dir: str = OUTPUT_DIR, time_model=None, **step) -> dict:
+                output_dir: str = OUTPUT_DIR, time_model=None, **overrides) -> dict:
     """plan.json: the method x GPU table of ``compare_methods`` with what it assumed.
 
-    ``step`` are the step settings the table was computed with (as passed to ``compare_methods``);
-    the record lists every step value, the planning defaults included, except ``method`` and
+    ``step`` (default ``PLANNING``) with ``overrides`` is the step the table was computed with (as passed to
+    ``compare_methods``); the record lists every step value, the planning defaults included, except ``method`` and
     ``batch_size`` which vary per row. What an epoch is comes from the table (``compare_methods``
     records it); ``num_examples`` only serves tables that do not say. ``margin``: the safety margin
     the table's "fits" used.
@@ -40,8 +40,10 @@ def plan_record(table: pd.DataFrame, model: str, seq_len: int, num_examples: int
     for one row of the table: ``method`` on ``gpu`` when given (the run's settings) and in the table, else
     the recommended row (cheapest fitting, else fastest fitting), at that row's micro-batch; a plan that
     cannot be made holds ``{"error": ...}``. One-GPU records are unchanged."""
-    assumed = check_step({"seq_len": seq_len, **step})
-    assumptions = {k: v for k, v in assumed.items() if k not in ("method", "batch_size", "lora_alpha", "grad_accum")}
+    assumed = as_step(step, **overrides)
+    seq_len = assumed.seq_len
+    assumptions = {k: v for k, v in assumed.to_dict().items()
+                   if k not in ("method", "batch_size", "lora_alpha", "grad_accum")}
     rows = [{k: _clean(v) for k, v in r.items()} for r in table.to_dict(orient="records")]
     epoch = table.attrs.get("epoch") or {"examples": int(num_examples), "tokens": int(num_examples) * int(seq_len),
                                          "note": "each example padded to seq_len"}
@@ -49,8 +51,8 @@ def plan_record(table: pd.DataFrame, model: str, seq_len: int, num_examples: int
            "margin": margin, "epoch": dict(epoch),
            "recommendation": table.attrs.get("recommendation", ""), "time_model": table.attrs.get("time_model", ""),
            "rows": rows}
-    if int(assumed["num_gpus"]) > 1:
-        out["multi_gpu"] = _multi_gpu(rows, model, seq_len, margin, gpu, method, output_dir, time_model, step)
+    if assumed.num_gpus > 1:
+        out["multi_gpu"] = _multi_gpu(rows, model, margin, gpu, method, output_dir, time_model, assumed)
     return out
 
 
@@ -70,16 +72,15 @@ def _plan_row(rows: list[dict], gpu: str | None, method: str | None) -> dict | N
     return None
 
 
-def _multi_gpu(rows, model, seq_len, margin, gpu, method, output_dir, time_model, step) -> dict:
+def _multi_gpu(rows, model, margin, gpu, method, output_dir, time_model, step: Step) -> dict:
     try:
         row = _plan_row(rows, gpu, method)
         if row is None:
             return {"error": "the plan has no rows"}
-        return multi_gpu_plan(model, row["gpu"], int(step["num_gpus"]), step.get("sharding", "none"), row["method"],
-                              seq_len=seq_len, batch_size=int(row["batch_size"]),
+        return multi_gpu_plan(model, row["gpu"], step.for_method(row["method"]).replace(
+                                  batch_size=int(row["batch_size"])),
                               margin=0.10 if margin is None else margin, output_dir=output_dir,
-                              steps_per_epoch=row.get("steps_per_epoch"), time_model=time_model,
-                              **{k: v for k, v in step.items() if k not in ("num_gpus", "sharding", "batch_size")})
+                              steps_per_epoch=row.get("steps_per_epoch"), time_model=time_model)
     except ValueError as e:
         return {"error": str(e)}
 

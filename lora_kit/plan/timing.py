@@ -57,7 +57,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from lora_kit.memory.specs import check_targets, model_spec
-from lora_kit.settings import check_step
+from lora_kit.settings import Step, as_step
 
 DEQUANT_BYTES_PER_WEIGHT = 2.5  # NF4 read (0.5 B) + compute-dtype write (2 B)
 OPTIMIZER_BYTES = {"adamw": 16, "paged_adamw_32bit": 16, "adamw_8bit": 10, "paged_adamw_8bit": 10,
@@ -89,53 +89,48 @@ class TimeModel:
         return asdict(self)
 
 
-def _targets(spec, lora_targets, lora_rank: int = 1) -> list:
-    """The adapted linears, checked by the one validator and the one model check (as ``estimate`` does)."""
-    s = check_step({"lora_targets": lora_targets, "lora_rank": lora_rank})
-    names = check_targets(spec, "lora", s["lora_rank"], s["lora_targets"], "eager")  # attention is not checked here
+def _targets(spec, step: Step) -> list:
+    """The adapted linears, checked by the one model check (as ``estimate`` does)."""
+    names = check_targets(spec, "lora", step.lora_rank, step.lora_targets, "eager")  # attention is not checked here
     return [lin for lin in spec.linears if lin.name in names]
 
 
-def flops_per_step(spec, method: str = "lora", seq_len: int = 2048, batch_size: int = 1, lora_rank: int = 16,
-                   lora_targets="all-linear", gradient_checkpointing: bool = False,
-                   attn_implementation: str = "sdpa") -> dict:
-    """FLOPs of one step on one GPU, by part (see the module docstring for each formula)."""
-    spec = model_spec(spec)
-    check_step({"method": method, "seq_len": seq_len, "batch_size": batch_size,
-                "gradient_checkpointing": gradient_checkpointing, "attn_implementation": attn_implementation})
-    T = batch_size * seq_len
+def flops_per_step(spec, step: Step | None = None, **overrides) -> dict:
+    """FLOPs of one step on one GPU, by part (see the module docstring for each formula); the step is ``step``
+    (default ``PLANNING``) with ``overrides``."""
+    spec, st = model_spec(spec), as_step(step, **overrides)
+    seq_len, T = st.seq_len, st.batch_size * st.seq_len
     p_lin = sum(lin.in_features * lin.out_features for lin in spec.linears) * spec.num_layers
     p_head = spec.vocab_size * spec.hidden_size
-    causal = 0.5 if attn_implementation == "sdpa" else 1.0
+    causal = 0.5 if st.attn_implementation == "sdpa" else 1.0
     attn = 4.0 * T * seq_len * spec.num_heads * spec.head_dim * spec.num_layers * causal
     fwd_blocks = 2.0 * T * p_lin + attn
     fwd_head = 2.0 * T * p_head
-    if method == "full":
+    if st.method == "full":
         adapters = 0.0
         bwd = 2 * (fwd_blocks + fwd_head)
         recompute_adapters = 0.0
     else:
-        ad = sum(lora_rank * (lin.in_features + lin.out_features) for lin in _targets(spec, lora_targets, lora_rank))
+        ad = sum(st.lora_rank * (lin.in_features + lin.out_features) for lin in _targets(spec, st))
         adapters = 6.0 * T * ad * spec.num_layers
         recompute_adapters = 2.0 * T * ad * spec.num_layers
         bwd = 2.0 * T * (p_lin + p_head) + 2 * attn
     parts = {"forward": fwd_blocks + fwd_head, "backward": bwd, "adapters": adapters,
-             "recompute": (fwd_blocks + recompute_adapters) if gradient_checkpointing else 0.0}
+             "recompute": (fwd_blocks + recompute_adapters) if st.gradient_checkpointing else 0.0}
     parts["total"] = sum(parts.values())
-    parts["attention"] = attn * (3 + (1 if gradient_checkpointing else 0))  # included above; shown for reference
+    parts["attention"] = attn * (3 + (1 if st.gradient_checkpointing else 0))  # included above; shown for reference
     parts["tokens"] = T
     return parts
 
 
-def trainable_params(spec, method: str, lora_rank: int, lora_targets) -> int:
+def trainable_params(spec, step: Step) -> int:
     spec = model_spec(spec)
-    if method == "full":
+    if step.method == "full":
         return spec.num_params
-    return sum(lora_rank * (lin.in_features + lin.out_features)
-               for lin in _targets(spec, lora_targets, lora_rank)) * spec.num_layers
+    return sum(step.lora_rank * (lin.in_features + lin.out_features) for lin in _targets(spec, step)) * spec.num_layers
 
 
-def peak_flops(gpu: dict, dtype: str = "bfloat16", autocast: bool = False) -> float:
+def peak_flops(gpu: dict, dtype: str, autocast: bool) -> float:
     """Dense FLOP/s the matmuls run at on ``gpu`` (a catalog row) for the compute dtype (see assumptions)."""
     bf16, fp16 = gpu.get("bf16_tflops"), gpu.get("fp16_tflops")
     bf16 = bf16 if bf16 == bf16 and bf16 else fp16  # NaN / missing -> fp16 figure
@@ -146,50 +141,43 @@ def peak_flops(gpu: dict, dtype: str = "bfloat16", autocast: bool = False) -> fl
     return float(tf) * 1e12
 
 
-def step_time(spec, gpu: dict, method: str = "lora", dtype: str = "bfloat16", autocast: bool = False,
-              seq_len: int = 2048, batch_size: int = 1, lora_rank: int = 16, lora_targets="all-linear",
-              gradient_checkpointing: bool = False, attn_implementation: str = "sdpa", optimizer: str = "adamw",
-              num_gpus: int = 1, time_model: TimeModel | None = None, **_ignored) -> dict:
-    """Predicted seconds per optimizer step (micro-batch per GPU) and tokens/s over all GPUs.
+def step_time(spec, gpu: dict, step: Step | None = None, time_model: TimeModel | None = None,
+              **overrides) -> dict:
+    """Predicted seconds per optimizer step (micro-batch per GPU) and tokens/s over all GPUs, for ``step``
+    (default ``PLANNING``) with ``overrides``.
 
     ``gpu`` is a catalog row (``lora_kit.plan.gpus.get_gpu(name)``) or any dict with ``bf16_tflops`` /
-    ``fp16_tflops`` and ``memory_bandwidth_gbs`` (e.g. a CPU described by the user). Extra keyword
-    arguments (``lora_alpha``, ``sharding``...) are accepted and do not change the time.
+    ``fp16_tflops`` and ``memory_bandwidth_gbs`` (e.g. a CPU described by the user).
     """
     tm = time_model or TimeModel()
-    check_step({"dtype": dtype, "autocast": autocast, "optimizer": optimizer, "num_gpus": num_gpus})
-    f = flops_per_step(spec, method, seq_len, batch_size, lora_rank, lora_targets, gradient_checkpointing,
-                       attn_implementation)
-    compute_s = f["total"] / (peak_flops(gpu, dtype, autocast) * tm.mfu)
+    st = as_step(step, **overrides)
+    f = flops_per_step(spec, st)
+    compute_s = f["total"] / (peak_flops(gpu, st.dtype, st.autocast) * tm.mfu)
     bw = float(gpu["memory_bandwidth_gbs"]) * 1e9 * tm.bandwidth_efficiency
-    memory_s = _memory_bound_seconds(spec, method, lora_rank, lora_targets, gradient_checkpointing, optimizer, bw)
+    memory_s = _memory_bound_seconds(spec, st, bw)
     total = compute_s + memory_s["dequant"] + memory_s["optimizer"] + tm.overhead_seconds
     return {"step_seconds": total, "compute_seconds": compute_s, "dequant_seconds": memory_s["dequant"],
             "optimizer_seconds": memory_s["optimizer"], "flops": f["total"],
-            "tokens_per_step": f["tokens"] * num_gpus, "tokens_per_second": f["tokens"] * num_gpus / total,
+            "tokens_per_step": f["tokens"] * st.num_gpus, "tokens_per_second": f["tokens"] * st.num_gpus / total,
             "mfu": tm.mfu, "time_model": tm.describe()}
 
 
-def _memory_bound_seconds(spec, method, lora_rank, lora_targets, gradient_checkpointing, optimizer, bw) -> dict:
+def _memory_bound_seconds(spec, step: Step, bw) -> dict:
     spec = model_spec(spec)
     dequant = 0.0
-    if method == "qlora":
+    if step.method == "qlora":
         p_lin = sum(lin.in_features * lin.out_features for lin in spec.linears) * spec.num_layers
-        passes = 3 if gradient_checkpointing else 2
+        passes = 3 if step.gradient_checkpointing else 2
         dequant = passes * p_lin * DEQUANT_BYTES_PER_WEIGHT / bw
-    opt = trainable_params(spec, method, lora_rank, lora_targets) * OPTIMIZER_BYTES.get(optimizer, 16) / bw
+    opt = trainable_params(spec, step) * OPTIMIZER_BYTES.get(step.optimizer, 16) / bw
     return {"dequant": dequant, "optimizer": opt}
-
-
-def _kwargs(settings) -> dict:
-    return settings.estimate_kwargs() if hasattr(settings, "estimate_kwargs") else dict(settings)
 
 
 def calibrate(measured_step_seconds: float, settings, gpu: dict, time_model: TimeModel | None = None,
               spec=None, second: tuple | None = None) -> TimeModel:
     """A TimeModel whose ``mfu`` reproduces ``measured_step_seconds`` for ``settings`` on ``gpu``.
 
-    ``settings``: a :class:`lora_kit.settings.Settings` or a dict of estimate arguments. The
+    ``settings``: a :class:`lora_kit.settings.Settings`, or a dict of step fields and ``model``. The
     memory-bound terms (dequantization, optimizer) keep ``bandwidth_efficiency``; the rest of the
     measured time is attributed to the matmuls. Raises if the memory-bound terms alone exceed it.
 
@@ -203,11 +191,10 @@ def calibrate(measured_step_seconds: float, settings, gpu: dict, time_model: Tim
     tm = time_model or TimeModel()
 
     def parts(sett):
-        kw = _kwargs(sett)
-        model = spec if spec is not None else kw.pop("model")
-        kw.pop("model", None)
-        p = step_time(model, gpu, time_model=replace(tm, overhead_seconds=0.0), **kw)
-        return p["compute_seconds"] * tm.mfu, p["dequant_seconds"] + p["optimizer_seconds"], kw
+        model = spec if spec is not None else (sett["model"] if isinstance(sett, dict) else sett.model)
+        st = as_step(sett)
+        p = step_time(model, gpu, st, time_model=replace(tm, overhead_seconds=0.0))
+        return p["compute_seconds"] * tm.mfu, p["dequant_seconds"] + p["optimizer_seconds"], st.to_dict()
 
     a1, mem1, kw = parts(settings)
     budget1 = measured_step_seconds - mem1

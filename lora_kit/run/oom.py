@@ -16,7 +16,7 @@ import gc
 import torch
 
 from lora_kit.plan.planner import device_of, fit_verdict, fixes
-from lora_kit.settings import step_kwargs
+from lora_kit.settings import as_step
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -54,20 +54,20 @@ def oom_device(limit_bytes: int, cuda: bool, name: str | None = None) -> dict:
 def fit_suggestions(settings, limit_bytes: int | None, cuda: bool = False, name: str | None = None) -> dict:
     """The planner's fix ladder for ``settings`` (a Settings or a dict with ``model``, the step fields
     and optionally ``margin``) on a device of ``limit_bytes``: ``ranked`` is exactly
-    ``planner.fixes(device, margin, model=..., **step)``, cheapest in quality first. ``cuda``: the
+    ``planner.fixes(device, margin, model=..., step=...)``, cheapest in quality first. ``cuda``: the
     device is a CUDA GPU (its total includes the CUDA context and allocator reserve) rather than
     the device a CPU run emulates. Without a known device size there is nothing to rank."""
     d = settings.to_dict() if hasattr(settings, "to_dict") else dict(settings)
     margin = d.get("margin", 0.10)
-    step = step_kwargs(d)
+    step = as_step(d)
     if limit_bytes is None:
         return {"device": None, "limit_bytes": None, "margin": margin, "ranked": [],
                 "note": "no device size known (CPU without memory_limit_bytes): nothing to rank against"}
     dev = oom_device(limit_bytes, cuda, name)
     from lora_kit.memory.estimate import estimate
-    est = estimate(d["model"], **step)
+    est = estimate(d["model"], step)
     total = getattr(est, device_of(dev)["total"])
     v = fit_verdict(total, dev, margin)
     return {"device": v["gpu"], "limit_bytes": int(limit_bytes), "margin": margin, "usable_bytes": v["usable_bytes"],
             "estimated_device_total_bytes": int(total), "estimate_fits": bool(v["fits"]),
-            "ranked": fixes(dev, margin, model=d["model"], **step)}
+            "ranked": fixes(dev, margin, model=d["model"], step=step)}

@@ -210,17 +210,17 @@ def _memory_model(s, model_path: str, measured: int | None, world: int, simulate
     ``num_gpus=world`` and ``sharding="fsdp"`` (FSDP2 ran, also for "zero3": ``estimate``'s zero3 is DeepSpeed's,
     with its gradient bucket; simulate then runs in a spawned process: its fake FSDP2 world cannot start in a
     process that joined the real one)."""
-    kw = {**s.estimate_kwargs(), "model": model_path}
     step = {"num_gpus": world, "sharding": "fsdp"} if dist_util.runs_sharded(s) else {"num_gpus": 1,
                                                                                       "sharding": "none"}
+    ran = s.step.replace(**step)
     out = {}
     models = {"estimate": estimate, "simulate": simulate_step} if simulate else {"estimate": estimate}
     for name, fn in models.items():
         try:
             if fn is simulate_step and step["sharding"] != "none" and torch.distributed.is_initialized():
-                r = dist_util.in_fresh_process(simulate_step, **{**kw, **step})
+                r = dist_util.in_fresh_process(simulate_step, model=model_path, step=ran)
             else:
-                r = fn(**{**kw, **step})
+                r = fn(model_path, ran)
             out[name] = {"peak_allocated_bytes": int(r.peak_allocated_bytes), "breakdown": dict(r.breakdown),
                          "phase": getattr(r, "phase", None), **step}
             if measured:
@@ -230,7 +230,7 @@ def _memory_model(s, model_path: str, measured: int | None, world: int, simulate
     if world > 1:
         for sharding in ("ddp", "fsdp"):
             try:
-                r = estimate(**{**kw, "num_gpus": world, "sharding": sharding})
+                r = estimate(model_path, s.step, num_gpus=world, sharding=sharding)
                 out[f"estimate_{sharding}_per_gpu"] = int(r.peak_allocated_bytes)
             except Exception as e:  # noqa: BLE001
                 out[f"estimate_{sharding}_per_gpu"] = f"{type(e).__name__}: {e}"

@@ -21,8 +21,8 @@ from lora_kit.memory.estimate import estimate
 from lora_kit.noise import quiet
 from lora_kit.plan.planner import fit_verdict, model_note
 from lora_kit.results import check_run_name, signal_name
-from lora_kit.settings import (LORA_FIELDS, PLANNING_DEFAULTS, STEP_FIELDS, Settings, check_step, field_help,
-                               coerce_value, field_names, load_settings, read_params)
+from lora_kit.settings import (LORA_FIELDS, PLANNING, STEP_FIELDS, check_names, coerce_value, default_of,
+                               field_help, field_names, load_settings, read_params)
 
 
 GiB = 1024 ** 3
@@ -30,7 +30,7 @@ GiB = 1024 ** 3
 
 def _add_setting_flags(p: argparse.ArgumentParser, names=None, defaults=None, title=None) -> None:
     helps = field_help()
-    defaults = Settings().to_dict() if defaults is None else defaults
+    defaults = {k: default_of(k) for k in field_names()} if defaults is None else defaults
     g = p.add_argument_group(title or "settings (defaults: the embedded tiny model on CPU)")
     for name in names or field_names():
         shown = f" [default: {defaults[name]!r}]" if name in defaults else ""
@@ -95,22 +95,18 @@ ESTIMATE_FIELDS = ("model", *STEP_FIELDS, "gpu", "margin")
 
 
 def estimate_plan(given: dict) -> tuple[dict, list[str]]:
-    """The plan ``lora-kit estimate`` sizes: ``given`` (params file + flags) over the planning
-    defaults (``PLANNING_DEFAULTS``: bf16, 2048 tokens, micro-batch 1, checkpointing on), the target
-    GPU and margin from Settings. Returns (plan, names of the values that were assumed)."""
-    unknown = sorted(set(given) - set(ESTIMATE_FIELDS))
-    if unknown:
-        raise ValueError(f"lora-kit estimate does not use {unknown}; it takes {', '.join(ESTIMATE_FIELDS)}.")
+    """The plan ``lora-kit estimate`` sizes: ``given`` (params file + flags) over the planning defaults
+    (``settings.PLANNING``: bf16, 2048 tokens, micro-batch 1, checkpointing on), the target GPU and margin from
+    Settings. Returns (plan: ``model``, the Step as ``step``, its fields, ``gpu``, ``margin``; names of the values
+    that were assumed)."""
+    check_names(given, ESTIMATE_FIELDS, "lora-kit estimate setting")
     if "model" not in given:
         raise ValueError("--model is required: a catalog name (e.g. llama-3.1-8b), a local model folder or a hub id.")
     given = {k: coerce_value(k, v) for k, v in given.items()}
-    defaults = {**PLANNING_DEFAULTS, "gpu": Settings.gpu, "margin": Settings.margin}
-    plan = {**defaults, **given}
-    plan["margin"] = float(plan["margin"])
-    if plan["method"] == "full":  # LoRA fields do not apply; only refuse them when the user set them
-        plan = {k: v for k, v in plan.items() if k not in LORA_FIELDS or k in given}
-    plan.update(check_step({k: v for k, v in plan.items() if k in STEP_FIELDS}))
-    return plan, [k for k in ESTIMATE_FIELDS if k not in given and k in plan]
+    step = PLANNING.replace(**{k: v for k, v in given.items() if k in STEP_FIELDS})
+    plan = {"model": given["model"], **step.to_dict(), "gpu": given.get("gpu", default_of("gpu")),
+            "margin": float(given.get("margin", default_of("margin"))), "step": step}
+    return plan, [k for k in ESTIMATE_FIELDS if k not in given]
 
 
 PART_NAMES = {"weights": "weights", "quant_constants": "4-bit quantization constants", "adapters": "LoRA adapters",
@@ -131,9 +127,9 @@ def cmd_estimate(args) -> int:
         given = {**(read_params(args.params) if args.params else {}), **_settings_from_args(args, ESTIMATE_FIELDS),
                  **_parse_p(args.p)}
         plan, assumed = estimate_plan(given)
-        est = estimate(**{k: v for k, v in plan.items() if k in ("model", *STEP_FIELDS)})
+        est = estimate(plan["model"], plan["step"])
         fit = fit_verdict(est.device_total_bytes, plan["gpu"], plan["margin"])
-        note = model_note(plan["model"], est.settings)
+        note = model_note(plan["model"], plan["step"])
     except ValueError as exc:
         print(f"lora-kit estimate: {exc}", file=sys.stderr)
         return 2
@@ -210,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--params", help="YAML file of settings")
     e.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"), help="override one setting")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    _add_setting_flags(e, ESTIMATE_FIELDS, {**PLANNING_DEFAULTS, "gpu": Settings.gpu, "margin": Settings.margin},
+    _add_setting_flags(e, ESTIMATE_FIELDS, {**PLANNING.to_dict(), "gpu": default_of("gpu"),
+                                            "margin": default_of("margin")},
                        "plan (defaults: planning a real model on a GPU; every assumed value is printed)")
     e.set_defaults(func=cmd_estimate)
 

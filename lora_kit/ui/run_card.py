@@ -160,7 +160,9 @@ def title_lines(card: dict) -> list[str]:
     return [f"# Run card: fine-tuning {planned} (planned) · smoke run and evaluation on {run}", "",
             f"The request below plans **{planned}**. The smoke run and the evaluation ran **{s.get('model')}** "
             f"({method_label(s.get('method'))}, seq_len {s.get('seq_len')}, micro-batch {s.get('batch_size')}; "
-            "every value under *Settings*) to prove the pipeline, not to measure the planned model.", ""]
+            "every value under *Settings*) to prove the pipeline, not to measure the planned model."
+            + (f" The embedded tutorial plans {planned}, since its tiny model fits any GPU; set `plan_model` to "
+               "plan another model." if not s.get("plan_model") else ""), ""]
 
 
 def _param(v) -> str:

@@ -11,7 +11,7 @@ Drive it from code (tests, a browser test) through its public widgets::
     p = PlannerPanel()
     p.seq_len.value = 4096          # the figure and p.verdict update in place
     p.settings()                    # -> Settings with the current values
-    p.plan_kwargs()                 # -> the estimate() arguments of the plan shown
+    p.plan_kwargs()                 # -> the plan shown: model and step (estimate(**p.plan_kwargs()))
 
 The model shown is ``settings.plan_model`` (the model the planning notebooks size GPUs for; "same"
 means ``settings.model``). :meth:`PlannerPanel.settings` writes the panel's model back to
@@ -149,8 +149,8 @@ class PlannerPanel:
             num_gpus=int(self.num_gpus.value), sharding=self.sharding.value)
 
     def plan_kwargs(self) -> dict:
-        """``estimate`` arguments of the plan on screen (the panel's model, not necessarily ``settings().model``)."""
-        return {**self.settings().estimate_kwargs(), "model": self.model.value}
+        """The plan on screen: ``model`` (the panel's, not necessarily ``settings().model``) and its ``step``."""
+        return {"model": self.model.value, "step": self.settings().step}
 
     def _on_change(self, change) -> None:
         if self._updating:

@@ -1,0 +1,29 @@
+"""What a device adds around torch's peak allocated bytes: the one place for device constants.
+
+``estimate``, ``simulate`` and the planner import these; the CUDA issue replaces the assumptions with
+measured, per-device terms.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+ALLOC_ROUND = 512  # the CUDA caching allocator hands out storages in multiples of 512 bytes
+CUDA_CONTEXT_BYTES = 512 * 2**20  # assumption until benchmarks/gpu_validate.py measures it
+RESERVE_FRACTION = 0.08  # assumption: allocator reserve / fragmentation as a share of the peak
+# DeepSpeed ZeRO-2 / ZeRO-3 allocate one gradient bucket of ``reduce_bucket_size`` elements (default 5e8, which the
+# accelerate config lora_kit writes leaves as is), in the trained dtype, whatever the model's size
+# (benchmarks/deepspeed_accuracy.py measures it on CPU ranks)
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
+
+
+def alloc_bytes(nbytes):
+    """Bytes of a storage as the CUDA caching allocator hands it out (rounded up to 512)."""
+    return (np.asarray(nbytes, dtype=np.int64) + ALLOC_ROUND - 1) // ALLOC_ROUND * ALLOC_ROUND
+
+
+def device_total(peak):
+    """What the process adds to the card for a peak of ``peak`` allocated bytes: the CUDA context plus
+    the allocator's reserve (an int for an int, an int64 array for an array)."""
+    arr = np.asarray(peak, dtype=np.int64)
+    out = arr + CUDA_CONTEXT_BYTES + np.ceil(RESERVE_FRACTION * arr).astype(np.int64)
+    return int(out) if out.ndim == 0 else out
