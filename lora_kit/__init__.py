@@ -21,7 +21,8 @@ Public API (imported lazily so ``import lora_kit`` stays fast)::
     train_adapters, trained_adapters        every adapter of a run (03: the smoke run's, the base-mix
                                             comparison's) and where they are (04 evaluates them)
     evaluate                                base vs adapter on held-out and control data
-    Step, PLANNING, EMBEDDED                one training step (the schema) and its two named default sets
+    Step                                    one training step: the schema (lora_kit.settings.PLANNING and
+                                            EMBEDDED are its two named default sets)
     Settings, load_settings                 a run's settings: the step fields plus model, data, evaluation
     DEFAULT_MODEL                           "tiny": the embedded model shipped in the package
 """
@@ -36,8 +37,6 @@ DEFAULT_MODEL = "tiny"
 _LAZY = {
     "Settings": "lora_kit.settings",
     "Step": "lora_kit.settings",
-    "PLANNING": "lora_kit.settings",
-    "EMBEDDED": "lora_kit.settings",
     "load_settings": "lora_kit.settings",
     "estimate": "lora_kit.memory.estimate",
     "Estimate": "lora_kit.memory.estimate",

@@ -17,7 +17,7 @@ SFTConfig also changes two step fields by default: ``gradient_checkpointing=True
 ``loop`` does not change them: set ``gradient_checkpointing`` / ``autocast`` as your config has them.
 
 Three levels, as everywhere in ``lora_kit.memory``: :func:`measure_real_loop` runs the real ``Trainer`` /
-``SFTTrainer`` (its own ``train()``, data loader, compute_loss, clipping, optimizer) with the live-bytes tracker
+``SFTTrainer`` (``lora_kit.trainer_loops.run_real_loop``: its own ``train()``, data loader, compute_loss, clipping, optimizer) with the live-bytes tracker
 entered for the measured step; ``simulate`` runs the same step through ``train_step`` with the Trainer's own
 optimizer construction (:func:`lora_kit.training.loop_optimizer`), TRL's own fused head and a reproduction of
 ``SFTTrainer.compute_loss`` (:func:`lora_kit.training.sft_loss`), checked byte for byte against the real loops
@@ -39,105 +39,45 @@ SFT_TOKEN_TILE = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 SFT_VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
 
 
-
-
-def loop_parts(net, s, device_type: str = "cpu") -> tuple:
-    """(optimizer, train_step keyword arguments, already-live loop tensors) of the loop ``s.loop`` for a
-    prepared model: the SFT head added to it, the loop's optimizer, its clipping and loss, and the Trainer's
-    running-loss scalar (live all training)."""
-    import torch
-
-    from lora_kit.training import TRAINER_MAX_GRAD_NORM, add_sft_head, loop_optimizer, sft_loss, trainer_loss
-    loop = s.loop
-    if loop == "sft":
-        add_sft_head(net)
-    opt = loop_optimizer(net, s.optimizer, loop, device_type)
-    if loop == "kit":
-        return opt, {}, []
-    kw = {"max_grad_norm": TRAINER_MAX_GRAD_NORM, "loss_fn": sft_loss if loop == "sft" else trainer_loss,
-          "accelerate_backward": True}
-    return opt, kw, [torch.zeros((), device=device_type)]
-
-
 # -- the real loops, measured ---------------------------------------------------------------------------------
 def measure_real_loop(net, batch: dict, s, steps: int = 2, tokenizer=None) -> dict:
-    """Peak of the last of ``steps`` steps of the real ``Trainer`` (``s.loop == "trainer"``) or ``SFTTrainer``
-    (``"sft"``) training ``net`` (prepared: adapter, checkpointing) on ``batch`` every step, on the CPU.
-
-    The loop is the library's own ``train()``: its data loader (a collator returning ``batch``), batch
-    prefetch and ``num_items_in_batch``, ``compute_loss``, backward, clipping, optimizer (built by the Trainer
-    from ``optim``), scheduler and ``zero_grad``. The tracker is entered once the measured step's batches are
-    fetched (everything live then is registered, as ``measure_step`` does) and left at ``on_step_end``.
-    Returns peak, breakdown, phase, wall seconds and the optimizer class."""
-    import tempfile
-
+    """Peak of the last of ``steps`` steps of the real ``Trainer`` / ``SFTTrainer``
+    (:func:`lora_kit.trainer_loops.run_real_loop`) training ``net`` on ``batch``, on the CPU. The tracker is
+    entered once the measured step's batches are fetched (everything live then is registered, as
+    ``measure_step`` does) and left at ``on_step_end``. Returns peak, breakdown, phase, wall seconds and the
+    optimizer class."""
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from lora_kit.memory.tracker import LiveBytesTracker  # torch: imported here, estimate stays torch-free
-    from lora_kit.training import TRAINER_OPTIM
-    from lora_kit.training import loop_inputs
-    batch = loop_inputs(batch, s.loop)  # SFTTrainer's collator always builds an attention mask
+    from lora_kit.trainer_loops import LoopHooks, run_real_loop
     tracker = LiveBytesTracker()
     paged = s.optimizer.startswith("paged_")
     state = {"on": False, "t0": 0.0, "wall": 0.0}
 
-    class _Leave(TrainerCallback):
-        def on_step_end(self, args, st, control, **kw):
+    class Measure(LoopHooks):
+        def start(self, trainer, batches, num):
+            label_training_state(tracker, trainer.model, trainer.optimizer, paged=paged)
+            for b in batches:
+                tracker.track(v for v in b.values() if isinstance(v, torch.Tensor))
+            tracker.track([t for t in (num, trainer._tr_loss) if isinstance(t, torch.Tensor)])
+            tracker.phase = "forward"
+            tracker.reset_peak()
+            tracker.__enter__()
+            state.update(on=True, t0=time.perf_counter())
+
+        def loss(self):
+            tracker.phase = "backward"
+
+        def clip(self, trainer):
+            tracker.phase = "optimizer"
+            label_training_state(tracker, trainer.model)
+
+        def end(self):
             if state["on"]:
                 tracker.__exit__(None, None, None)
                 state.update(on=False, wall=time.perf_counter() - state["t0"])
 
-    def measured(base):
-        class Measured(base):
-            def get_batch_samples(self, it, n, device):
-                out, num = super().get_batch_samples(it, n, device)
-                if self.state.global_step == steps - 1:
-                    label_training_state(tracker, self.model, self.optimizer, paged=paged)
-                    for b in out:
-                        tracker.track(v for v in b.values() if isinstance(v, torch.Tensor))
-                    tracker.track([t for t in (num, self._tr_loss) if isinstance(t, torch.Tensor)])
-                    tracker.phase = "forward"
-                    tracker.reset_peak()
-                    tracker.__enter__()
-                    state.update(on=True, t0=time.perf_counter())
-                return out, num
-
-            def compute_loss(self, *a, **k):
-                loss = super().compute_loss(*a, **k)
-                tracker.phase = "backward"
-                return loss
-
-            def _clip_grad_norm(self, model):
-                tracker.phase = "optimizer"
-                label_training_state(tracker, self.model)
-                return super()._clip_grad_norm(model)
-        return Measured
-
-    common = dict(max_steps=steps, per_device_train_batch_size=batch["input_ids"].shape[0], use_cpu=True,
-                  report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, learning_rate=1e-4,
-                  dataloader_num_workers=0, remove_unused_columns=False, gradient_checkpointing=False,
-                  bf16=bool(s.autocast), optim=TRAINER_OPTIM[s.optimizer])
-    rows = [{"input_ids": [0]} for _ in range(steps * batch["input_ids"].shape[0])]
-    with tempfile.TemporaryDirectory() as out_dir:
-        if s.loop == "sft":
-            from trl import SFTConfig, SFTTrainer
-            if tokenizer is None:
-                from lora_kit.loading import load_tokenizer
-                tokenizer = load_tokenizer("tiny")
-            from datasets import Dataset
-            args = SFTConfig(output_dir=out_dir, dataset_kwargs={"skip_prepare_dataset": True}, **common)
-            trainer = measured(SFTTrainer)(model=net, args=args, train_dataset=Dataset.from_list(rows), data_collator=lambda r: batch,
-                                           processing_class=tokenizer, callbacks=[_Leave()])
-        else:
-            args = TrainingArguments(output_dir=out_dir, **common)
-            trainer = measured(Trainer)(model=net, args=args, train_dataset=rows, data_collator=lambda r: batch,
-                                        callbacks=[_Leave()])
-        if paged:  # off CUDA, as the kit does: the paged optimizer's unpaged twin (same state layout)
-            trainer.create_optimizer()
-            for g in trainer.optimizer.param_groups:
-                g["is_paged"] = False
-        trainer.train()
+    trainer = run_real_loop(net, batch, s, steps, tokenizer, Measure())
     peak, breakdown = tracked_peak(tracker)
     return {"peak": peak, "breakdown": breakdown, "phase": tracker.peak_phase, "wall": state["wall"],
             "optimizer": type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")

@@ -54,15 +54,16 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from lora_kit.fsdp import SIMULATED
 from lora_kit.loading import DTYPE_MAP, bnb_config
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS, label_training_state, to_breakdown
 from lora_kit.memory.device import device_total
-from lora_kit.memory.loops import loop_parts
 from lora_kit.memory.measure import step_batch
-from lora_kit.memory.sharded import SIMULATED, check_simulable, simulate_sharded
+from lora_kit.memory.sharded import check_simulable, simulate_sharded
 from lora_kit.memory.specs import check_model_step, load_config
 from lora_kit.memory.tracker import LiveBytesTracker
 from lora_kit.settings import Step, as_step
+from lora_kit.trainer_loops import loop_parts
 from lora_kit.training import attach_adapter, autocast_context, loop_batch, loop_inputs, train_step
 
 

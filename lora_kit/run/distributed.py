@@ -6,7 +6,7 @@ a 2-process CPU run proves the script before a multi-GPU rental. (``accelerate l
 --num_processes 2`` starts only one process on this stack; use torchrun on CPU.)
 
 Which engine runs: ``sharding`` "fsdp" or "zero3" -> PyTorch FSDP2 (``fully_shard``), wrapped as
-accelerate's FSDP2 wraps (:func:`lora_kit.memory.sharded.apply_fsdp2`: every decoder layer, the
+accelerate's FSDP2 wraps (:func:`lora_kit.fsdp.apply_fsdp2`: every decoder layer, the
 embedding, the tail, the root) on a 1-D device mesh over the launched group; every other value -> DDP
 (ZeRO-1/2 are DeepSpeed's; the smoke run does not run DeepSpeed).
 """
@@ -75,11 +75,11 @@ def check_sharded(s) -> None:
 
 def shard_fsdp2(model, s):
     """Shard ``model`` in place with FSDP2 over every launched process, as accelerate's FSDP2 does
-    (:func:`lora_kit.memory.sharded.apply_fsdp2`, ``policy="accelerate"``); build the optimizer after this.
+    (:func:`lora_kit.fsdp.apply_fsdp2`, ``policy="accelerate"``); build the optimizer after this.
     Returns (model, {"policy", "layer_class", "mesh", "reshard_after_forward"})."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lora_kit.memory.sharded import layer_class, shard_for_training
+    from lora_kit.fsdp import layer_class, shard_for_training
     check_sharded(s)
     wrapped = layer_class(model)  # before sharding: fully_shard renames the class (FSDP<name>)
     shard_for_training(model, init_device_mesh(device().type, (world_size(),)), s.to_dict())

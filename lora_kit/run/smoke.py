@@ -52,7 +52,8 @@ from lora_kit.data import (control_source, field_settings, is_conversational, lo
 from lora_kit.loading import fix_bnb_cpu_repack, load_model, load_tokenizer, resolve_model
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
 from lora_kit.memory.estimate import estimate
-from lora_kit.memory.sharded import label_fsdp, layer_class
+from lora_kit.fsdp import layer_class
+from lora_kit.memory.sharded import label_fsdp
 from lora_kit.memory.simulate import simulate as simulate_step
 from lora_kit.memory.tracker import LiveBytesTracker
 from lora_kit.noise import quiet
