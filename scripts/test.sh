@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: set up (if needed) and run every test, notebooks included.
+# The README's test command: set up (if needed) and run the fast suite, notebooks included (pyproject's addopts
+# leaves out tests marked long / gpu / hub; `bash scripts/test.sh -m long` selects them, docs/development.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
