@@ -91,6 +91,16 @@ def test_my_run_used_my_files_and_held_out_what_it_did_not_train_on(my_run):
 
 
 @pytest.mark.slow
+def test_my_model_is_the_planned_model_with_no_plan_setting(my_run):
+    """No plan_model in the params: notebooks 01/02 and the card plan the model the user trains."""
+    out, mine = my_run["out"], my_run["params"]["model"]
+    assert json.loads((out / "plan.json").read_text())["model"] == mine
+    assert json.loads((out / "sweeps.json").read_text())["plan_model"] == mine
+    card = (out / "report.md").read_text()
+    assert f"# Run card: fine-tuning {mine}" in card and "(planned)" not in card.splitlines()[0]
+
+
+@pytest.mark.slow
 def test_my_run_card_shows_the_heldout_gain_with_its_interval(my_run):
     out = my_run["out"]
     ev = json.loads((out / "eval" / "eval.json").read_text())

@@ -13,10 +13,9 @@ Drive it from code (tests, a browser test) through its public widgets::
     p.settings()                    # -> Settings with the current values
     p.plan_kwargs()                 # -> the plan shown: model and step (estimate(**p.plan_kwargs()))
 
-The model shown is ``settings.plan_model`` (the model the planning notebooks size GPUs for; "same"
-means ``settings.model``). :meth:`PlannerPanel.settings` writes the panel's model back to
-``plan_model`` (to ``model`` when ``plan_model`` is "same"), so the training model of later steps
-does not change by planning for a bigger one.
+The model shown is ``settings.planning_model()`` (the model the planning notebooks size GPUs for).
+:meth:`PlannerPanel.settings` writes the panel's model back to ``plan_model`` (to ``model`` when
+``plan_model`` is "same"), so the training model of later steps does not change by planning for a bigger one.
     display(p.widget)
 
 Trade-off: the breakdown figure is a ``plotly.graph_objects.FigureWidget`` (needs ``anywidget``),
@@ -52,8 +51,8 @@ class PlannerPanel:
     def __init__(self, settings: Settings | None = None):
         from lora_kit.plan.planner import GIB as _  # noqa: F401  (fail early if the planner is unavailable)
         s = settings or Settings()
-        self._plan_field = "model" if getattr(s, "plan_model", "same") in (None, "", "same") else "plan_model"
-        model = getattr(s, self._plan_field)
+        self._plan_field = "model" if s.plan_model == "same" else "plan_model"
+        model = s.planning_model()
         self._base = s
         self._updating = False
         self.last_plan: dict | None = None
