@@ -347,8 +347,10 @@ def check_targets(spec, method: str, lora_rank, lora_targets, attn_implementatio
         raise ValueError(f"lora_targets {unknown} are not linear layers of {spec.name} ({spec.model_type}); "
                          f"valid names: {names} or 'all-linear'.")
     targets = tuple(n for n in names if n in wanted)
+    experts = set(targets) - {lin.name for lin in spec.linears}  # names that reach only a MoE's experts or router
+    floor = min(spec.hidden_size, spec.moe["expert_intermediate_size"]) if experts and spec.moe else 1
     smallest = min((min(lin.in_features, lin.out_features) for lin in spec.linears if lin.name in targets
-                    and min(lin.in_features, lin.out_features) > 1), default=1)  # 1-wide: a MoE shared-expert gate
+                    and min(lin.in_features, lin.out_features) > 1), default=floor)  # 1-wide: a MoE shared-expert gate
     if np.any(np.asarray(lora_rank) > smallest):
         raise ValueError(f"lora_rank={int(np.max(lora_rank))} is larger than the smallest targeted layer "
                          f"dimension ({smallest}) of {spec.name}; use lora_rank <= {smallest}.")
