@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import hashlib
-import io
 import json
 import os
 import re
@@ -480,20 +479,29 @@ def headline_md(heads: dict) -> str:
 
 
 def cli_md() -> str:
-    os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal: fix the width so the file is the same anywhere
-    os.environ["NO_COLOR"] = "1"
-    os.environ["PYTHON_COLORS"] = "0"
-    sys.path.insert(0, str(ROOT))
-    from lora_kit.ui.cli import build_parser
-    parser = build_parser()
+    # argparse wraps to the terminal's width (and may colour): fix both so the file is the same anywhere
+    fixed = {"COLUMNS": "100", "NO_COLOR": "1", "PYTHON_COLORS": "0"}
+    saved = {k: os.environ.get(k) for k in fixed}
+    os.environ.update(fixed)
+    try:
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
+        from lora_kit.ui.cli import build_parser
+        parser = build_parser()
+        helps = [("lora-kit", parser.format_help())]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helps += [(f"lora-kit {name}", sub.format_help()) for name, sub in action.choices.items()]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     out = [HEADER.format(inputs="the argparse parser of `lora_kit.ui.cli`"),
            "# Command line: `lora-kit`\n\nThe help of each command, as `lora-kit <command> --help` prints it. "
            "Every setting flag comes from `lora_kit.settings.Settings`.\n"]
-    out.append(f"\n## lora-kit\n\n```text\n{parser.format_help().rstrip()}\n```\n")
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                out.append(f"\n## lora-kit {name}\n\n```text\n{sub.format_help().rstrip()}\n```\n")
+    out += [f"\n## {title}\n\n```text\n{text.rstrip()}\n```\n" for title, text in helps]
     return "".join(out)
 
 
