@@ -26,8 +26,7 @@ Three tables are printed:
    ``estimate-memory`` arithmetic (full fine-tuning with Adam only), fitcheck-llm, vramcalc,
    hf-vram-calc (``pip install fitcheck-llm vramcalc hf-vram-calc``). A tool that cannot express a
    row prints ``n/a``; a tool that fails says why.
-3. **Published measurements** (``/work/shared/reference/published_memory.md`` and
-   ``benchmarks/published_memory.json``): our ``device_total_bytes`` (what a GPU tool reports)
+3. **Published measurements** (``benchmarks/reference/published_memory.md``, committed with its sources): our ``device_total_bytes`` (what a GPU tool reports)
    against the published figure, with the settings we assumed; misses printed as they come.
 
 Results are written atomically to ``benchmarks/results/memory_accuracy.json`` after every case
