@@ -27,7 +27,8 @@ Three tables are printed:
    hf-vram-calc (``pip install fitcheck-llm vramcalc hf-vram-calc``). A tool that cannot express a
    row prints ``n/a``; a tool that fails says why.
 3. **Published measurements** (``benchmarks/reference/published_memory.md``, with its sources): our
-   ``device_total_bytes`` (what a GPU tool reports) against the published figure, with the settings we assumed; misses printed as they come.
+   ``device_total_bytes`` (what a GPU tool reports) against the published figure, with the settings we
+   assumed; misses printed as they come.
 
 Results are written atomically to ``benchmarks/results/memory_accuracy.json`` after every case
 (re-running skips the cases already there unless ``--fresh``).
