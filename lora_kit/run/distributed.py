@@ -82,7 +82,7 @@ def shard_fsdp2(model, s):
     from lora_kit.fsdp import layer_class, shard_for_training
     check_sharded(s)
     wrapped = layer_class(model)  # before sharding: fully_shard renames the class (FSDP<name>)
-    shard_for_training(model, init_device_mesh(device().type, (world_size(),)), s.to_dict())
+    shard_for_training(model, init_device_mesh(device().type, (world_size(),)), s.step)
     info = {"policy": "accelerate (fully_shard per decoder layer, embedding, tail [final norm, lm_head], root)",
             "layer_class": wrapped, "mesh": [world_size()], "reshard_after_forward": True}
     if s.sharding == "zero3":
