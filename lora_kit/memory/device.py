@@ -5,6 +5,8 @@ measured, per-device terms.
 """
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 
 ALLOC_ROUND = 512  # the CUDA caching allocator hands out storages in multiples of 512 bytes
@@ -17,13 +19,28 @@ DEEPSPEED_REDUCE_BUCKET = 500_000_000
 
 
 def alloc_bytes(nbytes):
-    """Bytes of a storage as the CUDA caching allocator hands it out (rounded up to 512)."""
-    return (np.asarray(nbytes, dtype=np.int64) + ALLOC_ROUND - 1) // ALLOC_ROUND * ALLOC_ROUND
+    """Bytes of a storage as the CUDA caching allocator hands it out (rounded up to 512). Exact whatever the size:
+    an integer gives a Python int, an object array (of Python ints) an object array, anything else int64."""
+    if isinstance(nbytes, (int, np.integer)) and not isinstance(nbytes, bool):
+        return (int(nbytes) + ALLOC_ROUND - 1) // ALLOC_ROUND * ALLOC_ROUND
+    arr = np.asarray(nbytes)
+    if arr.dtype != object:
+        arr = arr.astype(np.int64)
+    return (arr + ALLOC_ROUND - 1) // ALLOC_ROUND * ALLOC_ROUND
+
+
+def _exact_total(peak: int) -> int:
+    return peak + CUDA_CONTEXT_BYTES + -(-Fraction(RESERVE_FRACTION) * peak // 1)
 
 
 def device_total(peak):
     """What the process adds to the card for a peak of ``peak`` allocated bytes: the CUDA context plus
-    the allocator's reserve (an int for an int, an int64 array for an array)."""
-    arr = np.asarray(peak, dtype=np.int64)
+    the allocator's reserve (an int for an int, an int64 array for an array; an object array of Python ints, exact,
+    for an object array or a peak too large for int64)."""
+    arr = np.asarray(peak)
+    if arr.dtype == object or (arr.ndim == 0 and abs(int(peak)) >= 2 ** 62):
+        out = np.frompyfunc(lambda x: _exact_total(int(x)), 1, 1)(arr)
+        return int(out) if np.ndim(out) == 0 else out
+    arr = arr.astype(np.int64)
     out = arr + CUDA_CONTEXT_BYTES + np.ceil(RESERVE_FRACTION * arr).astype(np.int64)
     return int(out) if out.ndim == 0 else out

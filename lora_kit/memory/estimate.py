@@ -664,23 +664,48 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
     array: a sweep axis, numpy-broadcastable with the others and validated with the step
     (:func:`lora_kit.settings.check_axes`). Returns every ``breakdown`` key plus ``peak_allocated_bytes`` and
     ``device_total_bytes`` as int64 arrays, and ``phase`` as an array of phase names.
+
+    The byte arithmetic is exact for every accepted setting: where a figure could pass int64's range (an eager
+    ``B*H*S*S`` at millions of tokens) every array is an object array of Python ints instead. Memory grows with
+    ``seq_len``, ``batch_size`` and ``lora_rank`` and shrinks with ``num_gpus``, so the corners of the sweep
+    (computed in Python ints first) bound every row, and every term sums into a phase's total.
     """
     spec = model_spec(spec)
     axes = {k: v for k, v in fields.items() if np.ndim(v) > 0}
     s = as_step(step, **{k: v for k, v in fields.items() if k not in axes})
     ax = check_axes(s, **axes)
-    method, dtype, autocast, double_quant = s.method, s.dtype, s.autocast, s.double_quant
-    gradient_checkpointing, attn_implementation, optimizer = s.gradient_checkpointing, s.attn_implementation, s.optimizer
-    sharding, cpu_offload = s.sharding, s.cpu_offload
     seq_len, batch_size, lora_rank, num_gpus = (ax.get(k, getattr(s, k)) for k in ("seq_len", "batch_size", "lora_rank",
                                                                                     "num_gpus"))
-    targets = check_targets(spec, method, lora_rank, s.lora_targets, attn_implementation)
+    targets = check_targets(spec, s.method, lora_rank, s.lora_targets, s.attn_implementation)
     experts = expert_lora(spec, targets)  # MoE: what peft trains on the experts; linears it drops from targets
     targets = tuple(t for t in targets if t not in experts["dropped"])
     S, B, r, N = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (seq_len, batch_size, lora_rank,
                                                                                num_gpus)))
+    corners = [np.unique([a.min(), a.max()]).astype(object) for a in (S, B, r, N)]
+    wide = _estimate_core(spec, s, targets, experts, *np.meshgrid(*corners, indexing="ij"))
+    big = wide.pop("_bound") >= INT64_SAFE  # a figure beyond int64's range: every row in Python ints
+    if S.size == 1:  # the one row is its own corner
+        out = {k: v.reshape(S.shape) for k, v in wide.items()}
+        if not big:
+            out = {k: v if k == "phase" else v.astype(np.int64) for k, v in out.items()}
+            out["device_total_bytes"] = device_total(out["peak_allocated_bytes"])  # int64's rounding, as in a sweep
+        return out
+    out = _estimate_core(spec, s, targets, experts, *(a.astype(object) if big else a for a in (S, B, r, N)))
+    out.pop("_bound")
+    return out
+
+
+INT64_SAFE = 1 << 56  # a phase total below this leaves every sum and product that builds it inside int64
+
+
+def _estimate_core(spec: ModelSpec, s: Step, targets: tuple, experts: dict, S, B, r, N) -> dict:
+    """:func:`estimate_arrays` on broadcast arrays ``S, B, r, N`` of one integer kind: int64, or object (Python
+    ints, exact at any size); ``_bound`` is the largest phase total of any row."""
+    method, dtype, autocast, double_quant = s.method, s.dtype, s.autocast, s.double_quant
+    gradient_checkpointing, attn_implementation, optimizer = s.gradient_checkpointing, s.attn_implementation, s.optimizer
+    sharding, cpu_offload = s.sharding, s.cpu_offload
     T = B * S
-    zero = np.zeros(T.shape, dtype=np.int64)
+    zero = np.zeros(T.shape, dtype=T.dtype)
     weights, quant = _static(spec, method, dtype, autocast, double_quant)
     wb = 4 if (method == "full" and autocast) else DTYPE_BYTES[dtype]
     tensors = [((rows * r if rows == 1 else rows) if pr else rows, (cols * r if cols == 1 else cols) if pr else cols,
@@ -695,20 +720,22 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
     grads = trainable
 
     # ---- per GPU under sharding -----------------------------------------------------------------
-    n = N.astype(np.float64)
     w_gpu, q_gpu = zero + weights, zero + quant
     bucket = grads.copy() if sharding == "ddp" else zero  # DDP's gradient buckets
+
+    def shard(x):  # rank 0's share: ceil(x / N)
+        return -(-x // N)
     if sharding in ("zero1", "zero2", "zero3", "fsdp"):
-        states = zero if cpu_offload else np.ceil(states / n).astype(np.int64)
-        opt_tmp = zero if cpu_offload else np.ceil(opt_tmp / n).astype(np.int64)
+        states = zero if cpu_offload else shard(states)
+        opt_tmp = zero if cpu_offload else shard(opt_tmp)
     if sharding in ("zero2", "zero3", "fsdp"):
-        grads = np.ceil(grads / n).astype(np.int64)
+        grads = shard(grads)
     if sharding in ("zero3", "fsdp"):
-        keep = 0.0 if cpu_offload else 1.0
-        w_gpu = (np.ceil(weights / n) * keep).astype(np.int64) + 2 * _block_weight_bytes(spec, method, dtype, autocast)
-        q_gpu = (np.ceil(quant / n) * keep).astype(np.int64)
+        keep = 0 if cpu_offload else 1
+        w_gpu = shard(zero + weights) * keep + 2 * _block_weight_bytes(spec, method, dtype, autocast)
+        q_gpu = shard(zero + quant) * keep
         if method != "full":
-            adapters = np.ceil(adapters / n).astype(np.int64)
+            adapters = shard(adapters)
     static = w_gpu + q_gpu + adapters + states + bucket
 
     # ---- phases -----------------------------------------------------------------------------------
@@ -809,6 +836,7 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
         + act["inputs"] + loop_t["scalars"]
     idx = np.argmax(totals, axis=0)
     peak = np.max(totals, axis=0)
+    bound = np.max(peak)
     bwd_grads = np.where(bwd_end >= np.maximum(act["backward"], in_block), grads,
                          np.where(in_block >= act["backward"], block_grads, 0))
     grads_at = np.where(idx == 0, 0, np.where(idx == 2, grads, bwd_grads))
@@ -823,16 +851,19 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
                                     bool(gradient_checkpointing))
         totals = totals + extra
         idx, peak = np.argmax(totals, axis=0), np.max(totals, axis=0)
+        bound = max(bound, np.max(peak))
         out = {k: np.choose(idx, [np.broadcast_to(x, peak.shape) for x in v]) for k, v in parts.items()}
     if sharding in ("zero2", "zero3"):  # the engine the accelerate config launches: DeepSpeed's reduce bucket
         ds_bucket = zero + DEEPSPEED_REDUCE_BUCKET * DTYPE_BYTES[dtype]  # allocated whole at the first backward, kept
         peak = peak + ds_bucket
         out["gradients"] = out["gradients"] + ds_bucket
     out["activations"] = peak - sum(out[k] for k in BREAKDOWN_KEYS[:5])
-    out = {k: np.asarray(v, dtype=np.int64) for k, v in out.items()}
-    out["peak_allocated_bytes"] = peak.astype(np.int64)
-    out["device_total_bytes"] = device_total(peak.astype(np.int64))
-    out["phase"] = np.asarray(PHASES)[idx]
+    kind = T.dtype  # int64, or object: Python ints
+    out = {k: np.asarray(np.broadcast_to(v, T.shape), dtype=kind) for k, v in out.items()}
+    out["peak_allocated_bytes"] = np.asarray(peak, dtype=kind)
+    out["device_total_bytes"] = np.asarray(device_total(out["peak_allocated_bytes"]), dtype=kind)
+    out["phase"] = np.asarray(PHASES)[np.asarray(idx, dtype=np.int64)]
+    out["_bound"] = int(np.max(np.asarray(bound, dtype=object)))
     return out
 
 

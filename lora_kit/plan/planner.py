@@ -148,8 +148,8 @@ def sweep(model, gpu=None, margin: float = 0.10, step: Step | None = None, **gri
     for k in results[0]:
         block = np.concatenate([np.broadcast_to(np.asarray(r[k]), (n,)) for r in results])
         cols[k] = pd.Categorical(np.tile(block, reps)) if k == "phase" else np.tile(block, reps)
-    total = cols["device_total_bytes"]
-    cols["peak_gib"] = cols["peak_allocated_bytes"] / GIB
+    total = np.asarray(cols["device_total_bytes"], dtype=np.float64)  # byte columns: int64, or Python ints (exact)
+    cols["peak_gib"] = np.asarray(cols["peak_allocated_bytes"], dtype=np.float64) / GIB
     cols["device_total_gib"] = total / GIB
     if gpu is not None:
         per = len(groups) * n

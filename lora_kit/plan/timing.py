@@ -99,7 +99,7 @@ def flops_per_step(spec, step: Step | None = None, **overrides) -> dict:
     """FLOPs of one step on one GPU, by part (see the module docstring for each formula); the step is ``step``
     (default ``PLANNING``) with ``overrides``."""
     spec, st = model_spec(spec), as_step(step, **overrides)
-    seq_len, T = st.seq_len, st.batch_size * st.seq_len
+    seq_len, T = int(st.seq_len), int(st.batch_size) * int(st.seq_len)  # Python ints: exact at any size
     p_lin = sum(lin.in_features * lin.out_features for lin in spec.linears) * spec.num_layers
     p_head = spec.vocab_size * spec.hidden_size
     causal = 0.5 if st.attn_implementation == "sdpa" else 1.0
