@@ -3,6 +3,7 @@
     lora-kit run                          # everything on the embedded default, on CPU
     lora-kit run --params params/llama-3.1-8b-qlora-a100.yaml -p max_steps 20
     lora-kit estimate --model llama-3.1-8b --method qlora --seq-len 2048
+    lora-kit estimate --from-config sft.yaml --gpu L4
     lora-kit check --json stack.json
 
 Every setting flag comes from :class:`lora_kit.settings.Settings` (one definition); values are
@@ -122,11 +123,29 @@ def part_name(key: str, phase: str) -> str:
     return REST_NAMES.get(phase, "activations and temporaries") if key == "activations" else PART_NAMES.get(key, key)
 
 
+def plan_from_config(path, given: dict) -> tuple[dict, list[str], object]:
+    """``lora-kit estimate --from-config``: the step the config's tool runs (``settings_from_config``), with
+    ``given`` (params file + flags) winning. Returns (plan, assumed names, the config report)."""
+    from lora_kit.plan.config_import import settings_from_config
+    check_names(given, ESTIMATE_FIELDS, "lora-kit estimate setting")
+    over = {k: coerce_value(k, v) for k, v in given.items() if k in STEP_FIELDS}
+    step, report = settings_from_config(path, model=given.get("model"), **over)
+    plan, _ = estimate_plan({**{k: v for k, v in given.items() if k in ("gpu", "margin")}, "model": report.model,
+                             **step.to_dict()})
+    assumed = [k for k in ESTIMATE_FIELDS if k in report.defaults and k not in given
+               or k in ("gpu", "margin") and k not in given]
+    return plan, assumed, report
+
+
 def cmd_estimate(args) -> int:
+    report = None
     try:
         given = {**(read_params(args.params) if args.params else {}), **_settings_from_args(args, ESTIMATE_FIELDS),
                  **_parse_p(args.p)}
-        plan, assumed = estimate_plan(given)
+        if args.from_config:
+            plan, assumed, report = plan_from_config(args.from_config, given)
+        else:
+            plan, assumed = estimate_plan(given)
         est = estimate(plan["model"], plan["step"])
         fit = fit_verdict(est.device_total_bytes, plan["gpu"], plan["margin"])
         note = model_note(plan["model"], plan["step"])
@@ -134,11 +153,16 @@ def cmd_estimate(args) -> int:
         print(f"lora-kit estimate: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"settings": est.settings, "assumed": assumed, "gpu": plan["gpu"], "margin": plan["margin"],
-                          "peak_allocated_bytes": est.peak_allocated_bytes,
-                          "device_total_bytes": est.device_total_bytes, "breakdown": est.breakdown,
-                          "phase": est.phase, "fit": fit, "note": note}, indent=2))
+        out = {"settings": est.settings, "assumed": assumed, "gpu": plan["gpu"], "margin": plan["margin"],
+               "peak_allocated_bytes": est.peak_allocated_bytes, "device_total_bytes": est.device_total_bytes,
+               "breakdown": est.breakdown, "phase": est.phase, "fit": fit, "note": note}
+        if report is not None:  # what the config set that the plan does not model, or that does not matter
+            out.update({"model": plan["model"], "not_modelled": report.not_modelled, "ignored": report.ignored,
+                        "from_config": report.to_dict()})
+        print(json.dumps(out, indent=2))
         return 0
+    if report is not None:
+        print(report.text())
     print(f"lora-kit estimate: {plan['model']}, one training step, per GPU")
     print("  values (* = assumed, not given; defaults for planning a real model on a GPU):")
     unused = (*LORA_FIELDS, "double_quant") if plan["method"] == "full" else () if plan["method"] == "qlora" \
@@ -206,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--params", help="YAML file of settings")
     e.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"), help="override one setting")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    e.add_argument("--from-config", metavar="PATH",
+                   help="plan the step of your training config: TRL SFT YAML, axolotl YAML, LLaMA-Factory YAML, "
+                        "torchtune recipe YAML or TrainingArguments JSON (detected by content); flags win over it; "
+                        "what it sets that the plan does not model is listed")
     _add_setting_flags(e, ESTIMATE_FIELDS, {**PLANNING.to_dict(), "gpu": default_of("gpu"),
                                             "margin": default_of("margin")},
                        "plan (defaults: planning a real model on a GPU; every assumed value is printed)")

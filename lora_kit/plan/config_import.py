@@ -1,0 +1,842 @@
+"""Plan from the training config you already have: TRL SFT, axolotl, LLaMA-Factory, torchtune, HF Trainer.
+
+:func:`settings_from_config` reads one config file and returns the :class:`~lora_kit.settings.Step` its tool
+will run, plus a :class:`ConfigReport`: where each step field came from, what the config sets that changes
+memory or time but the plan does not model (``not_modelled``, never dropped in silence), and what does not matter
+for the plan (``ignored``). The format is detected by content (:func:`detect_format`):
+
+- **TRL SFT** (``trl sft --config``: ``SFTConfig``, ``ModelConfig`` and ``ScriptArguments`` fields in one YAML or
+  JSON) -- parsed by TRL's own parser (the ``TrlParser`` ``trl sft`` builds), so what TRL rejects is rejected here
+  with TRL's message, and every field the config leaves out takes TRL's default (``max_length`` 1024,
+  ``per_device_train_batch_size`` 8, checkpointing on, ``ModelConfig.dtype`` float32 ...). Loop ``"sft"``.
+- **HF TrainingArguments JSON** (``TrainingArguments.to_json_string()``) -- parsed by transformers'
+  ``HfArgumentParser``; it holds no model, adapter or sequence length: those come from ``overrides``. Loop
+  ``"trainer"``.
+- **axolotl YAML** and **LLaMA-Factory YAML** -- read by the field names of their documented schemas (neither
+  package installs beside this kit's transformers/TRL: both pin older versions); the checks their tools make on
+  the fields read here are made here. Loop ``"trainer"`` (both train with a ``transformers.Trainer``).
+- **torchtune recipe YAML** -- the model builder (``model._component_``), ``tokenizer.max_seq_len``, the
+  optimizer component, ``dtype``, activation checkpointing. Loop ``"kit"`` (torchtune's loop is a plain step).
+
+The planning machine is not the rented GPU: the parsers' checks of the local hardware (bf16 support, a GPU for
+fp16, DeepSpeed installed) are kept out of the parse -- ``use_cpu``, ``deepspeed`` and ``tf32`` are read
+apart. GPU count is never in these files (the launcher sets it): it comes from ``overrides`` (``num_gpus``);
+a DeepSpeed / FSDP config on one GPU shards nothing and is planned unsharded, and the report says so.
+
+Precision, as the tools run it: ``bf16`` / ``fp16`` turn on autocast over the loaded weights. For full
+fine-tuning, autocast on weights already in 16 bits changes nothing, so it is planned as pure 16-bit training
+(the Step's ``autocast=True`` means fp32 master weights); LLaMA-Factory up-casts trainable weights to fp32 unless
+``pure_bf16``, which is fp32 master weights with autocast. ``tf32`` off with fp32 compute is not modelled
+(the time model assumes TF32 tensor cores for fp32 matmuls, ``lora_kit/plan/timing.py``).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lora_kit.settings import PLANNING, STEP_FIELDS, Step, check_names
+
+FORMATS = ("trl", "axolotl", "llamafactory", "torchtune", "trainer")
+FORMAT_NAMES = {"trl": "TRL SFT config", "axolotl": "axolotl config", "llamafactory": "LLaMA-Factory config",
+                "torchtune": "torchtune recipe config", "trainer": "HF TrainingArguments JSON"}
+LOOP_OF = {"trl": "sft", "trainer": "trainer", "axolotl": "trainer", "llamafactory": "trainer", "torchtune": "kit"}
+
+# transformers' ``optim`` names (TrainingArguments, SFTConfig, axolotl, LLaMA-Factory) -> the Step's optimizer
+TRAINER_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
+                      "adamw_bnb_8bit": "adamw_8bit", "adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
+                      "paged_adamw_32bit": "paged_adamw_32bit", "paged_adamw": "paged_adamw_32bit", "sgd": "sgd",
+                      "adafactor": "adafactor"}
+# torchtune's optimizer components -> the Step's optimizer
+TORCHTUNE_OPTIMIZERS = {"torch.optim.AdamW": "adamw", "torch.optim.SGD": "sgd",
+                        "bitsandbytes.optim.AdamW8bit": "adamw_8bit", "bitsandbytes.optim.PagedAdamW8bit":
+                        "paged_adamw_8bit", "bitsandbytes.optim.PagedAdamW": "paged_adamw_32bit",
+                        "bitsandbytes.optim.PagedAdamW32bit": "paged_adamw_32bit"}
+# torchtune's module names -> transformers' (Llama-style models)
+TORCHTUNE_MODULES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj",
+                     "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# torchtune model-builder families -> the catalog's spelling
+TORCHTUNE_FAMILIES = {"llama3_3": "llama-3.3", "llama3_2": "llama-3.2", "llama3_1": "llama-3.1", "llama3": "llama-3",
+                      "llama2": "llama-2", "qwen2_5": "qwen2.5", "qwen3": "qwen3", "gemma2": "gemma-2",
+                      "gemma": "gemma", "mistral": "mistral", "phi3": "phi-3", "phi4": "phi-4"}
+DTYPE_WORDS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
+               "fp32": "float32", "float32": "float32", "float": "float32"}
+NOT_YET = "no step field for it yet: issue 34, 'What the rented GPU will show', adds it"
+
+
+@dataclass
+class ConfigReport:
+    """What :func:`settings_from_config` read. ``mapped``: step field -> the config value it came from
+    ("(<tool> default)" when the config left it to its tool); ``defaults``: step fields the config does not
+    set, at the planning default; ``not_modelled``: ``{"key", "value", "why"}`` for each field or value that
+    changes memory or time but is not in the plan; ``ignored``: config keys that do not change the plan."""
+    path: str
+    format: str
+    model: str | None
+    model_in_config: str | None = None
+    mapped: dict = field(default_factory=dict)
+    defaults: list = field(default_factory=list)
+    not_modelled: list = field(default_factory=list)
+    ignored: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def text(self) -> str:
+        """The report in lines, for the CLI and notebooks."""
+        lines = [f"{FORMAT_NAMES[self.format]} {self.path}: model {self.model}"
+                 + (f" (config: {self.model_in_config})" if self.model_in_config not in (None, self.model) else "")]
+        lines += [f"  {k:<24}<- {v}" for k, v in self.mapped.items()]
+        if self.defaults:
+            lines.append(f"  planning defaults (not in the config): {', '.join(self.defaults)}")
+        for n in self.not_modelled:
+            lines.append(f"  NOT MODELLED {n['key']}={n['value']!r}: {n['why']}")
+        if self.ignored:
+            lines.append(f"  ignored (no effect on memory or time): {', '.join(self.ignored)}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+_SAME = object()  # "the config's value is the step's value"
+
+
+class _Reader:
+    """Collects a config's step values, their sources, what is not modelled and what was used."""
+
+    def __init__(self, cfg: dict, fmt: str, path: Path):
+        self.cfg, self.fmt, self.path = cfg, fmt, path
+        self.vals: dict = {}
+        self.src: dict = {}
+        self.nm: list = []
+        self.notes: list = []
+        self.used: set = set()
+
+    def has(self, key: str) -> bool:
+        return key in self.cfg and self.cfg[key] is not None
+
+    def get(self, key: str, default=None):
+        self.used.add(key.split(".")[0])
+        return self.cfg.get(key, default) if self.cfg.get(key) is not None else default
+
+    def put(self, name: str, value, key: str, raw=_SAME, default: bool = False) -> None:
+        self.vals[name] = value
+        shown = value if raw is _SAME else raw
+        self.src[name] = f"{key}={shown!r}" + (f" ({self.fmt} default)" if default else "")
+        self.used.add(key.split(".")[0].split("=")[0].split(" ")[0])
+
+    def not_modelled(self, key: str, value, why: str) -> None:
+        self.nm.append({"key": key, "value": value, "why": why})
+        self.used.add(key.split(".")[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# detection and reading
+
+def _load(path: Path) -> dict:
+    import yaml
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist.")
+    text = path.read_text(encoding="utf-8")
+    try:
+        cfg = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"config file {str(path)!r} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
+                         f"{str(e).splitlines()[0]}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping of setting: value.")
+    return cfg
+
+
+TRL_ONLY = ("use_peft", "max_length", "packing", "padding_free", "dataset_text_field", "completion_only_loss",
+            "assistant_only_loss", "dataset_name", "lora_target_modules", "load_in_4bit", "model_init_kwargs")
+AXOLOTL_KEYS = ("base_model", "micro_batch_size", "sequence_len", "adapter", "lora_target_linear",
+                "sample_packing", "pad_to_sequence_len", "flash_attention", "datasets")
+LLAMAFACTORY_KEYS = ("finetuning_type", "cutoff_len", "lora_target", "quantization_bit", "template", "stage",
+                     "flash_attn", "pure_bf16", "dataset_dir")
+
+
+def detect_format(cfg: dict) -> str:
+    """Which tool a config (a mapping) is for, by its content: torchtune's ``_component_`` builders, axolotl's
+    ``base_model``, LLaMA-Factory's ``finetuning_type`` / ``cutoff_len`` / ``stage``, TRL's ``model_name_or_path``
+    with SFT fields, or a bare ``TrainingArguments`` dump (``output_dir`` and trainer fields, no model)."""
+    if any(isinstance(cfg.get(k), dict) and "_component_" in cfg[k] for k in ("model", "optimizer", "tokenizer")):
+        return "torchtune"
+    scores = {"axolotl": sum(k in cfg for k in AXOLOTL_KEYS),
+              "llamafactory": sum(k in cfg for k in LLAMAFACTORY_KEYS)}
+    if "base_model" in cfg:
+        scores["axolotl"] += 3
+    if "model_name_or_path" in cfg:
+        scores["trl"] = 1 + sum(k in cfg for k in TRL_ONLY)
+    best = max(scores, key=scores.get)
+    if scores[best] > 0 and not (best == "trl" and scores.get("llamafactory", 0) >= scores["trl"]):
+        return best
+    if "output_dir" in cfg and "per_device_train_batch_size" in cfg:
+        return "trainer"
+    raise ValueError("cannot tell which tool this config is for: expected a TRL SFT config (model_name_or_path, "
+                     "SFTConfig fields), an axolotl config (base_model), a LLaMA-Factory config (finetuning_type, "
+                     "cutoff_len), a torchtune recipe config (model: _component_: ...) or a TrainingArguments "
+                     "JSON (output_dir, per_device_train_batch_size).")
+
+
+def settings_from_config(path, format: str | None = None, model: str | None = None, **overrides) -> tuple:
+    """``(Step, ConfigReport)`` for the training config at ``path`` (TRL SFT, axolotl, LLaMA-Factory, torchtune
+    or HF TrainingArguments JSON; ``format`` forces one of :data:`FORMATS`). ``model`` and ``overrides`` (step
+    fields) win over the config -- a TrainingArguments JSON needs ``model`` and usually ``seq_len`` and
+    ``method``; a multi-GPU job needs ``num_gpus``. The report's ``model`` is what to plan (a catalog name when
+    the catalog knows the config's hub id, else the id or folder as given)."""
+    check_names(overrides, STEP_FIELDS, "step setting")
+    path = Path(path).expanduser()
+    cfg = _load(path)
+    fmt = format or detect_format(cfg)
+    if fmt not in FORMATS:
+        raise ValueError(f"format={fmt!r} is not valid; choose one of {', '.join(FORMATS)}.")
+    r = _Reader(cfg, fmt, path)
+    given_model = {"trl": _read_trl, "trainer": _read_trainer, "axolotl": _read_axolotl,
+                   "llamafactory": _read_llamafactory, "torchtune": _read_torchtune}[fmt](r, model)
+    r.put("loop", LOOP_OF[fmt], "format", raw=fmt)
+    planned = model or (resolve_model(given_model, path.parent, r.notes) if given_model else None)
+    if planned is None:
+        raise ValueError(f"{path}: a {FORMAT_NAMES[fmt]} names no model; pass model= (--model): a catalog name, "
+                         "a local folder holding config.json, or a hub id.")
+    _finish_targets(r, planned)
+    _finish_sharding(r, overrides)
+    vals = dict(r.vals)
+    if vals.get("method", PLANNING.method) == "full" or overrides.get("method") == "full":
+        for k in ("lora_rank", "lora_alpha", "lora_targets", "double_quant"):
+            if k in vals and k not in overrides:
+                vals.pop(k)
+                r.src.pop(k, None)
+    for k, v in overrides.items():
+        vals[k] = v
+        r.src[k] = f"{v!r} (given)"
+    try:
+        step = PLANNING.replace(**vals)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    mapped = {k: r.src[k] for k in STEP_FIELDS if k in r.src}
+    defaults = [k for k in STEP_FIELDS if k not in mapped and not (step.method == "full" and k in
+                                                                    ("lora_rank", "lora_alpha", "lora_targets"))]
+    ignored = sorted(k for k in cfg if k not in r.used and k not in {n["key"].split(".")[0] for n in r.nm})
+    rep = ConfigReport(path=str(path), format=fmt, model=planned, model_in_config=given_model, mapped=mapped,
+                       defaults=defaults, not_modelled=r.nm, ignored=ignored, notes=r.notes)
+    return step, rep
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the model
+
+def resolve_model(given: str, base_dir: Path | None = None, notes: list | None = None) -> str:
+    """The model to plan for a config's model id: a local folder (as given, or beside the config) holding
+    config.json; the catalog entry with that hub id or name; the catalog entry of the same architecture for an
+    instruct / chat variant (``meta-llama/Llama-3.1-8B-Instruct`` -> ``llama-3.1-8b``); else the id as given
+    (read from the hub when online), with a note saying what to do offline."""
+    from lora_kit.memory.specs import catalog
+    notes = notes if notes is not None else []
+    given = str(given)
+    for cand in (Path(given).expanduser(), (base_dir or Path.cwd()) / given):
+        if (cand / "config.json").is_file():
+            return str(cand)
+    cat = catalog()
+    key = given.lower().rstrip("/")
+    for name, facts in cat.items():
+        if key in (name, facts["hub_id"].lower()):
+            return name
+    repo = key.split("/")[-1]
+    stem = re.sub(r"^meta-", "", re.sub(r"(-(instruct|it|chat|hf|base))+(-\d{4})?$", "", repo))
+    for name, facts in cat.items():
+        theirs = re.sub(r"^meta-", "", facts["hub_id"].lower().split("/")[-1])
+        if stem in (theirs, name):
+            notes.append(f"model {given}: planned as the catalog's {name} ({facts['hub_id']}), the same architecture")
+            return name
+    notes.append(f"model {given} is not in the catalog: its config.json is read from the hub when online; offline, "
+                 "pass a local folder holding its config.json as the model (--model PATH)")
+    return given
+
+
+def _peft_default_targets(model: str) -> list | None:
+    """peft's default LoRA targets for ``model``'s architecture (what ``LoraConfig(target_modules=None)`` adapts)."""
+    try:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+        from lora_kit.memory.specs import model_spec
+        return DEFAULTS.get(model_spec(model).model_type)
+    except (ImportError, ValueError):
+        return None
+
+
+def _finish_targets(r: _Reader, model: str) -> None:
+    if r.vals.get("lora_targets") == "peft-default":
+        default = _peft_default_targets(model)
+        if default:
+            r.vals["lora_targets"] = tuple(default)
+            r.src["lora_targets"] = r.src["lora_targets"] + f" -> peft's default for this architecture {default}"
+        else:
+            r.vals.pop("lora_targets")
+            r.not_modelled("lora_target_modules", None, "peft's default targets for this architecture are unknown "
+                           "here; planned with 'all-linear' (pass lora_targets to plan others)")
+
+
+def _finish_sharding(r: _Reader, overrides: dict) -> None:
+    """A sharded config on one GPU shards nothing: plan it unsharded (and its offload, which needs sharding)."""
+    gpus = overrides.get("num_gpus", r.vals.get("num_gpus", 1))
+    if r.vals.get("sharding", "none") != "none" and gpus < 2 and "sharding" not in overrides:
+        how = r.src.pop("sharding")
+        r.vals.pop("sharding")
+        r.notes.append(f"{how}: on one GPU nothing is sharded; planned unsharded. Pass num_gpus (--num-gpus N) "
+                       "for the GPUs you will launch on")
+        if r.vals.pop("cpu_offload", False):
+            r.not_modelled(r.src.pop("cpu_offload").split("=")[0], True, "CPU offload of sharded states needs "
+                           "num_gpus > 1 in the plan; pass --num-gpus N")
+        r.src.pop("cpu_offload", None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared mappings
+
+def _trainer_optim(r: _Reader, key: str, value, default: bool = False) -> None:
+    name = str(getattr(value, "value", value))
+    if name in TRAINER_OPTIMIZERS:
+        r.put("optimizer", TRAINER_OPTIMIZERS[name], key, raw=name, default=default)
+    else:
+        r.not_modelled(key, name, "this optimizer's states and step are not modelled; planned as AdamW (32-bit "
+                       "states), the Trainer's default")
+
+
+def _precision(r: _Reader, method: str, dtype: str, bf16: bool, fp16: bool, keys: str, upcast_full: bool = False):
+    """dtype / autocast from the weights' dtype and the bf16 / fp16 flags, as the HF Trainer runs them."""
+    mixed = bool(bf16) or bool(fp16)
+    if method == "full" and mixed and dtype != "float32" and not upcast_full:
+        autocast = False
+        r.notes.append(f"{keys}: autocast over {dtype} weights changes nothing for full fine-tuning; planned as "
+                       f"pure {dtype} training")
+    else:
+        autocast = mixed
+    r.put("autocast", autocast, keys, raw=f"bf16={bool(bf16)}, fp16={bool(fp16)}")
+
+
+def _tf32(r: _Reader, key: str, value, step_dtype: str, autocast: bool) -> None:
+    if value is None or value:
+        if value is not None:
+            r.used.add(key)
+        return
+    if step_dtype == "float32" and not autocast:
+        r.not_modelled(key, False, "fp32 matmuls without TF32 run at a fraction of the modelled speed (the time "
+                       "model assumes TF32 tensor cores for float32)")
+    else:
+        r.used.add(key)
+
+
+def _attention(r: _Reader, key: str, value, default: bool = False) -> None:
+    v = str(value).lower() if value is not None else "sdpa"
+    if v in ("sdpa", "eager"):
+        r.put("attn_implementation", v, key, raw=value, default=default)
+    elif "flash" in v or v in ("fa2", "fa3"):
+        r.not_modelled(key, value, f"FlashAttention is not modelled ({NOT_YET}); planned with SDPA, which "
+                       "also keeps no S x S scores")
+    else:
+        r.not_modelled(key, value, "this attention kernel is not modelled; planned with SDPA")
+
+
+def _deepspeed(r: _Reader, key: str, value) -> None:
+    """The ZeRO stage and offload of a DeepSpeed config (a dict, or a JSON file beside the config or here)."""
+    ds = value
+    if isinstance(value, str):
+        for cand in (r.path.parent / value, Path(value).expanduser()):
+            if cand.is_file():
+                ds = json.loads(cand.read_text())
+                break
+        else:
+            m = re.search(r"(?:zero|stage|z)[_-]?([0-3])(?![0-9])", Path(value).name.lower())
+            if not m:
+                r.not_modelled(key, value, "DeepSpeed config file not found here and its name gives no ZeRO stage; "
+                               "planned unsharded")
+                return
+            ds = {"zero_optimization": {"stage": int(m.group(1))}}
+            r.notes.append(f"{key}: {value} not found here; ZeRO stage {m.group(1)} read from its name")
+    zero = (ds or {}).get("zero_optimization", {}) or {}
+    stage = int(zero.get("stage", 0) or 0)
+    if stage == 0:
+        r.put("sharding", "ddp", key, raw=value)
+        return
+    r.put("sharding", f"zero{stage}", key, raw=value)
+    off = [k for k in ("offload_optimizer", "offload_param")
+           if str((zero.get(k) or {}).get("device", "none")).lower() in ("cpu", "nvme")]
+    if off:
+        r.put("cpu_offload", True, f"{key}.zero_optimization.{off[0]}", raw="cpu")
+
+
+def _fsdp(r: _Reader, key: str, value, fsdp_config: dict | None = None) -> None:
+    """TrainingArguments' ``fsdp``: a string or list of options, or (transformers 5) True with the options in
+    ``fsdp_config`` (``cpu_offload``, ``reshard_after_forward``)."""
+    if value is True:
+        fc = fsdp_config or {}
+        value = ["full_shard" if fc.get("reshard_after_forward", True) else "shard_grad_op"]
+        value += ["offload"] if fc.get("cpu_offload") or fc.get("offload_params") else []
+    opts = value.split() if isinstance(value, str) else [str(getattr(o, "value", o)) for o in (value or [])]
+    if not opts or opts == [""]:
+        return
+    if "full_shard" in opts or "hybrid_shard" in opts:
+        r.put("sharding", "fsdp", key, raw=" ".join(opts))
+    elif "shard_grad_op" in opts:
+        r.put("sharding", "zero2", key, raw=" ".join(opts))
+        r.notes.append(f"{key}: FSDP shard_grad_op (ZeRO-2 semantics) planned as zero2")
+    else:
+        r.not_modelled(key, " ".join(opts), "this FSDP mode is not modelled; planned unsharded")
+        return
+    if "offload" in opts:
+        r.put("cpu_offload", True, key, raw=" ".join(opts))
+
+
+def _targets_list(value) -> Any:
+    if isinstance(value, str):
+        value = [t.strip() for t in value.split(",") if t.strip()]
+    return tuple(value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TRL SFT and HF TrainingArguments: the tools' own parsers
+
+def _hardware_free(cfg: dict) -> tuple[dict, dict]:
+    """The config without the keys whose parse checks the local hardware (read apart), and those keys."""
+    d = dict(cfg)
+    apart = {k: d.pop(k) for k in ("deepspeed", "tf32", "use_cpu", "env") if k in d}
+    d["use_cpu"] = True  # the parse must not probe this machine's GPU: the plan is for the rented one
+    return d, apart
+
+
+def _parse_trl(r: _Reader):
+    from trl.scripts.sft import make_parser
+    d, apart = _hardware_free(r.cfg)
+    d.setdefault("output_dir", "trl-output")
+    parser = make_parser()
+    try:
+        unknown = parser.set_defaults_with_config(**d)
+        script, args, margs, *_ = parser.parse_args_into_dataclasses(args=[], return_remaining_strings=True)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{r.path}: trl sft rejects this config: {e}") from None
+    if unknown:
+        r.notes.append(f"trl sft does not know {', '.join(str(u) for u in unknown)} (it ignores them)")
+    return args, margs, apart
+
+
+def _read_trl(r: _Reader, model_override) -> str | None:
+    args, m, apart = _parse_trl(r)
+    given = r.has
+    mik = dict(args.model_init_kwargs or {})
+    lora = bool(m.use_peft)
+    if m.load_in_4bit and not lora:
+        raise ValueError(f"{r.path}: load_in_4bit without use_peft: transformers cannot train a 4-bit model "
+                         "without adapters; set use_peft: true (QLoRA) or drop load_in_4bit.")
+    method = "qlora" if lora and m.load_in_4bit else "lora" if lora else "full"
+    r.put("method", method, "use_peft/load_in_4bit", raw=f"use_peft={lora}, load_in_4bit={bool(m.load_in_4bit)}",
+          default=not (given("use_peft") or given("load_in_4bit")))
+    r.used |= {"use_peft", "load_in_4bit"}
+    if m.load_in_8bit:
+        r.not_modelled("load_in_8bit", True, "8-bit base weights are not modelled; planned as a 16-bit LoRA base")
+    dtype_raw = mik.get("dtype", mik.get("torch_dtype", m.dtype))
+    dkey = "model_init_kwargs.dtype" if ("dtype" in mik or "torch_dtype" in mik) else "dtype"
+    dtype = DTYPE_WORDS.get(str(dtype_raw).replace("torch.", ""), None)
+    if dtype is None:  # "auto": the checkpoint's dtype
+        dtype = "bfloat16"
+        r.notes.append(f"{dkey}={dtype_raw!r}: the checkpoint's dtype, planned as bfloat16 (that of current models)")
+    r.put("dtype", dtype, dkey, raw=dtype_raw, default=not (given("dtype") or "dtype" in mik))
+    if lora:
+        r.put("lora_rank", int(m.lora_r), "lora_r", default=not given("lora_r"))
+        r.put("lora_alpha", int(m.lora_alpha), "lora_alpha", default=not given("lora_alpha"))
+        t = m.lora_target_modules
+        if t is None:
+            r.put("lora_targets", "peft-default", "lora_target_modules", raw=None, default=True)
+        else:
+            t = t if isinstance(t, (list, tuple)) else [t]
+            r.put("lora_targets", "all-linear" if list(t) == ["all-linear"] else _targets_list(t),
+                  "lora_target_modules", raw=t)
+        if method == "qlora":
+            r.put("double_quant", bool(m.use_bnb_nested_quant), "use_bnb_nested_quant",
+                  default=not given("use_bnb_nested_quant"))
+        for key, why in (("use_dora", "DoRA keeps a magnitude vector and a weight-norm per layer"),
+                         ("lora_modules_to_save", "modules trained in full beside the adapters"),
+                         ("lora_target_parameters", "LoRA on parameters (MoE experts) is not modelled")):
+            if getattr(m, key):
+                r.not_modelled(key, getattr(m, key), why + "; not in the plan")
+        if m.bnb_4bit_quant_storage and method == "qlora":
+            r.not_modelled("bnb_4bit_quant_storage", m.bnb_4bit_quant_storage, "the 4-bit storage dtype (for "
+                           "FSDP) is not modelled; planned with uint8 storage")
+    r.put("seq_len", int(args.max_length) if args.max_length else PLANNING.seq_len, "max_length",
+          default=not given("max_length"))
+    if not args.max_length:
+        r.not_modelled("max_length", None, "rows are not truncated: the longest row sets the peak; planned at "
+                       f"{PLANNING.seq_len} tokens (pass seq_len)")
+    r.put("batch_size", int(args.per_device_train_batch_size), "per_device_train_batch_size",
+          default=not given("per_device_train_batch_size"))
+    r.put("grad_accum", int(args.gradient_accumulation_steps), "gradient_accumulation_steps",
+          default=not given("gradient_accumulation_steps"))
+    _trainer_common(r, args, method, dtype, given)
+    _attention(r, "attn_implementation", mik.get("attn_implementation", m.attn_implementation),
+               default=not (given("attn_implementation") or "attn_implementation" in mik))
+    r.used.add("model_init_kwargs")
+    r.put("padding", "longest", "padding", raw="the SFT collator pads to the longest row", default=True)
+    for key, why in (("packing", f"packed rows are not modelled ({NOT_YET}); planned as rows of max_length"),
+                     ("padding_free", f"padding-free batches are not modelled ({NOT_YET})"),
+                     ("activation_offloading", "activations offloaded to the CPU are not modelled")):
+        if getattr(args, key, False):
+            r.not_modelled(key, True, why)
+    r.used |= {"packing", "padding_free", "activation_offloading"}
+    _tf32(r, "tf32", apart.get("tf32"), dtype, r.vals["autocast"])
+    if apart.get("deepspeed"):
+        _deepspeed(r, "deepspeed", apart["deepspeed"])
+    r.used |= {"model_name_or_path"}
+    return model_override or m.model_name_or_path
+
+
+def _trainer_common(r: _Reader, args, method: str, dtype: str, given) -> None:
+    """What SFTConfig shares with TrainingArguments: checkpointing, optimizer, precision, FSDP, Liger, compile."""
+    ckpt_key = "activation_checkpointing" if given("activation_checkpointing") else "gradient_checkpointing"
+    ckpt = bool(getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing)
+    r.put("gradient_checkpointing", ckpt, ckpt_key, default=not (given("gradient_checkpointing")
+                                                                 or given("activation_checkpointing")))
+    r.used |= {"gradient_checkpointing", "activation_checkpointing"}
+    kw = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {}
+    if ckpt and kw.get("use_reentrant"):
+        r.not_modelled("gradient_checkpointing_kwargs.use_reentrant", True, "reentrant checkpointing is not "
+                       "modelled; planned as the non-reentrant kind")
+    r.used |= {"gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"}
+    _trainer_optim(r, "optim", args.optim, default=not given("optim"))
+    bf16 = bool(args.bf16)
+    _precision(r, method, dtype, bf16, args.fp16, "bf16/fp16")
+    r.used |= {"bf16", "fp16"}
+    if args.fsdp:
+        _fsdp(r, "fsdp", args.fsdp, args.fsdp_config)
+    r.used |= {"fsdp", "fsdp_config"}
+    if args.use_liger_kernel:
+        r.not_modelled("use_liger_kernel", True, f"Liger kernels are not modelled ({NOT_YET})")
+    if args.torch_compile:
+        r.not_modelled("torch_compile", True, "torch.compile changes which activations are kept; not modelled")
+    r.used |= {"use_liger_kernel", "torch_compile"}
+
+
+def _read_trainer(r: _Reader, model_override) -> str | None:
+    from transformers import HfArgumentParser, TrainingArguments
+    d, apart = _hardware_free(r.cfg)
+    try:
+        (args,) = HfArgumentParser(TrainingArguments).parse_dict(d, allow_extra_keys=False)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{r.path}: transformers' TrainingArguments rejects this config: {e}") from None
+    given = r.has
+    import dataclasses
+    same = {f.name for f in dataclasses.fields(TrainingArguments)
+            if f.default is not dataclasses.MISSING and r.cfg.get(f.name, f.default) == f.default}
+    r.used |= same  # a dump holds every field: those at their defaults are not listed as ignored
+    r.put("batch_size", int(args.per_device_train_batch_size), "per_device_train_batch_size")
+    r.put("grad_accum", int(args.gradient_accumulation_steps), "gradient_accumulation_steps")
+    r.notes.append("a TrainingArguments JSON holds no model, adapter or sequence length: model, method, dtype, "
+                   "seq_len and the LoRA fields are the planning defaults unless given (--model, --method, ...)")
+    _trainer_common(r, args, PLANNING.method, PLANNING.dtype, given)
+    r.put("padding", "longest", "padding", raw="the Trainer's padding collator pads to the longest row", default=True)
+    _tf32(r, "tf32", apart.get("tf32"), PLANNING.dtype, r.vals["autocast"])
+    if apart.get("deepspeed"):
+        _deepspeed(r, "deepspeed", apart["deepspeed"])
+    return model_override
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# axolotl
+
+AXOLOTL_OPTIM_EXTRA = {"adamw_bnb_8bit": "adamw_8bit"}  # axolotl's spellings beyond transformers'
+
+
+def _read_axolotl(r: _Reader, model_override) -> str | None:
+    c = r.cfg
+    adapter = r.get("adapter")
+    if adapter not in (None, "lora", "qlora"):
+        raise ValueError(f"{r.path}: adapter={adapter!r}: axolotl takes 'lora', 'qlora' or none (full fine-tuning).")
+    if c.get("load_in_4bit") and c.get("load_in_8bit"):
+        raise ValueError(f"{r.path}: load_in_4bit and load_in_8bit are both set; axolotl takes one.")
+    if adapter == "qlora" and not c.get("load_in_4bit"):
+        raise ValueError(f"{r.path}: adapter: qlora needs load_in_4bit: true (axolotl's rule).")
+    if c.get("bf16") is True and c.get("fp16") is True:
+        raise ValueError(f"{r.path}: bf16 and fp16 are both true; axolotl takes one.")
+    method = "full" if adapter is None else ("qlora" if c.get("load_in_4bit") else "lora")
+    r.put("method", method, "adapter", raw=adapter)
+    r.used |= {"load_in_4bit", "load_in_8bit"}
+    if adapter == "lora" and c.get("load_in_4bit"):
+        r.notes.append("adapter: lora with load_in_4bit: a 4-bit base, planned as QLoRA")
+    if c.get("load_in_8bit"):
+        r.not_modelled("load_in_8bit", True, "8-bit base weights are not modelled; planned as a 16-bit LoRA base")
+    bf16 = r.get("bf16", False)
+    fp16 = r.get("fp16", False)
+    if bf16 == "auto":
+        r.notes.append("bf16: auto -> bf16 on every GPU the catalog plans for (Ampere and newer)")
+    bf16 = bool(bf16)
+    dtype = "bfloat16" if bf16 else "float16" if fp16 else "float32"
+    r.put("dtype", dtype, "bf16/fp16", raw=f"bf16={c.get('bf16')}, fp16={c.get('fp16')}")
+    _precision(r, method, dtype, bf16, fp16, "bf16/fp16")
+    _tf32(r, "tf32", r.get("tf32"), dtype, r.vals["autocast"])
+    if method != "full":
+        r.put("lora_rank", int(r.get("lora_r", 8)), "lora_r", default=not r.has("lora_r"))
+        r.put("lora_alpha", int(r.get("lora_alpha", 16)), "lora_alpha", default=not r.has("lora_alpha"))
+        if r.get("lora_target_linear"):
+            r.put("lora_targets", "all-linear", "lora_target_linear", raw=True)
+        elif r.get("lora_target_modules"):
+            t = r.get("lora_target_modules")
+            r.put("lora_targets", "all-linear" if t in ("all-linear", ["all-linear"]) else _targets_list(t),
+                  "lora_target_modules", raw=t)
+        else:
+            r.put("lora_targets", "peft-default", "lora_target_modules", raw=None, default=True)
+        if method == "qlora":
+            r.put("double_quant", True, "bnb 4-bit", raw="double quant (axolotl's BitsAndBytesConfig)", default=True)
+        for key, why in (("peft_use_dora", "DoRA keeps a magnitude vector and a weight-norm per layer"),
+                         ("lora_modules_to_save", "modules trained in full beside the adapters")):
+            if r.get(key):
+                r.not_modelled(key, c[key], why + "; not in the plan")
+    r.put("seq_len", int(r.get("sequence_len", 2048)), "sequence_len", default=not r.has("sequence_len"))
+    r.put("batch_size", int(r.get("micro_batch_size", 1)), "micro_batch_size", default=not r.has("micro_batch_size"))
+    r.put("grad_accum", int(r.get("gradient_accumulation_steps", 1)), "gradient_accumulation_steps",
+          default=not r.has("gradient_accumulation_steps"))
+    gc = r.get("gradient_checkpointing", False)
+    if gc in ("unsloth", "offload", "offload_disk"):
+        r.put("gradient_checkpointing", True, "gradient_checkpointing", raw=gc)
+        r.not_modelled("gradient_checkpointing", gc, "checkpoints offloaded to the CPU are not modelled; planned "
+                       "as checkpointing on the GPU")
+    else:
+        r.put("gradient_checkpointing", bool(gc), "gradient_checkpointing", default=not r.has("gradient_checkpointing"))
+    if gc and (r.get("gradient_checkpointing_kwargs") or {}).get("use_reentrant"):
+        r.not_modelled("gradient_checkpointing_kwargs.use_reentrant", True, "reentrant checkpointing is not "
+                       "modelled; planned as the non-reentrant kind")
+    opt = r.get("optimizer", "adamw_torch_fused")
+    _trainer_optim(r, "optimizer", AXOLOTL_OPTIM_EXTRA.get(opt, opt), default=not r.has("optimizer"))
+    attn = [k for k in ("flash_attention", "sdp_attention", "xformers_attention", "s2_attention",
+                        "flex_attention", "eager_attention") if r.get(k)]
+    if not attn:
+        r.put("attn_implementation", "sdpa", "attention", raw="transformers' default", default=True)
+    for k in attn:
+        if k == "sdp_attention":
+            r.put("attn_implementation", "sdpa", k, raw=True)
+        elif k == "eager_attention":
+            r.put("attn_implementation", "eager", k, raw=True)
+        elif k == "flash_attention":
+            _attention(r, k, "flash_attention_2")
+            r.put("attn_implementation", "sdpa", k, raw="FlashAttention-2 (planned as sdpa)")
+        else:
+            r.not_modelled(k, True, "this attention kernel is not modelled; planned with SDPA")
+    pad = bool(r.get("pad_to_sequence_len"))
+    r.put("padding", "max_length" if pad else "longest", "pad_to_sequence_len", raw=pad,
+          default=not r.has("pad_to_sequence_len"))
+    if r.get("sample_packing"):
+        r.not_modelled("sample_packing", True, f"packed rows are not modelled ({NOT_YET}); planned as rows of "
+                       "sequence_len")
+    liger = [k for k in c if k.startswith("liger_") and c[k]] + [p for p in (c.get("plugins") or [])
+                                                                  if "liger" in str(p).lower()]
+    if liger:
+        r.not_modelled("plugins" if any("liger" in str(p).lower() for p in c.get("plugins") or []) else liger[0],
+                       liger, f"Liger kernels are not modelled ({NOT_YET})")
+        r.used |= {k for k in c if k.startswith("liger_")}
+    for key in ("unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "unsloth_cross_entropy_loss",
+                "torch_compile", "cut_cross_entropy", "activation_offloading"):
+        if r.get(key):
+            r.not_modelled(key, c[key], "changes which activations are kept; not modelled")
+    if r.get("deepspeed"):
+        _deepspeed(r, "deepspeed", c["deepspeed"])
+    if r.get("fsdp") or r.get("fsdp_config"):
+        fc = r.get("fsdp_config") or {}
+        r.put("sharding", "fsdp", "fsdp_config" if fc else "fsdp", raw=fc.get("fsdp_version", c.get("fsdp_version"))
+              or c.get("fsdp"))
+        r.used |= {"fsdp_version"}
+        if fc.get("fsdp_offload_params") or fc.get("offload_params"):
+            r.put("cpu_offload", True, "fsdp_config.fsdp_offload_params", raw=True)
+    r.used |= {"base_model"}
+    return model_override or c.get("base_model")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LLaMA-Factory
+
+def _read_llamafactory(r: _Reader, model_override) -> str | None:
+    c = r.cfg
+    ft = r.get("finetuning_type", "lora")
+    if ft not in ("lora", "full", "freeze", "oft"):
+        raise ValueError(f"{r.path}: finetuning_type={ft!r}: LLaMA-Factory takes lora, full, freeze or oft.")
+    stage = r.get("stage", "sft")
+    if stage not in ("sft", "pt"):
+        r.not_modelled("stage", stage, "this stage keeps more than one step's model state (a reference or reward "
+                       "model, pairs of rows); planned as one SFT step")
+    qbit = r.get("quantization_bit")
+    if qbit not in (None, 2, 3, 4, 5, 6, 8):
+        raise ValueError(f"{r.path}: quantization_bit={qbit!r} is not a bit width LLaMA-Factory takes.")
+    qmethod = r.get("quantization_method", "bnb") or "bnb"
+    if ft in ("freeze", "oft"):
+        r.not_modelled("finetuning_type", ft, "freeze / OFT tuning is not modelled; planned as LoRA")
+        ft = "lora"
+    if qbit is not None and ft == "full":
+        raise ValueError(f"{r.path}: quantization_bit with finetuning_type: full: LLaMA-Factory cannot train a "
+                         "quantized model in full; use finetuning_type: lora (QLoRA).")
+    method = "full" if ft == "full" else "qlora" if qbit == 4 and qmethod == "bnb" else "lora"
+    r.put("method", method, "finetuning_type/quantization_bit", raw=f"{c.get('finetuning_type', 'lora')}, "
+          f"quantization_bit={qbit}", default=not r.has("finetuning_type"))
+    if qbit is not None and method != "qlora":
+        r.not_modelled("quantization_bit", qbit, f"{qbit}-bit ({qmethod}) base weights are not modelled; planned as "
+                       "a 16-bit LoRA base")
+    bf16, fp16, pure = bool(r.get("bf16", False)), bool(r.get("fp16", False)), bool(r.get("pure_bf16", False))
+    if bf16 and fp16:
+        raise ValueError(f"{r.path}: bf16 and fp16 are both true; LLaMA-Factory takes one.")
+    # LLaMA-Factory loads the weights in the compute dtype (bf16 / fp16; inferred, bf16 on Ampere+, if neither)
+    # and up-casts trainable weights to fp32 unless pure_bf16
+    dtype = "float16" if fp16 else "bfloat16"
+    r.put("dtype", dtype, "bf16/fp16/pure_bf16", raw=f"bf16={bf16}, fp16={fp16}, pure_bf16={pure}")
+    if method == "full" and not (bf16 or fp16 or pure):
+        r.vals["dtype"] = "float32"
+        r.notes.append("finetuning_type: full without bf16/fp16: trainable weights up-cast to fp32, no autocast: "
+                       "planned as float32 training")
+    _precision(r, method, r.vals["dtype"], bf16 and not pure, fp16, "bf16/fp16", upcast_full=not pure)
+    _tf32(r, "tf32", r.get("tf32"), r.vals["dtype"], r.vals["autocast"])
+    if method != "full":
+        rank = int(r.get("lora_rank", 8))
+        r.put("lora_rank", rank, "lora_rank", default=not r.has("lora_rank"))
+        r.put("lora_alpha", int(r.get("lora_alpha") or 2 * rank), "lora_alpha", default=not r.has("lora_alpha"))
+        t = r.get("lora_target", "all")
+        r.put("lora_targets", "all-linear" if t in ("all", ["all"]) else _targets_list(t), "lora_target", raw=t,
+              default=not r.has("lora_target"))
+        if method == "qlora":
+            r.put("double_quant", bool(r.get("double_quantization", True)), "double_quantization",
+                  default=not r.has("double_quantization"))
+        for key, why in (("use_dora", "DoRA keeps a magnitude vector and a weight-norm per layer"),
+                         ("additional_target", "modules trained in full beside the adapters"),
+                         ("pissa_init", "PiSSA initialisation runs an SVD per layer at load")):
+            if r.get(key):
+                r.not_modelled(key, c[key], why + "; not in the plan")
+    r.put("seq_len", int(r.get("cutoff_len", 2048)), "cutoff_len", default=not r.has("cutoff_len"))
+    r.put("batch_size", int(r.get("per_device_train_batch_size", 8)), "per_device_train_batch_size",
+          default=not r.has("per_device_train_batch_size"))
+    r.put("grad_accum", int(r.get("gradient_accumulation_steps", 1)), "gradient_accumulation_steps",
+          default=not r.has("gradient_accumulation_steps"))
+    off = bool(r.get("disable_gradient_checkpointing", False))
+    r.put("gradient_checkpointing", not off, "disable_gradient_checkpointing", raw=off,
+          default=not r.has("disable_gradient_checkpointing"))
+    if not off and r.get("use_reentrant_gc", True):
+        r.not_modelled("use_reentrant_gc", True, "LLaMA-Factory checkpoints reentrantly by default; planned as "
+                       "the non-reentrant kind (set use_reentrant_gc: false to run what is planned)")
+    _trainer_optim(r, "optim", r.get("optim", "adamw_torch"), default=not r.has("optim"))
+    for key in ("use_galore", "use_badam", "use_apollo", "use_adam_mini", "use_muon"):
+        if r.get(key):
+            r.not_modelled(key, True, "this optimizer's states are not modelled; planned as AdamW")
+    fa = r.get("flash_attn", "auto")
+    _attention(r, "flash_attn", {"auto": "sdpa", "disabled": "eager", "sdpa": "sdpa"}.get(fa, fa),
+               default=not r.has("flash_attn"))
+    r.put("padding", "longest", "padding", raw="LLaMA-Factory's collator pads to the longest row", default=True)
+    for key, why in (("packing", f"packed rows are not modelled ({NOT_YET})"),
+                     ("neat_packing", f"packed rows are not modelled ({NOT_YET})"),
+                     ("enable_liger_kernel", f"Liger kernels are not modelled ({NOT_YET})"),
+                     ("use_unsloth", "unsloth's kernels are not modelled"),
+                     ("use_unsloth_gc", "unsloth's offloaded checkpoints are not modelled"),
+                     ("shift_attn", "shift short attention is not modelled"),
+                     ("mixture_of_depths", "mixture-of-depths is not modelled"),
+                     ("torch_compile", "torch.compile changes which activations are kept; not modelled")):
+        if r.get(key):
+            r.not_modelled(key, c[key], why)
+    if r.get("deepspeed"):
+        _deepspeed(r, "deepspeed", c["deepspeed"])
+    if r.get("fsdp"):
+        _fsdp(r, "fsdp", c["fsdp"])
+        r.used.add("fsdp_config")
+    r.used |= {"model_name_or_path", "quantization_method", "quantization_type", "upcast_layernorm"}
+    return model_override or c.get("model_name_or_path")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torchtune
+
+def _torchtune_model(component: str) -> str | None:
+    """``torchtune.models.llama3_1.lora_llama3_1_8b`` -> ``llama-3.1-8b`` (a catalog name), or None."""
+    from lora_kit.memory.specs import catalog
+    builder = component.rsplit(".", 1)[-1]
+    builder = re.sub(r"^(q?lora)_", "", builder)
+    builder = re.sub(r"_(instruct|base|it)$", "", builder)
+    for fam, name in sorted(TORCHTUNE_FAMILIES.items(), key=lambda kv: -len(kv[0])):
+        if builder.startswith(fam + "_"):
+            size = builder[len(fam) + 1:].replace("_", ".")
+            for cand in (f"{name}-{size}", f"{name}{size}"):
+                if cand in catalog():
+                    return cand
+    return None
+
+
+def _read_torchtune(r: _Reader, model_override) -> str | None:
+    c = r.cfg
+    mdl = c.get("model") or {}
+    comp = str(mdl.get("_component_", ""))
+    builder = comp.rsplit(".", 1)[-1]
+    method = "qlora" if builder.startswith("qlora_") else "lora" if builder.startswith("lora_") else "full"
+    r.put("method", method, "model._component_", raw=comp)
+    if method == "qlora":
+        r.put("double_quant", True, "model._component_", raw="torchao NF4 (scalers double-quantized)")
+        r.not_modelled("model._component_", comp, "torchtune's QLoRA quantizes with torchao's NF4, not "
+                       "bitsandbytes; planned with bitsandbytes' NF4 layout (the same 4 bits per weight)")
+    dtype = DTYPE_WORDS.get(str(c.get("dtype", "bf16")), None)
+    if dtype is None:
+        raise ValueError(f"{r.path}: dtype={c.get('dtype')!r}: torchtune takes bf16 or fp32.")
+    r.put("dtype", dtype, "dtype", raw=c.get("dtype", "bf16"), default="dtype" not in c)
+    r.put("autocast", False, "dtype", raw=f"{c.get('dtype', 'bf16')} (torchtune trains in one dtype, no autocast)")
+    if method != "full":
+        r.put("lora_rank", int(mdl.get("lora_rank", 8)), "model.lora_rank")
+        r.put("lora_alpha", int(mdl.get("lora_alpha", 16)), "model.lora_alpha")
+        attn = list(mdl.get("lora_attn_modules", ["q_proj", "v_proj"]))
+        mlp = bool(mdl.get("apply_lora_to_mlp", False))
+        names = [TORCHTUNE_MODULES.get(a, a) for a in attn] + (["gate_proj", "up_proj", "down_proj"] if mlp else [])
+        full = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        r.put("lora_targets", "all-linear" if sorted(names) == sorted(full) else tuple(names),
+              "model.lora_attn_modules/apply_lora_to_mlp", raw=f"{attn}, apply_lora_to_mlp={mlp}")
+        if mdl.get("apply_lora_to_output"):
+            r.not_modelled("model.apply_lora_to_output", True, "LoRA on the output projection (lm_head) is not in "
+                           "the plan ('all-linear' leaves lm_head out)")
+        if dtype != "float32":
+            r.not_modelled("dtype", c.get("dtype", "bf16"), f"torchtune keeps the LoRA adapters in {dtype}; the plan "
+                           "counts them in fp32, as peft does (a slight over-estimate)")
+    tok = c.get("tokenizer") or {}
+    msl = tok.get("max_seq_len")
+    r.put("seq_len", int(msl) if msl else PLANNING.seq_len, "tokenizer.max_seq_len", raw=msl)
+    if not msl:
+        r.not_modelled("tokenizer.max_seq_len", msl, "rows are not truncated: the longest row sets the peak; "
+                       f"planned at {PLANNING.seq_len} tokens (pass seq_len)")
+    r.put("batch_size", int(c.get("batch_size", 1)), "batch_size", default="batch_size" not in c)
+    r.put("grad_accum", int(c.get("gradient_accumulation_steps") or 1), "gradient_accumulation_steps",
+          default="gradient_accumulation_steps" not in c)
+    r.put("gradient_checkpointing", bool(c.get("enable_activation_checkpointing", False)),
+          "enable_activation_checkpointing", default="enable_activation_checkpointing" not in c)
+    opt = str((c.get("optimizer") or {}).get("_component_", "torch.optim.AdamW"))
+    if opt in TORCHTUNE_OPTIMIZERS:
+        r.put("optimizer", TORCHTUNE_OPTIMIZERS[opt], "optimizer._component_", raw=opt)
+    else:
+        r.not_modelled("optimizer._component_", opt, "this optimizer's states are not modelled; planned as AdamW")
+    r.put("attn_implementation", "sdpa", "model", raw="torchtune's attention (SDPA)", default=True)
+    r.put("padding", "none", "collate", raw="torchtune pads with the ignore index, no attention mask", default=True)
+    loss = str((c.get("loss") or {}).get("_component_", ""))
+    if "Chunked" in loss or "LinearCrossEntropy" in loss:
+        r.not_modelled("loss._component_", loss, "a chunked / fused cross-entropy never materialises the whole "
+                       "logits; the plan counts them whole (an over-estimate)")
+    for key, why in (("enable_activation_offloading", "activations offloaded to the CPU are not modelled"),
+                     ("optimizer_in_bwd", "optimizer steps fused into backward keep no whole gradients; not "
+                      "modelled"),
+                     ("compile", "torch.compile changes which activations are kept; not modelled")):
+        if c.get(key):
+            r.not_modelled(key, c[key], why)
+    if (c.get("dataset") or {}).get("packed") if isinstance(c.get("dataset"), dict) else False:
+        r.not_modelled("dataset.packed", True, f"packed rows are not modelled ({NOT_YET})")
+    if c.get("fsdp_cpu_offload"):
+        r.put("cpu_offload", True, "fsdp_cpu_offload")
+    if "fsdp_cpu_offload" in c or "fsdp_sharding_strategy" in c:
+        r.put("sharding", "fsdp", "fsdp_cpu_offload", raw="a distributed recipe shards with FSDP2")
+    r.used |= {"model", "tokenizer", "batch_size", "gradient_accumulation_steps", "enable_activation_checkpointing",
+               "optimizer", "dtype", "loss", "fsdp_sharding_strategy"}
+    if model_override:
+        return model_override
+    found = _torchtune_model(comp)
+    if found:
+        return found
+    ckpt = (c.get("checkpointer") or {}).get("checkpoint_dir")
+    r.used.add("checkpointer")
+    if ckpt:
+        r.notes.append(f"model builder {comp} is not in the catalog; planned from checkpointer.checkpoint_dir")
+        return str(Path(ckpt).name) if not Path(ckpt).is_dir() else ckpt
+    return None
