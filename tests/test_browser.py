@@ -5,6 +5,10 @@ planner notebook, opens it in Debian's Chromium through playwright (never a down
 runs all cells, changes the sequence length and the method, and checks that the verdict text and
 the figure changed. Screenshots go to ``test-artifacts/``. Skipped, with the reason, only when no
 Chromium binary or no playwright is available.
+
+It runs with the machine loaded (two busy processes per core, :func:`busy_machine`): every check waits for
+the data it reads (the figure's traces drawn with their values), never for a time, and a watcher in the page
+fails the test if, once drawn, the figure is ever shown empty.
 """
 from __future__ import annotations
 
@@ -34,6 +38,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture()
+def busy_machine():
+    """Two busy-looping processes per core for the test's duration (a loaded CI machine); stopped by pid."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        yield len(procs)
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
 
 
 @pytest.fixture()
@@ -88,15 +105,46 @@ def _figure_y(page) -> list:
         return gd ? gd.data.map(t => [t.name, Array.from(t.y || [])]) : null; }""")
 
 
-def _wait_changed(page, old_verdict, old_fig, timeout=30):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if _verdict(page) != old_verdict and _figure_y(page) != old_fig:
-            return
-        page.wait_for_timeout(250)
+# the figure as a user sees it: drawn (plotly's bar paths in the SVG) with the panel's traces holding values
+_DRAWN = """() => {
+    const gd = document.querySelector('.lk-panel .js-plotly-plot');
+    if (!gd || !gd.data || !gd.data.length) return false;
+    const w = gd.data.find(t => t.name === 'weights');
+    return !!w && Array.from(w.y || []).some(v => v > 0)
+        && gd.querySelectorAll('.barlayer .point path').length > 0; }"""
+
+# once drawn, the figure must never be shown empty again: checked on every animation frame
+_WATCH = """() => {
+    window.__lkEmpty = [];
+    const drawn = %s;
+    let seen = false;
+    const tick = () => {
+        const ok = drawn();
+        if (ok) seen = true;
+        else if (seen && document.querySelector('.lk-panel .js-plotly-plot')) window.__lkEmpty.push(Date.now());
+        requestAnimationFrame(tick);
+    };
+    requestAnimationFrame(tick);
+}""" % _DRAWN
 
 
-def test_planner_panel_in_jupyterlab(lab):
+def _wait_drawn(page, timeout_ms=120_000):
+    page.wait_for_function(_DRAWN, timeout=timeout_ms)
+
+
+def _wait_changed(page, old_verdict, old_fig, timeout_ms=120_000):
+    """Until both the verdict and the drawn figure's data differ from before (the data, not a delay)."""
+    page.wait_for_function(
+        """([v, f]) => {
+            const el = document.querySelector('.lk-verdict');
+            const gd = document.querySelector('.lk-panel .js-plotly-plot');
+            if (!el || el.innerText === v || !gd || !gd.data) return false;
+            const now = JSON.stringify(gd.data.map(t => [t.name, Array.from(t.y || [])]));
+            return now !== JSON.stringify(f) && (%s)(); }""" % _DRAWN,
+        arg=[old_verdict, old_fig], timeout=timeout_ms)
+
+
+def test_planner_panel_in_jupyterlab(lab, busy_machine):
     if CHROMIUM is None:
         pytest.skip("no Chromium binary (apt-get install chromium); the browser test cannot run here")
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
@@ -125,10 +173,11 @@ def _drive(page, lab):
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_text("Run All Cells", exact=True).click()
     page.wait_for_selector(".lk-verdict", timeout=300_000)
-    page.wait_for_function("() => document.querySelector('.lk-panel .js-plotly-plot')", timeout=60_000)
+    page.evaluate(_WATCH)
+    _wait_drawn(page)
     panel = page.locator(".lk-panel")
     panel.scroll_into_view_if_needed()
-    page.wait_for_timeout(1000)
+    _wait_drawn(page)
     panel.screenshot(path=str(ARTIFACTS / "planner-1-initial.png"))
     v0, f0 = _verdict(page), _figure_y(page)
     assert "fits" in v0.lower(), v0
@@ -154,3 +203,5 @@ def _drive(page, lab):
     weights = {name: sum(y) for name, y in f1}["weights"], {name: sum(y) for name, y in f2}["weights"]
     assert weights[1] < 0.6 * weights[0], weights
     page.screenshot(path=str(ARTIFACTS / "planner-page.png"), full_page=False)
+    empty = page.evaluate("() => window.__lkEmpty.length")
+    assert empty == 0, f"the figure was shown empty in {empty} frame(s) after it had been drawn"
