@@ -17,6 +17,8 @@ Public API (imported lazily so ``import lora_kit`` stays fast)::
 
     estimate, simulate, measure_step        memory: analytic, simulated, measured
     sweep, max_fit, compare_methods         planning over GPUs and settings
+    settings_from_config, write_job         the step of a TRL / axolotl / LLaMA-Factory / torchtune / Trainer
+                                            config; the config, accelerate file and launch script of a plan
     smoke_run, stack                        a short real run; the software/hardware check
     train_adapters, trained_adapters        every adapter of a run (03: the smoke run's, the base-mix
                                             comparison's) and where they are (04 evaluates them)
@@ -49,6 +51,8 @@ _LAZY = {
     "qlora_vs_lora": "lora_kit.plan.planner",
     "gpu_table": "lora_kit.plan.gpus",
     "dataset_lengths": "lora_kit.plan.dataset_fit",
+    "settings_from_config": "lora_kit.plan.config_import",
+    "write_job": "lora_kit.run.config_export",
     "smoke_run": "lora_kit.run.smoke",
     "train_adapters": "lora_kit.run.adapters",
     "trained_adapters": "lora_kit.run.adapters",

@@ -113,6 +113,7 @@ class _Reader:
         self.nm: list = []
         self.notes: list = []
         self.used: set = set()
+        self.over: dict = {}  # the caller's step values (win over the config)
 
     def has(self, key: str) -> bool:
         return key in self.cfg and self.cfg[key] is not None
@@ -194,6 +195,7 @@ def settings_from_config(path, format: str | None = None, model: str | None = No
     if fmt not in FORMATS:
         raise ValueError(f"format={fmt!r} is not valid; choose one of {', '.join(FORMATS)}.")
     r = _Reader(cfg, fmt, path)
+    r.over = overrides
     given_model = {"trl": _read_trl, "trainer": _read_trainer, "axolotl": _read_axolotl,
                    "llamafactory": _read_llamafactory, "torchtune": _read_torchtune}[fmt](r, model)
     r.put("loop", LOOP_OF[fmt], "format", raw=fmt)
@@ -282,6 +284,8 @@ def _finish_targets(r: _Reader, model: str) -> None:
 def _finish_sharding(r: _Reader, overrides: dict) -> None:
     """A sharded config on one GPU shards nothing: plan it unsharded (and its offload, which needs sharding)."""
     gpus = overrides.get("num_gpus", r.vals.get("num_gpus", 1))
+    if gpus > 1 and r.vals.get("sharding", "none") == "none" and "sharding" not in overrides:
+        r.put("sharding", "ddp", "num_gpus", raw=f"{gpus} GPUs, no DeepSpeed / FSDP: DDP replicas")
     if r.vals.get("sharding", "none") != "none" and gpus < 2 and "sharding" not in overrides:
         how = r.src.pop("sharding")
         r.vals.pop("sharding")
@@ -306,12 +310,21 @@ def _trainer_optim(r: _Reader, key: str, value, default: bool = False) -> None:
 
 
 def _precision(r: _Reader, method: str, dtype: str, bf16: bool, fp16: bool, keys: str, upcast_full: bool = False):
-    """dtype / autocast from the weights' dtype and the bf16 / fp16 flags, as the HF Trainer runs them."""
+    """dtype / autocast from the weights' dtype and the bf16 / fp16 flags, as the HF Trainer runs them. Full
+    fine-tuning: fp32 weights (or LLaMA-Factory's fp32 up-cast, ``upcast_full``) under a 16-bit flag are the Step's
+    ``autocast=True`` with ``dtype`` the compute dtype (fp32 master weights); 16-bit weights under a flag train in
+    pure 16 bits (autocast changes nothing)."""
     mixed = bool(bf16) or bool(fp16)
+    compute = "float16" if fp16 else "bfloat16"
     if method == "full" and mixed and dtype != "float32" and not upcast_full:
         autocast = False
         r.notes.append(f"{keys}: autocast over {dtype} weights changes nothing for full fine-tuning; planned as "
                        f"pure {dtype} training")
+    elif method == "full" and mixed:
+        autocast = True
+        if dtype != compute:
+            r.vals["dtype"] = compute
+            r.src["dtype"] = r.src.get("dtype", f"dtype={dtype!r}") + f" -> fp32 master weights, {compute} compute"
     else:
         autocast = mixed
     r.put("autocast", autocast, keys, raw=f"bf16={bool(bf16)}, fp16={bool(fp16)}")
@@ -477,14 +490,17 @@ def _read_trl(r: _Reader, model_override) -> str | None:
     _attention(r, "attn_implementation", mik.get("attn_implementation", m.attn_implementation),
                default=not (given("attn_implementation") or "attn_implementation" in mik))
     r.used.add("model_init_kwargs")
-    r.put("padding", "longest", "padding", raw="the SFT collator pads to the longest row", default=True)
+    if args.pad_to_multiple_of and args.max_length and int(args.pad_to_multiple_of) == int(args.max_length):
+        r.put("padding", "max_length", "pad_to_multiple_of", raw=args.pad_to_multiple_of)
+    else:
+        r.put("padding", "longest", "padding", raw="the SFT collator pads to the longest row", default=True)
     for key, why in (("packing", f"packed rows are not modelled ({NOT_YET}); planned as rows of max_length"),
                      ("padding_free", f"padding-free batches are not modelled ({NOT_YET})"),
                      ("activation_offloading", "activations offloaded to the CPU are not modelled")):
         if getattr(args, key, False):
             r.not_modelled(key, True, why)
     r.used |= {"packing", "padding_free", "activation_offloading"}
-    _tf32(r, "tf32", apart.get("tf32"), dtype, r.vals["autocast"])
+    _tf32(r, "tf32", apart.get("tf32"), r.vals["dtype"], r.vals["autocast"])
     if apart.get("deepspeed"):
         _deepspeed(r, "deepspeed", apart["deepspeed"])
     r.used |= {"model_name_or_path"}
@@ -533,9 +549,10 @@ def _read_trainer(r: _Reader, model_override) -> str | None:
     r.put("grad_accum", int(args.gradient_accumulation_steps), "gradient_accumulation_steps")
     r.notes.append("a TrainingArguments JSON holds no model, adapter or sequence length: model, method, dtype, "
                    "seq_len and the LoRA fields are the planning defaults unless given (--model, --method, ...)")
-    _trainer_common(r, args, PLANNING.method, PLANNING.dtype, given)
+    method, dtype = r.over.get("method", PLANNING.method), r.over.get("dtype", PLANNING.dtype)
+    _trainer_common(r, args, method, dtype, given)
     r.put("padding", "longest", "padding", raw="the Trainer's padding collator pads to the longest row", default=True)
-    _tf32(r, "tf32", apart.get("tf32"), PLANNING.dtype, r.vals["autocast"])
+    _tf32(r, "tf32", apart.get("tf32"), r.vals.get("dtype", dtype), r.vals["autocast"])
     if apart.get("deepspeed"):
         _deepspeed(r, "deepspeed", apart["deepspeed"])
     return model_override
@@ -570,8 +587,11 @@ def _read_axolotl(r: _Reader, model_override) -> str | None:
     if bf16 == "auto":
         r.notes.append("bf16: auto -> bf16 on every GPU the catalog plans for (Ampere and newer)")
     bf16 = bool(bf16)
-    dtype = "bfloat16" if bf16 else "float16" if fp16 else "float32"
-    r.put("dtype", dtype, "bf16/fp16", raw=f"bf16={c.get('bf16')}, fp16={c.get('fp16')}")
+    pure = "bfloat16" if r.get("bfloat16") else "float16" if r.get("float16") else None  # 16-bit weights, no AMP
+    # axolotl loads the weights in the AMP dtype (bf16 / fp16), in the pure dtype, else in fp32
+    dtype = "bfloat16" if bf16 else "float16" if fp16 else pure or "float32"
+    r.put("dtype", dtype, "bf16/fp16/bfloat16/float16", raw=f"bf16={c.get('bf16')}, fp16={c.get('fp16')}, "
+          f"bfloat16={c.get('bfloat16')}, float16={c.get('float16')}")
     _precision(r, method, dtype, bf16, fp16, "bf16/fp16")
     _tf32(r, "tf32", r.get("tf32"), dtype, r.vals["autocast"])
     if method != "full":
@@ -586,7 +606,9 @@ def _read_axolotl(r: _Reader, model_override) -> str | None:
         else:
             r.put("lora_targets", "peft-default", "lora_target_modules", raw=None, default=True)
         if method == "qlora":
-            r.put("double_quant", True, "bnb 4-bit", raw="double quant (axolotl's BitsAndBytesConfig)", default=True)
+            dq = (r.get("bnb_config_kwargs") or {}).get("bnb_4bit_use_double_quant", True)
+            r.put("double_quant", bool(dq), "bnb_config_kwargs.bnb_4bit_use_double_quant",
+                  default="bnb_4bit_use_double_quant" not in (c.get("bnb_config_kwargs") or {}))
         for key, why in (("peft_use_dora", "DoRA keeps a magnitude vector and a weight-norm per layer"),
                          ("lora_modules_to_save", "modules trained in full beside the adapters")):
             if r.get(key):
