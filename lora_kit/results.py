@@ -15,8 +15,10 @@
   Slurm and Kubernetes send) into :class:`Interrupted`, a ``KeyboardInterrupt``, so a run
   records "interrupted" the same way for Ctrl-C and SIGTERM.
 - **Confinement.** :func:`check_run_name` (one plain path component) and :func:`check_output_dir`
-  (never inside the package, never the notebooks folder itself; the path and the reason when it
-  cannot be made).
+  (never inside the package, never the notebooks folder itself, never the file system root, a home
+  folder, a checkout's root or ``.git``, a virtual environment; the path and the reason when it
+  cannot be made); :func:`check_movable_run`: only a folder holding a run record, outside git's tracked
+  files, is ever moved aside.
 """
 from __future__ import annotations
 
@@ -300,12 +302,67 @@ def check_run_name(name: str) -> str:
     return name
 
 
+def _git_root(p: Path) -> Path | None:
+    return next((d for d in (p, *p.parents) if (d / ".git").exists()), None)
+
+
+def protected_reason(path: str | Path) -> str | None:
+    """Why ``path`` can never be a run folder (written, or moved aside): the file system root, a home folder, a git
+    checkout's root or its ``.git``, a Python virtual environment; None when it can."""
+    p = Path(path).expanduser().resolve()
+    homes = {Path.home().resolve(), *(d.resolve() for d in (Path("/home"), Path("/root")) if d.exists())}
+    if p == Path(p.anchor):
+        return "the file system root"
+    if p in homes or p.parent == Path("/home"):
+        return "a home folder"
+    if ".git" in p.parts:
+        return "a git repository's .git folder"
+    if (p / ".git").exists():
+        return "the root of a git checkout"
+    if any((d / "pyvenv.cfg").is_file() for d in (p, *p.parents)):
+        return "a Python virtual environment"
+    return None
+
+
+def tracked_by_git(path: str | Path) -> bool:
+    """True when ``path`` is, or holds, a file git tracks (its checkout's own files: never moved or replaced)."""
+    p = Path(path).expanduser().resolve()
+    root = _git_root(p)
+    if root is None:
+        return False
+    import subprocess
+    try:
+        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--", str(p.relative_to(root)) or "."],
+                             capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return True  # cannot tell: treat it as the checkout's
+    return out.returncode != 0 or bool(out.stdout)
+
+
+def check_movable_run(path: str | Path, record: dict | None) -> None:
+    """ValueError unless ``path`` may be moved aside: it holds a lora_kit run record (``record``, with its ``run``
+    identity) and is neither protected (:func:`protected_reason`) nor part of a git checkout's tracked files."""
+    p = Path(path).expanduser().resolve()
+    why = protected_reason(p)
+    if why is None and not (record and isinstance(record.get("run"), dict) and record["run"].get("id")):
+        why = "not a lora_kit run (it holds no run record, pipeline.json)"
+    if why is None and tracked_by_git(p):
+        why = "part of a git checkout's tracked files"
+    if why:
+        raise ValueError(f"{str(p)!r} is {why}: it is never moved aside or replaced. Choose another --name / "
+                         "--runs-dir (default: runs/).")
+
+
 def check_output_dir(path: str | Path, *notebook_dirs, create: bool = True) -> Path:
     """``path`` resolved; ValueError naming the path and the reason when it is inside the package or inside
     a notebooks folder (the kit's or one of ``notebook_dirs``: executed copies would replace the sources),
     or cannot be created / written. Only ``notebooks/runs/`` (git-ignored) is allowed there: it is where
     a notebook opened in JupyterLab puts its default relative ``run_dir = "runs/default"``."""
     p = Path(path).expanduser().resolve()
+    why = protected_reason(p)
+    if why:
+        raise ValueError(f"output folder {str(p)!r} is {why}; runs must not write there. Choose another --name / "
+                         "--runs-dir (default: runs/).")
     if p == PACKAGE_DIR or PACKAGE_DIR in p.parents:
         raise ValueError(f"output folder {str(p)!r} is inside the lora_kit package {str(PACKAGE_DIR)!r}; runs must "
                          "not write there. Choose another --runs-dir / run_dir (default: runs/).")

@@ -36,9 +36,9 @@ from jupyter_client.manager import AsyncKernelManager
 from lora_kit.data import absolute_paths
 from lora_kit.progress import follow
 from lora_kit.ui.notebook import kit_notebooks_dir
-from lora_kit.results import (NotWritten, active_run, check_output_dir, entered_run, interrupts, new_run, now_iso,
-                              process_alive, read_record, same_run, settled, signal_name, touch, write_json_atomic,
-                              write_text_atomic)
+from lora_kit.results import (NotWritten, active_run, check_movable_run, check_output_dir, entered_run, interrupts,
+                              new_run, now_iso, process_alive, read_record, same_run, settled, signal_name, touch,
+                              write_json_atomic, write_text_atomic)
 from lora_kit.settings import Settings
 
 PIPELINE = (
@@ -295,6 +295,8 @@ def prepare_run_dir(out: Path, params: dict, overwrite: bool, resume: bool, log)
         pid = (old.get("process") or {}).get("pid")
         raise RunExists(f"{out} holds a run that is still running (pid {pid}); wait for it, stop it, or choose "
                         "another --name.")
+    if resume or overwrite:
+        check_movable_run(out, old)
     if resume:
         if not old or not old.get("run"):
             raise RunExists(f"--resume: {out} holds {what} but no pipeline record to resume; use --overwrite "

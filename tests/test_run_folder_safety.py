@@ -1,0 +1,85 @@
+"""Nothing of the user's is moved (issue 38, item 1): ``--overwrite`` / ``--resume`` move aside only a folder that
+holds a lora_kit run record, never a git checkout's tracked files, and no run is written into the file system
+root, a home folder, a checkout's root or ``.git``, or a virtual environment."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lora_kit.results import check_output_dir, new_run
+from lora_kit.settings import Settings
+from lora_kit.ui.pipeline import prepare_run_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def checkout(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "docs").mkdir(parents=True)
+    (repo / "docs" / "index.md").write_text("# docs\n")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "add", "docs"], check=True)
+    return repo
+
+
+def _run_folder(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "pipeline.json").write_text(json.dumps({"run": new_run("lora-kit run", path), "status": "complete",
+                                                    "kind": "lora_kit.pipeline"}))
+    return path
+
+
+def test_overwrite_refuses_a_tracked_folder(checkout):
+    docs = checkout / "docs"
+    for flags in ({"overwrite": True, "resume": False}, {"overwrite": False, "resume": True}):
+        with pytest.raises(ValueError, match="never moved aside"):
+            prepare_run_dir(docs, Settings().to_dict(), log=print, **flags)
+    assert (docs / "index.md").is_file() and not list(checkout.glob("docs.*"))
+
+
+def test_overwrite_refuses_a_tracked_run_record(checkout):
+    run = _run_folder(checkout / "docs")  # a committed run: part of the checkout all the same
+    subprocess.run(["git", "-C", str(checkout), "add", "docs"], check=True)
+    with pytest.raises(ValueError, match="tracked files"):
+        prepare_run_dir(run, Settings().to_dict(), overwrite=True, resume=False, log=print)
+    assert (run / "index.md").is_file()
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_run(tmp_path):
+    mine = tmp_path / "photos"
+    mine.mkdir()
+    (mine / "a.jpg").write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a lora_kit run"):
+        prepare_run_dir(mine, Settings().to_dict(), overwrite=True, resume=False, log=print)
+    assert (mine / "a.jpg").is_file()
+
+
+def test_overwrite_moves_a_run_aside(checkout):
+    run = _run_folder(checkout / "runs" / "mine")  # untracked, like the git-ignored runs/
+    prepare_run_dir(run, Settings().to_dict(), overwrite=True, resume=False, log=print)
+    aside = list((checkout / "runs").glob("mine.replaced-*"))
+    assert len(aside) == 1 and (aside[0] / "pipeline.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["root", "home", "checkout", "git", "venv"])
+def test_output_folder_refuses_protected_places(where, checkout):
+    path = {"root": Path("/"), "home": Path.home(), "checkout": checkout, "git": checkout / ".git",
+            "venv": ROOT / ".venv"}[where]
+    if where == "venv" and not (path / "pyvenv.cfg").is_file():
+        pytest.skip("no .venv here")
+    with pytest.raises(ValueError, match="must not write there"):
+        check_output_dir(path, create=False)
+
+
+def test_cli_refuses_overwriting_the_checkout(checkout, capsys):
+    from lora_kit.ui.cli import main
+    assert main(["run", "--runs-dir", str(checkout.parent), "--name", checkout.name, "--overwrite",
+                 "--only", "00"]) == 2
+    assert "must not write there" in capsys.readouterr().err
+    assert (checkout / "docs" / "index.md").is_file()
+    assert main(["run", "--runs-dir", str(checkout), "--name", "docs", "--overwrite", "--only", "00"]) == 2
+    assert "never moved aside" in capsys.readouterr().err and (checkout / "docs" / "index.md").is_file()
