@@ -862,3 +862,15 @@ def _read_torchtune(r: _Reader, model_override) -> str | None:
         r.notes.append(f"model builder {comp} is not in the catalog; planned from checkpointer.checkpoint_dir")
         return str(Path(ckpt).name) if not Path(ckpt).is_dir() else ckpt
     return None
+
+
+def plan_start(settings, config=None) -> tuple:
+    """(model, step, report) the planning notebooks and the planner panel start from: the training config
+    ``config`` (a path; default: the settings' ``from_config`` field when it has one) read by
+    :func:`settings_from_config`, else ``settings.planning_model()`` at ``settings.plan_step()`` (report None).
+    The config's step fields win over the settings' step; flags are not applied here."""
+    config = config if config is not None else getattr(settings, "from_config", "")
+    if not config:
+        return settings.planning_model(), settings.plan_step(), None
+    step, report = settings_from_config(config)
+    return report.model, step, report

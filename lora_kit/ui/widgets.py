@@ -12,6 +12,7 @@ Drive it from code (tests, a browser test) through its public widgets::
     p.seq_len.value = 4096          # the figure and p.verdict update in place
     p.settings()                    # -> Settings with the current values
     p.plan_kwargs()                 # -> the plan shown: model and step (estimate(**p.plan_kwargs()))
+    p.load_config("sft.yaml")       # start from a TRL / axolotl / LLaMA-Factory / torchtune / Trainer config
 
 The model shown is ``settings.planning_model()`` (the model the planning notebooks size GPUs for).
 :meth:`PlannerPanel.settings` writes the panel's model back to ``plan_model`` (to ``model`` when
@@ -31,6 +32,7 @@ import ipywidgets as w
 from lora_kit.memory.specs import catalog, valid_targets
 from lora_kit.plan.figures import PART_COLORS
 from lora_kit.plan.gpus import get_gpu, known_gpus
+from lora_kit.plan.config_import import settings_from_config
 from lora_kit.plan.planner import check_plan, verdict_text
 from lora_kit.settings import DTYPES, METHODS, OPTIMIZERS, SHARDINGS, Settings
 
@@ -48,10 +50,14 @@ def _model_options(current: str) -> list[str]:
 class PlannerPanel:
     """Controls for one plan, a live stacked breakdown (``.figure``) and a verdict (``.verdict``)."""
 
-    def __init__(self, settings: Settings | None = None):
+    def __init__(self, settings: Settings | None = None, from_config: str | None = None):
         from lora_kit.plan.planner import GIB as _  # noqa: F401  (fail early if the planner is unavailable)
         s = settings or Settings()
         self._plan_field = "model" if s.plan_model == "same" else "plan_model"
+        report = None
+        if from_config:  # start from the user's training config: its model and step (ValueError names the problem)
+            step, report = settings_from_config(from_config)
+            s = s.replace(**step.to_dict(), **{self._plan_field: report.model})
         model = s.planning_model()
         self._base = s
         self._updating = False
@@ -82,11 +88,20 @@ class PlannerPanel:
         self.sharding = dd(SHARDINGS, s.sharding, "sharding")
         self._set_target_options(s.lora_targets)
         self.verdict = w.HTML(layout=w.Layout(width="940px"))
+        # start from a training config (TRL, axolotl, LLaMA-Factory, torchtune, TrainingArguments JSON)
+        self.config_path = w.Text(value=str(from_config or ""), description="start from config",
+                                  placeholder="path to your TRL / axolotl / LLaMA-Factory / torchtune config",
+                                  style=_STYLE, layout=w.Layout(width="760px"))
+        self.load_button = w.Button(description="load config", layout=w.Layout(width="160px"))
+        self.load_button.on_click(lambda _: self.load_config(self.config_path.value))
+        self.config_report = w.HTML(layout=w.Layout(width="940px"))
+        self._show_report(report)
         self.figure = self._make_figure()
         left = w.VBox([self.model, self.method, self.dtype, self.gpu, self.margin, self.num_gpus, self.sharding])
         right = w.VBox([self.seq_len, self.batch_size, self.lora_rank, self.targets, self.checkpointing,
                         self.optimizer])
-        self.widget = w.VBox([w.HBox([left, right], layout=w.Layout(width="960px", justify_content="space-between")),
+        self.widget = w.VBox([w.HBox([self.config_path, self.load_button]), self.config_report,
+                              w.HBox([left, right], layout=w.Layout(width="960px", justify_content="space-between")),
                               self.verdict, self.figure], layout=w.Layout(width="980px"))
         self.batch_size.tooltip = "examples per GPU per step; gradient accumulation does not change peak memory"
         self.targets.tooltip = "modules that get LoRA adapters; all selected = 'all-linear'"
@@ -100,6 +115,45 @@ class PlannerPanel:
             getattr(self, name).add_class("lk-" + name.replace("_", "-"))
         for c in self.controls():
             c.observe(self._on_change, names="value")
+        self.update()
+
+    def _show_report(self, report) -> None:
+        """What the loaded config set that the plan does not model (or that does not matter), in the panel."""
+        if report is None:
+            self.config_report.value = ""
+            return
+        items = "".join(f"<li><b>{html.escape(n['key'])}={html.escape(repr(n['value']))}</b>: "
+                        f"{html.escape(n['why'])}</li>" for n in report.not_modelled)
+        self.config_report.value = (
+            f"<div>Started from {html.escape(report.path)} ({html.escape(report.format)}): model "
+            f"{html.escape(str(report.model))}."
+            + (f" Not modelled:<ul>{items}</ul>" if items else " Every field that changes memory or time is "
+               "planned.") + (f" Ignored: {html.escape(', '.join(report.ignored))}." if report.ignored else "")
+            + "</div>")
+
+    def load_config(self, path: str) -> None:
+        """Start the panel from a training config: its model and every step field (the panel's controls and the
+        fields it has no control for); an unreadable config leaves the panel as it was and says why."""
+        try:
+            step, report = settings_from_config(path)
+            self._base = self._base.replace(**step.to_dict())
+        except ValueError as e:
+            self.config_report.value = f"<div style='color:#b00'><b>Cannot read the config:</b> {html.escape(str(e))}</div>"
+            return
+        self._updating = True
+        try:
+            if report.model not in self.model.options:
+                self.model.options = [report.model, *self.model.options]
+            self.model.value = report.model
+            for name, value in (("method", step.method), ("dtype", step.dtype), ("seq_len", step.seq_len),
+                                ("batch_size", step.batch_size), ("lora_rank", step.lora_rank),
+                                ("checkpointing", step.gradient_checkpointing), ("optimizer", step.optimizer),
+                                ("num_gpus", step.num_gpus), ("sharding", step.sharding)):
+                getattr(self, name).value = value
+        finally:
+            self._updating = False
+        self._set_target_options(step.lora_targets)
+        self._show_report(report)
         self.update()
 
     def controls(self) -> list:
