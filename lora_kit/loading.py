@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -38,12 +39,30 @@ def resolve_model(model: str | os.PathLike) -> str:
     if p.exists():
         if not (p / "config.json").is_file():
             raise ValueError(f"{str(p)!r} has no config.json: pass a folder written by save_pretrained.")
+        read_config_file(p / "config.json")  # a malformed file is named here, before any work
         return str(p)
     if looks_like_path(model):
         raise ValueError(f"model folder {model!r} does not exist (looked at {str(p.resolve())!r}); set model to a "
                          "folder written by save_pretrained, a hub id such as 'Qwen/Qwen2.5-0.5B', or 'tiny'.")
     check_hub(model)
     return model
+
+
+def read_config_file(path: Path) -> dict:
+    """A model's ``config.json`` as a dict; ValueError naming the file when it cannot be read or is not a JSON
+    object."""
+    try:
+        c = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno}); fix the file "
+                         "or set model to another folder.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{str(path)!r} cannot be read ({getattr(e, 'strerror', None) or e}); set model to a folder "
+                         "holding a readable config.json.") from None
+    if not isinstance(c, dict):
+        raise ValueError(f"{str(path)!r} holds JSON but not an object of config fields; fix the file or set model to "
+                         "another folder.")
+    return c
 
 
 def looks_like_path(model: str) -> bool:

@@ -170,6 +170,14 @@ def _unknown_model(model: str, cat: dict, why: str) -> str:
             f"{why.rstrip('.')}.")
 
 
+def model_is_local(model) -> bool:
+    """True for a ``model`` that names a local folder or file (existing, or path-like: it can be no hub id)."""
+    from lora_kit.loading import TINY_ALIASES, looks_like_path  # lazy
+    if not isinstance(model, (str, os.PathLike)) or os.fspath(model) in TINY_ALIASES:
+        return False
+    return Path(os.fspath(model)).expanduser().exists() or looks_like_path(os.fspath(model))
+
+
 def _config_dict(model) -> tuple[str, dict]:
     """(display name, config dict) for any accepted ``model`` form."""
     if hasattr(model, "to_dict") and hasattr(model, "model_type"):  # PretrainedConfig
@@ -183,12 +191,12 @@ def _config_dict(model) -> tuple[str, dict]:
     for name, facts in cat.items():
         if key == name or key == facts["hub_id"].lower():
             return name, catalog_config(name)
-    from lora_kit.loading import TINY_ALIASES, resolve_model  # lazy: reading a spec needs no torch
+    from lora_kit.loading import TINY_ALIASES, read_config_file, resolve_model  # lazy
     p = Path(model).expanduser()
-    if model in TINY_ALIASES or p.exists():
+    if model in TINY_ALIASES or model_is_local(model):  # a path that does not exist says so
         path = Path(resolve_model(model)) if not p.is_file() else p
         cfg_file = path if path.is_file() else path / "config.json"
-        return model, json.loads(cfg_file.read_text())
+        return model, read_config_file(cfg_file)
     from lora_kit.loading import check_hub
     try:  # offline without a cached copy, or an unreachable hub: at once (no ~25 s of retries)
         check_hub(model)

@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 from lora_kit.memory.estimate import estimate
+from lora_kit.memory.specs import model_is_local, model_spec
 from lora_kit.noise import quiet
 from lora_kit.plan.planner import fit_verdict, model_note
 from lora_kit.results import check_run_name, signal_name
@@ -55,6 +56,8 @@ def cmd_run(args) -> int:
     overrides = {**_settings_from_args(args), **_parse_p(args.p)}
     try:
         settings = load_settings(args.params, overrides)
+        if model_is_local(settings.model):  # a missing folder or a malformed config.json: said before anything runs
+            model_spec(settings.model)
     except ValueError as exc:
         print(f"lora-kit run: invalid settings: {exc}", file=sys.stderr)
         return 2
