@@ -345,6 +345,18 @@ def prepare_run_dir(out: Path, params: dict, overwrite: bool, resume: bool, log)
 # ----------------------------------------------------------------------------------------------
 # the job
 # ----------------------------------------------------------------------------------------------
+def check_thread_env(environ=os.environ) -> None:
+    """ValueError when ``OMP_NUM_THREADS`` is set to what OpenMP cannot read (a positive whole number, or a comma
+    list of them for nested levels): libgomp only warns, in the kernel's log, and runs with its own default."""
+    import re
+    value = environ.get("OMP_NUM_THREADS")
+    if value is None or value.strip() == "":
+        return
+    if not re.fullmatch(r"\s*[1-9]\d*\s*(,\s*[1-9]\d*\s*)*", value):
+        raise ValueError(f"OMP_NUM_THREADS={value!r} is not a positive whole number; OpenMP would ignore it and pick "
+                         "its own thread count. Unset it or set it to a number, e.g. OMP_NUM_THREADS=1.")
+
+
 def run_pipeline(settings: Settings, out_dir: str | Path, notebooks: str | Path | None = None,
                  only: list[str] | None = None, log=print, overwrite: bool = False, resume: bool = False) -> dict:
     """Execute the notebooks into ``out_dir``; returns the pipeline record (also ``pipeline.json``).
@@ -355,6 +367,7 @@ def run_pipeline(settings: Settings, out_dir: str | Path, notebooks: str | Path 
     """
     import papermill as pm
 
+    check_thread_env()
     names = select_notebooks(only)
     nb_dir = check_notebooks(notebooks if notebooks else notebooks_dir(), names)
     out = check_output_dir(out_dir, nb_dir, create=False)
