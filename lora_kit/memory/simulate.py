@@ -213,12 +213,15 @@ def _tracked_step(net, opt, batch, fake_mode, ctx, has_padding: bool, paged: boo
     return tracker
 
 
-def simulate(model, step: Step | None = None, **overrides) -> SimResult:
+def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate", **overrides) -> SimResult:
     """Peak memory of one steady-state training step, from a real step on fake tensors.
 
     Same arguments and result fields as :func:`lora_kit.memory.estimate` (``model``, a ``Step`` and step
     fields overriding it). ``grad_accum`` does not change the peak (each micro-step frees its activations;
     gradients are accumulated in place) and is recorded only. See the module docstring for what is exact.
+    ``fsdp_policy`` (sharded steps): "accelerate" (accelerate's FSDP2 wrapping, what the kit's launcher runs) or
+    "layers" (every decoder layer, then the root, all resharded after forward: the plain ``fully_shard`` recipe);
+    ``lora_kit.fsdp`` describes both.
     """
     s = as_step(step, **overrides)
     name = check_model_step(model, s)
@@ -253,7 +256,7 @@ def simulate(model, step: Step | None = None, **overrides) -> SimResult:
     ctx = autocast_context(autocast, dtype, "cpu")
     if sharding in SIMULATED:  # the real FSDP2 on a fake world of num_gpus ranks: lora_kit.memory.sharded
         with _real_mask_decisions(has_padding):
-            tracker = simulate_sharded(net, batch, s, fake_mode, ctx)
+            tracker = simulate_sharded(net, batch, s, fake_mode, ctx, fsdp_policy)
     else:
         tracker = _tracked_step(net, opt, loop_batch(batch, s.loop), fake_mode, ctx, has_padding, paged,
                                 loop_kw, loop_live)
@@ -271,7 +274,7 @@ def simulate(model, step: Step | None = None, **overrides) -> SimResult:
     if sharding in SIMULATED:
         c = tracker.collectives
         notes.append(f"{sharding}: PyTorch FSDP2 on a fake process group of {s.num_gpus} ranks; rank 0's peak "
-                     "(the largest shard); see lora_kit.memory.sharded for the wrapping policy. Per step it "
+                     f"(the largest shard); {fsdp_policy!r} wrapping (lora_kit.fsdp). Per step it "
                      f"all-gathered {c['all_gather_bytes']} and reduce-scattered {c['reduce_scatter_bytes']} buffer "
                      "bytes (a ring moves (N-1)/N of them per rank).")
     if autocast:
