@@ -378,6 +378,21 @@ def check_output_dir(path: str | Path, *notebook_dirs, create: bool = True) -> P
         except OSError as exc:
             raise ValueError(f"cannot create output folder {str(p)!r}: {exc.strerror or exc}; choose another "
                              "--runs-dir / run_dir.") from None
-        if not os.access(p, os.W_OK | os.X_OK):
-            raise ValueError(f"output folder {str(p)!r} is not writable; choose another --runs-dir / run_dir.")
+    _check_writable(p)
     return p
+
+
+def _check_writable(p: Path) -> None:
+    """ValueError unless a file can be created in ``p`` (or, before it exists, in its nearest existing parent):
+    tried with a real file, since permission bits say nothing for root or a read-only mount."""
+    d = next(a for a in (p, *p.parents) if a.exists())
+    if not d.is_dir():
+        raise ValueError(f"output folder {str(p)!r} cannot be made: {str(d)!r} is a file, not a folder; choose "
+                         "another --runs-dir / run_dir.")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".lora-kit-probe-", dir=d)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"output folder {str(p)!r} is not writable ({exc.strerror or exc}); choose another "
+                         "--runs-dir / run_dir.") from None

@@ -153,6 +153,16 @@ def _adapters(adapters, run_dir) -> dict[str, str]:
     return {str(k): os.fspath(v) for k, v in adapters.items()}
 
 
+def _check_base_alone(run_dir: Path) -> None:
+    """ValueError when the run in ``run_dir`` has a smoke run that did not complete and saved no adapter (killed,
+    failed): a base-only evaluation would pass for the run's result."""
+    rec = settled(read_record(run_dir / "smoke" / "smoke.json"))
+    if rec is not None and rec.get("status") != "complete":
+        raise ValueError(f"the smoke run in {str(run_dir / 'smoke')!r} ended {rec.get('status')!r} without saving an "
+                         "adapter, so there is nothing to compare with the base. Rerun the smoke run, or pass "
+                         "adapters={} to evaluate the base model alone.")
+
+
 def _adapter_run(name: str, path: str, allow_incomplete: bool) -> dict | None:
     """The smoke run that saved the adapter at ``path`` (its ``smoke.json`` one folder up), or None when
     there is no such record (an adapter from elsewhere). ValueError when that run did not complete."""
@@ -270,6 +280,8 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
         check_output_dir(run_dir, create=False)
     identity = run_identity("evaluate", run_dir)
     adapter_paths = _adapters(adapters, run_dir)
+    if adapters is None and not adapter_paths and run_dir is not None:
+        _check_base_alone(Path(run_dir))
     adapter_runs = {name: _adapter_run(name, path, allow_incomplete_adapter) for name, path in adapter_paths.items()}
     systems = [C.BASE] + list(adapter_paths)
 
