@@ -307,6 +307,9 @@ class RunFields:
     # --- planning ------------------------------------------------------------------------
     plan_model: str = setting("", "model the planning notebooks size GPUs for; empty: the model you train (the "
                               f"embedded tiny model, which fits any GPU, plans {EMBEDDED_PLAN_MODEL} and says so)")
+    from_config: str = setting("", "a training config to plan from (TRL SFT / axolotl / LLaMA-Factory YAML, torchtune "
+                               "recipe, TrainingArguments JSON): its model and step replace plan_model's and the "
+                               "step's in notebooks 01/02; empty: none")
     gpu: str = setting("A100-80GB", "GPU the plan targets (see lora_kit.plan.gpus.gpu_table())")
     gpus: list = setting(None, "GPUs to compare", factory=lambda: ["T4", "L4", "A10G", "RTX-4090", "L40S",
                                                                      "A100-80GB", "H100-SXM"])
@@ -449,7 +452,7 @@ def validate(s) -> None:
     for name in ("dataset", "prompt_field", "response_field", "messages_field", "control_dataset"):
         if not isinstance(getattr(s, name), str) or not getattr(s, name).strip():
             raise ValueError(f"{name} must be a non-empty string, got {getattr(s, name)!r}.")
-    for name in ("heldout_dataset", "plan_model"):
+    for name in ("heldout_dataset", "plan_model", "from_config"):
         if not isinstance(getattr(s, name), str):
             raise ValueError(f"{name} must be a string ('' for the default), got {getattr(s, name)!r}.")
 
