@@ -387,7 +387,7 @@ def _check_writable(p: Path) -> None:
     tried with a real file, since permission bits say nothing for root or a read-only mount."""
     d = next(a for a in (p, *p.parents) if a.exists())
     if not d.is_dir():
-        raise ValueError(f"output folder {str(p)!r} cannot be made: {str(d)!r} is a file, not a folder; choose "
+        raise ValueError(f"cannot create output folder {str(p)!r}: {str(d)!r} is a file, not a folder; choose "
                          "another --runs-dir / run_dir.")
     try:
         fd, probe = tempfile.mkstemp(prefix=".lora-kit-probe-", dir=d)
