@@ -78,6 +78,7 @@ class SimResult:
     settings: dict  # the arguments used
     notes: list = field(default_factory=list)  # what was approximated or left out
     collectives: dict = field(default_factory=dict)  # sharded: buffer bytes all-gathered / reduce-scattered per step
+    trace: list | None = None  # trace=True: (phase, operator, live bytes) after each operator of the step
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -198,10 +199,10 @@ def _grouped_mm_any_dtype():
 
 
 def _tracked_step(net, opt, batch, fake_mode, ctx, has_padding: bool, paged: bool, loop_kw=None,
-                  loop_live=()) -> LiveBytesTracker:
+                  loop_live=(), trace: bool = False) -> LiveBytesTracker:
     """One GPU's steady-state step on fake tensors: the optimizer state a first step leaves, then the tracked step
     (``loop_kw``: the loop's clipping and loss, ``loop_live``: its already-live tensors; ``memory.loops``)."""
-    tracker = LiveBytesTracker()
+    tracker = LiveBytesTracker(trace=trace)
     with fake_mode, _real_mask_decisions(has_padding), _grouped_mm_any_dtype():
         _optimizer_warmup(net, opt)  # "step 1": the optimizer state a first step leaves behind
         label_training_state(tracker, net, opt, paged=paged)
@@ -213,7 +214,8 @@ def _tracked_step(net, opt, batch, fake_mode, ctx, has_padding: bool, paged: boo
     return tracker
 
 
-def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate", **overrides) -> SimResult:
+def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate", trace: bool = False,
+             **overrides) -> SimResult:
     """Peak memory of one steady-state training step, from a real step on fake tensors.
 
     Same arguments and result fields as :func:`lora_kit.memory.estimate` (``model``, a ``Step`` and step
@@ -221,7 +223,8 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
     gradients are accumulated in place) and is recorded only. See the module docstring for what is exact.
     ``fsdp_policy`` (sharded steps): "accelerate" (accelerate's FSDP2 wrapping, what the kit's launcher runs) or
     "layers" (every decoder layer, then the root, all resharded after forward: the plain ``fully_shard`` recipe);
-    ``lora_kit.fsdp`` describes both.
+    ``lora_kit.fsdp`` describes both. ``trace`` (one GPU): keep the live bytes after each operator of the step
+    (``SimResult.trace``: (phase, operator, bytes) in order; what ``lora_kit.memory.calibrate`` fits).
     """
     s = as_step(step, **overrides)
     name = check_model_step(model, s)
@@ -259,7 +262,7 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
             tracker = simulate_sharded(net, batch, s, fake_mode, ctx, fsdp_policy)
     else:
         tracker = _tracked_step(net, opt, loop_batch(batch, s.loop), fake_mode, ctx, has_padding, paged,
-                                loop_kw, loop_live)
+                                loop_kw, loop_live, trace)
     raw = tracker.peak_breakdown()
     notes = []
     paged_bytes = raw.pop("paged_optimizer_states", 0)
@@ -285,4 +288,4 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
     assert set(bd) == set(BREAKDOWN_KEYS)
     return SimResult(int(peak), device_total(peak), bd, tracker.peak_phase, time.perf_counter() - t0,
                      {"model": name, **s.to_dict()}, notes,
-                     getattr(tracker, "collectives", {}))
+                     getattr(tracker, "collectives", {}), tracker.trace)

@@ -47,6 +47,8 @@ class LiveBytesTracker(TorchDispatchMode):
     """Count live storage bytes while active; keep the peak and what was live at the peak.
 
     ``block``: rounding of each storage (512 like the CUDA caching allocator; 1 = exact bytes).
+    ``trace``: keep, per operator, the phase, its name and the live bytes once its outputs exist (the moments a peak can
+    happen at, in order; ``lora_kit.memory.calibrate`` fits them).
     ``limit_bytes``: raise ``torch.OutOfMemoryError`` when an allocation takes the live bytes
     above it (a CPU stand-in for a GPU running out of memory). ``phase``: a free-form label
     (e.g. "forward") that the caller sets; the phase current at the peak is kept in
@@ -62,8 +64,9 @@ class LiveBytesTracker(TorchDispatchMode):
         tr.peak_bytes, tr.peak_breakdown()               # {"params": ..., "grads": ..., "other": ...}
     """
 
-    def __init__(self, limit_bytes: int | None = None, block: int = BLOCK):
+    def __init__(self, limit_bytes: int | None = None, block: int = BLOCK, trace: bool = False):
         super().__init__()
+        self.trace: list | None = [] if trace else None  # per operator: (phase, name, live bytes with its outputs)
         if block < 1:
             raise ValueError(f"block must be a positive number of bytes (512 = CUDA rounding, 1 = exact), got {block!r}.")
         self.block = block
@@ -159,6 +162,8 @@ class LiveBytesTracker(TorchDispatchMode):
                     self._add(o)
         else:
             tree_map_only(torch.Tensor, self._add, out)
+        if self.trace is not None:
+            self.trace.append((self.phase, func.__name__, self.current_bytes))
         return out
 
     # -- already-live tensors and categories --------------------------------------------------
