@@ -2,14 +2,16 @@
 
 For one architecture (a config) and one step with its categorical fields fixed, ``simulate`` runs with
 ``trace=True`` at a few shallow depths and short shapes; each run gives, per operator of the step in order, the
-live bytes once its outputs exist (``LiveBytesTracker(trace=True)``): the only moments a peak can happen at. At one
-depth the operator sequence depends on the micro-batch ``B`` only through ``B == 1`` versus ``B > 1`` (a few
-operators differ), so each regime has its own fit. Operator ``j``'s live bytes are fitted exactly (rational least
+live bytes once its outputs exist (``LiveBytesTracker(trace=True)``): the only moments a peak can happen at. For one
+stack of blocks the operator sequence depends on the shape only through regimes, each fitted on its own: ``B == 1``
+versus ``B > 1`` (a few operators differ), and, for a model with a sliding window ``w``, ``S < w`` versus
+``S >= w`` (from there on transformers builds an explicit mask and attention takes another kernel). Operator ``j``'s live bytes are fitted exactly (rational least
 squares, then checked to reproduce every design shape to the byte and a held-out shape) in a basis of the shape:
 ``1, S, S²`` at ``B == 1``; ``1, S, S², B·S, B·S²`` above (weights and states, position tables, masks, activations,
 attention scores). Per phase (forward / backward / optimizer) the peak at a shape is the largest operator's value;
-across depths it grows linearly (each block adds what it keeps), so the phase peak at depth ``L`` is extrapolated
-from two depths. The figure is the largest phase's. Operators that can never be a phase's maximum are pruned.
+across depths it grows linearly, each block adding what its type keeps, so the phase peak of the whole model is
+the two-block stack's plus, per layer type, the count of its blocks times what one block of that type adds
+(measured on a three-block stack). The figure is the largest phase's. Operators that can never be a phase's maximum are pruned.
 
 Evaluation is exact integer arithmetic (Python ints: no overflow, no float bytes). Not fitted here yet: LoRA rank
 and targets (fixed per fit), sharding (one GPU), loops whose operator sequence follows the tokens
@@ -21,17 +23,41 @@ import copy
 from dataclasses import dataclass
 from fractions import Fraction
 
-DEPTHS = (2, 3)
-# per regime: (basis terms, design shapes (B, S), held-out shape); each design is full rank in its basis
-REGIMES = {
-    "B=1": (("1", "S", "S2"), ((1, 512), (1, 1024), (1, 2048)), (1, 1536)),
-    "B>1": (("1", "S", "S2", "BS", "BS2"), ((2, 512), (2, 1024), (2, 2048), (4, 512), (4, 1024), (3, 768)),
-            (3, 1536)),
+# the B regimes: (basis terms, design shapes as (B, k): S = start + k * span, held-out shape)
+B_REGIMES = {
+    "B=1": (("1", "S", "S2"), ((1, 0), (1, 2), (1, 4)), (1, 3)),
+    "B>1": (("1", "S", "S2", "BS", "BS2"), ((2, 0), (2, 2), (2, 4), (4, 0), (4, 2), (3, 1)), (3, 3)),
 }
+SPAN = 512  # tokens between design shapes without a window
 
 
-def _regime(B: int) -> str:
-    return "B=1" if B == 1 else "B>1"
+def _window(cfg) -> int | None:
+    """The sliding window that switches attention's kernel at ``S >= window`` (transformers builds an explicit
+    mask from there on), when the config uses one."""
+    w = getattr(cfg, "sliding_window", None)
+    if not isinstance(w, int) or w <= 0 or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    return w
+
+
+def _s_regimes(cfg) -> dict:
+    """S regimes: name -> (start, span, contains(S)). Without a window, one regime from 512 tokens on."""
+    w = _window(cfg)
+    if w is None:
+        return {"S": (SPAN, SPAN, lambda S: True)}
+    span = max(8, min(SPAN, w // 8) // 8 * 8)
+    return {"S<w": (max(8, w - 5 * span), span, lambda S, w=w: S < w),
+            "S>=w": (w, span, lambda S, w=w: S >= w)}
+
+
+def _stacks(cfg) -> dict:
+    """The shallow stacks fitted: "base" (two blocks of the first layer type) and one three-block stack per layer
+    type (the base plus one block of that type), so depth is counted per type. Without layer types: one type."""
+    types = getattr(cfg, "layer_types", None)
+    if not isinstance(types, list) or not types:
+        return {"base": None, "block": None}
+    first = types[0]
+    return {"base": [first, first], **{t: [first, first, t] for t in dict.fromkeys(types)}}
 
 
 def _row(basis, B: int, S: int) -> list[int]:
@@ -59,15 +85,15 @@ def _value(basis, coef, B: int, S: int) -> Fraction:
     return sum(c * x for c, x in zip(coef, _row(basis, B, S)))
 
 
-def _traces(cfg, step, depth: int, shapes) -> list[list[tuple]]:
-    from lora_kit.memory.simulate import simulate
+def _shallow(cfg, stack: str, layers):
     c = copy.deepcopy(cfg)
-    c.num_hidden_layers = depth
-    for key in ("layer_types", "mlp_only_layers"):  # per-layer lists follow the depth
-        v = getattr(c, key, None)
-        if isinstance(v, list) and len(v) > depth:
-            setattr(c, key, v[:depth])
-    return [simulate(c, step, batch_size=B, seq_len=S, trace=True).trace for B, S in shapes]
+    c.num_hidden_layers = len(layers) if layers is not None else (2 if stack == "base" else 3)
+    if layers is not None:
+        c.layer_types = list(layers)
+    v = getattr(c, "mlp_only_layers", None)
+    if isinstance(v, list):
+        c.mlp_only_layers = [i for i in v if i < c.num_hidden_layers]
+    return c
 
 
 def _envelope(ops: list) -> list:
@@ -79,19 +105,29 @@ def _envelope(ops: list) -> list:
 
 @dataclass(frozen=True)
 class Fit:
-    """Per regime and depth, per phase: the coefficient vectors (rationals) of the operators that can peak."""
-    phases: dict  # (regime, depth) -> {phase: [coefficient tuples]}
+    """Per (B regime, S regime, stack), per phase: the coefficient vectors (rationals) of the operators that can
+    peak; ``types``: the model's layer types in order (None: one type)."""
+    phases: dict
+    s_regimes: dict
+    types: tuple | None
 
-    def phase_peaks(self, depth: int, B: int, S: int) -> dict:
-        reg = _regime(B)
-        basis = REGIMES[reg][0]
-        return {ph: max(_value(basis, c, B, S) for c in ops) for ph, ops in self.phases[(reg, depth)].items()}
+    def _phase_peaks(self, b_reg: str, s_reg: str, stack: str, B: int, S: int) -> dict:
+        basis = B_REGIMES[b_reg][0]
+        return {ph: max(_value(basis, c, B, S) for c in ops) for ph, ops in self.phases[(b_reg, s_reg, stack)].items()}
 
     def peak(self, layers: int, B: int, S: int) -> int:
-        """Peak allocated bytes at ``layers`` blocks, micro-batch ``B``, ``S`` tokens: exact."""
-        lo, hi = DEPTHS
-        p_lo, p_hi = self.phase_peaks(lo, B, S), self.phase_peaks(hi, B, S)
-        best = max(p_lo[ph] + (layers - lo) * (p_hi[ph] - p_lo[ph]) / (hi - lo) for ph in p_lo)
+        """Peak allocated bytes at ``layers`` blocks (the model's own layer types when it has them), micro-batch
+        ``B``, ``S`` tokens: exact."""
+        b_reg = "B=1" if B == 1 else "B>1"
+        s_reg = next((k for k, (start, _, has) in self.s_regimes.items() if has(S)), None)
+        if s_reg is None:
+            raise ValueError(f"seq_len={S} is below every fitted regime")
+        base = self._phase_peaks(b_reg, s_reg, "base", B, S)
+        types = list(self.types[:layers]) if self.types else None
+        counts = {"block": layers - 2} if types is None else \
+            {t: types.count(t) - (2 if t == self.types[0] else 0) for t in dict.fromkeys(types)}
+        adds = {t: self._phase_peaks(b_reg, s_reg, t, B, S) for t in counts}
+        best = max(base[ph] + sum(n * (adds[t][ph] - base[ph]) for t, n in counts.items()) for ph in base)
         if best.denominator != 1:
             raise ArithmeticError(f"the fitted peak is not a whole number of bytes ({best}): refit")
         return int(best)
@@ -103,24 +139,29 @@ class Fit:
 def fit(cfg, step) -> Fit:
     """Fit ``simulate`` for the architecture ``cfg`` (a ``PretrainedConfig``) and ``step`` (a ``Step``; its
     ``batch_size`` and ``seq_len`` are the fit's variables). Raises ValueError naming what cannot be aligned."""
+    from lora_kit.memory.simulate import simulate
     if step.sharding not in ("none", "ddp") or step.loop == "sft":
         raise ValueError("calibrate fits one GPU's step with loop 'kit' or 'trainer' (sft's tiles follow the tokens).")
-    phases = {}
-    for reg, (basis, design, held) in REGIMES.items():
-        rows = [_row(basis, B, S) for B, S in design]
-        for depth in DEPTHS:
-            traces = _traces(cfg, step, depth, design + (held,))
-            if len({tuple(op[:2] for op in t) for t in traces}) != 1:
-                raise ValueError(f"the operator sequence at depth {depth}, {reg}, changes with the shape "
-                                 f"({sorted(len(t) for t in traces)} operators): not fitted")
-            by_phase: dict = {}
-            for j, (ph, name, _) in enumerate(traces[0]):
-                ys = [t[j][2] for t in traces[:len(design)]]
-                coef = _solve(rows, ys)
-                if any(_value(basis, coef, B, S) != y for (B, S), y in zip(design, ys)) or \
-                        _value(basis, coef, *held) != traces[-1][j][2]:
-                    raise ValueError(f"operator {j} ({name}, {ph}) at depth {depth}, {reg}, is not polynomial in "
-                                     f"{basis}: not fitted")
-                by_phase.setdefault(ph, []).append(coef)
-            phases[(reg, depth)] = {ph: _envelope(ops) for ph, ops in by_phase.items()}
-    return Fit(phases)
+    s_regimes, stacks, phases = _s_regimes(cfg), _stacks(cfg), {}
+    for b_reg, (basis, design, held) in B_REGIMES.items():
+        for s_reg, (start, span, _) in s_regimes.items():
+            shapes = [(B, start + k * span) for B, k in design + (held,)]
+            rows = [_row(basis, B, S) for B, S in shapes[:-1]]
+            for stack, layers in stacks.items():
+                c = _shallow(cfg, stack, layers)
+                traces = [simulate(c, step, batch_size=B, seq_len=S, trace=True).trace for B, S in shapes]
+                if len({tuple(op[:2] for op in t) for t in traces}) != 1:
+                    raise ValueError(f"the operator sequence of stack {stack!r}, {b_reg}, {s_reg}, changes with the "
+                                     f"shape ({sorted(len(t) for t in traces)} operators): not fitted")
+                by_phase: dict = {}
+                for j, (ph, name, _) in enumerate(traces[0]):
+                    ys = [t[j][2] for t in traces[:-1]]
+                    coef = _solve(rows, ys)
+                    if any(_value(basis, coef, B, S) != y for (B, S), y in zip(shapes, ys)) or \
+                            _value(basis, coef, *shapes[-1]) != traces[-1][j][2]:
+                        raise ValueError(f"operator {j} ({name}, {ph}) of stack {stack!r}, {b_reg}, {s_reg}, is not "
+                                         f"polynomial in {basis}: not fitted")
+                    by_phase.setdefault(ph, []).append(coef)
+                phases[(b_reg, s_reg, stack)] = {ph: _envelope(ops) for ph, ops in by_phase.items()}
+    types = getattr(cfg, "layer_types", None)
+    return Fit(phases, s_regimes, tuple(types) if isinstance(types, list) and types else None)
