@@ -243,9 +243,17 @@ def settled(record: dict | None) -> dict | None:
         return record
     proc = record["process"]
     where = record.get("current") or record.get("current_phase")
-    return {**record, "status": "died" + (f" at {where}" if where else ""),
-            "ending": f"process {proc['pid']} on {proc.get('host')} is gone without recording an ending "
-                      f"(last update {record.get('updated', '?')}): killed (SIGKILL, out of memory) or crashed"}
+    out = {**record, "status": "died" + (f" at {where}" if where else ""),
+           "ending": f"process {proc['pid']} on {proc.get('host')} is gone without recording an ending "
+                     f"(last update {record.get('updated', '?')}): killed (SIGKILL, out of memory) or crashed"}
+    # nothing of a dead run is still running: its notebook entries and phases died with it
+    if isinstance(record.get("notebooks"), list):
+        out["notebooks"] = [{**e, "status": "died"} if isinstance(e, dict) and e.get("status") == "running" else e
+                            for e in record["notebooks"]]
+    if isinstance(record.get("phases"), dict):
+        out["phases"] = {k: {**v, "status": "died"} if isinstance(v, dict) and v.get("status") == "running" else v
+                         for k, v in record["phases"].items()}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -167,16 +167,43 @@ def offline_problems(html_path: str | Path) -> list[str]:
     return problems
 
 
+FIGURE_INDEX = "figures.json"  # <run_dir>/figures.json: which run (and notebook) wrote each saved figure
+NOTEBOOK_ENV = "LORA_KIT_NOTEBOOK"  # the notebook a ``lora-kit run`` kernel executes (set by the pipeline)
+
+
 def save_figure(fig, name: str, run_dir: str | Path | None = None) -> dict:
     """Write ``<run_dir>/figures/<name>.html`` (interactive, plotly.js from ``<run_dir>/plotly.min.js``)
-    and ``<name>.json`` (for the PNG batch)."""
+    and ``<name>.json`` (for the PNG batch), each atomically (a full disk keeps the previous figure and raises
+    :class:`lora_kit.results.NotWritten` naming the file), and record in ``<run_dir>/figures.json`` which run
+    and notebook wrote it: the run card and ``--resume`` read that record, never file times (a plain ``cp -r``
+    changes them)."""
+    from lora_kit.results import write_text_atomic
     out_dir = Path(run_dir).resolve() / "figures" if run_dir else (_RUN_DIR or Path("runs/figures")) / "figures"
     out_dir.mkdir(parents=True, exist_ok=True)
     ship_plotlyjs(out_dir.parent)
     paths = {"html": str(out_dir / f"{name}.html"), "json": str(out_dir / f"{name}.json")}
-    fig.write_html(paths["html"], include_plotlyjs=f"../{PLOTLY_JS}", include_mathjax=False, full_html=True)
-    Path(paths["json"]).write_text(fig.to_json())
+    write_text_atomic(paths["html"], fig.to_html(include_plotlyjs=f"../{PLOTLY_JS}", include_mathjax=False,
+                                                 full_html=True))
+    write_text_atomic(paths["json"], fig.to_json())
+    _index_figure(out_dir.parent, name)
     return paths
+
+
+def _index_figure(run_dir: Path, name: str) -> None:
+    from lora_kit.results import active_run, now_iso, read_record, write_json_atomic
+    index = read_record(run_dir / FIGURE_INDEX) or {}
+    figures = index.get("figures") if isinstance(index.get("figures"), dict) else {}
+    ident = active_run(run_dir) or {}
+    figures[name] = {"run": ident.get("id"), "notebook": os.environ.get(NOTEBOOK_ENV) if ident else None,
+                     "written": now_iso()}
+    write_json_atomic(run_dir / FIGURE_INDEX, {"kind": "lora_kit.figures", "figures": figures})
+
+
+def figure_index(run_dir: str | Path) -> dict:
+    """``{name: {"run": id, "notebook": name, "written": time}}`` of the figures saved into ``run_dir``."""
+    from lora_kit.results import read_record
+    figures = (read_record(Path(run_dir) / FIGURE_INDEX) or {}).get("figures")
+    return figures if isinstance(figures, dict) else {}
 
 
 def export_pngs(run_dir: str | Path, width: int = 1000, height: int = 560) -> dict:
@@ -201,9 +228,11 @@ def export_pngs(run_dir: str | Path, width: int = 1000, height: int = 560) -> di
     try:
         import kaleido
         for _attempt in range(2):
-            specs = [dict(fig=pio.from_json(p.read_text()).to_dict(), path=p.with_suffix(".png"),
+            specs = [dict(fig=pio.from_json(p.read_text()).to_dict(), path=_partial_png(p),
                           opts=dict(format="png", width=width, height=height)) for p in todo]
             errors = [e for e in (kaleido.write_fig_from_object_sync(specs) or ()) if isinstance(e, BaseException)]
+            for spec in specs:  # a PNG appears whole or not at all: kaleido writes a hidden file, renamed here
+                _place_png(spec["path"], spec["path"].parent / (spec["path"].name[1:-len(".partial.png")] + ".png"))
             todo = [p for p in todo if not p.with_suffix(".png").is_file()]
             if not todo:
                 break
@@ -214,6 +243,22 @@ def export_pngs(run_dir: str | Path, width: int = 1000, height: int = 560) -> di
         return {"error": f"no PNG for {', '.join(p.stem for p in todo)} ({why})"[:300],
                 "png": sorted(str(p) for p in fig_dir.glob("*.png"))}
     return {"png": sorted(str(p) for p in fig_dir.glob("*.png"))}
+
+
+def _partial_png(json_path: Path) -> Path:
+    return json_path.parent / f".{json_path.stem}.partial.png"
+
+
+def _place_png(partial: Path, final: Path) -> None:
+    """Rename a PNG kaleido wrote whole into place; one it left truncated or empty (full disk) is removed."""
+    import contextlib
+    try:
+        ok = partial.is_file() and partial.read_bytes().endswith(b"IEND\xaeB`\x82")  # PNG's closing chunk
+        if ok:
+            os.replace(partial, final)
+    finally:
+        with contextlib.suppress(OSError):
+            partial.unlink()
 
 
 def show(fig, name: str | None = None):

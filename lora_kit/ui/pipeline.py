@@ -35,7 +35,7 @@ from jupyter_client.manager import AsyncKernelManager
 
 from lora_kit.data import absolute_paths
 from lora_kit.progress import follow
-from lora_kit.ui.notebook import kit_notebooks_dir
+from lora_kit.ui.notebook import FIGURE_INDEX, NOTEBOOK_ENV, PLOTLY_JS, figure_index, kit_notebooks_dir
 from lora_kit.results import (NotWritten, active_run, check_movable_run, check_output_dir, entered_run, interrupts,
                               new_run, now_iso, process_alive, read_record, same_run, settled, signal_name, touch,
                               write_json_atomic, write_text_atomic)
@@ -309,18 +309,19 @@ def prepare_run_dir(out: Path, params: dict, overwrite: bool, resume: bool, log)
                             "keeps one set of settings. Use --overwrite or another --name to run these settings.")
         ident = old["run"]
         kept = [e for e in old.get("notebooks", []) if _proven(out, e, ident)]
-        keep = {"pipeline.json", "settings.json"}
-        windows = []
+        keep = {"pipeline.json", "settings.json", FIGURE_INDEX, PLOTLY_JS}
         for e in kept:
             keep |= {e["notebook"], Path(e["notebook"]).with_suffix(".html").name, PROOF[e["notebook"]].split("/")[0],
                      *OWNED.get(e["notebook"], ())}
-            windows.append((e.get("started_unix", 0), e.get("ended_unix", 0)))
+        index = figure_index(out)  # a figure belongs to the notebook that saved it (figures.json), in this run
+        kept_figures = {n for n, v in index.items() if isinstance(v, dict) and v.get("run") == ident.get("id")
+                        and v.get("notebook") in {e["notebook"] for e in kept}}
         aside = _aside(out, f"aside-{time.strftime('%Y%m%dT%H%M%S')}")
         moved = []
         for p in sorted(out.iterdir()):
             if p.name == "figures" and p.is_dir():
-                for f in sorted(p.iterdir()):  # a figure belongs to the notebook that ran when it was written
-                    if not any(a <= f.stat().st_mtime <= b + 1 for a, b in windows):
+                for f in sorted(p.iterdir()):
+                    if f.name.rsplit(".", 1)[0] not in kept_figures:
                         (aside / "figures").mkdir(parents=True, exist_ok=True)
                         shutil.move(str(f), aside / "figures" / f.name)
                         moved.append(f"figures/{f.name}")
@@ -448,11 +449,15 @@ def _run_one(pm, nb_dir: Path, out: Path, name: str, params: dict, record: dict)
     record["current"] = name
     _save(out, record)
     n_kernels, oom_before = len(TrackedKernelManager.started), oom_kills()
+    os.environ[NOTEBOOK_ENV] = name  # the kernel inherits it: figures.json says which notebook saved a figure
     try:
-        pm.execute_notebook(str(nb_dir / name), str(dst), parameters=injected_parameters(nb_dir / name, params),
-                            kernel_name="python3",
-                            cwd=str(out), progress_bar=False, log_output=False,
-                            kernel_manager_class=TrackedKernelManager)
+        try:
+            pm.execute_notebook(str(nb_dir / name), str(dst), parameters=injected_parameters(nb_dir / name, params),
+                                kernel_name="python3",
+                                cwd=str(out), progress_bar=False, log_output=False,
+                                kernel_manager_class=TrackedKernelManager)
+        finally:
+            os.environ.pop(NOTEBOOK_ENV, None)
     except Exception as exc:
         entry.update(seconds=round(time.perf_counter() - t0, 2), ended_unix=time.time())
         kms = TrackedKernelManager.started[n_kernels:]

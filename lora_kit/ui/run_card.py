@@ -5,13 +5,12 @@ Sources in the run directory: ``settings.json`` (pipeline), ``stack.json`` (00),
 ``sweeps.json`` (02), ``smoke/smoke.json`` (03, written by ``smoke_run``), ``eval/eval.json`` (04).
 
 When ``pipeline.json`` names a run, the card shows only results that carry that run's id (a file
-left by another run is listed as excluded, never shown as this run's) and only figures written
-while this run's notebooks executed; it says which notebooks ran in this run and which did not.
+left by another run is listed as excluded, never shown as this run's) and only figures that
+``figures.json`` says this run wrote; it says which notebooks ran in this run and which did not.
 A record still saying "running" from a process that is gone is shown as "died".
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from lora_kit.data import LONG_SHARE_WARN, long_examples_line
@@ -519,8 +518,9 @@ def render_markdown(card: dict) -> str:
 
 def _figures(d: Path, pipe: dict | None) -> dict:
     """PNG figures when a browser can render them (one batch), else the HTML files; with a pipeline
-    record, only figures written while one of this run's notebooks executed."""
-    from lora_kit.ui.notebook import export_pngs
+    record, only figures that ``figures.json`` says this run wrote (:func:`lora_kit.ui.notebook.save_figure`
+    records each one; file times are not evidence: a plain ``cp -r`` changes them)."""
+    from lora_kit.ui.notebook import export_pngs, figure_index
     if not (d / "figures").is_dir():
         return {}
     res = export_pngs(d)
@@ -528,13 +528,9 @@ def _figures(d: Path, pipe: dict | None) -> dict:
     have = {Path(p).stem for p in pngs}  # a figure whose PNG failed keeps its HTML
     files = pngs + sorted(str(p) for p in (d / "figures").glob("*.html") if p.stem not in have)
     if pipe:
-        windows = [(e.get("started_unix", 0), e.get("ended_unix") or time.time())
-                   for e in pipe.get("notebooks") or []]
-
-        def stem_time(f):  # the figure's HTML/JSON was written by the notebook; its PNG later, by the card
-            src = [Path(f).with_suffix(x) for x in (".html", ".json")]
-            return min((p.stat().st_mtime for p in src if p.exists()), default=0)
-        files = [f for f in files if any(a - 1 <= stem_time(f) <= b + 1 for a, b in windows)]
+        run_id = (pipe.get("run") or {}).get("id")
+        index = figure_index(d)
+        files = [f for f in files if run_id and (index.get(Path(f).stem) or {}).get("run") == run_id]
     return {"files": [str(Path(f).relative_to(d)) for f in files], "png_error": res.get("error")}
 
 
