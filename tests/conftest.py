@@ -15,6 +15,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def load_script(relpath: str, name: str):
+    """A script of the repository (``benchmarks/grid.py``, ``docs/generate.py`` ...) imported as a module."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / relpath)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def pytest_configure(config):
     """Notebooks executed as a user runs them (nbval's 02, in notebooks/: this conftest's fixtures do not
     reach it, its hooks do) write their relative ``run_dir`` under a temp folder, not into the checkout's

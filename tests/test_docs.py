@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 GENERATED = {ROOT / "docs" / "accuracy.md", ROOT / "docs" / "cli.md"}
@@ -93,10 +95,7 @@ def doc_commands() -> list[Command]:
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("lora_kit_docs_generate", ROOT / "docs" / "generate.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("docs/generate.py", "lora_kit_docs_generate")
 
 
 def test_generated_docs_are_up_to_date():

@@ -4,17 +4,15 @@ phase). An intended change to the estimate regenerates the file (``python benchm
 commits it with the reason; anything else that moves a number fails here, naming the rows."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _grid_module():
-    spec = importlib.util.spec_from_file_location("lora_kit_benchmark_grid", ROOT / "benchmarks" / "grid.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/grid.py", "lora_kit_benchmark_grid")
 
 
 def test_estimate_grid_matches_golden():

@@ -1,22 +1,19 @@
 """The embedded model: it loads offline, matches its build_info, and its build script still runs."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from lora_kit.embedded.tasks import DATA_DIR, TINY_DIR, sha256_file
+from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _build_module():
-    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO / "scripts" / "build_tiny_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/build_tiny_model.py", "build_tiny_model")
 
 
 # shipped beside the built data but written by hand, not by the build script (lora_kit.data: "generic:control")
