@@ -6,24 +6,54 @@ A :class:`PromptFormat` renders an example (``{"prompt", "response"[, "context"]
 - ``"plain"``: ``"{prompt}\\nAnswer: "`` then the response and the tokenizer's EOS -- the kit's own
   format, the one the embedded model was pretrained on;
 - ``"chat"``: the tokenizer's chat template (``apply_chat_template``); the conversation is the
-  row's context messages (``messages`` data) or one user message holding the prompt; the answer is
-  what the template adds for the assistant's turn (its end-of-turn marker included, so the model
-  learns to stop);
+  row's context messages (``messages`` data) or one user message holding the prompt, then the
+  assistant's answer;
 - a user template holding ``{prompt}``, e.g. ``"### Question: {prompt}\\n### Answer: "``, then the
   response and EOS.
 
 ``"auto"`` (:func:`resolve_prompt_format`) means "chat" when the tokenizer has a chat template and
-the data is conversational, else "plain". Labels cover only the answer (+ EOS / end of turn):
-everything before it is masked with -100, so the loss measures the task, not the copying of the
-question or the template. BOS is added once: by the tokenizer for plain/template formats, by the
-template text for "chat" (tokenized with ``add_special_tokens=False`` -- no double BOS).
-Trade-off: prompt and answer are tokenized separately, so a token spanning their boundary is split;
-the same split is used everywhere, so training and evaluation agree.
+the data is conversational, else "plain".
+
+Tokenised once. The whole text (the rendered conversation, or prompt + response + EOS) is tokenised
+in one call, as TRL's ``SFTTrainer`` does (``apply_chat_template(tokenize=True)`` for conversations;
+prompt + completion for the other formats), and labels come from character offsets into that one
+tokenisation: a token is trained when it overlaps a trained character span (transformers'
+``return_assistant_tokens_mask`` rule). Token ids are therefore the template's own -- no token split at
+the prompt/answer boundary, no space token a SentencePiece tokenizer adds to a separately tokenised
+answer. Which spans are trained is ``train_on``:
+
+- ``"assistant"`` (default): every assistant turn -- TRL's ``assistant_only_loss=True``, LLaMA-Factory's
+  default (``mask_history`` off);
+- ``"last"``: the last assistant turn only;
+- ``"all"``: every token -- TRL 1.16's default ``assistant_only_loss=False``.
+
+An assistant turn's span runs from the end of the template's generation prompt (what
+``add_generation_prompt=True`` renders before it) through its content and the template's end of turn
+(what the template writes after a final assistant message, e.g. ``<end_of_turn>\\n``, ``<|im_end|>\\n``,
+``<|end|>\\n`` + EOS, as far as the rendered text repeats it). A template with ``{% generation %}``
+markers is taken at its word (its marked spans). For the plain and template formats the answer's span is
+the response and EOS. A prompt's (or generation prompt's) trailing spaces belong to the answer's span when the tokenizer's
+vocabulary joins a space to the next word (``Ġword`` / ``▁word``): BPE
+and SentencePiece tokenizers merge a space with the word after it (``"Answer: "`` + ``"OK"`` -> ``" OK"``),
+so the prompt the model generates after ends before them (:meth:`PromptFormat.prompt_ids`) and the
+training context is the same. (A tokenizer whose vocabulary has no space-led word keeps the space in the
+prompt, e.g. the embedded character-level one.)
+BOS is added once: by the tokenizer for plain/template, by the template text for
+chat (tokenised with ``add_special_tokens=False``).
+
+A template that refuses or drops a system message (Mixtral's, Gemma-2's) gets the system text merged
+into the first user turn, separated by a blank line; :attr:`PromptFormat.notes` says so for the run's
+summary.
 """
 from __future__ import annotations
 
+import re
+
 PROMPT_TEMPLATE = "{prompt}\nAnswer: "
 IGNORE_INDEX = -100
+TRAIN_ON = ("last", "assistant", "all")
+_GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_PROBE = "x"  # stands for an answer's first character when the generation prompt's tokens are fixed
 
 
 def render_prompt(prompt: str) -> str:
@@ -32,6 +62,13 @@ def render_prompt(prompt: str) -> str:
 
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
+
+
+def check_train_on(train_on: str) -> str:
+    if train_on not in TRAIN_ON:
+        raise ValueError(f"train_on={train_on!r} is not valid; choose 'assistant' (every assistant turn), 'last' "
+                         "(the last assistant turn) or 'all' (the whole conversation).")
+    return train_on
 
 
 def resolve_prompt_format(setting: str, tokenizer, conversational: bool) -> str:
@@ -49,73 +86,165 @@ def resolve_prompt_format(setting: str, tokenizer, conversational: bool) -> str:
     return setting
 
 
-class PromptFormat:
-    """Encodes examples in one concrete format ("plain", "chat" or a template with ``{prompt}``)."""
+def labels_from_spans(ids: list[int], offsets, spans) -> list[int]:
+    """``ids`` with every token that overlaps none of the character ``spans`` masked (-100); a token
+    overlapping a span is trained (transformers' ``return_assistant_tokens_mask`` rule)."""
+    labels, k = [IGNORE_INDEX] * len(ids), 0
+    spans = sorted(s for s in spans if s[1] > s[0])
+    for i, (a, b) in enumerate(offsets):
+        while k < len(spans) and a >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        if b > spans[k][0] and b > a:
+            labels[i] = ids[i]
+    return labels
 
-    def __init__(self, tokenizer, kind: str = "plain"):
+
+class PromptFormat:
+    """Encodes examples in one concrete format ("plain", "chat" or a template with ``{prompt}``),
+    training the spans ``train_on`` names (see the module docstring)."""
+
+    def __init__(self, tokenizer, kind: str = "plain", train_on: str = "assistant"):
         self.tokenizer, self.kind = tokenizer, resolve_prompt_format(kind, tokenizer, False)  # "auto" -> "plain"
+        self.train_on = check_train_on(train_on)
         self.template = PROMPT_TEMPLATE if self.kind in ("plain", "chat") else self.kind
         # plain/template answers end at the first newline; chat answers end at the end-of-turn marker
         self.stop_at_newline = self.kind != "chat"
+        self.notes: list[str] = []
+        self.merge_system = False
+        self.end_of_turn = ""  # the text the chat template writes after a final assistant message
+        self.marked = False
+        self._space_joins = None
+        if self.kind == "chat":
+            self._probe_template()
         self.stop_ids = self._stop_ids()
 
     def __repr__(self) -> str:
-        return f"PromptFormat({self.kind!r})"
+        return f"PromptFormat({self.kind!r}, train_on={self.train_on!r})"
 
-    def _messages(self, ex) -> list[dict]:
-        if isinstance(ex, str):
-            return [{"role": "user", "content": ex}]
-        return list(ex.get("context") or [{"role": "user", "content": ex["prompt"]}])
-
+    # -- the chat template, probed once -----------------------------------------------------
     def _chat(self, messages, add_generation_prompt: bool) -> str:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         return text if isinstance(text, str) else text[0]
 
-    def prompt_text(self, ex) -> str:
-        if self.kind == "chat":
-            return self._chat(self._messages(ex), True)
-        return self.template.format(prompt=ex if isinstance(ex, str) else ex["prompt"])
+    def _probe_template(self) -> None:
+        tpl = self.tokenizer.chat_template
+        self.marked = isinstance(tpl, str) and bool(_GENERATION_MARK.search(tpl))
+        marker = "SYSTEMPROBE"
+        try:
+            ok = marker in self._chat([{"role": "system", "content": marker}, {"role": "user", "content": "u"}], True)
+        except Exception:  # noqa: BLE001 - a template that raises on a system message (e.g. Mixtral's)
+            ok = False
+        if not ok:
+            self.merge_system = True
+            self.notes.append("the chat template has no system role: system messages are merged into the first "
+                              "user turn (system text, a blank line, the user text)")
+        try:
+            head = self._chat([{"role": "user", "content": "u"}], True)
+            full = self._chat([{"role": "user", "content": "u"}, {"role": "assistant", "content": "ANSWERPROBE"}],
+                              False)
+        except Exception:  # noqa: BLE001 - encode() will raise the template's own message on a real row
+            return
+        if full.startswith(head) and "ANSWERPROBE" in full[len(head):]:
+            self.end_of_turn = full[full.rindex("ANSWERPROBE") + len("ANSWERPROBE"):]
 
-    def prompt_ids(self, ex) -> list[int]:
-        """Token ids of the rendered prompt (BOS once, if the tokenizer or the template adds one)."""
-        return list(self.tokenizer(self.prompt_text(ex), add_special_tokens=self.kind != "chat")["input_ids"])
+    def _messages(self, ex) -> list[dict]:
+        if isinstance(ex, str):
+            msgs = [{"role": "user", "content": ex}]
+        else:
+            msgs = [dict(m) for m in (ex.get("context") or [{"role": "user", "content": ex["prompt"]}])]
+        if self.merge_system and msgs and msgs[0]["role"] == "system":
+            system, msgs = msgs[0]["content"], msgs[1:]
+            for m in msgs:
+                if m["role"] == "user":
+                    m["content"] = f"{system}\n\n{m['content']}" if system.strip() else m["content"]
+                    break
+        return msgs
 
-    def answer_ids(self, ex, response: str) -> list[int]:
+    def _render_conversation(self, messages) -> str:
+        try:
+            return self._chat(messages, False)
+        except Exception as e:  # noqa: BLE001 - jinja2 TemplateError and friends: say what to change
+            raise ValueError(f"the chat template refuses this conversation (roles {[m['role'] for m in messages]}): "
+                             f"{e}; fix the row, or set prompt_format='plain' or a template holding {{prompt}}.") from None
+
+    def _eot_length(self, text: str, at: int) -> int:
+        """How much of the template's end of turn the text repeats at ``at``, in whole tokens of it."""
+        eot = self.end_of_turn
+        if not eot:
+            return 0
+        enc = self.tokenizer(eot, add_special_tokens=False, return_offsets_mapping=True)
+        n = 0
+        for a, b in enc["offset_mapping"]:
+            piece = eot[n:b] if a <= n else eot[a:b]
+            if not text.startswith(piece, at + n):
+                break
+            n = b
+        return n
+
+    def _assistant_spans(self, messages, text: str) -> list[tuple[int, int]]:
+        spans, cursor = [], 0
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            head = self._chat(messages[:k], True)
+            start = len(head) if text.startswith(head) else None
+            content = str(m["content"])
+            key = content.split("</think>")[-1].strip() if "</think>" in content else content.strip()
+            pos = text.find(key, cursor if start is None else start) if key else (start or cursor)
+            if pos < 0:
+                raise ValueError(f"the chat template does not write assistant turn {k + 1}'s text as given "
+                                 f"({key[:40]!r}), so its tokens cannot be told apart for the labels; set "
+                                 "train_on='all', or prompt_format='plain' or a template holding {prompt}.")
+            end = pos + len(key)
+            end += self._eot_length(text, end)
+            start = pos if start is None else self._answer_start(text, start)
+            spans.append((start, end))
+            cursor = end
+        return spans
+
+    # -- encoding ---------------------------------------------------------------------------
+    def _answer_start(self, text: str, at: int) -> int:
+        """Where the answer's span starts: ``at``, moved before the prompt's trailing spaces when this
+        tokenizer joins a space to the word after it."""
+        if self._space_joins is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._space_joins = any(len(t) > 1 and t[0] in "Ġ▁ " and t[1].isalnum() for t in vocab)
+        return len(text[:at].rstrip(" ")) if self._space_joins else at
+
+    def _tokenize(self, text: str, add_special_tokens: bool):
+        enc = self.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+    def _text_and_spans(self, ex, response: str) -> tuple[str, list, list[tuple[int, int]]]:
+        """(the whole text, its (ids, offsets) or None, the trained character spans -- all of them, in order)."""
         tok = self.tokenizer
+        if isinstance(ex, dict) and ex.get("text") is not None and self.kind != "chat":  # language modelling rows
+            text = str(ex["text"]) + (tok.eos_token or "")
+            return text, None, [(0, len(text))]
         if self.kind == "chat":
-            msgs = self._messages(ex)
-            prompt = self._chat(msgs, True)
-            full = self._chat(msgs + [{"role": "assistant", "content": response}], False)
-            if not full.startswith(prompt) or response not in full[len(prompt):]:
-                raise ValueError("the tokenizer's chat template does not render the assistant's answer after the "
-                                 "generation prompt, so the answer cannot be told apart for the labels; set "
-                                 "prompt_format='plain' or a template holding {prompt}.")
-            return list(tok(full[len(prompt):], add_special_tokens=False)["input_ids"])
-        ids = list(tok(response, add_special_tokens=False)["input_ids"])
-        return ids + ([tok.eos_token_id] if tok.eos_token_id is not None else [])
-
-    def _stop_ids(self) -> list[int]:
-        tok = self.tokenizer
-        ids = [] if tok.eos_token_id is None else [tok.eos_token_id]
-        if self.kind == "chat":  # the template's end-of-turn token, when it is one special token
-            try:
-                tail = self.answer_ids("x", "y")
-            except Exception:  # noqa: BLE001 - a template that cannot render: encode() will say why
-                tail = []
-            special = set(getattr(tok, "all_special_ids", []) or [])
-            ids += [t for t in tail if t in special and t not in ids][:1]
-        return ids
+            msgs = self._messages(ex) + [{"role": "assistant", "content": response}]
+            text = self._render_conversation(msgs)
+            if self.marked:
+                out = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+                ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+                return text, (ids, mask), []
+            return text, None, self._assistant_spans(msgs, text)
+        prompt = self.template.format(prompt=ex if isinstance(ex, str) else ex["prompt"])
+        text = prompt + response + (tok.eos_token or "")
+        return text, None, [(self._answer_start(text, len(prompt)), len(text))]
 
     def encode(self, ex, response: str | None = None, max_len: int | None = None, truncate: bool = True) -> dict:
-        """``input_ids`` and ``labels`` (everything but the answer masked) for one example.
+        """``input_ids`` and ``labels`` (the spans ``train_on`` names trained, the rest -100) for one example,
+        from one tokenisation of the whole text.
 
         ``ex``: an example dict (its ``response`` is used unless ``response`` is given) or a prompt
         string with ``response``. Longer than ``max_len``: truncated from the right when
         ``truncate`` (``truncated=True``), else a ValueError saying by how much.
         """
-        response = ex["response"] if response is None else response
-        p, r = self.prompt_ids(ex), self.answer_ids(ex, response)
-        ids, labels = p + r, [IGNORE_INDEX] * len(p) + r
+        response = (ex.get("response", "") if isinstance(ex, dict) else "") if response is None else response
+        ids, labels = self._ids_labels(ex, response)
         truncated = False
         if max_len is not None and len(ids) > max_len:
             if not truncate:
@@ -123,6 +252,74 @@ class PromptFormat:
                                  "raise seq_len or allow truncation.")
             ids, labels, truncated = ids[:max_len], labels[:max_len], True
         return {"input_ids": ids, "labels": labels, "length": len(ids), "truncated": truncated}
+
+    def _ids_labels(self, ex, response: str, train_on: str | None = None) -> tuple[list[int], list[int]]:
+        train_on = train_on or self.train_on
+        text, pre, spans = self._text_and_spans(ex, response)
+        lm = isinstance(ex, dict) and ex.get("text") is not None and self.kind != "chat"
+        if pre is not None:  # a template with generation markers: its mask
+            ids, mask = pre
+            if train_on == "all":
+                return ids, list(ids)
+            runs, prev = [], 0
+            for i, m in enumerate(mask):
+                if m and not prev:
+                    runs.append([i, i + 1])
+                elif m:
+                    runs[-1][1] = i + 1
+                prev = m
+            keep = runs[-1:] if train_on == "last" else runs
+            labels = [IGNORE_INDEX] * len(ids)
+            for a, b in keep:
+                labels[a:b] = ids[a:b]
+            return ids, labels
+        ids, offsets = self._tokenize(text, add_special_tokens=self.kind != "chat")
+        eos = self.tokenizer.eos_token_id
+        if self.kind != "chat" and self.tokenizer.eos_token and eos is not None and (not ids or ids[-1] != eos):
+            # an EOS the tokenizer does not parse from its text: tokenise without it and append its id
+            ids, offsets = self._tokenize(text[:-len(self.tokenizer.eos_token)], add_special_tokens=True)
+            ids, offsets = ids + [eos], offsets + [(len(text) - len(self.tokenizer.eos_token), len(text))]
+        if train_on == "all" or lm:
+            return ids, list(ids)
+        return ids, labels_from_spans(ids, offsets, spans[-1:] if train_on == "last" else spans)
+
+    def prompt_text(self, ex) -> str:
+        if self.kind == "chat":
+            return self._chat(self._messages(ex), True)
+        return self.template.format(prompt=ex if isinstance(ex, str) else ex["prompt"])
+
+    def prompt_ids(self, ex) -> list[int]:
+        """Token ids the model generates after: the tokens before the final answer's span in the one
+        tokenisation of the whole text (with a one-letter stand-in answer), so generation sees the context
+        training saw. BOS once, if the tokenizer or the template adds one."""
+        ids, labels = self._ids_labels(ex, _PROBE, train_on="last")
+        first = next((i for i, lab in enumerate(labels) if lab != IGNORE_INDEX), None)
+        if first is None:
+            return list(self.tokenizer(self.prompt_text(ex), add_special_tokens=self.kind != "chat")["input_ids"])
+        return ids[:first]
+
+    def answer_ids(self, ex, response: str) -> list[int]:
+        """The trained tokens of the final answer (with its end of turn / EOS)."""
+        ids, labels = self._ids_labels(ex, response, train_on="last")
+        return [t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]
+
+    def end_of_turn_ids(self) -> list[int]:
+        """The chat template's end-of-turn token: the first token of what it writes after a final assistant
+        message, when that token is one added (special or control) token, e.g. ``<end_of_turn>``."""
+        if not self.end_of_turn:
+            return []
+        tok = self.tokenizer
+        first = tok(self.end_of_turn, add_special_tokens=False)["input_ids"][:1]
+        added = set(getattr(tok, "all_special_ids", []) or [])
+        added |= {i for i in (getattr(tok, "added_tokens_decoder", None) or {})}
+        return [t for t in first if t in added]
+
+    def _stop_ids(self) -> list[int]:
+        tok = self.tokenizer
+        ids = [] if tok.eos_token_id is None else [tok.eos_token_id]
+        if self.kind == "chat":
+            ids += [t for t in self.end_of_turn_ids() if t not in ids]
+        return ids
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:

@@ -114,6 +114,8 @@ def verified_slice(tokenizer, examples, seq_len: int, n_examples: int, seed: int
     lengths = [e["full_length"] for e in by_len]
     report = {
         "rows": len(rows), "usable": len(encoded), "used": len(order), "prompt_format": fmt.kind,
+        "train_on": fmt.train_on, "format_notes": list(fmt.notes),
+        "trained_tokens": sum(sum(t != IGNORE_INDEX for t in e["labels"]) for e in encoded),
         "skipped_response_cut_away": len(cut_away), "skipped_response_cut_away_rows": cut_away[:20],
         "truncated": long_report["truncated"], "dropped_long": len(dropped), "seq_len": seq_len,
         "longest_lengths": lengths[:5], "longest_rows": [e["row"] for e in by_len[:5]],
