@@ -1,8 +1,8 @@
-"""Load examples from the embedded data, JSONL, CSV or a ``datasets`` folder, in three formats.
+"""Load examples from the embedded data, JSONL, JSON, CSV, Parquet or a ``datasets`` folder, in six formats.
 
 Every loader returns the same thing: a list of ``{"prompt": str, "response": str, "task": str}``
-dicts (plus ``"context"``, the messages before the answer, for conversational rows), whatever the
-source's format and column names were. Sources:
+dicts (plus ``"context"``, the messages before the answer, for conversational rows, and ``"text"`` for
+language-modelling rows), whatever the source's format and column names were. Sources:
 
 - ``"tiny:dates"`` (with ``split`` = "train" | "validation" | "test"), ``"tiny:control"``,
   ``"tiny:base_mix"``: the task data shipped with the embedded model;
@@ -12,16 +12,24 @@ source's format and column names were. Sources:
   (``lora_kit/embedded/data``): package data, read as files. Nothing here imports the embedded
   room's code (:mod:`lora_kit.embedded.tasks` generates those files and imports this module), so
   every layer can load "tiny:dates" and the import graph still points down only;
-- a ``.jsonl`` file (one JSON object per line) or a ``.csv`` file (header row);
+- a ``.jsonl`` file (one JSON object per line), a ``.json`` file (a JSON array of objects, or JSON
+  Lines), a ``.csv`` file (header row) or a ``.parquet`` file (needs ``pyarrow``); a UTF-8 byte-order
+  mark (Excel's "CSV UTF-8") is ignored;
 - a folder written by ``datasets.Dataset.save_to_disk`` (needs the optional ``datasets``
-  package; a ``DatasetDict`` folder needs ``split``).
+  package; a ``DatasetDict`` folder with several splits needs ``split``, the run's ``dataset_split``).
 
-Formats (``data_format``; "auto" picks the one whose fields the rows have):
+Formats (``data_format``; "auto" picks the one whose fields the rows have, :func:`detect_format`):
 
 - ``"prompt_response"``: any two columns, named by ``prompt_field`` / ``response_field``;
 - ``"alpaca"``: ``instruction``, optional ``input`` (appended after a blank line), ``output``;
 - ``"messages"``: a list of ``{"role", "content"}`` (TRL / hub style) in ``messages_field``; the
-  last message is the assistant's answer (the only trained tokens), the ones before are the context.
+  last message is the assistant's answer, the ones before are the context (which of its assistant turns
+  are trained is :class:`lora_kit.prompting.PromptFormat`'s ``train_on``);
+- ``"sharegpt"``: a list of ``{"from", "value"}`` turns in ``conversations`` (LLaMA-Factory's and
+  axolotl's ShareGPT; ``human``/``gpt``/``system``/... mapped to user/assistant/system);
+- ``"prompt_completion"``: TRL's ``prompt`` + ``completion``, both text (standard) or both message lists
+  (conversational: the messages are the conversation);
+- ``"text"``: TRL's language-modelling ``text``; every token is trained.
 
 Problems are reported as ValueError saying what to change: a missing file, an empty dataset,
 a missing column (the message lists the columns that exist), a format the rows do not have, or
@@ -47,7 +55,10 @@ from lora_kit.results import PACKAGE_DIR, write_text_atomic
 SHIPPED_DATA_DIR = PACKAGE_DIR / "embedded" / "data"
 TINY_SOURCES = {"tiny:dates": "dates_{split}.jsonl", "tiny:control": "control.jsonl",
                 "tiny:base_mix": "base_mix.jsonl", "generic:control": "generic_control.jsonl"}
-DATA_FORMATS = ("prompt_response", "alpaca", "messages")
+DATA_FORMATS = ("prompt_response", "alpaca", "messages", "sharegpt", "prompt_completion", "text")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                  "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system", "tool": "tool",
+                  "function_call": "assistant", "observation": "tool", "function": "tool"}
 ALPACA_FIELDS = ("instruction", "input", "output")
 DATES_SPLITS = ("train", "validation", "test")
 
@@ -68,7 +79,7 @@ def _read_utf8(path: Path) -> str:
     """The file's text; ValueError naming the file and the line when it is not UTF-8."""
     raw = path.read_bytes()
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8").removeprefix("\ufeff")  # Excel's "CSV UTF-8" starts with a byte-order mark
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
         raise ValueError(f"{path}: line {line} is not UTF-8 text (byte {e.start}); save the file as UTF-8.") from None
@@ -90,6 +101,43 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def _read_json(path: Path) -> list[dict]:
+    """A ``.json`` file: a JSON array of objects (or ``{"data": [...]}``), else read as JSON Lines."""
+    text = _read_utf8(path)
+    if not text.lstrip().startswith(("[", "{")):
+        return _read_jsonl(path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if text.lstrip().startswith("{"):
+            return _read_jsonl(path)  # one object per line
+        raise ValueError(f"{path}: line {e.lineno} is not valid JSON ({e.msg}); fix that line.") from None
+    if isinstance(data, dict):
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) != 1:
+            return [data]
+        data = lists[0]
+    if not isinstance(data, list):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}; it must be an array of objects.")
+    bad = next((i for i, r in enumerate(data, 1) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: item {bad} of the array is not a JSON object; each item must be "
+                         "{\"prompt\": ..., \"response\": ...} or another supported format.")
+    return data
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path} is a Parquet file, but `pyarrow` is not installed; `pip install pyarrow` or "
+                         "export the data to JSONL.") from None
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:  # noqa: BLE001 - pyarrow's own errors: name the file
+        raise ValueError(f"{path} cannot be read as Parquet ({e}); re-export it.") from None
+
+
 def _read_csv(path: Path) -> list[dict]:
     return list(csv.DictReader(io.StringIO(_read_utf8(path), newline="")))
 
@@ -102,8 +150,10 @@ def _read_datasets_folder(path: Path, split: str | None) -> list[dict]:
                          "`pip install datasets` or export the data to JSONL.") from None
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
+        if split is None and len(ds) == 1:
+            split = next(iter(ds))
         if split is None or split not in ds:
-            raise ValueError(f"{path} holds splits {sorted(ds)}; pass split= one of them.")
+            raise ValueError(f"{path} holds the splits {sorted(ds)}; set dataset_split (or split=) to one of them.")
         ds = ds[split]
     return [dict(r) for r in ds]
 
@@ -122,11 +172,16 @@ def _read_rows(source: str | Path, split: str | None) -> tuple[list[dict], str]:
     if path.is_dir():
         return _read_datasets_folder(path, split), str(path)
     suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
+    if suffix == ".jsonl":
         return _read_jsonl(path), str(path)
+    if suffix == ".json":
+        return _read_json(path), str(path)
+    if suffix in (".parquet", ".pq"):
+        return _read_parquet(path), str(path)
     if suffix == ".csv":
         return _read_csv(path), str(path)
-    raise ValueError(f"{path} has an unsupported extension {suffix!r}; use .jsonl, .csv or a datasets folder.")
+    raise ValueError(f"{path} has an unsupported extension {suffix!r}; use .jsonl, .json, .csv, .parquet "
+                     "or a datasets folder.")
 
 
 def read_source(source: str | Path, split: str | None = None) -> tuple[list[dict], str]:
@@ -137,14 +192,35 @@ def read_source(source: str | Path, split: str | None = None) -> tuple[list[dict
     return rows, name
 
 
-def detect_format(rows: list[dict], prompt_field: str = "prompt", messages_field: str = "messages") -> str:
-    """The format the rows are in: "messages" when they hold ``messages_field`` and no ``prompt_field``,
-    "alpaca" when they hold ``instruction`` and ``output`` and no ``prompt_field``, else "prompt_response"."""
+def _is_sharegpt(msgs) -> bool:
+    return isinstance(msgs, list) and bool(msgs) and isinstance(msgs[0], dict) and "from" in msgs[0] and "value" in msgs[0]
+
+
+def detect_format(rows: list[dict], prompt_field: str = "prompt", messages_field: str = "messages",
+                  response_field: str = "response") -> str:
+    """The format the rows are in, from the first row's fields (the configured names first, then the usual ones):
+
+    - "prompt_response": ``prompt_field`` and ``response_field``;
+    - "messages" / "sharegpt": ``messages_field`` or ``conversations`` holding ``role``/``content`` (TRL, hub) or
+      ``from``/``value`` (ShareGPT: LLaMA-Factory's and axolotl's) messages;
+    - "prompt_completion": TRL's ``prompt`` + ``completion``, strings (standard) or message lists (conversational);
+    - "alpaca": ``instruction`` + ``output``;
+    - "text": TRL's ``text`` (language modelling: every token trained);
+    - else "prompt_response" (whose check then names the missing field and the fields that exist).
+    """
     keys = set(rows[0]) if rows else set()
-    if prompt_field not in keys and messages_field in keys:
-        return "messages"
+    first = rows[0] if rows else {}
+    if prompt_field in keys and response_field in keys:
+        return "prompt_completion" if isinstance(first.get(prompt_field), list) else "prompt_response"
+    for f in (messages_field, "conversations", "messages"):
+        if f in keys and prompt_field not in keys:
+            return "sharegpt" if _is_sharegpt(first.get(f)) else "messages"
+    if {"prompt", "completion"} <= keys:
+        return "prompt_completion"
     if prompt_field not in keys and {"instruction", "output"} <= keys:
         return "alpaca"
+    if "text" in keys and prompt_field not in keys:
+        return "text"
     return "prompt_response"
 
 
@@ -163,40 +239,55 @@ def load_examples(source: str | Path, split: str | None = None, prompt_field: st
     return out[:limit] if limit is not None else out
 
 
+def _conversation_field(rows: list[dict], messages_field: str) -> str:
+    keys = set(rows[0])
+    return next((f for f in (messages_field, "conversations", "messages") if f in keys), messages_field)
+
+
 def to_examples(rows: list[dict], name: str = "dataset", prompt_field: str = "prompt",
                 response_field: str = "response", data_format: str = "auto",
                 messages_field: str = "messages") -> list[dict]:
-    """Raw rows in any of the three formats -> ``[{"prompt", "response", "task"[, "context"]}]``.
+    """Raw rows in any of the formats -> ``[{"prompt", "response", "task"[, "context"][, "text"]}]``.
 
     Rows that are already examples (``prompt``/``response`` plus a ``context`` list, as this function
     returns them) pass through unchanged whatever the field settings, so examples can be re-read.
+    Problems name the dataset, the first row (1-based) and what to change.
     """
     if not rows:
         raise ValueError(f"dataset {name!r} is empty; it needs at least one {prompt_field}/{response_field} row.")
     if data_format == "auto":
-        data_format = detect_format(rows, prompt_field, messages_field)
+        data_format = detect_format(rows, prompt_field, messages_field, response_field)
     if data_format not in DATA_FORMATS:
         raise ValueError(f"data_format={data_format!r} is not valid; choose 'auto' or one of {', '.join(DATA_FORMATS)}.")
+    if data_format in ("messages", "sharegpt"):
+        messages_field = _conversation_field(rows, messages_field)
+    if data_format == "prompt_completion" and not {prompt_field, response_field} <= set(rows[0]):
+        prompt_field, response_field = "prompt", "completion"
     present = sorted({k for r in rows for k in r})
     need = {"prompt_response": (prompt_field, response_field), "alpaca": ("instruction", "output"),
-            "messages": (messages_field,)}[data_format]
+            "messages": (messages_field,), "sharegpt": (messages_field,),
+            "prompt_completion": (prompt_field, response_field), "text": ("text",)}[data_format]
     for f in need:
         missing = [i for i, r in enumerate(rows, 1) if f not in r]
         if missing:
             hint = {"prompt_response": "Set prompt_field/response_field", "alpaca": "Alpaca rows need "
-                    "instruction, optional input, and output", "messages": "Set messages_field"}[data_format]
-            other = detect_format(rows, prompt_field, messages_field)
+                    "instruction, optional input, and output", "messages": "Set messages_field",
+                    "sharegpt": "Set messages_field", "prompt_completion": "TRL prompt/completion rows need both",
+                    "text": "language-modelling rows need 'text'"}[data_format]
+            other = detect_format(rows, prompt_field, messages_field, response_field)
             if other != data_format:
                 hint += f", or data_format={other!r} (the rows look like that format)"
             raise ValueError(f"dataset {name!r} has no field {f!r} in {len(missing)} row(s) (first: row "
                              f"{missing[0]}) for data_format={data_format!r}; fields that exist: {present}. {hint}.")
     out = [_example(r, i, name, data_format, prompt_field, response_field, messages_field)
            for i, r in enumerate(rows, 1)]
-    empty = [i for i, e in enumerate(out, 1) if not e["prompt"].strip() or not e["response"].strip()]
+    empty = [i for i, e in enumerate(out, 1) if ("text" in e and not e["text"].strip())
+             or ("text" not in e and (not e["prompt"].strip() or not e["response"].strip()))]
     if empty:
         shown = ", ".join(map(str, empty[:10])) + (" ..." if len(empty) > 10 else "")
         what = {"prompt_response": f"{prompt_field!r} or {response_field!r}", "alpaca": "'instruction' or 'output'",
-                "messages": "prompt or final assistant answer"}[data_format]
+                "messages": "prompt or final assistant answer", "sharegpt": "prompt or final assistant answer",
+                "prompt_completion": "prompt or completion", "text": "'text'"}[data_format]
         raise ValueError(f"dataset {name!r}: {len(empty)} row(s) have an empty {what} (rows {shown}, 1-based); "
                          "fill or remove them.")
     return out
@@ -206,24 +297,18 @@ def _text(v) -> str:
     return "" if v is None or (isinstance(v, float) and v != v) else str(v)
 
 
-def _example(r: dict, i: int, name: str, fmt: str, prompt_field: str, response_field: str, messages_field: str) -> dict:
-    task = _text(r.get("task")) or name
-    if fmt == "prompt_response":
-        e = {"prompt": _text(r[prompt_field]), "response": _text(r[response_field]), "task": task}
-        if isinstance(r.get("context"), list):  # an example this module wrote: keep its conversation
-            e["context"] = r["context"]
-        return e
-    if fmt == "alpaca":
-        extra = _text(r.get("input")).strip()
-        return {"prompt": _text(r["instruction"]) + (f"\n\n{extra}" if extra else ""), "response": _text(r["output"]),
-                "task": task}
-    msgs = r[messages_field]
-    if isinstance(msgs, str):  # a CSV cell holding JSON
+def _parse_list(v):
+    if isinstance(v, str):  # a CSV / Parquet cell holding JSON
         try:
-            msgs = json.loads(msgs)
+            return json.loads(v)
         except json.JSONDecodeError:
-            msgs = None
-    bad = (f"dataset {name!r} row {i}: {messages_field!r} must be a list of {{'role', 'content'}} messages ending "
+            return None
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _conversation(msgs: list, i: int, name: str, field: str) -> dict:
+    """An example from a list of role/content messages ending with the assistant's answer."""
+    bad = (f"dataset {name!r} row {i}: {field!r} must be a list of {{'role', 'content'}} messages ending "
            "with the assistant's answer, after at least one user message")
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                          for m in msgs):
@@ -233,7 +318,45 @@ def _example(r: dict, i: int, name: str, fmt: str, prompt_field: str, response_f
     context = [{"role": str(m["role"]), "content": _text(m["content"])} for m in msgs[:-1]]
     users = [m for m in context if m["role"] == "user"]
     prompt = users[0]["content"] if len(context) == 1 else "\n".join(f"{m['role']}: {m['content']}" for m in context)
-    return {"prompt": prompt, "response": _text(msgs[-1]["content"]), "task": task, "context": context}
+    return {"prompt": prompt, "response": _text(msgs[-1]["content"]), "context": context}
+
+
+def _example(r: dict, i: int, name: str, fmt: str, prompt_field: str, response_field: str, messages_field: str) -> dict:
+    task = _text(r.get("task")) or name
+    if fmt == "prompt_response":
+        if isinstance(r.get("text"), str) and not _text(r.get(prompt_field)):  # a text example this module wrote
+            return {"prompt": "", "response": "", "text": r["text"], "task": task}
+        e = {"prompt": _text(r[prompt_field]), "response": _text(r[response_field]), "task": task}
+        if isinstance(r.get("context"), list):  # an example this module wrote: keep its conversation
+            e["context"] = r["context"]
+        return e
+    if fmt == "alpaca":
+        extra = _text(r.get("input")).strip()
+        return {"prompt": _text(r["instruction"]) + (f"\n\n{extra}" if extra else ""), "response": _text(r["output"]),
+                "task": task}
+    if fmt == "text":
+        return {"prompt": "", "response": "", "text": _text(r["text"]), "task": task}
+    if fmt == "prompt_completion":
+        p, c = _parse_list(r[prompt_field]) if not isinstance(r[prompt_field], str) else r[prompt_field], r[response_field]
+        c = _parse_list(c) if not isinstance(c, str) else c
+        if isinstance(p, str) and isinstance(c, str):
+            return {"prompt": p, "response": c, "task": task}
+        if isinstance(p, list) and isinstance(c, list):  # TRL's conversational prompt/completion
+            return {**_conversation(p + c, i, name, f"{prompt_field} + {response_field}"), "task": task}
+        raise ValueError(f"dataset {name!r} row {i}: {prompt_field!r} and {response_field!r} must both be text "
+                         f"(standard) or both lists of messages (conversational); got {type(p).__name__} and "
+                         f"{type(c).__name__}.")
+    msgs = _parse_list(r[messages_field])
+    if fmt == "sharegpt":
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "from" in m and "value" in m for m in msgs):
+            raise ValueError(f"dataset {name!r} row {i}: {messages_field!r} must be a ShareGPT list of "
+                             f"{{'from', 'value'}} turns; got {str(msgs)[:80]!r}.")
+        unknown = [m["from"] for m in msgs if str(m["from"]).lower() not in SHAREGPT_ROLES]
+        if unknown:
+            raise ValueError(f"dataset {name!r} row {i}: ShareGPT role {unknown[0]!r} is not known; use one of "
+                             f"{', '.join(SHAREGPT_ROLES)}.")
+        msgs = [{"role": SHAREGPT_ROLES[str(m["from"]).lower()], "content": m["value"]} for m in msgs]
+    return {**_conversation(msgs, i, name, messages_field), "task": task}
 
 
 def is_conversational(examples: list[dict]) -> bool:
@@ -256,7 +379,7 @@ def split_heldout(examples: list[dict], fraction: float, seed: int = 0) -> tuple
     """
     groups: dict[str, list[int]] = {}
     for i, e in enumerate(examples):
-        groups.setdefault(normalize(e["prompt"]), []).append(i)
+        groups.setdefault(normalize(e.get("text") or e["prompt"]), []).append(i)
     keys = list(groups)
     if len(keys) < 2:
         raise ValueError(f"dataset has {len(examples)} row(s) but only {len(keys)} distinct prompt(s): it cannot be "
@@ -317,26 +440,40 @@ def control_source(control_dataset: str, model: str) -> str:
     return "tiny:control" if model in EMBEDDED_MODELS else "generic:control"
 
 
-def field_settings(s) -> dict:
-    """The data-format keyword arguments of :func:`load_examples` from a Settings."""
-    return dict(prompt_field=s.prompt_field, response_field=s.response_field, data_format=s.data_format,
+def field_settings(s, role: str = "train") -> dict:
+    """The data-format keyword arguments of :func:`load_examples` from a Settings. ``role``: "train" (``dataset``:
+    ``data_format`` as set) or "heldout" / "control" (their own files: ``heldout_data_format`` /
+    ``control_data_format`` when the settings have them, else "auto" -- detected per file, the configured field
+    names tried first, so a held-out file in another format than the training file loads)."""
+    fmt = s.data_format if role == "train" else getattr(s, f"{role}_data_format", "auto") or "auto"
+    return dict(prompt_field=s.prompt_field, response_field=s.response_field, data_format=fmt,
                 messages_field=s.messages_field)
 
 
-def run_data(s) -> dict:
+def train_split(s, dataset_split: str | None = None) -> str | None:
+    """The split of ``dataset`` that trains: ``dataset_split`` (a DatasetDict folder's split) when set, "train"
+    for "tiny:dates" and folders, else None."""
+    split = dataset_split if dataset_split is not None else getattr(s, "dataset_split", "") or None
+    if split:
+        return split
+    return "train" if s.dataset == "tiny:dates" or Path(str(s.dataset)).is_dir() else None
+
+
+def run_data(s, dataset_split: str | None = None) -> dict:
     """Training and held-out examples of a run (``s`` is a :class:`lora_kit.Settings`).
 
-    - ``heldout_dataset`` set: all of ``dataset`` trains, ``heldout_dataset`` is held out;
+    - ``heldout_dataset`` set: all of ``dataset`` trains, ``heldout_dataset`` is held out (its format detected
+      on its own, :func:`field_settings`);
     - ``dataset`` embedded with splits ("tiny:dates"): its "train" split trains, "test" is held out;
     - otherwise: ``heldout_fraction`` of ``dataset`` is held out by ``seed`` (:func:`split_heldout`).
+    ``dataset_split``: the split of a DatasetDict folder that trains (default "train" for folders).
     Returns ``{"train", "heldout", "heldout_source", "split"}`` (``split``: how it was made).
     """
     fields = field_settings(s)
     embedded_split = isinstance(s.dataset, str) and s.dataset == "tiny:dates"
-    train = load_examples(s.dataset, split="train" if embedded_split or Path(str(s.dataset)).is_dir() else None,
-                          **fields)
+    train = load_examples(s.dataset, split=train_split(s, dataset_split), **fields)
     if s.heldout_dataset:
-        return {"train": train, "heldout": load_examples(s.heldout_dataset, **fields),
+        return {"train": train, "heldout": load_examples(s.heldout_dataset, **field_settings(s, "heldout")),
                 "heldout_source": s.heldout_dataset, "split": "heldout_dataset"}
     if embedded_split:
         return {"train": train, "heldout": load_examples(s.dataset, split="test", **fields),

@@ -220,7 +220,7 @@ class PromptFormat:
     def _text_and_spans(self, ex, response: str) -> tuple[str, list, list[tuple[int, int]]]:
         """(the whole text, its (ids, offsets) or None, the trained character spans -- all of them, in order)."""
         tok = self.tokenizer
-        if isinstance(ex, dict) and ex.get("text") is not None and self.kind != "chat":  # language modelling rows
+        if isinstance(ex, dict) and ex.get("text") is not None:  # language-modelling rows (TRL's text + EOS)
             text = str(ex["text"]) + (tok.eos_token or "")
             return text, None, [(0, len(text))]
         if self.kind == "chat":
@@ -256,7 +256,7 @@ class PromptFormat:
     def _ids_labels(self, ex, response: str, train_on: str | None = None) -> tuple[list[int], list[int]]:
         train_on = train_on or self.train_on
         text, pre, spans = self._text_and_spans(ex, response)
-        lm = isinstance(ex, dict) and ex.get("text") is not None and self.kind != "chat"
+        lm = isinstance(ex, dict) and ex.get("text") is not None
         if pre is not None:  # a template with generation markers: its mask
             ids, mask = pre
             if train_on == "all":
@@ -273,9 +273,10 @@ class PromptFormat:
             for a, b in keep:
                 labels[a:b] = ids[a:b]
             return ids, labels
-        ids, offsets = self._tokenize(text, add_special_tokens=self.kind != "chat")
+        plain = self.kind != "chat" or lm
+        ids, offsets = self._tokenize(text, add_special_tokens=plain)
         eos = self.tokenizer.eos_token_id
-        if self.kind != "chat" and self.tokenizer.eos_token and eos is not None and (not ids or ids[-1] != eos):
+        if plain and self.tokenizer.eos_token and eos is not None and (not ids or ids[-1] != eos):
             # an EOS the tokenizer does not parse from its text: tokenise without it and append its id
             ids, offsets = self._tokenize(text[:-len(self.tokenizer.eos_token)], add_special_tokens=True)
             ids, offsets = ids + [eos], offsets + [(len(text) - len(self.tokenizer.eos_token), len(text))]

@@ -212,3 +212,13 @@ def test_end_of_turn_is_a_stop_token():
     fmt = PromptFormat(tok, "chat")
     assert fmt.end_of_turn == "<end_of_turn>\n"
     assert tok.convert_tokens_to_ids("<end_of_turn>") in fmt.stop_ids
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "sentencepiece"])
+def test_text_rows_equal_trl_language_modelling(kind):
+    tok = _tokenizer(kind, _trl_template("phi3"), "<s>", "<|endoftext|>")
+    rows = [{"text": "Hello there, how are you today?"}, {"text": "Answer: OK"}]
+    for r, ref in zip(rows, _trl(tok, rows, False, None)):
+        for chat in ("plain", "chat"):
+            e = PromptFormat(tok, chat).encode({"prompt": "", "response": "", "text": r["text"]})
+            assert (e["input_ids"], e["labels"]) == ref

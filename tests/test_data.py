@@ -81,8 +81,11 @@ def test_bad_sources_and_arguments(tmp_path):
         load_examples("tiny:dates", split="dev")
     with pytest.raises(ValueError, match="unknown embedded dataset"):
         load_examples("tiny:nope")
-    (tmp_path / "x.parquet").write_text("x")
+    (tmp_path / "x.xlsx").write_text("x")
     with pytest.raises(ValueError, match="unsupported extension"):
+        load_examples(tmp_path / "x.xlsx")
+    (tmp_path / "x.parquet").write_text("x")
+    with pytest.raises(ValueError, match="x.parquet cannot be read as Parquet"):
         load_examples(tmp_path / "x.parquet")
     with pytest.raises(ValueError, match="limit must be a positive integer"):
         load_examples("tiny:control", limit=0)
@@ -90,11 +93,14 @@ def test_bad_sources_and_arguments(tmp_path):
 
 def test_datasets_folder(tmp_path):
     datasets = pytest.importorskip("datasets")
-    d = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "p", "response": "r"}])})
+    d = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "p", "response": "r"}]),
+                              "test": datasets.Dataset.from_list([{"prompt": "p2", "response": "r2"}])})
     d.save_to_disk(str(tmp_path / "ds"))
     assert load_examples(tmp_path / "ds", split="train")[0]["response"] == "r"
-    with pytest.raises(ValueError, match=r"holds splits \['train'\]"):
+    with pytest.raises(ValueError, match=r"holds the splits \['test', 'train'\]; set dataset_split"):
         load_examples(tmp_path / "ds")
+    datasets.DatasetDict({"only": d["test"]}).save_to_disk(str(tmp_path / "one"))
+    assert load_examples(tmp_path / "one")[0]["response"] == "r2"  # a single split needs no name
 
 
 def test_mix_examples_share_and_determinism():

@@ -6,7 +6,7 @@ measured steps), the rest follow shuffled with the seed. Every example is encode
 prompt format (:class:`lora_kit.prompting.PromptFormat`, the one evaluation and generation use) and
 checked:
 
-- rows with an empty prompt or response are a ValueError naming them (1-based, as
+- rows with an empty prompt or response (or an empty ``text``, for language-modelling rows) are a ValueError naming them (1-based, as
   ``lora_kit.data.load_examples`` does): rows are never silently dropped;
 - examples longer than ``seq_len`` follow ``long_examples``: "truncate" (from the right; an example
   whose whole answer is cut away is skipped, it would train on nothing), "drop" (left out) or
@@ -46,14 +46,15 @@ def _checked(examples, prompt_field: str, response_field: str) -> list[dict]:
         if f not in first:
             raise ValueError(f"dataset rows have no {f!r} column (columns: {sorted(first)}); "
                              f"set prompt_field / response_field.")
-    empty_rows = [i for i, row in enumerate(examples, 1)
-                  if _empty(row.get(prompt_field)) or _empty(row.get(response_field))]
+    empty_rows = [i for i, row in enumerate(examples, 1) if (_empty(row.get("text")) if "text" in row else
+                  _empty(row.get(prompt_field)) or _empty(row.get(response_field)))]
     if empty_rows:
         shown = ", ".join(map(str, empty_rows[:10])) + (" ..." if len(empty_rows) > 10 else "")
         raise ValueError(f"{len(empty_rows)} row(s) have an empty {prompt_field!r} or {response_field!r} "
                          f"(rows {shown}, 1-based); fill or remove them.")
     return [{"prompt": str(r[prompt_field]), "response": str(r[response_field]),
-             **({"context": r["context"]} if isinstance(r.get("context"), list) else {})} for r in examples]
+             **({"context": r["context"]} if isinstance(r.get("context"), list) else {}),
+             **({"text": str(r["text"])} if "text" in r else {})} for r in examples]
 
 
 def verified_slice(tokenizer, examples, seq_len: int, n_examples: int, seed: int = 0,
