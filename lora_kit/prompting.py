@@ -235,16 +235,18 @@ class PromptFormat:
         text = prompt + response + (tok.eos_token or "")
         return text, None, [(self._answer_start(text, len(prompt)), len(text))]
 
-    def encode(self, ex, response: str | None = None, max_len: int | None = None, truncate: bool = True) -> dict:
+    def encode(self, ex, response: str | None = None, max_len: int | None = None, truncate: bool = True,
+               train_on: str | None = None) -> dict:
         """``input_ids`` and ``labels`` (the spans ``train_on`` names trained, the rest -100) for one example,
         from one tokenisation of the whole text.
 
         ``ex``: an example dict (its ``response`` is used unless ``response`` is given) or a prompt
         string with ``response``. Longer than ``max_len``: truncated from the right when
-        ``truncate`` (``truncated=True``), else a ValueError saying by how much.
+        ``truncate`` (``truncated=True``), else a ValueError saying by how much. ``train_on``: this
+        format's unless given ("last" scores the final answer alone, as evaluation's reference loss does).
         """
         response = (ex.get("response", "") if isinstance(ex, dict) else "") if response is None else response
-        ids, labels = self._ids_labels(ex, response)
+        ids, labels = self._ids_labels(ex, response, check_train_on(train_on) if train_on else None)
         truncated = False
         if max_len is not None and len(ids) > max_len:
             if not truncate:
