@@ -440,6 +440,23 @@ def control_source(control_dataset: str, model: str) -> str:
     return "tiny:control" if model in EMBEDDED_MODELS else "generic:control"
 
 
+def base_mix_source(model: str) -> str | None:
+    """The base-task rows ``base_mix`` mixes in for ``model``: the embedded model's own tasks ("tiny:base_mix")
+    for the embedded model; None for any other model -- the kit does not know another model's pretraining
+    tasks, and mixing the embedded model's tasks into its data would teach it those instead."""
+    return "tiny:base_mix" if model in EMBEDDED_MODELS else None
+
+
+def check_base_mix(s) -> str | None:
+    """``base_mix_source(s.model)``; ValueError naming ``base_mix`` when it is set for a model without one."""
+    src = base_mix_source(s.model)
+    if s.base_mix > 0 and src is None:
+        raise ValueError(f"base_mix={s.base_mix} mixes the embedded tiny model's own tasks, which {s.model!r} was "
+                         "not trained on; set base_mix=0 and add rows of the tasks your model should keep to "
+                         "dataset instead.")
+    return src
+
+
 def field_settings(s, role: str = "train") -> dict:
     """The data-format keyword arguments of :func:`load_examples` from a Settings. ``role``: "train" (``dataset``:
     ``data_format`` as set) or "heldout" / "control" (their own files: ``heldout_data_format`` /
