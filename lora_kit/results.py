@@ -121,6 +121,99 @@ def _unlink_quietly(tmp) -> None:
             os.unlink(tmp)
 
 
+RESERVE = ".lora-kit-reserve"  # disk held back by a run so that it can still record its ending on a full disk
+RESERVE_BYTES = 1 << 20
+
+
+def reserve_space(folder: str | Path, nbytes: int = RESERVE_BYTES) -> Path | None:
+    """Hold ``nbytes`` of disk in ``folder`` (a hidden file of zeros, fsynced so the blocks are taken). When the
+    disk fills up, :func:`release_space` gives them back for the run's last records (its status, its card).
+    None when even the reserve cannot be written (the disk is full already)."""
+    path = Path(folder) / RESERVE
+    try:
+        with open(path, "wb") as f:
+            f.write(b"\0" * nbytes)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        _unlink_quietly(path)
+        return None
+    return path
+
+
+def release_space(folder: str | Path) -> bool:
+    """Give back the disk :func:`reserve_space` held in ``folder``; True when there was a reserve."""
+    try:
+        (Path(folder) / RESERVE).unlink()
+        return True
+    except OSError:
+        return False
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """True when ``exc`` (or what caused it) is a full disk or an exceeded quota."""
+    while exc is not None:
+        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(exc) \
+                or "no space left" in str(getattr(exc, "evalue", "")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+# what a writer killed outright leaves behind: temp files of atomic writes, an adapter save's temp folders, a
+# PNG being rendered, a run's disk reserve, a writability probe
+LEFTOVERS = (".*.tmp", ".*.saving-*", ".*.replaced-*", ".*.partial.png", RESERVE, ".lora-kit-probe-*")
+
+
+def clean_leftovers(folder: str | Path) -> list[str]:
+    """Remove :data:`LEFTOVERS` anywhere under ``folder``; returns them relative to ``folder``. Only for a folder
+    whose lock (:func:`run_lock`) is held: then no live writer owns them."""
+    import shutil
+    d = Path(folder)
+    if not d.is_dir():
+        return []
+    found = sorted({p for pattern in LEFTOVERS for p in d.rglob(pattern)})
+    removed = []
+    for p in found:
+        if not any(q in found for q in p.parents):  # inside a removed folder already
+            with contextlib.suppress(OSError):
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+                removed.append(str(p.relative_to(d)))
+    return removed
+
+
+class RunLocked(ValueError):
+    """Another live process is writing into this run folder."""
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: str | Path):
+    """Hold the run folder ``run_dir`` for this process: an exclusive ``flock`` on ``.<name>.lock`` beside it (the
+    folder itself may be moved aside or not exist yet). A second run into the same folder gets :class:`RunLocked`
+    at once, naming the holder; the lock ends with the process, however it ends (SIGKILL included)."""
+    import fcntl
+    p = Path(run_dir).expanduser().resolve()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    lock = p.parent / f".{p.name}.lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise NotWritten(lock, exc) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+            raise RunLocked(f"{str(p)!r} is in use by another run ({holder}); wait for it to end, stop it, or choose "
+                            "another --name / run_dir.") from None
+        with contextlib.suppress(OSError):  # who holds it, for the message above; a full disk only loses that
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {now_iso()}\n".encode(), 0)
+        yield p
+    finally:
+        os.close(fd)
+
+
 def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text())
 

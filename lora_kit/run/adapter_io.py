@@ -8,6 +8,7 @@ the trained model's, and the adapter changes the outputs versus the base.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -17,7 +18,8 @@ import torch
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
-def save_adapter(model, out_dir, is_main_process: bool = True, state_dict: dict | None = None) -> dict:
+def save_adapter(model, out_dir, is_main_process: bool = True, state_dict: dict | None = None,
+                 base_model_name: str | None = None) -> dict:
     """Save the adapter with safetensors, atomically; returns {file: bytes} of what is on disk.
 
     ``state_dict``: the tensors to save instead of the model's own (peft keeps its LoRA entries), e.g. the
@@ -28,7 +30,11 @@ def save_adapter(model, out_dir, is_main_process: bool = True, state_dict: dict 
     complete, so ``out_dir`` never holds half an adapter (a kill during the save leaves the previous
     adapter, or none). Files are 0644 like every result; ``adapter_config.json`` is rewritten with
     sorted keys and sorted ``target_modules`` (peft writes a set, whose order changes per process),
-    so identical adapters are identical bytes.
+    so identical adapters are identical bytes. ``base_model_name`` replaces peft's
+    ``base_model_name_or_path`` (the path the base was loaded from, often a local absolute path) with the model's
+    name (:func:`portable_model_name`): the adapter is meant to be shared, and names no local folder.
+    A file that cannot be written (full disk) raises :class:`lora_kit.results.NotWritten` naming the folder;
+    the previous adapter stays.
     """
     import shutil
     import tempfile
@@ -45,7 +51,7 @@ def save_adapter(model, out_dir, is_main_process: bool = True, state_dict: dict 
         card = tmp / "README.md"
         if card.exists():
             card.unlink()
-        _deterministic_config(tmp / "adapter_config.json")
+        _deterministic_config(tmp / "adapter_config.json", base_model_name)
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
             with open(f, "rb") as fh:
@@ -54,18 +60,35 @@ def save_adapter(model, out_dir, is_main_process: bool = True, state_dict: dict 
         if out.exists():
             os.replace(out, old)
         os.replace(tmp, out)
+    except Exception as exc:
+        from lora_kit.results import NotWritten, disk_full
+        if isinstance(exc, NotWritten) or not disk_full(exc):
+            raise
+        raise NotWritten(out, exc if isinstance(exc, OSError) else OSError(errno.ENOSPC, str(exc))) from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
     return {p.name: p.stat().st_size for p in sorted(out.iterdir())}
 
 
-def _deterministic_config(path: Path) -> None:
+def _deterministic_config(path: Path, base_model_name: str | None = None) -> None:
     cfg = json.loads(path.read_text())
     for k in ("target_modules", "modules_to_save", "exclude_modules"):
         if isinstance(cfg.get(k), list):
             cfg[k] = sorted(cfg[k])
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if base_model_name is not None:
+        cfg["base_model_name_or_path"] = base_model_name
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")  # inside the save's temp folder
+
+
+def portable_model_name(model: str) -> str:
+    """The name an adapter records for its base: a hub id or "tiny" as given, a local folder by its own name
+    (the last path component, which :func:`lora_kit.evaluation.adapters.check_adapter` matches), never a local
+    absolute path."""
+    model = os.fspath(model)
+    if os.path.isabs(os.path.expanduser(model)) or os.path.exists(os.path.expanduser(model)):
+        return Path(model.rstrip("/")).name
+    return model
 
 
 def check_adapter_files(adapter_dir) -> dict:

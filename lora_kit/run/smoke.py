@@ -38,7 +38,9 @@ single-process base and verifies it while the other ranks wait at a barrier. ``e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -58,8 +60,9 @@ from lora_kit.memory.simulate import simulate as simulate_step
 from lora_kit.memory.tracker import LiveBytesTracker
 from lora_kit.noise import quiet
 from lora_kit.prompting import PromptFormat, resolve_prompt_format
-from lora_kit.results import (NotWritten, active_run, check_output_dir, interrupts, read_record, run_identity,
-                              signal_name, touch, write_json_atomic)
+from lora_kit.results import (NotWritten, active_run, check_output_dir, clean_leftovers, disk_full, interrupts,
+                              read_record, run_identity, run_lock, same_run, settled, signal_name, touch,
+                              write_json_atomic)
 from lora_kit.run import adapter_io
 from lora_kit.run import batches as smoke_data
 from lora_kit.run import distributed as dist_util
@@ -121,6 +124,22 @@ class SmokeResult:
 
     def __getitem__(self, key):
         return self.record[key]
+
+
+class _LogFile(logging.FileHandler):
+    """smoke.log: a line that cannot be written (full disk) is dropped, not printed with a traceback; smoke.json
+    records the run's ending and :class:`NotWritten` names the result file that was not written."""
+
+    def handleError(self, record) -> None:  # noqa: N802 - logging's name
+        pass
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            super().flush()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            super().close()
 
 
 class _Run:
@@ -261,7 +280,8 @@ def _linear_names(model) -> list[str]:
 
 def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prompts: list[str] | None = None,
               memory_limit_bytes: int | None = None, measure_steps: int = 3, simulate: bool = True,
-              progress: bool = True, cpu_threads: int | None = None, **overrides) -> SmokeResult:
+              progress: bool = True, cpu_threads: int | None = None, overwrite: bool = False,
+              **overrides) -> SmokeResult:
     """Run the smoke run; returns a :class:`SmokeResult` (also in ``<run_dir>/smoke/smoke.json``).
 
     ``settings``: a :class:`lora_kit.Settings` (or None for defaults); ``overrides``: any Settings
@@ -274,7 +294,14 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     ``cpu_threads``: torch CPU threads for this run (restored after). On a CPU shared with other
     jobs, 1 thread can be several times faster than 2 (OpenMP threads spin waiting for each other);
     None keeps torch's setting.
-    Out of memory returns a result with ``status == "failed at <phase>"``; other errors re-raise.
+    ``overwrite``: a ``run_dir`` whose ``smoke/smoke.json`` records a complete smoke run of another run is
+    refused (ValueError) unless ``overwrite=True``, which moves that run's ``smoke/``, ``data/`` and ``mix/``
+    aside to ``<run_dir>/replaced-<its id>/`` first -- as ``lora-kit run --overwrite`` does with a whole run.
+    One smoke run writes into a folder at a time (:func:`lora_kit.results.run_lock`; a smoke run inside a
+    ``lora-kit run`` shares that run's lock); what a killed one left behind (temp files, half-saved adapter
+    folders) is removed at the start.
+    Out of memory returns a result with ``status == "failed at <phase>"``; other errors re-raise. A file that
+    cannot be written (full disk, read-only) raises :class:`lora_kit.results.NotWritten` naming it.
     """
     s = _settings(settings, overrides)
     check_output_dir(s.run_dir, create=False)
@@ -285,6 +312,14 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
         raise ValueError(f"cpu_threads must be a positive integer or None, got {cpu_threads!r}.")
     if dist_util.runs_sharded(s):
         dist_util.check_sharded(s)
+    lock = contextlib.ExitStack()
+    if dist_util.rank() == 0 and active_run(s.run_dir) is None:  # inside a lora-kit run, that run holds the lock
+        lock.enter_context(run_lock(s.run_dir))
+    try:
+        _claim_folder(s, overwrite)
+    except BaseException:
+        lock.close()
+        raise
     threads_before = torch.get_num_threads()
     if cpu_threads:
         torch.set_num_threads(cpu_threads)
@@ -310,8 +345,12 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     run = _Run(out, record, write=rank == 0)
     handler = None
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(out / "smoke.log", mode="w")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            handler = _LogFile(out / "smoke.log", mode="w")
+        except OSError as e:
+            _close(None, created, threads_before, lock)
+            raise NotWritten(out / "smoke.log", e) from None
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
@@ -336,7 +375,7 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
         record["ending"] = f"{signal_name(e)} during {phase}; {len(record['steps'])} steps recorded"
         log.error("smoke run interrupted (%s) during %s", signal_name(e), phase)
         run.write_ending()
-        _close(handler, created, threads_before)
+        _close(handler, created, threads_before, lock)
         raise
     except BaseException as e:
         phase = getattr(run, "current", "load")
@@ -346,7 +385,9 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
             record["error"] = f"{type(e).__name__}: {e}"[:2000]
             log.exception("smoke run failed at %s", phase)
             run.write_ending()
-            _close(handler, created, threads_before)
+            _close(handler, created, threads_before, lock)
+            if isinstance(e, OSError) and not isinstance(e, NotWritten) and disk_full(e):
+                raise NotWritten(Path(e.filename or out), e) from e  # which file, and what to do
             raise
         record["oom"] = {"phase": phase, "step_phase": getattr(tracker, "phase", None),
                          "memory_at_failure": memory_now(tracker), "error": str(e)[:1000]}
@@ -365,11 +406,12 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
             record["oom"]["suggestions"] = {"error": f"{type(se).__name__}: {se}"}
         log.error("out of memory in phase %s: %s", phase, e)
     run.write_ending()
-    _close(handler, created, threads_before)
+    _close(handler, created, threads_before, lock)
     return result
 
 
-def _close(handler, created: bool, threads: int) -> None:
+def _close(handler, created: bool, threads: int, lock: contextlib.ExitStack) -> None:
+    lock.close()
     torch.set_num_threads(threads)
     if handler is not None:
         log.removeHandler(handler)
@@ -529,7 +571,8 @@ def _verify_phases(s, run, state, tracker, tok, probe, path, control_prompts, sh
 
     run.start("save", tracker)
     trained_logits, base_logits, full = _trained_outputs(model, probe, sharded)
-    files = adapter_io.save_adapter(model, run.out / "adapter", state_dict=full)
+    files = adapter_io.save_adapter(model, run.out / "adapter", state_dict=full,
+                                    base_model_name=adapter_io.portable_model_name(s.model))
     rec["checkpoint"] = {"dir": str(run.out / "adapter"), "files": files, "bytes": sum(files.values()),
                          "gathered_from_ranks": dist_util.world_size() if sharded else 1, "written_by_rank": 0}
     del full
@@ -573,6 +616,32 @@ def _verify_phases(s, run, state, tracker, tok, probe, path, control_prompts, sh
     run.done("generate")
 
 
+def _claim_folder(s, overwrite: bool) -> None:
+    """Before the smoke run writes anything into ``s.run_dir``: remove what a killed one left behind, and refuse
+    (or, with ``overwrite``, move aside) a complete smoke run of another run there."""
+    out = Path(s.run_dir) / "smoke"
+    if dist_util.rank() == 0:
+        left = clean_leftovers(out)
+        if left:
+            log.warning("removed what a killed smoke run left in %s: %s", out, ", ".join(left))
+    old = settled(read_record(out / "smoke.json"))
+    if not old or old.get("status") != "complete" or same_run(old, active_run(s.run_dir)):
+        return
+    old_id = (old.get("run") or {}).get("id") or "unknown"
+    if not overwrite:
+        raise ValueError(f"{str(out)!r} holds a complete smoke run (run {old_id}, its verified adapter and data); "
+                         "a new smoke run would replace them. Pass overwrite=True (CLI: --overwrite) to move them "
+                         f"aside to {str(Path(s.run_dir) / f'replaced-{old_id}')!r}, or choose another run_dir.")
+    if dist_util.rank() == 0:
+        dest = Path(s.run_dir) / f"replaced-{old_id}"
+        dest.mkdir(parents=True, exist_ok=True)
+        for part in ("smoke", "data", "mix"):
+            if (Path(s.run_dir) / part).exists() and not (dest / part).exists():
+                os.replace(Path(s.run_dir) / part, dest / part)
+        log.warning("moved the previous smoke run %s aside: %s", old_id, dest)
+    dist_util.barrier()
+
+
 def check_own_folder(run_dir: str, world: int = 1) -> None:
     """Refuse a command-line smoke run into the folder of a ``lora-kit run`` it is not part of: it would
     replace that run's ``smoke/`` (the adapter its notebook 04 evaluated) and, carrying another run id,
@@ -598,6 +667,8 @@ def main(argv=None) -> int:
     p.add_argument("--measure-steps", type=int, default=3, help="steps the CPU tracker measures")
     p.add_argument("--no-simulate", action="store_true", help="skip lora_kit.memory.simulate")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="move a complete smoke run in run_dir aside to <run_dir>/replaced-<id> instead of refusing")
     a = p.parse_args(argv)
     try:
         s = load_settings(a.params, dict(a.p))
@@ -610,7 +681,7 @@ def main(argv=None) -> int:
         return 2
     try:
         r = smoke_run(s, memory_limit_bytes=a.memory_limit_bytes, measure_steps=a.measure_steps,
-                      simulate=not a.no_simulate, cpu_threads=a.cpu_threads)
+                      simulate=not a.no_simulate, cpu_threads=a.cpu_threads, overwrite=a.overwrite)
     except KeyboardInterrupt as e:  # one line, not a traceback: smoke.json holds the record
         print(f"smoke run interrupted ({signal_name(e)}); what was measured is in smoke/smoke.json",
               file=sys.stderr)
@@ -618,6 +689,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"smoke run: {e}", file=sys.stderr)
         return 2
+    except NotWritten as e:  # full disk, read-only folder: the message names the file; smoke.json the phase
+        print(f"smoke run: {e.strerror}", file=sys.stderr)
+        return 1
     if dist_util.rank() == 0:
         print(summary(r.record))
     return 0 if r.ok else 1

@@ -36,9 +36,10 @@ from jupyter_client.manager import AsyncKernelManager
 from lora_kit.data import absolute_paths
 from lora_kit.progress import follow
 from lora_kit.ui.notebook import FIGURE_INDEX, NOTEBOOK_ENV, PLOTLY_JS, figure_index, kit_notebooks_dir
-from lora_kit.results import (NotWritten, active_run, check_movable_run, check_output_dir, entered_run, interrupts,
-                              new_run, now_iso, process_alive, read_record, same_run, settled, signal_name, touch,
-                              write_json_atomic, write_text_atomic)
+from lora_kit.results import (RESERVE_BYTES, NotWritten, active_run, check_movable_run, check_output_dir,
+                              clean_leftovers, disk_full, entered_run, interrupts, new_run, now_iso, process_alive,
+                              read_record, release_space, reserve_space, run_lock, same_run, settled, signal_name,
+                              touch, write_json_atomic, write_text_atomic)
 from lora_kit.settings import Settings
 
 PIPELINE = (
@@ -146,14 +147,25 @@ class TrackedKernelManager(AsyncKernelManager):
     to the kernel over local sockets (IPC), not TCP: nothing listens on a port, and the kernel has no
     reason to warn "Kernel is running over TCP without encryption" in every run."""
     started: ClassVar[list] = []
+    files_dir: Path | None = None
 
     def __init__(self, **kw):
-        if os.name == "posix":  # socket files in the temp folder (not the run folder), removed when the kernel stops
+        if os.name == "posix":  # sockets and connection file in one folder of the temp folder, owned by this process
             import tempfile
-            import uuid
+            clean_kernel_files()
+            self_dir = Path(tempfile.mkdtemp(prefix=f"{KERNEL_FILES}{os.getpid()}-"))
             kw.setdefault("transport", "ipc")
-            kw.setdefault("ip", os.path.join(tempfile.gettempdir(), f"lora-kit-{uuid.uuid4().hex[:12]}-ipc"))
-        super().__init__(**kw)
+            kw.setdefault("ip", str(self_dir / "ipc"))
+            kw.setdefault("connection_file", str(self_dir / "kernel.json"))
+            super().__init__(**kw)
+            self.files_dir = self_dir
+        else:
+            super().__init__(**kw)
+
+    async def _async_cleanup_resources(self, restart: bool = False) -> None:
+        await super()._async_cleanup_resources(restart=restart)
+        if not restart and self.files_dir is not None:
+            shutil.rmtree(self.files_dir, ignore_errors=True)
 
     kernel_pid: int | None = None
     returncode: int | None = None
@@ -181,6 +193,25 @@ class TrackedKernelManager(AsyncKernelManager):
     def alive(self) -> bool:
         return self.kernel_pid is not None and self.exit_code() is None and \
             process_alive({"pid": self.kernel_pid}) is True
+
+
+KERNEL_FILES = "lora-kit-kernel-"  # <temp folder>/lora-kit-kernel-<pid of lora-kit run>-<random>/: ipc + kernel.json
+
+
+def clean_kernel_files() -> list[str]:
+    """Remove the kernel folders (IPC sockets, connection file) of ``lora-kit run`` processes that are gone: a run
+    killed outright (SIGKILL) cannot remove its own; its kernel exits when it sees its parent gone."""
+    import tempfile
+    removed = []
+    for d in Path(tempfile.gettempdir()).glob(f"{KERNEL_FILES}*"):
+        try:
+            pid = int(d.name[len(KERNEL_FILES):].split("-")[0])
+        except ValueError:
+            continue
+        if d.is_dir() and d.stat().st_uid == os.getuid() and process_alive({"pid": pid}) is False:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(str(d))
+    return removed
 
 
 def oom_kills() -> int | None:
@@ -285,6 +316,9 @@ def prepare_run_dir(out: Path, params: dict, overwrite: bool, resume: bool, log)
     """(identity, kept notebook entries, resumed history) for ``out``; moves an old run aside when asked."""
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other; choose one.")
+    left = clean_leftovers(out)  # the folder's lock is held: what a killed writer left is nobody's
+    if left:
+        log(f"removed what a killed run left in {out}: {', '.join(left)}")
     if not out.exists() or not any(out.iterdir()):
         return new_run("lora-kit run", out), [], []
     old_raw = read_record(out / "pipeline.json")
@@ -372,6 +406,14 @@ def run_pipeline(settings: Settings, out_dir: str | Path, notebooks: str | Path 
     names = select_notebooks(only)
     nb_dir = check_notebooks(notebooks if notebooks else notebooks_dir(), names)
     out = check_output_dir(out_dir, nb_dir, create=False)
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other; choose one.")
+    with run_lock(out):  # one run per folder: a second one is refused here, before it reads or moves anything
+        return _run_locked(pm, settings, out, nb_dir, names, log, overwrite, resume)
+
+
+def _run_locked(pm, settings: Settings, out: Path, nb_dir: Path, names: list[str], log, overwrite: bool,
+                resume: bool) -> dict:
     settings = settings.replace(run_dir=str(out), interactive=False, **absolute_paths(settings))  # kernels run in out/
     params = settings.to_dict()
     ident, kept, resumed = prepare_run_dir(out, params, overwrite, resume, log)
@@ -382,7 +424,7 @@ def run_pipeline(settings: Settings, out_dir: str | Path, notebooks: str | Path 
               "requested": names, "notebooks": list(kept), "not_run": [], "settings": params}
     if resumed:
         record["resumed"] = resumed
-    with entered_run(ident), _papermill_log(out):
+    with entered_run(ident), _papermill_log(out), _reserved(out):
         write_json_atomic(out / "settings.json", params)
         _save(out, record)
         t_all = time.perf_counter()
@@ -412,6 +454,16 @@ def run_pipeline(settings: Settings, out_dir: str | Path, notebooks: str | Path 
                 lost = "".join(f"\n  {line}" for line in record.get("not_written", []))
                 raise PipelineError(exc.message + lost, exc.name) from exc.__cause__
     return record
+
+
+@contextlib.contextmanager
+def _reserved(out: Path):
+    """Disk held back for the run's ending (see :func:`_save`), given back when the run ends."""
+    reserve_space(out)
+    try:
+        yield
+    finally:
+        release_space(out)
 
 
 @contextlib.contextmanager
@@ -469,7 +521,7 @@ def _run_one(pm, nb_dir: Path, out: Path, name: str, params: dict, record: dict)
         else:
             entry.update(status="failed", error=_failure_text(exc))
             record["status"] = f"failed at {name}"
-        full = _disk_full(exc)
+        full = disk_full(exc)
         if full:
             entry["error"] += " (disk full)"
             record["status"] += " (disk full)"
@@ -485,16 +537,6 @@ def _run_one(pm, nb_dir: Path, out: Path, name: str, params: dict, record: dict)
     entry["html"] = html.name if html else None
     record.pop("current", None)
     _save(out, record)
-
-
-def _disk_full(exc: BaseException | None) -> bool:
-    import errno
-    while exc is not None:
-        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(exc) \
-                or "no space left" in str(getattr(exc, "evalue", "")):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def _end_interrupted(out: Path, record: dict, exc: BaseException, todo: list[str]) -> None:
@@ -517,10 +559,17 @@ def _end_interrupted(out: Path, record: dict, exc: BaseException, todo: list[str
 
 
 def _save(out: Path, record: dict) -> None:
-    """Write pipeline.json; a full disk is recorded in memory (``not_written``) and reported at the end."""
+    """Write pipeline.json. On a full disk the run's reserve (:func:`lora_kit.results.reserve_space`) is given
+    back and the write tried once more, so the record never stays "running" for want of a few kilobytes; what
+    still cannot be written is recorded in memory (``not_written``) and reported at the end."""
     try:
         write_json_atomic(out / "pipeline.json", touch(record))
     except NotWritten as exc:
+        if disk_full(exc) and release_space(out):
+            record["disk_full"] = ("the disk filled up during the run; its reserve of "
+                                   f"{RESERVE_BYTES // 2**20} MiB was given back to record this ending and the card")
+            _save(out, record)
+            return
         record.setdefault("not_written", []).append(str(exc))
 
 
@@ -533,9 +582,16 @@ def _finish(out: Path, record: dict, t_all: float, log) -> None:
 
 
 def _build_report_safely(out: Path, log) -> None:
-    try:
-        from lora_kit.ui.run_card import build_report
-        paths = build_report(out)
-        log(f"run card: {paths['md']}")
-    except Exception as exc:  # the report must never hide the run's own outcome
-        log(f"(run card could not be built: {type(exc).__name__}: {exc})")
+    from lora_kit.ui.run_card import build_report
+    for _ in range(2):
+        try:
+            paths = build_report(out)
+            log(f"run card: {paths['md']}")
+            return
+        except NotWritten as exc:  # a full disk: the run's reserve makes room for the card once
+            if not (disk_full(exc) and release_space(out)):
+                log(f"(run card could not be built: {exc})")
+                return
+        except Exception as exc:  # the report must never hide the run's own outcome
+            log(f"(run card could not be built: {type(exc).__name__}: {exc})")
+            return
