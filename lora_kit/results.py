@@ -227,6 +227,48 @@ def read_record(path: str | Path) -> dict | None:
     return rec if isinstance(rec, dict) else None
 
 
+MODEL_KEYS = ("model", "plan_model", "base_model")  # a local model folder is named by its own name in a card
+
+
+def portable(obj: Any, run_dir: str | Path) -> Any:
+    """``obj`` (JSON-like) with no absolute local path, for files meant to be sent (the run card): a model
+    (:data:`MODEL_KEYS`) by its folder's name, any other string that is a path relative to ``run_dir`` (the
+    package's own files: ``lora_kit/...``); paths inside a longer text
+    (an error message) lose the run folder, the package and the home folder's prefix."""
+    d = Path(run_dir).resolve()
+    if isinstance(obj, dict):
+        return {k: Path(v.rstrip("/")).name if k in MODEL_KEYS and isinstance(v, str) and os.path.isabs(v)
+                else portable(v, d) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable(v, d) for v in obj]
+    if not isinstance(obj, str) or "/" not in obj:
+        return obj
+    if os.path.isabs(obj) and not any(c.isspace() for c in obj):
+        p = Path(os.path.normpath(obj))
+        if p == PACKAGE_DIR or PACKAGE_DIR in p.parents:
+            return "lora_kit/" + p.relative_to(PACKAGE_DIR).as_posix() if p != PACKAGE_DIR else "lora_kit"
+        return os.path.relpath(p, d) + ("/" if obj.endswith("/") and p != d else "")
+    return portable_text(obj, d)
+
+
+def portable_text(text: str, run_dir: str | Path) -> str:
+    """``text`` with the run folder's, the package's and the home folder's absolute prefixes taken out."""
+    d = str(Path(run_dir).resolve())
+    end = r"(?![\w.+-])"
+    text = re.sub(re.escape(d) + "/", "", text)
+    text = re.sub(re.escape(d) + end, ".", text)
+    text = re.sub(re.escape(str(PACKAGE_DIR)) + end, "lora_kit", text)
+    home = str(Path.home())
+    if home not in ("/", ""):
+        text = re.sub(re.escape(home) + r"(?=/)", "~", text)
+
+    def rel(m):  # any other absolute path on this machine: relative to the run folder
+        path = m.group(0)
+        first = path.split("/")[1]
+        return os.path.relpath(path, d) if first and Path("/", first).exists() else path
+    return re.sub(r"(?<![\w.~:/])/[^\s'\"`,;()\[\]]+", rel, text)
+
+
 # ----------------------------------------------------------------------------------------------
 # run identity
 # ----------------------------------------------------------------------------------------------

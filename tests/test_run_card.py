@@ -111,7 +111,7 @@ def test_card_of_a_smoke_run_folder_of_its_own(tmp_path):
         "memory_model": {"estimate_fsdp_per_gpu": 2 ** 20}}))
     build_report(tmp_path)
     md = (tmp_path / "report.md").read_text()
-    assert md.startswith("# Run card: fine-tuning /models/my-llama · LoRA")
+    assert md.startswith("# Run card: fine-tuning my-llama · LoRA")  # a local model by its name, not its path
     assert "| sharding | `fsdp` |" in md and "| 1 | 1.0 MiB |" in md.split("## Several GPUs")[1]
     assert "this folder holds a smoke run of its own" in md and "plan.json has no multi-GPU section" not in md
     card = {**collect(tmp_path), "plan": {"multi_gpu": {"num_gpus": 2}},

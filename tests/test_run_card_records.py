@@ -70,3 +70,29 @@ def test_a_copied_run_folder_keeps_its_figures(tmp_path, monkeypatch):
         md = Path(build_report(d)["md"]).read_text()
         assert "figures/eval_paired_diff.html" in md, (d, md[md.find("## Figures"):])
         assert "not_this_run" not in md
+
+
+def test_card_and_adapter_carry_no_absolute_local_path(tmp_path, random_llama_dir, monkeypatch):
+    """report.md, report.json and adapter_config.json are sent when renting a GPU: paths relative to the run
+    folder, a model by its name (issue 38, item 10)."""
+    from lora_kit.run.smoke import smoke_run
+    monkeypatch.setattr(notebook, "chromium_path", lambda: None)
+    run = tmp_path / "runs" / "x"
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(f'{{"prompt": "q{i}", "response": "a{i}"}}\n' for i in range(12)))
+    r = smoke_run(model=str(random_llama_dir), run_dir=str(run), dataset=str(data), control_prompts=["hi"],
+                  progress=False, simulate=False, max_steps=1, batch_size=2, seq_len=16, lora_rank=2, lora_alpha=4,
+                  max_new_tokens=1, measure_steps=1)
+    assert r.ok, r.status
+    notebook.save_figure(go.Figure(go.Bar(x=["a"], y=[1])), "f", run)
+    build_report(run)
+    local = [str(tmp_path), str(random_llama_dir), str(Path.home()), str(Path(notebook.__file__).parents[2])]
+    for name in ("report.md", "report.json", "smoke/adapter/adapter_config.json"):
+        text = (run / name).read_text()
+        assert not [p for p in local if p in text], (name, [p for p in local if p in text])
+    import json
+    assert json.loads((run / "smoke/adapter/adapter_config.json").read_text())["base_model_name_or_path"] == \
+        random_llama_dir.name
+    card = json.loads((run / "report.json").read_text())
+    assert card["smoke"]["checkpoint"]["dir"] == "smoke/adapter" and card["settings"]["run_dir"] == "."
+    assert card["settings"]["dataset"] == "../../data.jsonl"

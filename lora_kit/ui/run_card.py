@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from lora_kit.data import LONG_SHARE_WARN, long_examples_line
-from lora_kit.results import read_record, same_run, settled, write_json_atomic, write_text_atomic
+from lora_kit.results import (portable, portable_text, read_record, same_run, settled, write_json_atomic,
+                              write_text_atomic)
 from lora_kit.settings import method_label
 from lora_kit.ui.tables import method_markdown
 
@@ -110,6 +111,8 @@ def next_checks(card: dict) -> list[str]:
     mg = (plan or {}).get("multi_gpu") or {}
     if mg.get("num_gpus"):
         rd = str((card.get("settings") or {}).get("run_dir") or "").rstrip("/")
+        if rd in ("", ".") and card.get("name"):  # a portable card: the run folder under the default runs/
+            rd = f"runs/{card['name']}"
         own = f" -p run_dir {rd}-{mg['num_gpus']}ranks" if rd else ""  # the CLI refuses a lora-kit run's folder
         out.append(f"Several GPUs: on the {mg['num_gpus']} rented GPUs launch the smoke run with "
                    f"`torchrun --standalone --nproc_per_node {mg['num_gpus']} -m lora_kit.run.smoke --params run.yaml"
@@ -538,8 +541,10 @@ def build_report(run_dir: str | Path) -> dict:
     """Write ``report.md`` and ``report.json`` into ``run_dir``; returns their paths."""
     d = Path(run_dir)
     card = collect(d)
+    card["name"] = d.resolve().name
     card["figures"] = _figures(d, card["pipeline"])
+    card = portable(card, d)  # the card is sent when renting a GPU: no absolute local path (relative to run_dir)
     card["next_checks"] = next_checks(card)
     write_json_atomic(d / "report.json", card)
-    write_text_atomic(d / "report.md", render_markdown(card))
+    write_text_atomic(d / "report.md", portable_text(render_markdown(card), d))
     return {"md": str(d / "report.md"), "json": str(d / "report.json")}
