@@ -50,12 +50,13 @@ import unicodedata
 from pathlib import Path
 
 from lora_kit.results import PACKAGE_DIR, write_text_atomic
+from lora_kit.settings import DATA_FORMATS as SETTING_FORMATS
 
 # the shipped datasets: package data beside the embedded model (written by scripts/build_tiny_model.py)
 SHIPPED_DATA_DIR = PACKAGE_DIR / "embedded" / "data"
 TINY_SOURCES = {"tiny:dates": "dates_{split}.jsonl", "tiny:control": "control.jsonl",
                 "tiny:base_mix": "base_mix.jsonl", "generic:control": "generic_control.jsonl"}
-DATA_FORMATS = ("prompt_response", "alpaca", "messages", "sharegpt", "prompt_completion", "text")
+DATA_FORMATS = tuple(f for f in SETTING_FORMATS if f != "auto")  # the formats a file can be in
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                   "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system", "tool": "tool",
                   "function_call": "assistant", "observation": "tool", "function": "tool"}

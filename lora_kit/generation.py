@@ -21,8 +21,8 @@ next to a forward pass for short answers, and is what makes the rule tokenizer-i
 from __future__ import annotations
 
 from lora_kit.prompting import IGNORE_INDEX, PromptFormat
+from lora_kit.settings import THINK
 
-THINK = ("answer", "whole")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 

@@ -49,9 +49,10 @@ from __future__ import annotations
 
 import re
 
+from lora_kit.settings import TRAIN_ON
+
 PROMPT_TEMPLATE = "{prompt}\nAnswer: "
 IGNORE_INDEX = -100
-TRAIN_ON = ("last", "assistant", "all")
 _GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE = "x"  # stands for an answer's first character when the generation prompt's tokens are fixed
 

@@ -39,7 +39,9 @@ SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 PADDINGS = ("none", "longest", "max_length")
 LOOPS = ("kit", "trainer", "sft")  # lora_kit's step | transformers' Trainer | TRL's SFTTrainer, each with its defaults
-DATA_FORMATS = ("auto", "prompt_response", "alpaca", "messages")
+DATA_FORMATS = ("auto", "prompt_response", "alpaca", "messages", "sharegpt", "prompt_completion", "text")
+TRAIN_ON = ("assistant", "last", "all")  # conversation tokens trained (lora_kit.prompting)
+THINK = ("answer", "whole")  # what is judged of a reasoning template's generated answer (lora_kit.generation)
 PROMPT_FORMATS = ("auto", "plain", "chat")  # or a user template holding {prompt}
 LONG_EXAMPLES = ("truncate", "drop", "error")
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -322,9 +324,16 @@ class RunFields:
                                "\"messages\" (role/content lists)")
     messages_field: str = setting("messages", "dataset column holding the conversation when data_format is "
                                   "\"messages\"")
+    dataset_split: str = setting("", "split of a datasets DatasetDict folder that trains (empty: \"train\", or the "
+                                 "folder's only split)")
+    train_on: str = setting("assistant", "conversation tokens trained: \"assistant\" (every assistant turn, as TRL's "
+                            "assistant_only_loss=True and LLaMA-Factory) | \"last\" (the last assistant turn) | "
+                            "\"all\" (every token, TRL 1.16's default)")
     prompt_format: str = setting("auto", "\"auto\" | \"plain\" (prompt, newline, \"Answer: \") | \"chat\" (the "
                                  "tokenizer's chat template) | a template with {prompt}")
     long_examples: str = setting("truncate", "examples longer than seq_len: \"truncate\" | \"drop\" | \"error\"")
+    heldout_data_format: str = setting("auto", "format of heldout_dataset (\"auto\": detected on its own file)")
+    control_data_format: str = setting("auto", "format of control_dataset (\"auto\": detected on its own file)")
     heldout_dataset: str = setting("", "held-out file/folder for evaluation (empty: the embedded test split, or "
                                    "heldout_fraction of dataset)")
     heldout_fraction: float = setting(0.1, "share of dataset held out (split by seed) when heldout_dataset is empty "
@@ -340,6 +349,8 @@ class RunFields:
     eval_examples: int = setting(200, "held-out examples to evaluate (0 means all)")
     control_examples: int = setting(200, "control examples to evaluate (0 means all)")
     max_new_tokens: int = setting(16, "generation budget, same for base and adapter")
+    think: str = setting("answer", "a reasoning template's <think>...</think> block in generated answers: \"answer\" "
+                         "judges the text after it (the evaluation summary says so) | \"whole\" judges everything")
     # --- output --------------------------------------------------------------------------
     run_dir: str = setting("runs/default", "where results, adapter, notebooks and the run card are written")
     interactive: bool = setting(True, "show ipywidgets panels (headless papermill runs set this to false)")
@@ -441,7 +452,9 @@ def validate(s) -> None:
                              f"got {getattr(s, name)!r}.")
     if not 0 <= s.lora_dropout < 1:
         raise ValueError(f"lora_dropout must be in [0, 1), got {s.lora_dropout!r}.")
-    for name, choices in (("data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES)):
+    for name, choices in (("data_format", DATA_FORMATS), ("heldout_data_format", DATA_FORMATS),
+                          ("control_data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES),
+                          ("train_on", TRAIN_ON), ("think", THINK)):
         check_choice(name, getattr(s, name), choices)
     if s.prompt_format not in PROMPT_FORMATS and "{prompt}" not in str(s.prompt_format):
         raise ValueError(f"prompt_format={s.prompt_format!r} is not valid; choose 'auto', 'plain', 'chat' or a template "
@@ -452,7 +465,7 @@ def validate(s) -> None:
     for name in ("dataset", "prompt_field", "response_field", "messages_field", "control_dataset"):
         if not isinstance(getattr(s, name), str) or not getattr(s, name).strip():
             raise ValueError(f"{name} must be a non-empty string, got {getattr(s, name)!r}.")
-    for name in ("heldout_dataset", "plan_model", "from_config"):
+    for name in ("heldout_dataset", "plan_model", "from_config", "dataset_split"):
         if not isinstance(getattr(s, name), str):
             raise ValueError(f"{name} must be a string ('' for the default), got {getattr(s, name)!r}.")
 

@@ -199,7 +199,15 @@ def cmd_check(args) -> int:
     except ValueError as exc:
         print(f"lora-kit check: invalid settings: {exc}", file=sys.stderr)
         return 2
+    from lora_kit.data_check import check_data
+    try:  # every file the run reads, loaded and formatted before any probe loads a model
+        data = check_data(s, train_on=getattr(s, "train_on", "assistant"))
+    except ValueError as exc:
+        print(f"lora-kit check: data: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(f"data: {line}" for line in data["lines"]))
     rep = stack.report(s)
+    rep["data"] = data
     if args.json:
         from lora_kit.results import write_json_atomic
         write_json_atomic(args.json, rep)
