@@ -28,7 +28,8 @@ FAMILIES = {  # model_type -> extra config fields (small experts for the mixture
     "olmoe": {"num_experts": 8, "num_experts_per_tok": 2},
     "gpt_oss": {"head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2},
 }
-CATALOG = ("llama-3.2-1b", "qwen2.5-0.5b", "pythia-1b")
+STEP_OF = {"gpt_oss": {"attn_implementation": "eager"}}  # transformers runs GPT-OSS with eager attention only
+CATALOG = ("llama-3.2-1b", "qwen2.5-0.5b", "pythia-1b", "gemma-3-1b")
 STEPS = {"lora, checkpointing": dict(method="lora", gradient_checkpointing=True, dtype="float32"),
          "full, no checkpointing": dict(method="full", gradient_checkpointing=False, dtype="float32")}
 TARGETS = ((2, 4096), (1, 8192))  # (micro-batch, tokens): never in the fit's design
@@ -62,7 +63,7 @@ def main() -> None:
     for name, make in models:
         cfg = make()
         for label, kw in steps.items():
-            step = Step(**kw)
+            step = Step(**kw, **STEP_OF.get(getattr(cfg, "model_type", ""), {}))
             row = {"model": name, "step": label, "layers": cfg.num_hidden_layers}
             t0 = time.perf_counter()
             try:

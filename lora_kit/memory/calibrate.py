@@ -41,23 +41,33 @@ def _window(cfg) -> int | None:
 
 
 def _s_regimes(cfg) -> dict:
-    """S regimes: name -> (start, span, contains(S)). Without a window, one regime from 512 tokens on."""
+    """S regimes: name -> (start, span, contains(S)). Without a window, one regime from 512 tokens on. With a
+    window ``w``: ``S < w`` (designed below ``w`` in steps of a multiple of 64; none when ``w`` is under 320 tokens)
+    and ``S >= w`` (designed from ``max(w, 512)``: storages of fewer bytes than the allocator's 512-byte rounding do
+    not grow linearly)."""
     w = _window(cfg)
     if w is None:
         return {"S": (SPAN, SPAN, lambda S: True)}
-    span = max(8, min(SPAN, w // 8) // 8 * 8)
-    return {"S<w": (max(8, w - 5 * span), span, lambda S, w=w: S < w),
-            "S>=w": (w, span, lambda S, w=w: S >= w)}
+    out = {}
+    span = min(SPAN, w // 5 // 64 * 64)
+    if span >= 64:
+        out["S<w"] = (w - 5 * span, span, lambda S, w=w: S < w)
+    out["S>=w"] = (-(-max(w, SPAN) // 64) * 64, SPAN, lambda S, w=w: S >= w)
+    return out
 
 
 def _stacks(cfg) -> dict:
-    """The shallow stacks fitted: "base" (two blocks of the first layer type) and one three-block stack per layer
-    type (the base plus one block of that type), so depth is counted per type. Without layer types: one type."""
+    """The shallow stacks fitted. Without layer types: two and three blocks. With them (first type ``a``, last
+    ``z``): ``[a, a]``; per type ``t``, ``[a, t, a]`` (what one more block of ``t`` keeps, the top unchanged); and,
+    when ``z`` differs from ``a``, ``[a, a, z]`` (what a top block of type ``z`` changes)."""
     types = getattr(cfg, "layer_types", None)
     if not isinstance(types, list) or not types:
         return {"base": None, "block": None}
-    first = types[0]
-    return {"base": [first, first], **{t: [first, first, t] for t in dict.fromkeys(types)}}
+    a, z = types[0], types[-1]
+    out = {"base": [a, a], **{f"mid:{t}": [a, t, a] for t in dict.fromkeys(types)}}
+    if z != a:
+        out["top"] = [a, a, z]
+    return out
 
 
 def _row(basis, B: int, S: int) -> list[int]:
@@ -110,6 +120,7 @@ class Fit:
     phases: dict
     s_regimes: dict
     types: tuple | None
+    unfitted: dict  # S regime -> why it could not be fitted (its lengths are refused)
 
     def _phase_peaks(self, b_reg: str, s_reg: str, stack: str, B: int, S: int) -> dict:
         basis = B_REGIMES[b_reg][0]
@@ -122,12 +133,22 @@ class Fit:
         s_reg = next((k for k, (start, _, has) in self.s_regimes.items() if has(S)), None)
         if s_reg is None:
             raise ValueError(f"seq_len={S} is below every fitted regime")
-        base = self._phase_peaks(b_reg, s_reg, "base", B, S)
-        types = list(self.types[:layers]) if self.types else None
-        counts = {"block": layers - 2} if types is None else \
-            {t: types.count(t) - (2 if t == self.types[0] else 0) for t in dict.fromkeys(types)}
-        adds = {t: self._phase_peaks(b_reg, s_reg, t, B, S) for t in counts}
-        best = max(base[ph] + sum(n * (adds[t][ph] - base[ph]) for t, n in counts.items()) for ph in base)
+        if s_reg in self.unfitted:
+            raise ValueError(f"seq_len={S}: {self.unfitted[s_reg]}")
+        def peaks(stack):
+            return self._phase_peaks(b_reg, s_reg, stack, B, S)
+        base = peaks("base")
+        if self.types is None:
+            block = peaks("block")
+            best = max(base[ph] + (layers - 2) * (block[ph] - base[ph]) for ph in base)
+        else:
+            types = list(self.types[:layers])
+            a, z = types[0], types[-1]
+            counts = {t: types.count(t) - (2 if t == a else 0) for t in dict.fromkeys(types)}
+            mids = {t: peaks(f"mid:{t}") for t in counts}
+            top = peaks("top") if z != a else None
+            best = max(base[ph] + sum(n * (mids[t][ph] - base[ph]) for t, n in counts.items())
+                       + (top[ph] - mids[z][ph] if top else 0) for ph in base)
         if best.denominator != 1:
             raise ArithmeticError(f"the fitted peak is not a whole number of bytes ({best}): refit")
         return int(best)
@@ -142,26 +163,35 @@ def fit(cfg, step) -> Fit:
     from lora_kit.memory.simulate import simulate
     if step.sharding not in ("none", "ddp") or step.loop == "sft":
         raise ValueError("calibrate fits one GPU's step with loop 'kit' or 'trainer' (sft's tiles follow the tokens).")
-    s_regimes, stacks, phases = _s_regimes(cfg), _stacks(cfg), {}
-    for b_reg, (basis, design, held) in B_REGIMES.items():
-        for s_reg, (start, span, _) in s_regimes.items():
-            shapes = [(B, start + k * span) for B, k in design + (held,)]
-            rows = [_row(basis, B, S) for B, S in shapes[:-1]]
-            for stack, layers in stacks.items():
-                c = _shallow(cfg, stack, layers)
-                traces = [simulate(c, step, batch_size=B, seq_len=S, trace=True).trace for B, S in shapes]
-                if len({tuple(op[:2] for op in t) for t in traces}) != 1:
-                    raise ValueError(f"the operator sequence of stack {stack!r}, {b_reg}, {s_reg}, changes with the "
-                                     f"shape ({sorted(len(t) for t in traces)} operators): not fitted")
-                by_phase: dict = {}
-                for j, (ph, name, _) in enumerate(traces[0]):
-                    ys = [t[j][2] for t in traces[:-1]]
-                    coef = _solve(rows, ys)
-                    if any(_value(basis, coef, B, S) != y for (B, S), y in zip(shapes, ys)) or \
-                            _value(basis, coef, *shapes[-1]) != traces[-1][j][2]:
-                        raise ValueError(f"operator {j} ({name}, {ph}) of stack {stack!r}, {b_reg}, {s_reg}, is not "
-                                         f"polynomial in {basis}: not fitted")
-                    by_phase.setdefault(ph, []).append(coef)
-                phases[(b_reg, s_reg, stack)] = {ph: _envelope(ops) for ph, ops in by_phase.items()}
+    s_regimes, stacks, phases, unfitted = _s_regimes(cfg), _stacks(cfg), {}, {}
+    for s_reg, (start, span, _) in s_regimes.items():
+        try:
+            for b_reg, (basis, design, held) in B_REGIMES.items():
+                shapes = [(B, start + k * span) for B, k in design + (held,)]
+                for stack, layers in stacks.items():
+                    phases[(b_reg, s_reg, stack)] = _fit_stack(simulate, _shallow(cfg, stack, layers), step, basis,
+                                                               shapes, f"stack {stack!r}, {b_reg}, {s_reg}")
+        except ValueError as e:
+            if s_reg != "S<w":  # below a short window, storages under 512 bytes may not grow linearly
+                raise
+            unfitted[s_reg] = f"below the sliding window the step was not fitted ({e})"
     types = getattr(cfg, "layer_types", None)
-    return Fit(phases, s_regimes, tuple(types) if isinstance(types, list) and types else None)
+    return Fit(phases, s_regimes, tuple(types) if isinstance(types, list) and types else None, unfitted)
+
+
+def _fit_stack(simulate, cfg, step, basis, shapes, where: str) -> dict:
+    """One stack in one regime: its traces at the design shapes, each operator fitted and checked."""
+    rows = [_row(basis, B, S) for B, S in shapes[:-1]]
+    traces = [simulate(cfg, step, batch_size=B, seq_len=S, trace=True).trace for B, S in shapes]
+    if len({tuple(op[:2] for op in t) for t in traces}) != 1:
+        raise ValueError(f"the operator sequence of {where} changes with the shape "
+                         f"({sorted(len(t) for t in traces)} operators): not fitted")
+    by_phase: dict = {}
+    for j, (ph, name, _) in enumerate(traces[0]):
+        ys = [t[j][2] for t in traces[:-1]]
+        coef = _solve(rows, ys)
+        if any(_value(basis, coef, B, S) != y for (B, S), y in zip(shapes, ys)) or \
+                _value(basis, coef, *shapes[-1]) != traces[-1][j][2]:
+            raise ValueError(f"operator {j} ({name}, {ph}) of {where} is not polynomial in {basis}: not fitted")
+        by_phase.setdefault(ph, []).append(coef)
+    return {ph: _envelope(ops) for ph, ops in by_phase.items()}
