@@ -30,8 +30,8 @@ PAUSED_SAVE = """
 import sys, time, pathlib
 from lora_kit.run import adapter_io
 real = adapter_io._deterministic_config
-def paused(path):
-    real(path)
+def paused(path, *args):
+    real(path, *args)
     pathlib.Path(sys.argv[1]).write_text("saving")
     time.sleep(120)
 adapter_io._deterministic_config = paused
@@ -40,8 +40,9 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def smoke(run_dir: Path, steps: int, *, pause_marker: Path | None = None, env=None) -> subprocess.Popen:
-    args = ["-p", "run_dir", str(run_dir), "-p", "max_steps", str(steps), *FAST]
+def smoke(run_dir: Path, steps: int, *, pause_marker: Path | None = None, env=None,
+          overwrite: bool = False) -> subprocess.Popen:
+    args = ["-p", "run_dir", str(run_dir), "-p", "max_steps", str(steps), *FAST] + ["--overwrite"] * overwrite
     cmd = ([sys.executable, "-c", PAUSED_SAVE, str(pause_marker)] if pause_marker
            else [sys.executable, "-m", "lora_kit.run.smoke"]) + args
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -102,8 +103,11 @@ def test_sigterm_while_training_records_interrupted(tmp_path):
 
 def test_sigkill_while_training_reads_as_died_and_evaluate_refuses_the_old_adapter(complete_runs):
     run = complete_runs[0]
-    old = files(run / "smoke" / "adapter")
-    p = smoke(run, 400)  # a second run into the same folder, killed outright
+    old, old_id = files(run / "smoke" / "adapter"), record(run)["run"]["id"]
+    refused = smoke(run, 400)  # a complete smoke run is never replaced unasked
+    _, err = refused.communicate(timeout=120)
+    assert refused.returncode == 2 and "holds a complete smoke run" in err and record(run)["run"]["id"] == old_id
+    p = smoke(run, 400, overwrite=True)  # a second run into the same folder, asked to replace it, killed outright
     wait_for(lambda: (record(run) or {}).get("run", {}).get("id") and training(run)()
              and record(run)["status"] == "running")
     p.kill()
@@ -111,13 +115,10 @@ def test_sigkill_while_training_reads_as_died_and_evaluate_refuses_the_old_adapt
     rec = record(run)
     assert rec["status"] == "running" and rec["process"]["pid"] == p.pid and len(rec["steps"]) >= 2
     assert settled(rec)["status"] == "died at train"
-    assert files(run / "smoke" / "adapter") == old  # the earlier adapter is untouched ...
-    with pytest.raises(ValueError, match="says 'died at train'.*allow_incomplete_adapter=True"):
-        evaluate(run_dir=run, n_heldout=4, n_control=4, progress=False)  # ... and not passed off as this run's
-    ev = evaluate(run_dir=run, n_heldout=4, n_control=None, control=None, progress=False,
-                  allow_incomplete_adapter=True)  # asked for explicitly: evaluated, and the record says whose
-    assert ev.summary["adapter_runs"]["adapter"]["status"] == "died at train"
-    assert ev.summary["run"]["kind"] == "evaluate" and read_record(run / "eval" / "eval.json")["run"]["id"]
+    assert files(run / f"replaced-{old_id}" / "smoke" / "adapter") == old  # the earlier adapter, moved aside whole
+    assert not (run / "smoke" / "adapter").exists()  # ... never passed off as this run's
+    with pytest.raises(ValueError, match="died at train"):
+        evaluate(run_dir=run, n_heldout=4, n_control=4, progress=False)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
@@ -125,8 +126,9 @@ def test_kill_while_saving_never_leaves_half_an_adapter(complete_runs, tmp_path,
     run = complete_runs[1] if sig == signal.SIGKILL else tmp_path / "fresh"
     adapter = run / "smoke" / "adapter"
     old = files(adapter) if adapter.exists() else None
+    old_id = (record(run) or {}).get("run", {}).get("id")
     marker = tmp_path / "saving"
-    p = smoke(run, 2, pause_marker=marker)
+    p = smoke(run, 2, pause_marker=marker, overwrite=True)  # a complete run is moved aside first
     wait_for(marker.exists)
     assert record(run)["current"] == "save" and record(run)["phases"]["save"]["status"] == "running"
     p.send_signal(sig)
@@ -135,7 +137,8 @@ def test_kill_while_saving_never_leaves_half_an_adapter(complete_runs, tmp_path,
     if sig == signal.SIGKILL:
         assert p.returncode == -signal.SIGKILL
         assert rec["status"] == "running" and settled(rec)["status"] == "died at save"
-        assert files(adapter) == old, "the previous adapter stays whole"
+        assert files(run / f"replaced-{old_id}" / "smoke" / "adapter") == old, "the previous adapter stays whole"
+        assert not adapter.exists(), "no adapter rather than half of one"
         with pytest.raises(ValueError, match="died at save"):
             evaluate(run_dir=run, n_heldout=4, n_control=4, progress=False)
     else:
