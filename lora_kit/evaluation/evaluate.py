@@ -239,7 +239,7 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
              check_base_name: bool = True, trust_remote_code: bool = False, progress: bool = True,
              device: str | None = None, allow_incomplete_adapter: bool = False, prompt_format: str = "auto",
              data_format: str = "auto", messages_field: str = "messages", attn_implementation: str = "sdpa",
-             source_names: dict | None = None) -> EvalResult:
+             source_names: dict | None = None, think: str = "answer") -> EvalResult:
     """Compare ``base_model`` with each adapter on held-out and control examples.
 
     ``evaluate(settings, ...)`` with a :class:`lora_kit.Settings` evaluates that run (see
@@ -262,6 +262,8 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
         method: "lora" (base in ``dtype``) or "qlora" (4-bit NF4 base, as it was trained).
         prompt_format: "auto" (chat template for conversational data when the tokenizer has one, else
             plain), "plain", "chat" or a template with ``{prompt}`` -- as in training.
+        think: "answer" (judge the text after a reasoning template's ``<think>...</think>`` block; the
+            summary says so) or "whole" (judge everything generated) -- :func:`lora_kit.generation.answer_text`.
         source_names: names of in-memory ``heldout`` / ``control`` lists for the record.
         allow_incomplete_adapter: evaluate an adapter whose smoke run record (``smoke.json`` beside it)
             does not say "complete" (killed, failed, still running); refused by default, because such
@@ -288,7 +290,8 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
     fields = dict(prompt_field=prompt_field, response_field=response_field, data_format=data_format,
                   messages_field=messages_field)
     ho_rows = _rows(heldout, heldout_split, "heldout", n=n_heldout, **fields)
-    ctl_rows = _rows(control, None, "control", n=n_control, **fields) if control is not None else []
+    ctl_rows = _rows(control, None, "control", n=n_control, **{**fields, "data_format": "auto"}) \
+        if control is not None else []
     hygiene = _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fields)
 
     resolved = resolve_model(base_model)
@@ -316,7 +319,7 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
     n_batches = sum(math.ceil(len(r) / batch_size) for r in splits.values()) * 2 * len(systems)
     bar = progress_bar(n_batches, "evaluate", enabled=progress, run_dir=run_dir, unit="batch")
     gen = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, do_sample=do_sample,
-               temperature=temperature, seed=seed)
+               temperature=temperature, seed=seed, think=think)
     timing: dict = {}
     per_example = pd.concat([_run_split(model, tokenizer, split, rows, systems, gen, bar, timing, fmt)
                              for split, rows in splits.items() if rows], ignore_index=True)
@@ -330,8 +333,11 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
         "adapter_base_models": {k: v.get("base_model_name_or_path") for k, v in adapter_cfgs.items()},
         "decoding": {"do_sample": do_sample, "temperature": temperature if do_sample else None,
                      "max_new_tokens": max_new_tokens, "batch_size": batch_size, "padding": "left",
-                     "stop": ["eos", "newline"] if fmt.stop_at_newline else ["eos", "end of turn"], "seed": seed,
-                     "prompt_format": fmt.kind},
+                     "stop": ["eos", "generation_config eos"] + (["newline"] if fmt.stop_at_newline else
+                                                                    ["end of turn"]), "seed": seed,
+                     "prompt_format": fmt.kind, "think": think,
+                     "think_note": ("a <think>...</think> block is judged by the answer after it (think='answer')"
+                                    if think == "answer" else "the whole output is judged, think block included")},
         "statistics": {"confidence": confidence, "n_resamples": n_resamples, "seed": seed,
                        "interval": "percentile bootstrap over examples (paired for differences)"},
         "heldout": {"source": (source_names or {}).get("heldout") or _describe(heldout), "split": heldout_split,
@@ -373,12 +379,13 @@ def settings_kwargs(settings) -> dict:
     heldout = load_examples(held_file) if held_file else d["heldout"]
     train = load_examples(trained_file) if trained_file else d["train"]
     ctl = control_source(s.control_dataset, s.model)
-    control = load_examples(ctl, **({} if ctl.startswith(("tiny:", "generic:")) else field_settings(s)))
+    control = load_examples(ctl, **({} if ctl.startswith(("tiny:", "generic:")) else field_settings(s, "control")))
     return dict(base_model=s.model, method=s.method, dtype=s.dtype, run_dir=s.run_dir,
                 heldout=heldout, heldout_split=None, train_examples=train, control=control,
                 source_names={"heldout": str(held_file) if held_file else d["heldout_source"], "control": ctl},
                 n_heldout=s.eval_examples, n_control=s.control_examples, max_new_tokens=s.max_new_tokens,
                 seed=s.seed, prompt_format=s.prompt_format, trust_remote_code=s.trust_remote_code,
+                think=getattr(s, "think", "answer"),
                 attn_implementation=s.attn_implementation)
 
 

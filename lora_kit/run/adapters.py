@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+from lora_kit.data import base_mix_source
 from lora_kit.results import read_record, touch, write_json_atomic
 
 MAIN_ADAPTER = "adapter"  # the smoke run's adapter, as 04 names it
@@ -27,7 +28,8 @@ MIX_DIR = "mix"  # <run_dir>/mix: the base-mix comparison's own run folder
 def compares_base_mix(s) -> bool:
     """Whether a run with settings ``s`` trains the base-mix comparison: ``compare_base_mix`` is set, differs
     from ``base_mix``, and the dataset is one of the embedded tasks (whose base-task rows are what is mixed)."""
-    return s.compare_base_mix > 0 and s.compare_base_mix != s.base_mix and str(s.dataset).startswith("tiny:")
+    return s.compare_base_mix > 0 and s.compare_base_mix != s.base_mix and str(s.dataset).startswith("tiny:") \
+        and base_mix_source(s.model) is not None
 
 
 def mix_adapter_name(share: float) -> str:

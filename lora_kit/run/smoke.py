@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from lora_kit.check.stack import versions
-from lora_kit.data import (control_source, field_settings, is_conversational, load_examples, long_examples_line,
+from lora_kit.data import (check_base_mix, control_source, field_settings, is_conversational, load_examples, long_examples_line,
                            mix_examples, run_data, to_examples, write_run_data)
 from lora_kit.loading import fix_bnb_cpu_repack, load_model, load_tokenizer, resolve_model
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
@@ -208,7 +208,7 @@ def _load_examples(s, examples=None, write: bool = True) -> tuple[list[dict], di
         if write:
             info["heldout_file"] = str(write_run_data(s.run_dir, "heldout", d["heldout"]))
     if s.base_mix > 0:
-        rows = mix_examples(rows, load_examples("tiny:base_mix"), s.base_mix, seed=s.seed)
+        rows = mix_examples(rows, load_examples(check_base_mix(s)), s.base_mix, seed=s.seed)
         info["base_mix"] = s.base_mix
     return rows, info
 
@@ -216,7 +216,7 @@ def _load_examples(s, examples=None, write: bool = True) -> tuple[list[dict], di
 def _control_prompts(s, n: int = 4) -> tuple[list[dict], str]:
     source = control_source(s.control_dataset, s.model)
     try:
-        fields = {} if source.startswith(("tiny:", "generic:")) else field_settings(s)
+        fields = {} if source.startswith(("tiny:", "generic:")) else field_settings(s, "control")
         return load_examples(source, split=None, limit=n, **fields), source
     except Exception as e:  # noqa: BLE001 - no control set: fall back, and say so in smoke.json
         log.warning("control prompts from %r unavailable (%s); using training prompts", source, e)
@@ -440,7 +440,8 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     config = AutoConfig.from_pretrained(path, trust_remote_code=s.trust_remote_code)
     smoke_data.check_context(s.seq_len, config)
     rows, source = _load_examples(s, examples, write=rank == 0)
-    fmt = PromptFormat(tok, resolve_prompt_format(s.prompt_format, tok, is_conversational(rows)))
+    fmt = PromptFormat(tok, resolve_prompt_format(s.prompt_format, tok, is_conversational(rows)),
+                       train_on=getattr(s, "train_on", "assistant"))
     per_step = s.batch_size * s.grad_accum
     order, rec["data"] = smoke_data.verified_slice(
         tok, rows, s.seq_len, per_step * s.max_steps * world, seed=s.seed, n_first=per_step * world, fmt=fmt,
