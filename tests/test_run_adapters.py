@@ -12,7 +12,7 @@ from lora_kit.ui.pipeline import OWNED
 
 
 def _s(**kw):
-    return SimpleNamespace(**{"compare_base_mix": 0.25, "base_mix": 0.0, "dataset": "tiny:dates", **kw})
+    return SimpleNamespace(**{"compare_base_mix": 0.25, "base_mix": 0.0, "dataset": "tiny:dates", "model": "tiny", **kw})
 
 
 def test_comparison_condition_is_the_one_04_had():
@@ -20,6 +20,7 @@ def test_comparison_condition_is_the_one_04_had():
     assert not compares_base_mix(_s(compare_base_mix=0.0))  # 0 skips
     assert not compares_base_mix(_s(base_mix=0.25))  # the run is already mixed that way
     assert not compares_base_mix(_s(dataset="/data/mine.jsonl"))  # base-task rows exist for the embedded tasks only
+    assert not compares_base_mix(_s(model="/models/mine"))  # and for the embedded model only
     assert mix_adapter_name(0.25) == "adapter + 25% base mix"
 
 
