@@ -185,3 +185,15 @@ def test_dataset_fit_suggestions_are_the_planner_ladder():
     assert cut[0]["settings"] == cut[1]["settings"] and "truncate to seq_len=" in cut[0]["change"] \
         and "pack/chunk into rows of" in cut[1]["change"] and "lose their tail" in cut[0]["effect"]
     assert all(fit_verdict(s["device_total_bytes"], s["settings"].get("gpu", "T4"))["fits"] for s in st.suggestions)
+
+
+def test_longest_seq_len_stops_at_the_models_context_length(tmp_path):
+    """A model with a 512-token context is never offered more tokens, however much memory is left."""
+    import json
+    from lora_kit.memory.specs import load_config
+    cfg = load_config("qwen2.5-0.5b")
+    cfg.max_position_embeddings = 512
+    cfg.save_pretrained(tmp_path)
+    assert max_fit("seq_len", str(tmp_path), gpu="H100-SXM") == 512
+    assert json.loads((tmp_path / "config.json").read_text())["max_position_embeddings"] == 512
+    assert max_fit("seq_len", "qwen2.5-0.5b", gpu="T4") < load_config("qwen2.5-0.5b").max_position_embeddings

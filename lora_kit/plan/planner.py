@@ -187,7 +187,8 @@ def max_fit(param: str, model, gpu, margin: float = 0.10, low: int = 1, high: in
 
     The other settings are ``step`` (default ``PLANNING``) with ``overrides``. Memory grows monotonically with
     each searchable parameter, so the answer is exact: ``value`` fits and ``value + multiple_of`` does not
-    (checked with ``estimate`` when ``verify``), unless ``high`` (default: a generous cap) itself fits.
+    (checked with ``estimate`` when ``verify``), unless ``high`` itself fits (default: a generous cap; for
+    ``seq_len``, the model's context length when its config states one).
     """
     if param not in FIT_PARAMS:
         raise ValueError(f"max_fit: param must be one of {list(FIT_PARAMS)}, got {param!r}.")
@@ -201,6 +202,9 @@ def max_fit(param: str, model, gpu, margin: float = 0.10, low: int = 1, high: in
         high = FIT_PARAMS[param]
         if param == "lora_rank":  # estimate refuses a rank above the smallest adapted layer width
             high = min(min(lin.in_features, lin.out_features) for lin in model_spec(model).linears)
+        context = model_spec(model).config.get("max_position_embeddings")
+        if param == "seq_len" and isinstance(context, int) and context > 0:  # the model reads no longer rows
+            high = min(high, context)
     lo_k, hi_k = -(-low // multiple_of), high // multiple_of
 
     def fits(ks: np.ndarray) -> np.ndarray:
