@@ -32,7 +32,7 @@ def _files(s, dataset_split: str | None) -> list[tuple[str, str, str | None, dic
     return out
 
 
-def check_data(s, tokenizer=None, dataset_split: str | None = None, train_on: str = "assistant",
+def check_data(s, tokenizer=None, dataset_split: str | None = None, train_on: str | None = None,
                load_tokenizer: bool = True) -> dict:
     """Load and format every file of the run ``s`` (a :class:`lora_kit.Settings`); ValueError at the first problem.
 
@@ -41,6 +41,7 @@ def check_data(s, tokenizer=None, dataset_split: str | None = None, train_on: st
     "format", "conversational"}], "prompt_format", "notes", "lines"}``.
     """
     from lora_kit.prompting import PromptFormat, resolve_prompt_format
+    train_on = train_on or s.train_on
     files, notes = [], []
     loaded = []
     for role, source, split, fields in _files(s, dataset_split):

@@ -201,7 +201,7 @@ def cmd_check(args) -> int:
         return 2
     from lora_kit.data_check import check_data
     try:  # every file the run reads, loaded and formatted before any probe loads a model
-        data = check_data(s, train_on=getattr(s, "train_on", "assistant"))
+        data = check_data(s)
     except ValueError as exc:
         print(f"lora-kit check: data: {exc}", file=sys.stderr)
         return 1
