@@ -68,7 +68,7 @@ def test_a_killed_runs_kernel_files_are_removed_by_the_next_run(tmp_path, nb_dir
     runtime.mkdir()
     env = {"TMPDIR": str(tmp), "JUPYTER_RUNTIME_DIR": str(runtime)}
     p = _cli(tmp_path, "--name", "a", "--only", "00", "01", nb=nb_dir, env={**env, "SLEEP_01": "60"})
-    wait_for(lambda: (tmp_path / "a" / "started_01").exists())
+    wait_for(lambda: (tmp_path / "a" / "started_01").exists(), timeout=400)  # 00 first: minutes on a loaded machine
     p.kill()
     p.wait(timeout=30)
     time.sleep(4)  # the kernel sees its parent gone and exits, without removing its sockets
