@@ -35,6 +35,24 @@ STEPS = {"lora, checkpointing": dict(method="lora", gradient_checkpointing=True,
 TARGETS = ((2, 4096), (1, 8192))  # (micro-batch, tokens): never in the fit's design
 
 
+def machine() -> str:
+    """CPU model, family, whether it has AVX512-BF16 / AMX, cores, torch: what the CPU kernels (and so simulate's
+    operator sequence on a CPU) depend on."""
+    import os
+    import torch
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            info.setdefault(k.strip(), v.strip())
+    except OSError:
+        pass
+    flags = info.get("flags", "").split()
+    return (f"{info.get('model name', platform.processor() or platform.machine())} (family {info.get('cpu family', '?')}"
+            f"; avx512_bf16 {'yes' if 'avx512_bf16' in flags else 'no'}; amx {'yes' if 'amx_tile' in flags else 'no'}), "
+            f"{len(os.sched_getaffinity(0))} cores, torch {torch.__version__}")
+
+
 def small_config(model_type: str):
     from transformers import AutoConfig
     cfg = AutoConfig.for_model(model_type, **{**SMALL, **FAMILIES[model_type]})
@@ -87,8 +105,7 @@ def main() -> None:
                       + (f"{100 * (est - sim) / sim:+.2f} %" if isinstance(est, int) else est), flush=True)
             rows.append(row)
     out = {"_meta": {"date": datetime.date.today().isoformat(), "command": "python benchmarks/calibrate_accuracy.py"
-                     + (" --quick" if a.quick else ""), "machine": f"{platform.processor() or platform.machine()}, "
-                     f"{platform.system()}"}, "rows": rows}
+                     + (" --quick" if a.quick else ""), "machine": machine()}, "rows": rows}
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {a.out}")
 
