@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -68,7 +69,14 @@ def test_a_killed_runs_kernel_files_are_removed_by_the_next_run(tmp_path, nb_dir
     runtime.mkdir()
     env = {"TMPDIR": str(tmp), "JUPYTER_RUNTIME_DIR": str(runtime)}
     p = _cli(tmp_path, "--name", "a", "--only", "00", "01", nb=nb_dir, env={**env, "SLEEP_01": "60"})
-    wait_for(lambda: (tmp_path / "a" / "started_01").exists(), timeout=400)  # 00 first: minutes on a loaded machine
+    try:
+        wait_for(lambda: (tmp_path / "a" / "started_01").exists() or p.poll() is not None, timeout=400)
+    except AssertionError:
+        p.kill()
+        raise AssertionError(f"the run never reached 01: {p.communicate()}") from None
+    if p.poll() is not None:
+        out, err = p.communicate()
+        raise AssertionError(f"the run ended before 01 was killed: {err[-3000:]}")
     p.kill()
     p.wait(timeout=30)
     time.sleep(4)  # the kernel sees its parent gone and exits, without removing its sockets
@@ -78,3 +86,21 @@ def test_a_killed_runs_kernel_files_are_removed_by_the_next_run(tmp_path, nb_dir
     left = sorted(str(x.relative_to(tmp_path)) for d in (tmp, runtime) for x in d.rglob("*")
                   if "kernel" in x.name or "ipc" in x.name or "lora-kit" in x.name)
     assert left == [], left
+
+
+def test_kernel_sockets_fit_however_long_the_temp_folder(tmp_path, monkeypatch):
+    """ZeroMQ's IPC sockets live in the kernel's folder; a Unix socket's path holds at most 107 bytes, so a temp
+    folder too deep for one (pytest-xdist's, a user's TMPDIR) sends the folder to /tmp."""
+    import shutil
+    import tempfile
+
+    from lora_kit.ui.pipeline import SOCKET_PATH_MAX, _kernel_dir
+    deep = tmp_path / ("x" * 60) / ("y" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    d = _kernel_dir()
+    try:
+        assert d is not None and not str(d).startswith(str(deep))
+        assert len(os.fsencode(d / "ipc")) + 4 <= SOCKET_PATH_MAX
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

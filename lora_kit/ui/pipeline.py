@@ -150,16 +150,14 @@ class TrackedKernelManager(AsyncKernelManager):
     files_dir: Path | None = None
 
     def __init__(self, **kw):
-        if os.name == "posix":  # sockets and connection file in one folder of the temp folder, owned by this process
-            import tempfile
-            clean_kernel_files()
-            self_dir = Path(tempfile.mkdtemp(prefix=f"{KERNEL_FILES}{os.getpid()}-"))
+        self_dir = _kernel_dir() if os.name == "posix" else None
+        if self_dir is not None:  # sockets and connection file in one folder of the temp folder, owned by this process
             kw.setdefault("transport", "ipc")
             kw.setdefault("ip", str(self_dir / "ipc"))
             kw.setdefault("connection_file", str(self_dir / "kernel.json"))
             super().__init__(**kw)
             self.files_dir = self_dir
-        else:
+        else:  # no temp folder short enough for a socket path: TCP on localhost, as Jupyter does by default
             super().__init__(**kw)
 
     async def _async_cleanup_resources(self, restart: bool = False) -> None:
@@ -195,15 +193,36 @@ class TrackedKernelManager(AsyncKernelManager):
             process_alive({"pid": self.kernel_pid}) is True
 
 
-KERNEL_FILES = "lora-kit-kernel-"  # <temp folder>/lora-kit-kernel-<pid of lora-kit run>-<random>/: ipc + kernel.json
+KERNEL_FILES = "lk-kernel-"  # <temp folder>/lk-kernel-<pid of lora-kit run>-<random>/: ipc sockets + kernel.json
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path holds 108 with the terminating NUL)
+
+
+def _kernel_bases() -> list[Path]:
+    import tempfile
+    return list(dict.fromkeys([Path(tempfile.gettempdir()), Path("/tmp")]))
+
+
+def _kernel_dir() -> Path | None:
+    """A fresh folder for one kernel's sockets, in the temp folder, or ``/tmp`` when the temp folder's path is too
+    long for a socket (ZeroMQ names them ``<folder>/ipc-<n>``); None when neither is short enough or writable."""
+    import tempfile
+    clean_kernel_files()
+    for base in _kernel_bases():
+        try:
+            d = Path(tempfile.mkdtemp(prefix=f"{KERNEL_FILES}{os.getpid()}-", dir=base))
+        except OSError:
+            continue
+        if len(os.fsencode(d / "ipc")) + 4 <= SOCKET_PATH_MAX:
+            return d
+        shutil.rmtree(d, ignore_errors=True)
+    return None
 
 
 def clean_kernel_files() -> list[str]:
     """Remove the kernel folders (IPC sockets, connection file) of ``lora-kit run`` processes that are gone: a run
     killed outright (SIGKILL) cannot remove its own; its kernel exits when it sees its parent gone."""
-    import tempfile
     removed = []
-    for d in Path(tempfile.gettempdir()).glob(f"{KERNEL_FILES}*"):
+    for d in (d for base in _kernel_bases() for d in base.glob(f"{KERNEL_FILES}*")):
         try:
             pid = int(d.name[len(KERNEL_FILES):].split("-")[0])
         except ValueError:
