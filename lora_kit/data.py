@@ -461,9 +461,9 @@ def check_base_mix(s) -> str | None:
 def field_settings(s, role: str = "train") -> dict:
     """The data-format keyword arguments of :func:`load_examples` from a Settings. ``role``: "train" (``dataset``:
     ``data_format`` as set) or "heldout" / "control" (their own files: ``heldout_data_format`` /
-    ``control_data_format`` when the settings have them, else "auto" -- detected per file, the configured field
-    names tried first, so a held-out file in another format than the training file loads)."""
-    fmt = s.data_format if role == "train" else getattr(s, f"{role}_data_format", "auto") or "auto"
+    ``control_data_format``; "auto" is detected per file, the configured field names tried first, so a held-out
+    file in another format than the training file loads)."""
+    fmt = s.data_format if role == "train" else getattr(s, f"{role}_data_format")
     return dict(prompt_field=s.prompt_field, response_field=s.response_field, data_format=fmt,
                 messages_field=s.messages_field)
 
@@ -471,7 +471,7 @@ def field_settings(s, role: str = "train") -> dict:
 def train_split(s, dataset_split: str | None = None) -> str | None:
     """The split of ``dataset`` that trains: ``dataset_split`` (a DatasetDict folder's split) when set, "train"
     for "tiny:dates" and folders, else None."""
-    split = dataset_split if dataset_split is not None else getattr(s, "dataset_split", "") or None
+    split = dataset_split if dataset_split is not None else s.dataset_split or None
     if split:
         return split
     return "train" if s.dataset == "tiny:dates" or Path(str(s.dataset)).is_dir() else None

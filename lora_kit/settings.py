@@ -231,10 +231,6 @@ class Step:
         lora = {k: getattr(PLANNING, k) for k in LORA_FIELDS} if method == "full" else {}
         return self.replace(method=method, **lora)
 
-    def lora_changed(self) -> list[str]:
-        """The LoRA fields set away from their defaults."""
-        return [k for k in LORA_FIELDS if getattr(self, k) != getattr(PLANNING, k)]
-
 
 STEP_FIELD = {f.name: f for f in fields(Step)}
 STEP_FIELDS = tuple(STEP_FIELD)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from lora_kit.data import load_examples, run_data
+from lora_kit.settings import Settings
 
 U, A = "What is two plus two?", "Four."
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": U}, {"role": "assistant", "content": A}]
@@ -72,9 +72,9 @@ def test_every_format_loads_and_trains(kind, tmp_path, tiny):
         d = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "no", "response": "no"}]),
                                   "sft": datasets.Dataset.from_list([{"prompt": U, "response": A}] * 3)})
         d.save_to_disk(str(tmp_path / "dd"))
-        s = SimpleNamespace(dataset=str(tmp_path / "dd"), heldout_dataset=str(_files(tmp_path)["messages"]),
-                            prompt_field="prompt", response_field="response", data_format="auto",
-                            messages_field="messages", heldout_fraction=0.1, seed=0)
+        s = Settings(dataset=str(tmp_path / "dd"), heldout_dataset=str(_files(tmp_path)["messages"]),
+                     prompt_field="prompt", response_field="response", data_format="auto",
+                     messages_field="messages", heldout_fraction=0.1, seed=0)
         rows = run_data(s, dataset_split="sft")["train"]
     else:
         rows = load_examples(_files(tmp_path)[kind])
@@ -120,7 +120,7 @@ def test_broken_files_name_the_file_row_and_fix(tmp_path):
 def test_heldout_file_in_another_format_is_detected_on_its_own(tmp_path):
     train = _jsonl(tmp_path / "train.jsonl", [{"q": f"{U} {i}", "a": A} for i in range(4)])
     held = _files(tmp_path)["sharegpt"]
-    s = SimpleNamespace(dataset=str(train), heldout_dataset=str(held), prompt_field="q", response_field="a",
-                        data_format="prompt_response", messages_field="messages", heldout_fraction=0.1, seed=0)
+    s = Settings(dataset=str(train), heldout_dataset=str(held), prompt_field="q", response_field="a",
+                 data_format="prompt_response", messages_field="messages", heldout_fraction=0.1, seed=0)
     d = run_data(s)
     assert len(d["train"]) == 4 and d["heldout"][0]["response"] == A and "context" in d["heldout"][0]

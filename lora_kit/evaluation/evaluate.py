@@ -385,7 +385,7 @@ def settings_kwargs(settings) -> dict:
                 source_names={"heldout": str(held_file) if held_file else d["heldout_source"], "control": ctl},
                 n_heldout=s.eval_examples, n_control=s.control_examples, max_new_tokens=s.max_new_tokens,
                 seed=s.seed, prompt_format=s.prompt_format, trust_remote_code=s.trust_remote_code,
-                think=getattr(s, "think", "answer"),
+                think=s.think,
                 attn_implementation=s.attn_implementation)
 
 

@@ -869,7 +869,7 @@ def plan_start(settings, config=None) -> tuple:
     ``config`` (a path; default: the settings' ``from_config`` field when it has one) read by
     :func:`settings_from_config`, else ``settings.planning_model()`` at ``settings.plan_step()`` (report None).
     The config's step fields win over the settings' step; flags are not applied here."""
-    config = config if config is not None else getattr(settings, "from_config", "")
+    config = config if config is not None else settings.from_config
     if not config:
         return settings.planning_model(), settings.plan_step(), None
     step, report = settings_from_config(config)

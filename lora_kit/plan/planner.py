@@ -202,8 +202,8 @@ def max_fit(param: str, model, gpu, margin: float = 0.10, low: int = 1, high: in
         high = FIT_PARAMS[param]
         if param == "lora_rank":  # estimate refuses a rank above the smallest adapted layer width
             high = min(min(lin.in_features, lin.out_features) for lin in model_spec(model).linears)
-        context = model_spec(model).config.get("max_position_embeddings")
-        if param == "seq_len" and isinstance(context, int) and context > 0:  # the model reads no longer rows
+        context = model_spec(model).config.get("max_position_embeddings") if param == "seq_len" else None
+        if isinstance(context, int) and context > 0:  # the model reads no longer rows
             high = min(high, context)
     lo_k, hi_k = -(-low // multiple_of), high // multiple_of
 

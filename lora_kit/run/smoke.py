@@ -441,7 +441,7 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     smoke_data.check_context(s.seq_len, config)
     rows, source = _load_examples(s, examples, write=rank == 0)
     fmt = PromptFormat(tok, resolve_prompt_format(s.prompt_format, tok, is_conversational(rows)),
-                       train_on=getattr(s, "train_on", "assistant"))
+                       train_on=s.train_on)
     per_step = s.batch_size * s.grad_accum
     order, rec["data"] = smoke_data.verified_slice(
         tok, rows, s.seq_len, per_step * s.max_steps * world, seed=s.seed, n_first=per_step * world, fmt=fmt,
