@@ -283,14 +283,14 @@ def loop_lines(plan: dict | None) -> list[str]:
     from lora_kit.memory.estimate import estimate
     from lora_kit.memory.loops import sft_cpu_tiles
     from lora_kit.memory.specs import model_spec
-    from lora_kit.settings import LOOPS, LORA_FIELDS
-    a = {k: v for k, v in plan["assumptions"].items() if k != "loop"}
+    from lora_kit.settings import LOOPS, as_step
+    a = plan["assumptions"]
     out = []
     for method in dict.fromkeys(r["method"] for r in plan["rows"] if r.get("method")):
-        kw = {k: v for k, v in a.items() if not (method == "full" and k in LORA_FIELDS)}
         try:
-            peak = {loop: estimate(plan["model"], method=method, batch_size=plan["batch_size"], loop=loop,
-                                   **kw).peak_allocated_bytes for loop in LOOPS}
+            step = as_step(a).for_method(method)  # LoRA fields back to their defaults for full fine-tuning
+            peak = {loop: estimate(plan["model"], step, batch_size=plan["batch_size"], loop=loop
+                                   ).peak_allocated_bytes for loop in LOOPS}
         except ValueError:
             continue
         out.append(f"- {method_label(method)}: your Trainer run will peak at **{_gib(peak['trainer'])}**, TRL's "
