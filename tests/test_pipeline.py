@@ -95,7 +95,8 @@ def test_main_job_on_embedded_default(main_job):
     ev = json.loads((run / "eval" / "eval.json").read_text())
     assert ev["comparisons"]["adapter"]["heldout"]["exact_match"]["lo"] > 0
     card = (run / "report.md").read_text()
-    for section in ("## The request", "## Memory: estimated, simulated, measured", "## Software stack",
+    for section in ("## The request", "## The loop you run next", "## Memory: estimated, simulated, measured",
+                    "## Software stack",
                     "## Smoke run", "## Evaluation: base vs adapter", "## What to check next"):
         assert section in card
     assert "measured" in card and "held-out" in card

@@ -56,9 +56,10 @@ def plan_record(table: pd.DataFrame, model: str, step: Step | None = None, num_e
     return out
 
 
-def _plan_row(rows: list[dict], gpu: str | None, method: str | None) -> dict | None:
-    """The table row the multi-GPU section describes (see :func:`plan_record`): ``method`` on ``gpu``; where
-    the table has no such row, the recommended row of ``method``, else of the whole table."""
+def plan_row(rows: list[dict], gpu: str | None, method: str | None) -> dict | None:
+    """The table row a plan's one-row sections describe (the multi-GPU section, the run card's loop): ``method``
+    on ``gpu``; where the table has no such row, the recommended row of ``method`` (cheapest fitting, else fastest
+    fitting, else the first), else of the whole table."""
     name = get_gpu(gpu)["name"] if gpu is not None else None
     for g, m in ((name, method), (None, method), (None, None)):
         want = [r for r in rows if (g is None or r["gpu"] == g) and (m is None or r["method"] == m)]
@@ -74,7 +75,7 @@ def _plan_row(rows: list[dict], gpu: str | None, method: str | None) -> dict | N
 
 def _multi_gpu(rows, model, margin, gpu, method, output_dir, time_model, step: Step) -> dict:
     try:
-        row = _plan_row(rows, gpu, method)
+        row = plan_row(rows, gpu, method)
         if row is None:
             return {"error": "the plan has no rows"}
         return multi_gpu_plan(model, row["gpu"], step.for_method(row["method"]).replace(

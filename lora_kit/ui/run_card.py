@@ -275,34 +275,49 @@ def smoke_lines(smoke: dict) -> list[str]:
     return lines
 
 
-def loop_lines(plan: dict | None) -> list[str]:
-    """The loop users run next: the plan's step under transformers' Trainer and TRL's SFTTrainer with their
-    defaults (``estimate(loop=...)``: fused AdamW, clipping, SFT's fused LM head), beside lora_kit's step."""
+def loop_lines(plan: dict | None, gpu: str | None = None) -> list[str]:
+    """The loop users run next: per method, the plan's step at the micro-batch of that method's row in the plan
+    (on ``gpu``, the run's planned GPU, else its recommended row: :func:`lora_kit.plan.records.plan_row`), under
+    transformers' Trainer and TRL's SFTTrainer with their defaults (``estimate(loop=...)``: fused AdamW, clipping,
+    SFT's fused LM head), beside lora_kit's step. A method whose figures cannot be made says why, in its line."""
     if not (plan and plan.get("rows") and plan.get("assumptions")):
         return []
     from lora_kit.memory.estimate import estimate
     from lora_kit.memory.loops import sft_cpu_tiles
     from lora_kit.memory.specs import model_spec
+    from lora_kit.plan.records import plan_row
     from lora_kit.settings import LOOPS, as_step
     a = plan["assumptions"]
-    out = []
+    out, batches = [], []
     for method in dict.fromkeys(r["method"] for r in plan["rows"] if r.get("method")):
         try:
+            row = plan_row(plan["rows"], gpu, method)
+        except ValueError:  # a GPU the catalog does not know: the method's recommended row
+            row = plan_row(plan["rows"], None, method)
+        batch = row.get("batch_size", plan.get("batch_size"))  # a row without one: the plan's single micro-batch
+        where = method_label(method) + (f" on {row['gpu']}" if row.get("gpu") else "") + f", micro-batch {batch}"
+        where += "" if row.get("fits", True) else " (does not fit that GPU)"
+        try:
             step = as_step(a).for_method(method)  # LoRA fields back to their defaults for full fine-tuning
-            peak = {loop: estimate(plan["model"], step, batch_size=plan["batch_size"], loop=loop
-                                   ).peak_allocated_bytes for loop in LOOPS}
-        except ValueError:
+            peak = {loop: estimate(plan["model"], step, batch_size=int(batch), loop=loop).peak_allocated_bytes
+                    for loop in LOOPS}
+        except (TypeError, ValueError) as exc:
+            out.append(f"- {where}: no estimate ({exc})")
             continue
-        out.append(f"- {method_label(method)}: your Trainer run will peak at **{_gib(peak['trainer'])}**, TRL's "
-                   f"SFTTrainer at **{_gib(peak['sft'])}** (lora_kit's step: {_gib(peak['kit'])})")
+        batches.append(int(batch))
+        out.append(f"- {where}: your Trainer run will peak at **{_gib(peak['trainer'])}**, TRL's SFTTrainer at "
+                   f"**{_gib(peak['sft'])}** (lora_kit's step: {_gib(peak['kit'])})")
     if not out:
         return []
-    tiles = int(sft_cpu_tiles(plan["batch_size"], a["seq_len"], model_spec(plan["model"]).vocab_size))
-    return ["## The loop you run next", "", f"Peak allocated per GPU (estimate) of the planned step ({plan['model']}, "
-            "same settings) in the loop you will train with, at its defaults:", "", *out, "",
-            f"SFTTrainer's figure is its CPU path; on CUDA its Triton head scores the vocabulary in place, up to "
-            f"{_gib(tiles)} less. Set gradient checkpointing and autocast as your config has them (SFTConfig "
-            "turns both on by default).", ""]
+    lines = ["## The loop you run next", "", f"Peak allocated per GPU (estimate) of the planned step ({plan['model']}, "
+             "same settings, each method at its micro-batch in the request) in the loop you will train with, at its "
+             "defaults:", "", *out, ""]
+    if batches:
+        tiles = int(sft_cpu_tiles(max(batches), a["seq_len"], model_spec(plan["model"]).vocab_size))
+        lines += [f"SFTTrainer's figure is its CPU path; on CUDA its Triton head scores the vocabulary in place, up "
+                  f"to {_gib(tiles)} less. Set gradient checkpointing and autocast as your config has them (SFTConfig "
+                  "turns both on by default).", ""]
+    return lines
 
 
 def _gb(b) -> str:
@@ -444,7 +459,7 @@ def render_markdown(card: dict) -> str:
     lines = title_lines(card)
     lines += run_lines(card)
     lines += request_lines(card["plan"], card["sweeps"])
-    lines += loop_lines(card["plan"])
+    lines += loop_lines(card["plan"], s.get("gpu"))
     # --- settings ----------------------------------------------------------------------------
     lines += ["## Settings", "", "The run's settings (the names and values of a params file):", "",
               "| setting | value |", "|---|---|"]
