@@ -69,3 +69,14 @@ def test_evaluate_on_the_story_adapter_gain_and_control(tiny_story, tmp_path):
     assert s["metrics"]["control"]["base"]["exact_match"]["mean"] > 0.8  # the base knows its own tasks
     assert len(s["control_tasks"]["adapter"]) == 8 and s["control"]["summary_sentence"].startswith("Control set:")
     assert (tmp_path / "eval" / "eval.json").is_file() and (tmp_path / "eval" / "per_example.csv").is_file()
+
+
+def test_the_story_adapter_names_its_base_by_name_not_by_a_local_path(tmp_path):
+    """The adapter is meant to be shared: its config names the base "tiny" (what evaluate and the card take), not
+    the folder on this machine the base was loaded from."""
+    import json
+    r = story_run("lora", steps=1, batch_size=2, test_examples=1, control_examples=1, lora_rank=2,
+                  adapter_dir=tmp_path / "adapter")
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == "tiny", cfg["base_model_name_or_path"]
+    assert str(tmp_path) not in json.dumps(cfg) and r["adapter_dir"] == str(tmp_path / "adapter")

@@ -15,7 +15,7 @@ from lora_kit import training
 from lora_kit.embedded.tasks import (BASE_TASKS, DATA_DIR, MONTHS, TINY_DIR, base_example,  # noqa: F401
                                      date_example, sha256_file)
 from lora_kit.prompting import encode_example
-from lora_kit.run.adapter_io import save_adapter
+from lora_kit.run.adapter_io import portable_model_name, save_adapter
 
 # ----------------------------------------------------------------------------------------------
 # batching, training, evaluation
@@ -118,7 +118,8 @@ def story_run(method: str = "lora", steps: int = 300, batch_size: int = 32, lr: 
     all-linear adapter for ``steps`` steps on dates_train (plus ``base_share`` of base_mix rows,
     see ``lora_kit.data.mix_examples``), and measures both again. Returns accuracies before/after,
     per-task control accuracy, losses and wall/CPU seconds of training. Seeds are set before the adapter is created.
-    With ``adapter_dir``, the trained adapter is saved there (the kit's atomic save) and its path returned as "adapter_dir".
+    With ``adapter_dir``, the trained adapter is saved there (the kit's atomic save) and its path returned as "adapter_dir";
+    its ``base_model_name_or_path`` is ``model``'s portable name ("tiny", a hub id, a local folder's own name).
     """
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -145,7 +146,7 @@ def story_run(method: str = "lora", steps: int = 300, batch_size: int = 32, lr: 
     trained = train_adapter(model_, tok, train, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
     after = {"dates": exact_match(model_, tok, test), "control": exact_match(model_, tok, control)}
     if adapter_dir is not None:
-        save_adapter(model_, adapter_dir)
+        save_adapter(model_, adapter_dir, base_model_name=portable_model_name(model))  # a name, not a local path
 
     def summary(r):
         return {"exact_match": r["exact_match"], "per_task": r["per_task"], "n": r["n"]}
