@@ -1,10 +1,13 @@
 """The fitted closed form of simulate (lora_kit.memory.calibrate): exact where its assumptions hold."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import LlamaConfig
 
-from lora_kit.memory.calibrate import fit
+from lora_kit.memory.breakdown import BREAKDOWN_KEYS
+from lora_kit.memory.calibrate import Fit, fit
 from lora_kit.memory.simulate import simulate
 from lora_kit.settings import Step
 
@@ -19,15 +22,21 @@ def _cfg(layers: int = 6):
 def test_fit_from_shallow_short_runs_predicts_deep_long_steps_to_the_byte(kw):
     cfg, step = _cfg(), Step(**kw)
     f = fit(cfg, step)  # 2 and 3 blocks, at most 4 x 2048 tokens
-    for B, S in ((1, 4096), (5, 3072)):
-        assert f.peak(cfg.num_hidden_layers, B, S) == simulate(cfg, step, batch_size=B, seq_len=S).peak_allocated_bytes
-    assert isinstance(f.peak(10**6, 10**4, 10**7), int)  # exact integers at any size: no wrap, no float bytes
+    for B, S, R in ((1, 4096, 16), (5, 3072, 64)):
+        sim = simulate(cfg, step, batch_size=B, seq_len=S, **({"lora_rank": R} if step.method != "full" else {}))
+        peak, parts, phase = f.peak(cfg.num_hidden_layers, B, S, R)
+        assert (peak, phase) == (sim.peak_allocated_bytes, sim.phase)
+        assert parts == tuple(sim.breakdown[k] for k in BREAKDOWN_KEYS[:5])  # the composition at the peak too
+    assert isinstance(f.peak(10**6, 10**4, 10**7)[0], int)  # exact integers at any size: no wrap, no float bytes
+    assert Fit.from_json(json.loads(json.dumps(f.to_json()))).peak(9, 3, 5000, 32) == f.peak(9, 3, 5000, 32)
 
 
 def test_trace_ends_where_the_peak_is():
     r = simulate(_cfg(2), Step(dtype="float32"), seq_len=256, trace=True)
-    assert max(b for _, _, b in r.trace) == r.peak_allocated_bytes
-    assert {ph for ph, _, _ in r.trace} >= {"forward", "backward", "optimizer"}
+    assert max(b for _, _, b, _ in r.trace) == r.peak_allocated_bytes
+    assert {ph for ph, _, _, _ in r.trace} >= {"forward", "backward", "optimizer"}
+    at_peak = next(parts for _, _, b, parts in r.trace if b == r.peak_allocated_bytes)
+    assert at_peak == tuple(r.breakdown[k] for k in BREAKDOWN_KEYS[:5])  # the parts at the peak are simulate's
 
 
 def test_what_cannot_be_aligned_is_refused_by_name():

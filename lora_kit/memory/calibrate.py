@@ -2,19 +2,27 @@
 
 For one architecture (a config) and one step with its categorical fields fixed, ``simulate`` runs with
 ``trace=True`` at a few shallow depths and short shapes; each run gives, per operator of the step in order, the
-live bytes once its outputs exist (``LiveBytesTracker(trace=True)``): the only moments a peak can happen at. For one
-stack of blocks the operator sequence depends on the shape only through regimes, each fitted on its own: ``B == 1``
-versus ``B > 1`` (a few operators differ), and, for a model with a sliding window ``w``, ``S < w`` versus
-``S >= w`` (from there on transformers builds an explicit mask and attention takes another kernel). Operator ``j``'s live bytes are fitted exactly (rational least
-squares, then checked to reproduce every design shape to the byte and a held-out shape) in a basis of the shape:
-``1, S, S²`` at ``B == 1``; ``1, S, S², B·S, B·S²`` above (weights and states, position tables, masks, activations,
-attention scores). Per phase (forward / backward / optimizer) the peak at a shape is the largest operator's value;
-across depths it grows linearly, each block adding what its type keeps, so the phase peak of the whole model is
-the two-block stack's plus, per layer type, the count of its blocks times what one block of that type adds
-(measured on a three-block stack). The figure is the largest phase's. Operators that can never be a phase's maximum are pruned.
+live bytes once its outputs exist and which part of them are weights, quantisation constants, adapters, gradients
+and optimizer states (``SimResult.trace``): the only moments a peak can happen at. For one stack of blocks the
+operator sequence depends on the shape only through regimes, each fitted on its own: ``B == 1`` versus ``B > 1``
+(a few operators differ), and, for a model with a sliding window ``w``, ``S < w`` versus ``S >= w`` (from there on
+transformers builds an explicit mask and attention takes another kernel). Operator ``j``'s live bytes are fitted
+exactly (rational least squares, then checked to reproduce every design shape to the byte and a held-out shape) in
+a basis of the shape: ``1, S, S²`` at ``B == 1``; ``1, S, S², B·S, B·S²`` above (weights and states, position
+tables, masks, activations, attention scores); with LoRA also ``R, R·S`` (and ``R·B·S`` above ``B == 1``) for the
+rank ``R`` (adapters, their states and gradients, the LoRA A outputs). Per phase (forward / backward / optimizer)
+the peak at a shape is the largest operator's value; across depths it grows linearly, each block adding what its
+type keeps, so the phase peak of the whole model is the two-block stack's plus, per layer type, the count of its
+blocks times what one block of that type adds (measured on a three-block stack). The figure is the largest
+phase's; its parts are the parts of the operator holding it. Operators that can never be a phase's maximum are
+pruned.
 
-Evaluation is exact integer arithmetic (Python ints: no overflow, no float bytes). Not fitted here yet: LoRA rank
-and targets (fixed per fit), sharding (one GPU), loops whose operator sequence follows the tokens
+Evaluation is exact integer arithmetic: the coefficients share one denominator, so a figure is an integer dot
+product divided once (Python ints for one figure; int64 arrays for a sweep when the largest term leaves room,
+object arrays of Python ints otherwise). Storages are rounded to 512 bytes, so at a length that is not a multiple
+of the design's step a few small storages differ from the polynomial by under 512 bytes each.
+
+Not fitted here: sharding (one GPU; the caller composes), loops whose operator sequence follows the tokens
 (``loop="sft"`` tiles them): :func:`fit` refuses what it cannot align, naming the reason.
 """
 from __future__ import annotations
@@ -22,13 +30,20 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from fractions import Fraction
+from math import lcm
 
-# the B regimes: (basis terms, design shapes as (B, k): S = start + k * span, held-out shape)
+import numpy as np
+
+RANKS = (8, 16)  # the LoRA ranks of the design
+# the B regimes: basis without / with the rank, design (B, k, rank index), held-out shape; S = start + k * span
 B_REGIMES = {
-    "B=1": (("1", "S", "S2"), ((1, 0), (1, 2), (1, 4)), (1, 3)),
-    "B>1": (("1", "S", "S2", "BS", "BS2"), ((2, 0), (2, 2), (2, 4), (4, 0), (4, 2), (3, 1)), (3, 3)),
+    "B=1": (("1", "S", "S2"), ("R", "RS"), ((1, 0, 0), (1, 2, 0), (1, 4, 0)), ((1, 0, 1), (1, 4, 1)), (1, 3, 1)),
+    "B>1": (("1", "S", "S2", "BS", "BS2"), ("R", "RS", "RBS"),
+            ((2, 0, 0), (2, 2, 0), (2, 4, 0), (4, 0, 0), (4, 2, 0), (3, 1, 0)), ((2, 0, 1), (2, 4, 1), (4, 2, 1)),
+            (3, 3, 1)),
 }
 SPAN = 512  # tokens between design shapes without a window
+PARTS = 5  # weights, quant_constants, adapters, gradients, optimizer_states (the rest is activations)
 
 
 def _window(cfg) -> int | None:
@@ -41,18 +56,18 @@ def _window(cfg) -> int | None:
 
 
 def _s_regimes(cfg) -> dict:
-    """S regimes: name -> (start, span, contains(S)). Without a window, one regime from 512 tokens on. With a
-    window ``w``: ``S < w`` (designed below ``w`` in steps of a multiple of 64; none when ``w`` is under 320 tokens)
-    and ``S >= w`` (designed from ``max(w, 512)``: storages of fewer bytes than the allocator's 512-byte rounding do
-    not grow linearly)."""
+    """S regimes: name -> (start, span, lowest S, first S above). Without a window, one regime designed from 512
+    tokens on. With a window ``w``: ``S < w`` (designed below ``w`` in steps of a multiple of 64; none when ``w`` is
+    under 320 tokens) and ``S >= w`` (designed from ``max(w, 512)``: storages of fewer bytes than the allocator's
+    512-byte rounding do not grow linearly)."""
     w = _window(cfg)
     if w is None:
-        return {"S": (SPAN, SPAN, lambda S: True)}
+        return {"S": (SPAN, SPAN, 0, None)}
     out = {}
     span = min(SPAN, w // 5 // 64 * 64)
     if span >= 64:
-        out["S<w"] = (w - 5 * span, span, lambda S, w=w: S < w)
-    out["S>=w"] = (-(-max(w, SPAN) // 64) * 64, SPAN, lambda S, w=w: S >= w)
+        out["S<w"] = (w - 5 * span, span, 0, w)
+    out["S>=w"] = (-(-max(w, SPAN) // 64) * 64, SPAN, w, None)
     return out
 
 
@@ -70,29 +85,49 @@ def _stacks(cfg) -> dict:
     return out
 
 
-def _row(basis, B: int, S: int) -> list[int]:
-    x = {"1": 1, "S": S, "S2": S * S, "BS": B * S, "BS2": B * S * S}
-    return [x[k] for k in basis]
+def stack_weights(types, layers: int) -> dict:
+    """The full depth as a combination of the shallow stacks: stack -> weight (the phase peak at ``layers``
+    blocks is the weighted sum of the stacks' phase peaks)."""
+    if types is None:
+        return {"base": 3 - layers, "block": layers - 2}
+    types = list(types[:layers])
+    a, z = types[0], types[-1]
+    counts = {t: types.count(t) - (2 if t == a else 0) for t in dict.fromkeys(types)}
+    w = {"base": 1 - sum(counts.values())}
+    for t, n in counts.items():
+        w[f"mid:{t}"] = w.get(f"mid:{t}", 0) + n
+    if z != a:
+        w[f"mid:{z}"] -= 1
+        w["top"] = 1
+    return w
 
 
-def _solve(rows: list[list[int]], ys: list[int]) -> list[Fraction]:
-    """Exact least squares (normal equations over the rationals, Gauss-Jordan)."""
-    n = len(rows[0])
+def basis(b_reg: str, lora: bool) -> tuple:
+    plain, rank = B_REGIMES[b_reg][:2]
+    return plain + (rank if lora else ())
+
+
+def _row(terms, B: int, S: int, R: int) -> list[int]:
+    x = {"1": S ** 0, "S": S, "S2": S * S, "BS": B * S, "BS2": B * S * S, "R": R, "RS": R * S, "RBS": R * B * S}
+    return [x[k] for k in terms]
+
+
+def _solver(rows: list[list[int]]) -> list[list[Fraction]]:
+    """The exact least-squares solver of a design: M with coefficients = M @ ys ((XᵀX)⁻¹Xᵀ over the rationals)."""
+    n, m = len(rows[0]), len(rows)
     a = [[Fraction(sum(r[i] * r[j] for r in rows)) for j in range(n)] for i in range(n)]
-    b = [Fraction(sum(r[i] * y for r, y in zip(rows, ys))) for i in range(n)]
+    inv = [[Fraction(int(i == j)) for j in range(n)] for i in range(n)]
     for c in range(n):
         p = next(k for k in range(c, n) if a[k][c] != 0)
-        a[c], a[p], b[c], b[p] = a[p], a[c], b[p], b[c]
+        a[c], a[p], inv[c], inv[p] = a[p], a[c], inv[p], inv[c]
+        f = a[c][c]
+        a[c], inv[c] = [x / f for x in a[c]], [x / f for x in inv[c]]
         for k in range(n):
             if k != c and a[k][c] != 0:
-                f = a[k][c] / a[c][c]
-                a[k] = [x - f * y for x, y in zip(a[k], a[c])]
-                b[k] -= f * b[c]
-    return [b[i] / a[i][i] for i in range(n)]
-
-
-def _value(basis, coef, B: int, S: int) -> Fraction:
-    return sum(c * x for c, x in zip(coef, _row(basis, B, S)))
+                g = a[k][c]
+                a[k] = [x - g * y for x, y in zip(a[k], a[c])]
+                inv[k] = [x - g * y for x, y in zip(inv[k], inv[c])]
+    return [[sum(inv[i][k] * rows[j][k] for k in range(n)) for j in range(m)] for i in range(n)]
 
 
 def _shallow(cfg, stack: str, layers):
@@ -106,92 +141,181 @@ def _shallow(cfg, stack: str, layers):
     return c
 
 
-def _envelope(ops: list) -> list:
-    """The operators that can be a phase's maximum: duplicates dropped, and every operator whose coefficients are
-    all at most another's (the basis terms are positive, so it never exceeds that one)."""
-    uniq = list(dict.fromkeys(tuple(c) for c in ops))
-    return [c for c in uniq if not any(d != c and all(x <= y for x, y in zip(c, d)) for d in uniq)]
+def _envelope(ops: list) -> list[int]:
+    """Indices of the operators that can be a phase's maximum: duplicates dropped, and every operator whose
+    coefficients are all at most another's (the basis terms are positive, so it never exceeds that one)."""
+    first = {}
+    for i, c in enumerate(ops):
+        first.setdefault(c, i)
+    uniq = list(first)
+    keep = [c for c in uniq if not any(d != c and all(x <= y for x, y in zip(c, d)) for d in uniq)]
+    return [first[c] for c in keep]
 
 
 @dataclass(frozen=True)
 class Fit:
-    """Per (B regime, S regime, stack), per phase: the coefficient vectors (rationals) of the operators that can
-    peak; ``types``: the model's layer types in order (None: one type)."""
-    phases: dict
+    """A fitted step. ``tables[(b_reg, s_reg, stack)][phase]``: an int array (operators x (1 + 5 parts) x basis
+    terms) of numerators over ``denominator``; ``s_regimes``: name -> (lowest S, first S above or None);
+    ``types``: the model's layer types in order (None: one type); ``unfitted``: S regime -> why its lengths are
+    refused; ``lora``: whether the rank is a variable."""
+    tables: dict
+    denominator: int
     s_regimes: dict
     types: tuple | None
-    unfitted: dict  # S regime -> why it could not be fitted (its lengths are refused)
-
-    def _phase_peaks(self, b_reg: str, s_reg: str, stack: str, B: int, S: int) -> dict:
-        basis = B_REGIMES[b_reg][0]
-        return {ph: max(_value(basis, c, B, S) for c in ops) for ph, ops in self.phases[(b_reg, s_reg, stack)].items()}
-
-    def peak(self, layers: int, B: int, S: int) -> int:
-        """Peak allocated bytes at ``layers`` blocks (the model's own layer types when it has them), micro-batch
-        ``B``, ``S`` tokens: exact."""
-        b_reg = "B=1" if B == 1 else "B>1"
-        s_reg = next((k for k, (start, _, has) in self.s_regimes.items() if has(S)), None)
-        if s_reg is None:
-            raise ValueError(f"seq_len={S} is below every fitted regime")
-        if s_reg in self.unfitted:
-            raise ValueError(f"seq_len={S}: {self.unfitted[s_reg]}")
-        def peaks(stack):
-            return self._phase_peaks(b_reg, s_reg, stack, B, S)
-        base = peaks("base")
-        if self.types is None:
-            block = peaks("block")
-            best = max(base[ph] + (layers - 2) * (block[ph] - base[ph]) for ph in base)
-        else:
-            types = list(self.types[:layers])
-            a, z = types[0], types[-1]
-            counts = {t: types.count(t) - (2 if t == a else 0) for t in dict.fromkeys(types)}
-            mids = {t: peaks(f"mid:{t}") for t in counts}
-            top = peaks("top") if z != a else None
-            best = max(base[ph] + sum(n * (mids[t][ph] - base[ph]) for t, n in counts.items())
-                       + (top[ph] - mids[z][ph] if top else 0) for ph in base)
-        if best.denominator != 1:
-            raise ArithmeticError(f"the fitted peak is not a whole number of bytes ({best}): refit")
-        return int(best)
+    lora: bool
+    unfitted: dict
 
     def size(self) -> int:
-        return sum(len(ops) for phases in self.phases.values() for ops in phases.values())
+        return sum(len(t) for phases in self.tables.values() for t in phases.values())
+
+    def _regime(self, S: int) -> str:
+        for name, (lo, hi) in self.s_regimes.items():
+            if S >= lo and (hi is None or S < hi):
+                if name in self.unfitted:
+                    raise ValueError(f"seq_len={S}: {self.unfitted[name]}")
+                return name
+        raise ValueError(f"seq_len={S} is below every fitted regime")
+
+    def peak(self, layers: int, B: int, S: int, R: int = RANKS[0]) -> tuple[int, tuple, str]:
+        """(peak allocated bytes, its five parts, its phase) at ``layers`` blocks (the model's own layer types),
+        micro-batch ``B``, ``S`` tokens, LoRA rank ``R``: exact integers."""
+        out = self.peak_arrays(layers, np.asarray([B], dtype=object), np.asarray([S], dtype=object),
+                               np.asarray([R], dtype=object))
+        return int(out[0][0]), tuple(int(p) for p in out[1][0]), str(out[2][0])
+
+    def peak_arrays(self, layers: int, B, S, R) -> tuple:
+        """:meth:`peak` over 1-D arrays of one integer kind (int64, or object: Python ints): (peaks, parts
+        (rows x 5), phases)."""
+        n = len(B)
+        peak = np.zeros(n, dtype=B.dtype)
+        parts = np.zeros((n, PARTS), dtype=B.dtype)
+        phase = np.empty(n, dtype=object)
+        regimes = np.asarray([self._regime(int(s)) for s in np.unique(S)], dtype=object)
+        s_reg = regimes[np.searchsorted(np.unique(S), S)]
+        weights = stack_weights(self.types, layers)
+        for b_reg in ("B=1", "B>1"):
+            for reg in dict.fromkeys(s_reg.tolist()):
+                rows = np.flatnonzero(((B == 1) if b_reg == "B=1" else (B > 1)) & (s_reg == reg))
+                if rows.size:
+                    x = np.stack(_row(basis(b_reg, self.lora), B[rows], S[rows], R[rows]), axis=1)
+                    if x.dtype != object and self._bound(b_reg, reg, weights, x) >= 1 << 62:
+                        x = x.astype(object)  # past int64's room: Python ints
+                    peak[rows], parts[rows], phase[rows] = self._combine(b_reg, reg, weights, x)
+        return peak, parts, phase
+
+    def _bound(self, b_reg: str, s_reg: str, weights: dict, x) -> int:
+        """An upper bound of every magnitude the int64 evaluation of ``x``'s rows forms."""
+        xmax = [int(v) for v in np.abs(x).max(axis=0)]
+        return sum(abs(w) * max(sum(int(np.abs(t[..., k]).max()) * xmax[k] for k in range(len(xmax)))
+                                for t in self.tables[(b_reg, s_reg, st)].values()) for st, w in weights.items())
+
+    def _combine(self, b_reg: str, s_reg: str, weights: dict, x) -> tuple:
+        best = None
+        for ph in self.tables[(b_reg, s_reg, "base")]:
+            tot = 0
+            for stack, w in weights.items():
+                t = self.tables[(b_reg, s_reg, stack)][ph]  # ops x 6 x terms
+                vals = x @ t[:, 0, :].T.astype(x.dtype)  # rows x ops
+                i = np.argmax(vals, axis=1)
+                part = np.stack([np.sum(x * t[i, 1 + p, :].astype(x.dtype), axis=1) for p in range(PARTS)], axis=1)
+                top = vals[np.arange(len(i)), i]
+                tot = tot + w * np.concatenate([top[:, None], part], axis=1)
+            if best is None:
+                best, phase = tot, np.full(len(x), ph, dtype=object)
+            else:
+                more = tot[:, 0] > best[:, 0]
+                best = np.where(more[:, None], tot, best)
+                phase = np.where(more, ph, phase)
+        d = self.denominator
+        return -(-best[:, 0] // d), -(-best[:, 1:] // d), phase
+
+    def to_json(self) -> dict:
+        return {"denominator": self.denominator, "s_regimes": self.s_regimes,
+                "types": list(self.types) if self.types else None, "lora": self.lora, "unfitted": self.unfitted,
+                "tables": {"|".join(k): {ph: t.tolist() for ph, t in v.items()} for k, v in self.tables.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Fit":
+        tables = {tuple(k.split("|")): {ph: _table(t) for ph, t in v.items()} for k, v in d["tables"].items()}
+        return cls(tables, int(d["denominator"]), {k: tuple(v) for k, v in d["s_regimes"].items()},
+                   tuple(d["types"]) if d["types"] else None, bool(d["lora"]), dict(d["unfitted"]))
 
 
-def fit(cfg, step) -> Fit:
+def _table(rows) -> np.ndarray:
+    """Numerators as int64 when they fit (always in practice), else Python ints."""
+    flat = [abs(int(v)) for op in rows for part in op for v in part]
+    return np.asarray(rows, dtype=np.int64 if max(flat, default=0) < 1 << 62 else object)
+
+
+def fit(cfg, step, progress=None) -> Fit:
     """Fit ``simulate`` for the architecture ``cfg`` (a ``PretrainedConfig``) and ``step`` (a ``Step``; its
-    ``batch_size`` and ``seq_len`` are the fit's variables). Raises ValueError naming what cannot be aligned."""
+    ``batch_size``, ``seq_len`` and, with LoRA, ``lora_rank`` are the fit's variables). ``progress(done, total)`` is
+    called after each simulated step. Raises ValueError naming what cannot be aligned."""
     from lora_kit.memory.simulate import simulate
     if step.sharding not in ("none", "ddp") or step.loop == "sft":
         raise ValueError("calibrate fits one GPU's step with loop 'kit' or 'trainer' (sft's tiles follow the tokens).")
-    s_regimes, stacks, phases, unfitted = _s_regimes(cfg), _stacks(cfg), {}, {}
-    for s_reg, (start, span, _) in s_regimes.items():
+    step = step.replace(sharding="none", num_gpus=1)
+    lora = step.method != "full"
+    s_regimes, stacks, raw, unfitted = _s_regimes(cfg), _stacks(cfg), {}, {}
+    plan = [(s, b, st) for s in s_regimes for b in B_REGIMES for st in stacks]
+    total = sum(len(_design(b, lora)) + 1 for _, b, _ in plan)
+    done = [0]
+
+    def run(c, B, S, R):
+        r = simulate(c, step, batch_size=B, seq_len=S, trace=True, **({"lora_rank": R} if lora else {})).trace
+        done[0] += 1
+        if progress:
+            progress(done[0], total)
+        return r
+    for s_reg, (start, span, _, _) in s_regimes.items():
         try:
-            for b_reg, (basis, design, held) in B_REGIMES.items():
-                shapes = [(B, start + k * span) for B, k in design + (held,)]
+            for b_reg in B_REGIMES:
                 for stack, layers in stacks.items():
-                    phases[(b_reg, s_reg, stack)] = _fit_stack(simulate, _shallow(cfg, stack, layers), step, basis,
-                                                               shapes, f"stack {stack!r}, {b_reg}, {s_reg}")
+                    raw[(b_reg, s_reg, stack)] = _fit_stack(run, _shallow(cfg, stack, layers), b_reg, lora, start,
+                                                            span, f"stack {stack!r}, {b_reg}, {s_reg}")
         except ValueError as e:
             if s_reg != "S<w":  # below a short window, storages under 512 bytes may not grow linearly
                 raise
             unfitted[s_reg] = f"below the sliding window the step was not fitted ({e})"
+            raw = {k: v for k, v in raw.items() if k[1] != s_reg}
+    d = lcm(*(c.denominator for phases in raw.values() for ops in phases.values() for op in ops for part in op
+              for c in part))
+    tables = {k: {ph: _table([[[int(c * d) for c in part] for part in op] for op in ops]) for ph, ops in v.items()}
+              for k, v in raw.items()}
     types = getattr(cfg, "layer_types", None)
-    return Fit(phases, s_regimes, tuple(types) if isinstance(types, list) and types else None, unfitted)
+    return Fit(tables, d, {k: v[2:] for k, v in s_regimes.items()}, tuple(types) if isinstance(types, list) and types
+               else None, lora, unfitted)
 
 
-def _fit_stack(simulate, cfg, step, basis, shapes, where: str) -> dict:
-    """One stack in one regime: its traces at the design shapes, each operator fitted and checked."""
-    rows = [_row(basis, B, S) for B, S in shapes[:-1]]
-    traces = [simulate(cfg, step, batch_size=B, seq_len=S, trace=True).trace for B, S in shapes]
+def _design(b_reg: str, lora: bool) -> tuple:
+    _, _, plain, rank, _ = B_REGIMES[b_reg]
+    return plain + (rank if lora else ())
+
+
+def _fit_stack(run, cfg, b_reg: str, lora: bool, start: int, span: int, where: str) -> dict:
+    """One stack in one regime: its traces at the design shapes, each operator fitted and checked; per phase the
+    envelope's operators as [total, *parts] coefficient lists."""
+    held = B_REGIMES[b_reg][4]
+    shapes = [(B, start + k * span, RANKS[i] if lora else RANKS[0]) for B, k, i in _design(b_reg, lora) + (held,)]
+    terms = basis(b_reg, lora)
+    rows = [_row(terms, *sh) for sh in shapes[:-1]]
+    solve = _solver(rows)
+    traces = [run(cfg, *sh) for sh in shapes]
     if len({tuple(op[:2] for op in t) for t in traces}) != 1:
         raise ValueError(f"the operator sequence of {where} changes with the shape "
                          f"({sorted(len(t) for t in traces)} operators): not fitted")
+
+    def coef(ys, name, ph):
+        c = [sum(m * y for m, y in zip(mrow, ys)) for mrow in solve]
+        if any(sum(a * x for a, x in zip(c, r)) != y for r, y in zip(rows + [_row(terms, *shapes[-1])], ys)):
+            raise ValueError(f"operator {name} ({ph}) of {where} is not polynomial in {terms}: not fitted")
+        return tuple(c)
     by_phase: dict = {}
-    for j, (ph, name, _) in enumerate(traces[0]):
-        ys = [t[j][2] for t in traces[:-1]]
-        coef = _solve(rows, ys)
-        if any(_value(basis, coef, B, S) != y for (B, S), y in zip(shapes, ys)) or \
-                _value(basis, coef, *shapes[-1]) != traces[-1][j][2]:
-            raise ValueError(f"operator {j} ({name}, {ph}) of {where} is not polynomial in {basis}: not fitted")
-        by_phase.setdefault(ph, []).append(coef)
-    return {ph: _envelope(ops) for ph, ops in by_phase.items()}
+    for j, (ph, name, _, _) in enumerate(traces[0]):
+        by_phase.setdefault(ph, []).append((j, coef([t[j][2] for t in traces], name, ph)))
+    out = {}
+    for ph, ops in by_phase.items():
+        keep = _envelope([c for _, c in ops])
+        out[ph] = [[ops[i][1]] + [coef([t[ops[i][0]][3][p] for t in traces], "parts", ph) for p in range(PARTS)]
+                   for i in keep]
+    return out

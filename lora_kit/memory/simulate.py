@@ -78,7 +78,7 @@ class SimResult:
     settings: dict  # the arguments used
     notes: list = field(default_factory=list)  # what was approximated or left out
     collectives: dict = field(default_factory=dict)  # sharded: buffer bytes all-gathered / reduce-scattered per step
-    trace: list | None = None  # trace=True: (phase, operator, live bytes) after each operator of the step
+    trace: list | None = None  # trace=True: per operator of the step, (phase, operator, live bytes, parts): see simulate
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -224,7 +224,9 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
     ``fsdp_policy`` (sharded steps): "accelerate" (accelerate's FSDP2 wrapping, what the kit's launcher runs) or
     "layers" (every decoder layer, then the root, all resharded after forward: the plain ``fully_shard`` recipe);
     ``lora_kit.fsdp`` describes both. ``trace`` (one GPU): keep the live bytes after each operator of the step
-    (``SimResult.trace``: (phase, operator, bytes) in order; what ``lora_kit.memory.calibrate`` fits).
+    (``SimResult.trace``: (phase, operator, bytes, parts) in order, ``parts`` the bytes of the first five
+    ``BREAKDOWN_KEYS`` then, the rest being activations; paged states left out as from the peak; what
+    ``lora_kit.memory.calibrate`` fits).
     """
     s = as_step(step, **overrides)
     name = check_model_step(model, s)
@@ -286,6 +288,10 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
         notes.append("QLoRA includes prepare_model_for_kbit_training's fp32 up-casts of norms, embeddings and lm_head.")
     peak = sum(bd.values())
     assert set(bd) == set(BREAKDOWN_KEYS)
+    steps = None
+    if trace:
+        parts = tracker.trace_parts(BREAKDOWN_KEYS[:5] + ("paged_optimizer_states",))
+        steps = [(ph, op, live - p[-1], p[:-1]) for (ph, op, live), p in zip(tracker.trace, parts)]
     return SimResult(int(peak), device_total(peak), bd, tracker.peak_phase, time.perf_counter() - t0,
                      {"model": name, **s.to_dict()}, notes,
-                     getattr(tracker, "collectives", {}), tracker.trace)
+                     getattr(tracker, "collectives", {}), steps)

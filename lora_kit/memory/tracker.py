@@ -84,6 +84,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self._labels: dict[int, str] = {}  # serial -> category
         self._snapshot: dict[int, int] = {}  # live set at the peak
         self._pending = False  # a new peak was reached and not yet snapshotted
+        self._life: dict[int, list] = {}  # trace: serial -> [first operator live after, operator it died in, bytes]
 
     # -- counting -----------------------------------------------------------------------------
     def _free(self, serial: int, cdata: int) -> None:
@@ -92,6 +93,8 @@ class LiveBytesTracker(TorchDispatchMode):
             self._pending = False
         self.current_bytes -= self._live.pop(serial, 0)
         self._refs.pop(serial, None)
+        if self.trace is not None and serial in self._life:
+            self._life[serial][1] = len(self.trace)
         if self._serial_of.get(cdata) == serial:
             del self._serial_of[cdata]
 
@@ -117,11 +120,15 @@ class LiveBytesTracker(TorchDispatchMode):
                 return serial
             self.current_bytes += nbytes - old  # storage was resized in place
             self._live[serial] = nbytes
+            if serial in self._life:
+                self._life[serial][2] = nbytes
         else:
             serial = next(self._serial)
             self._serial_of[cdata] = serial
             self._live[serial] = nbytes
             self.current_bytes += nbytes
+            if self.trace is not None:
+                self._life[serial] = [len(self.trace), None, nbytes]
             free = self._free
             self._refs[serial] = weakref.ref(st, lambda _r, s=serial, c=cdata: free(s, c))
         if self.current_bytes > self.peak_bytes:
@@ -198,6 +205,23 @@ class LiveBytesTracker(TorchDispatchMode):
         for serial, nbytes in snap.items():
             out[self._labels.get(serial, OTHER)] += nbytes
         return dict(out)
+
+    def trace_parts(self, categories) -> list[tuple]:
+        """Per traced operator, the live bytes of each of ``categories`` (labels as they are now), in order: which
+        part of each moment's live bytes the weights, the gradients made by then, ... are."""
+        n = len(self.trace or ())
+        diff = {c: [0] * (n + 1) for c in categories}
+        for serial, (born, died, nbytes) in self._life.items():
+            d = diff.get(self._labels.get(serial))
+            if d is not None and born < n:
+                d[born] += nbytes
+                d[n if died is None else died] -= nbytes
+        out, run = [], {c: 0 for c in categories}
+        for j in range(n):
+            for c in categories:
+                run[c] += diff[c][j]
+            out.append(tuple(run[c] for c in categories))
+        return out
 
     def current_breakdown(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
