@@ -32,6 +32,9 @@ def pytest_configure(config):
     import tempfile
     config._lora_kit_runs_base = tempfile.mkdtemp(prefix="lora-kit-interactive-")
     os.environ["LORA_KIT_RUNS_BASE"] = config._lora_kit_runs_base
+    # fits made on demand (lora_kit.memory.fits) go to a folder of this run, not the user's cache: what a test
+    # estimates never depends on what this machine fitted before; only the shipped fits are shared
+    os.environ["LORA_KIT_FITS"] = os.path.join(config._lora_kit_runs_base, "fits")
 
 
 def pytest_unconfigure(config):

@@ -206,20 +206,28 @@ class Fit:
     def _bound(self, b_reg: str, s_reg: str, weights: dict, x) -> int:
         """An upper bound of every magnitude the int64 evaluation of ``x``'s rows forms."""
         xmax = [int(v) for v in np.abs(x).max(axis=0)]
-        return sum(abs(w) * max(sum(int(np.abs(t[..., k]).max()) * xmax[k] for k in range(len(xmax)))
-                                for t in self.tables[(b_reg, s_reg, st)].values()) for st, w in weights.items())
+        return sum(abs(w) * sum(m * v for m, v in zip(self._term_max(b_reg, s_reg, st), xmax))
+                   for st, w in weights.items())
+
+    def _term_max(self, b_reg: str, s_reg: str, stack: str) -> list:
+        memo = self.__dict__.setdefault("_memo", {})
+        k = (b_reg, s_reg, stack)
+        if k not in memo:
+            memo[k] = [max(int(np.abs(t[..., j]).max()) for t in self.tables[k].values())
+                       for j in range(len(basis(b_reg, self.lora)))]
+        return memo[k]
 
     def _combine(self, b_reg: str, s_reg: str, weights: dict, x) -> tuple:
         best = None
         for ph in self.tables[(b_reg, s_reg, "base")]:
             tot = 0
             for stack, w in weights.items():
-                t = self.tables[(b_reg, s_reg, stack)][ph]  # ops x 6 x terms
-                vals = x @ t[:, 0, :].T.astype(x.dtype)  # rows x ops
+                t = self.tables[(b_reg, s_reg, stack)][ph]  # ops x (1 + parts) x terms
+                if t.dtype != x.dtype:
+                    t = t.astype(x.dtype)
+                vals = x @ t[:, 0, :].T  # rows x ops
                 i = np.argmax(vals, axis=1)
-                part = np.stack([np.sum(x * t[i, 1 + p, :].astype(x.dtype), axis=1) for p in range(PARTS)], axis=1)
-                top = vals[np.arange(len(i)), i]
-                tot = tot + w * np.concatenate([top[:, None], part], axis=1)
+                tot = tot + w * (t[i] * x[:, None, :]).sum(axis=2)  # rows x (1 + parts): the largest operator's
             if best is None:
                 best, phase = tot, np.full(len(x), ph, dtype=object)
             else:

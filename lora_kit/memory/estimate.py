@@ -681,6 +681,9 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
     targets = tuple(t for t in targets if t not in experts["dropped"])
     S, B, r, N = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (seq_len, batch_size, lora_rank,
                                                                                num_gpus)))
+    fitted = _fit_for(spec, s)
+    if fitted is not None:
+        return _fitted_arrays(spec, s, targets, experts, fitted, S, B, r)
     corners = [np.unique([a.min(), a.max()]).astype(object) for a in (S, B, r, N)]
     wide = _estimate_core(spec, s, targets, experts, *np.meshgrid(*corners, indexing="ij"))
     big = wide.pop("_bound") >= INT64_SAFE  # a figure beyond int64's range: every row in Python ints
@@ -695,7 +698,65 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
     return out
 
 
+def _catalog_types() -> set:
+    from lora_kit.memory.specs import catalog, catalog_config
+    return {catalog_config(n)["model_type"] for n in catalog()} | {"llama"}  # "tiny" is a Llama
+
+
+def _fit_for(spec: ModelSpec, s: Step):
+    """The fitted closed form of ``simulate`` for this model and step (stored, or fitted now when
+    ``lora_kit.memory.fits.should_fit`` says so), or None: the arithmetic below."""
+    if s.sharding not in ("none", "ddp") or s.loop == "sft" or not spec.config:
+        return None
+    from lora_kit.memory import fits
+    found = fits.lookup(spec.config, s)
+    if found is None and fits.should_fit(spec.config, _catalog_types()):
+        import sys
+
+        from lora_kit.progress import bar
+        with bar(1, f"fitting the memory model of {spec.name}", enabled=sys.stderr.isatty(),
+                 unit="simulated step") as pb:
+            def progress(done, total):
+                pb.total = total
+                pb.update(1)
+            found = fits.make(spec.config, s, progress=progress)
+    return found
+
+
+def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitted, S, B, r) -> dict:
+    """:func:`estimate_arrays` from a fit: exact integers (int64 arrays, or Python ints where a figure passes
+    int64's room); ``memory_model`` says which fit, and with which libraries when they differ from today's."""
+    from lora_kit.memory import fits
+    f, info = fitted
+    peak, parts, phase = f.peak_arrays(spec.num_layers, B.ravel(), S.ravel(), r.ravel())
+    kind = parts.dtype
+    out = {k: parts[:, i] for i, k in enumerate(BREAKDOWN_KEYS[:5])}
+    if s.sharding == "ddp":  # DDP's gradient buckets: a second copy of the gradients (as simulate adds them)
+        tensors, _ = _trainable_tensors(spec, s, targets, experts, r.ravel().astype(kind))
+        bucket = sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
+        out["gradients"] = out["gradients"] + bucket
+        peak = peak + bucket
+    out["activations"] = peak - sum(out[k] for k in BREAKDOWN_KEYS[:5])
+    out = {k: np.asarray(v, dtype=kind).reshape(S.shape) for k, v in out.items()}
+    out["peak_allocated_bytes"] = np.asarray(peak, dtype=kind).reshape(S.shape)
+    out["device_total_bytes"] = np.asarray(device_total(out["peak_allocated_bytes"]), dtype=kind)
+    out["phase"] = np.asarray(phase, dtype=object).astype(str).reshape(S.shape)
+    note = fits.version_note(info)
+    out["memory_model"] = np.full(S.shape, "fitted" + (f" ({note})" if note else ""), dtype=object)
+    return out
+
+
 INT64_SAFE = 1 << 56  # a phase total below this leaves every sum and product that builds it inside int64
+
+
+def _trainable_tensors(spec: ModelSpec, s: Step, targets: tuple, experts: dict, r) -> tuple[list, list]:
+    """(rows, cols, count, element bytes) of every trainable tensor at rank(s) ``r``, and of those the LoRA tensors
+    on MoE experts and routers."""
+    wb = 4 if (s.method == "full" and s.autocast) else DTYPE_BYTES[s.dtype]
+    tensors = [((rows * r if rows == 1 else rows) if pr else rows, (cols * r if cols == 1 else cols) if pr else cols,
+                c, eb) for rows, cols, c, eb, pr in _trainable(spec, s.method, wb, targets)]
+    expert_tensors = expert_lora_tensors(spec, experts, r)  # LoRA on MoE experts and routers (none elsewhere)
+    return tensors + expert_tensors, expert_tensors
 
 
 def _estimate_core(spec: ModelSpec, s: Step, targets: tuple, experts: dict, S, B, r, N) -> dict:
@@ -708,10 +769,7 @@ def _estimate_core(spec: ModelSpec, s: Step, targets: tuple, experts: dict, S, B
     zero = np.zeros(T.shape, dtype=T.dtype)
     weights, quant = _static(spec, method, dtype, autocast, double_quant)
     wb = 4 if (method == "full" and autocast) else DTYPE_BYTES[dtype]
-    tensors = [((rows * r if rows == 1 else rows) if pr else rows, (cols * r if cols == 1 else cols) if pr else cols,
-                c, eb) for rows, cols, c, eb, pr in _trainable(spec, method, wb, targets)]
-    expert_tensors = expert_lora_tensors(spec, experts, r)  # LoRA on MoE experts and routers (none elsewhere)
-    tensors += expert_tensors
+    tensors, expert_tensors = _trainable_tensors(spec, s, targets, experts, r)
     trainable = zero + sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
     states = zero + sum(c * _opt_state(optimizer, rows, cols, eb) for rows, cols, c, eb in tensors)
     loop_t = loop_terms(s.loop, optimizer, sum(c for _, _, c, _ in tensors))  # the Trainer's optimizer phase

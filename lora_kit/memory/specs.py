@@ -366,11 +366,11 @@ def check_targets(spec, method: str, lora_rank, lora_targets, attn_implementatio
 
 
 def load_config(model):
-    """A transformers config for ``model`` (PretrainedConfig, catalog name, "tiny", path, hub id)."""
+    """A transformers config for ``model`` (PretrainedConfig, config dict, catalog name, "tiny", path, hub id)."""
     from transformers import AutoConfig, PretrainedConfig
     if isinstance(model, PretrainedConfig):
         return model
-    _, c = _config_dict(model)
+    _, c = ("", dict(model)) if isinstance(model, dict) else _config_dict(model)
     c = {k: v for k, v in c.items() if k not in ("transformers_version", "architectures", "_name_or_path")}
     return AutoConfig.for_model(c.pop("model_type"), **c)
 
