@@ -157,6 +157,20 @@ def test_adapter_for_another_base_is_refused(setup, random_llama_dir, tmp_path):
         check_adapter(str(renamed), base, str(random_llama_dir), str(random_llama_dir))
 
 
+def test_adapter_missing_a_tensor_is_refused_not_half_loaded(setup, random_llama_dir, tmp_path):
+    """peft only warns about a LoRA weight the file lacks (it stays at its init); evaluation refuses it."""
+    from safetensors.torch import load_file, save_file
+    cut = tmp_path / "cut"
+    shutil.copytree(setup["good"], cut)
+    tensors = load_file(cut / "adapter_model.safetensors")
+    dropped = sorted(k for k in tensors if ".lora_B." in k)[0]
+    save_file({k: v for k, v in tensors.items() if k != dropped}, cut / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=rf"adapter 'adapter' at .* loaded only in part: \['{dropped}'\] were not "
+                                         r"in the file, \[\] found no place"):
+        evaluate(str(random_llama_dir), str(cut), heldout=setup["heldout"], heldout_split=None, control=None,
+                 progress=False)
+
+
 def test_qlora_base_4bit(setup, random_llama_dir):
     """The adapter on a 4-bit NF4 base (bitsandbytes CPU backend): runs and still beats the base."""
     pytest.importorskip("bitsandbytes")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from lora_kit.loading import resolve_model
@@ -43,6 +44,26 @@ def local_adapter(path: str) -> str:
                          f"({type(e).__name__}); pass the folder the adapter was saved to.") from None
 
 
+def _features(mod, name: str, targeted: list[str]) -> tuple[set, set]:
+    """The (inputs, outputs) a LoRA on ``mod`` may have: its own in/out features, or -- when the adapter targets
+    parameters of it (``target_parameters``, peft's expert LoRA on fused MoE weights) -- those of each targeted
+    parameter, by peft's ``ParamWrapper`` rule: a 2-D ``(out, in)``; a 3-D ``(experts, out, in)``, or
+    ``(experts, in, out)`` on modules marked ``is_transposed``. Empty sets: nothing to compare."""
+    ins, outs = set(), set()
+    for pname, prm in mod.named_parameters(recurse=False):
+        if not any(f"{name}.{pname}" == t or f"{name}.{pname}".endswith(f".{t}") for t in targeted):
+            continue
+        shape = tuple(prm.shape)
+        if len(shape) == 3 and getattr(mod, "is_transposed", False):
+            shape = (shape[0], shape[2], shape[1])
+        ins.add(shape[-1])
+        outs.add(shape[-2])
+    if not ins:
+        ins.update({mod.in_features} if hasattr(mod, "in_features") else ())
+        outs.update({mod.out_features} if hasattr(mod, "out_features") else ())
+    return ins, outs
+
+
 def check_adapter(path: str, model, base_model: str, resolved: str, check_base_name: bool = True) -> dict:
     """Refuse an adapter that does not belong to this base; returns its adapter_config.
 
@@ -65,15 +86,19 @@ def check_adapter(path: str, model, base_model: str, resolved: str, check_base_n
     with safe_open(str(weights), framework="pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     modules = dict(model.named_modules())
+    targeted = cfg.get("target_parameters") or []
     for key, shape in shapes.items():
         for part, dim in ((".lora_A.", 1), (".lora_B.", 0)):
             if part not in key:
                 continue
             name = key.split(part)[0].removeprefix("base_model.model.")
+            if targeted:  # expert LoRA: peft nests one wrapper per parameter, named <module>.base_layer...
+                name = re.sub(r"\.base_layer(?=\.|$)", "", name)
             mod = modules.get(name)
-            want = None if mod is None else getattr(mod, "in_features" if dim == 1 else "out_features", None)
-            if mod is None or (want is not None and want != shape[dim]):
-                what = "has no module" if mod is None else f"has {want} {'inputs' if dim == 1 else 'outputs'} in"
+            want = None if mod is None else _features(mod, name, targeted)[1 - dim]
+            if mod is None or (want and shape[dim] not in want):
+                what = "has no module" if mod is None else \
+                    f"has {'/'.join(map(str, sorted(want)))} {'inputs' if dim == 1 else 'outputs'} in"
                 raise ValueError(
                     f"adapter {str(p)!r} does not fit base {base_model!r}: the base {what} {name!r} "
                     f"(adapter tensor {key} has shape {list(shape)}); it was trained on {recorded!r}. "
@@ -82,3 +107,35 @@ def check_adapter(path: str, model, base_model: str, resolved: str, check_base_n
         raise ValueError(f"adapter {str(p)!r} was trained on {recorded!r}, not on {base_model!r}; pass "
                          f"base_model={recorded!r}, or check_base_name=False if it is the same model saved elsewhere.")
     return cfg
+
+
+def load_adapters(model, adapters: dict[str, str], base_model: str, resolved: str, check_base_name: bool = True):
+    """``model`` with every adapter of ``{name: folder}`` loaded (inference mode, switched by name), as 04 evaluates
+    them. Each is checked by :func:`check_adapter` before peft loads it, and after: every tensor of the file has a
+    place in the model and every LoRA weight of the adapter came from the file (peft itself only warns), so an
+    adapter evaluated is the adapter saved. Expert LoRA (``target_parameters``) reloads onto the nested
+    ``ParamWrapper`` layout it was trained with (peft wraps the targeted parameters in sorted order).
+    Returns (model, {name: adapter_config}); ``model`` itself when ``adapters`` is empty."""
+    cfgs = {name: check_adapter(path, model, base_model, resolved, check_base_name) for name, path in adapters.items()}
+    if not adapters:
+        return model, cfgs
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    from lora_kit.loading import fix_bnb_cpu_repack
+    for i, (name, path) in enumerate(adapters.items()):
+        if i == 0:
+            model = PeftModel.from_pretrained(model, path, adapter_name=name, is_trainable=False)
+        else:
+            model.load_adapter(path, adapter_name=name, is_trainable=False)
+        with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="pt") as f:
+            saved = set(f.keys())
+        loaded = set(get_peft_model_state_dict(model, adapter_name=name))
+        if saved != loaded:
+            raise ValueError(f"adapter {name!r} at {path!r} loaded only in part: {sorted(loaded - saved)[:3]} were not "
+                             f"in the file, {sorted(saved - loaded)[:3]} found no place in the base. Pass the base "
+                             "the adapter was trained on, with the peft version that saved it "
+                             f"({cfgs[name].get('peft_version', 'not recorded')}).")
+    fix_bnb_cpu_repack(model)
+    return model, cfgs

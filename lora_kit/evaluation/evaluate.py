@@ -36,10 +36,10 @@ import pandas as pd
 from lora_kit.data import control_source, field_settings, is_conversational, load_examples, run_data, run_data_file
 from lora_kit.evaluation import compare as C
 from lora_kit.evaluation import figures as eval_figures
-from lora_kit.evaluation.adapters import check_adapter, local_adapter
+from lora_kit.evaluation.adapters import load_adapters, local_adapter
 from lora_kit.evaluation.hygiene import check_heldout, overlap_report
 from lora_kit.generation import generate, reference_nll
-from lora_kit.loading import fix_bnb_cpu_repack, load_model, load_tokenizer, resolve_model
+from lora_kit.loading import load_model, load_tokenizer, resolve_model
 from lora_kit.progress import bar as progress_bar
 from lora_kit.prompting import PromptFormat, resolve_prompt_format
 from lora_kit.results import (check_output_dir, read_json, read_record, run_identity, settled, write_json_atomic,
@@ -302,17 +302,8 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
     fmt = PromptFormat(tokenizer, resolve_prompt_format(prompt_format, tokenizer, is_conversational(ho_rows)))
     _check_lengths(fmt, ho_rows, "heldout", max_new_tokens, context)
     _check_lengths(fmt, ctl_rows, "control", max_new_tokens, context)
-    adapter_cfgs = {}
-    for name, path in adapter_paths.items():
-        adapter_paths[name] = local_adapter(path)
-        adapter_cfgs[name] = check_adapter(adapter_paths[name], model, base_model, resolved, check_base_name)
-    if adapter_paths:
-        from peft import PeftModel
-        first, *rest = adapter_paths.items()
-        model = PeftModel.from_pretrained(model, first[1], adapter_name=first[0], is_trainable=False)
-        for name, path in rest:
-            model.load_adapter(path, adapter_name=name, is_trainable=False)
-        fix_bnb_cpu_repack(model)
+    adapter_paths = {name: local_adapter(path) for name, path in adapter_paths.items()}
+    model, adapter_cfgs = load_adapters(model, adapter_paths, base_model, resolved, check_base_name)
     model.eval()
 
     splits = {"heldout": ho_rows, "control": ctl_rows}

@@ -29,7 +29,8 @@ def save_adapter(model, out_dir, is_main_process: bool = True, state_dict: dict 
     The files are written into a temporary folder beside ``out_dir`` and renamed into place only when
     complete, so ``out_dir`` never holds half an adapter (a kill during the save leaves the previous
     adapter, or none). Files are 0644 like every result; ``adapter_config.json`` is rewritten with
-    sorted keys and sorted ``target_modules`` (peft writes a set, whose order changes per process),
+    sorted keys and sorted ``target_modules`` and ``target_parameters`` (peft writes sets, whose order changes per
+    process; it wraps the targeted parameters in sorted order whatever the file's order),
     so identical adapters are identical bytes. ``base_model_name`` replaces peft's
     ``base_model_name_or_path`` (the path the base was loaded from, often a local absolute path) with the model's
     name (:func:`portable_model_name`): the adapter is meant to be shared, and names no local folder.
@@ -73,7 +74,7 @@ def save_adapter(model, out_dir, is_main_process: bool = True, state_dict: dict 
 
 def _deterministic_config(path: Path, base_model_name: str | None = None) -> None:
     cfg = json.loads(path.read_text())
-    for k in ("target_modules", "modules_to_save", "exclude_modules"):
+    for k in ("target_modules", "target_parameters", "modules_to_save", "exclude_modules"):
         if isinstance(cfg.get(k), list):
             cfg[k] = sorted(cfg[k])
     if base_model_name is not None:
