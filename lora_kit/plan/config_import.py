@@ -874,3 +874,41 @@ def plan_start(settings, config=None) -> tuple:
         return settings.planning_model(), settings.plan_step(), None
     step, report = settings_from_config(config)
     return report.model, step, report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a smoke run of the config's job
+
+def trl_config(path) -> dict:
+    """The mapping of a TRL SFT config file, once TRL's own parser accepts it (``trl sft --config``: its message
+    otherwise); ValueError when the file is another tool's config."""
+    path = Path(path).expanduser()
+    cfg = _load(path)
+    fmt = detect_format(cfg)
+    if fmt != "trl":
+        raise ValueError(f"{path} is a {FORMAT_NAMES[fmt]}, not a TRL SFT config: the smoke run runs TRL's "
+                         "SFTTrainer from a TRL SFT config only (loop='sft'); plan it with lora-kit estimate "
+                         "--from-config, or clear from_config.")
+    _parse_trl(_Reader(cfg, "trl", path))
+    return cfg
+
+
+def run_settings(path, **overrides):
+    """``(Settings, ConfigReport)`` for a smoke run of the job a TRL SFT config describes: the step
+    :func:`settings_from_config` maps (loop ``"sft"``), the model as the config names it (a local folder or hub id:
+    the run loads it), its ``learning_rate``, ``seed`` and, with ``use_peft``, ``lora_dropout``, and ``from_config``
+    set to ``path`` -- so the smoke run's SFTTrainer also takes the config's other trainer fields (scheduler, warm-up,
+    weight decay, clipping ...). ``overrides`` (any Settings field: ``dataset``, ``max_steps``, ``run_dir`` ...) win."""
+    from lora_kit.settings import field_names, from_dict
+    path = Path(path).expanduser()
+    trl_config(path)
+    check_names(overrides, field_names(), "setting")
+    step_over = {k: v for k, v in overrides.items() if k in STEP_FIELDS}
+    model = overrides.get("model")
+    step, report = settings_from_config(path, format="trl", model=model, **step_over)
+    args, margs, _ = _parse_trl(_Reader(_load(path), "trl", path))
+    run = {"model": model or report.model_in_config, "learning_rate": float(args.learning_rate), "seed": int(args.seed),
+           "from_config": str(path)}
+    if margs.use_peft:
+        run["lora_dropout"] = float(margs.lora_dropout)
+    return from_dict({**step.to_dict(), **run, **overrides}), report

@@ -14,9 +14,10 @@ checked:
   ``long_examples`` says how many, what share, the longest, and what was done;
 - ``seq_len`` beyond the model's context (``max_position_embeddings``) is a ValueError.
 
-Batches are padded to ``seq_len`` (right padding, pad tokens masked in labels and attention).
-Trade-off: compute is spent on padding, but every step has the shape the plan names, so the
-measured peak is the one ``estimate`` / ``simulate`` predict for that ``seq_len``.
+Batches are built as the step's ``padding`` says (:func:`collate`): ``"max_length"`` pads every row to
+``seq_len`` with an attention mask, so every step has the shape the plan names; ``"longest"`` pads to each
+batch's longest row (the step's width is recorded, and the figures beside it describe that width);
+``"none"`` gives rows of ``seq_len`` tokens without an attention mask, as the plan's unpadded rows.
 """
 from __future__ import annotations
 
@@ -126,14 +127,31 @@ def verified_slice(tokenizer, examples, seq_len: int, n_examples: int, seed: int
     return order, report
 
 
-def collate(batch, seq_len: int, pad_id: int) -> dict:
-    """Right-padded tensors of shape (len(batch), seq_len); pads masked in labels and attention."""
-    ids = torch.full((len(batch), seq_len), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), seq_len), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(batch), seq_len), dtype=torch.long)
+def collate(batch, seq_len: int, pad_id: int, padding: str = "max_length") -> dict:
+    """The batch as the step field ``padding`` says (right padding; pads are -100 in labels):
+
+    - ``"max_length"``: every row padded to ``seq_len``, with an attention mask (0 on pads);
+    - ``"longest"``: padded to the batch's longest row, with an attention mask (all ones when nothing is padded);
+    - ``"none"``: every row ``seq_len`` tokens and no attention mask. Pads follow the real tokens of their row, so
+      under causal attention no real token sees them and their labels are masked: the loss and gradients are those
+      of the masked batch, while the model runs the unmasked attention path the plan describes.
+    """
+    if padding not in ("none", "longest", "max_length"):
+        raise ValueError(f"padding={padding!r} is not valid; choose 'none', 'longest' or 'max_length'.")
+    width = max(len(e["input_ids"]) for e in batch) if padding == "longest" else seq_len
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
     for i, e in enumerate(batch):
         n = len(e["input_ids"])
         ids[i, :n] = torch.tensor(e["input_ids"])
         labels[i, :n] = torch.tensor(e["labels"])
         mask[i, :n] = 1
+    if padding == "none":
+        return {"input_ids": ids, "labels": labels}
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def real_tokens(batch: list) -> int:
+    """Tokens of the rows in ``batch`` (encoded examples), padding left out."""
+    return sum(len(e["input_ids"]) for e in batch)

@@ -99,21 +99,94 @@ def train_steps(model, optimizer, micro_batches, max_steps: int, grad_accum: int
                                       on_grads=(lambda: label(tracker, labelled)) if measured else None)
         loss_value, tokens, padded = float(out.loss), out.tokens, out.padded_tokens
         del out  # its loss tensor would otherwise be live (and counted) during the next step
-        seconds = time.perf_counter() - t0
-        m = {"step": step, "seconds": seconds, "loss": loss_value, "tokens": tokens,
-             "tokens_per_s": tokens / seconds, "padded_tokens_per_s": padded / seconds,
-             "measured": measured, "rss_bytes": rss_bytes()}
-        if measured:
-            m["peak_bytes"], m["peak_breakdown"] = tracked_peak(tracker)
-            m["peak_phase"] = tracker.peak_phase
-        if cuda:
-            m["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
-            m["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
-        steps.append(m)
-        if step % 10 == 0 or step == max_steps - 1:
-            bar.set_postfix(loss=f"{loss_value:.4f}")
-        bar.update(1)
-        if on_step is not None:
-            on_step(m)
+        _record(steps, step, time.perf_counter() - t0, loss_value, tokens, padded, tracker if measured else None,
+                cuda, bar, max_steps, on_step)
     bar.close()
     return steps
+
+
+def _record(steps: list, step: int, seconds: float, loss: float, tokens: int, padded: int, tracker, cuda: bool, bar,
+            max_steps: int, on_step) -> None:
+    """A step's metrics (``tracker``: the step was measured by it), appended to ``steps``, shown, handed on."""
+    m = {"step": step, "seconds": seconds, "loss": loss, "tokens": tokens, "tokens_per_s": tokens / seconds,
+         "padded_tokens_per_s": padded / seconds, "measured": tracker is not None, "rss_bytes": rss_bytes()}
+    if tracker is not None:
+        m["peak_bytes"], m["peak_breakdown"] = tracked_peak(tracker)
+        m["peak_phase"] = tracker.peak_phase
+    if cuda:
+        m["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        m["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    steps.append(m)
+    if step % 10 == 0 or step == max_steps - 1:
+        bar.set_postfix(loss=f"{loss:.4f}")
+    bar.update(1)
+    if on_step is not None:
+        on_step(m)
+
+
+def trainer_steps(net, s, examples: list[dict], collate, out_dir, tokenizer=None, tracker=None, measure_steps: int = 3,
+                  tracker_always_on: bool = False, progress: bool = True, on_step=None, run_dir=None,
+                  config: dict | None = None, tokens_of=None):
+    """:func:`train_steps` for ``s.loop`` "trainer" / "sft": the real ``Trainer`` / ``SFTTrainer``
+    (:func:`lora_kit.trainer_loops.run_loop`) trains ``net`` for ``s.max_steps`` steps on ``examples`` in order,
+    and each step is recorded in the same metrics: the tracker is entered once the step's batches are fetched
+    (what is live then -- the batches, ``num_items_in_batch``, the running loss -- is registered, as
+    :func:`lora_kit.memory.loops.measure_real_loop` does) and left at ``on_step_end``; ``loss`` is the step's loss
+    the Trainer logs (the sum of ``training_step``'s returns). ``tokens_of(step)``: the step's real tokens (default:
+    the attention masks' sum). Returns (steps, trainer)."""
+    from lora_kit.trainer_loops import LoopHooks, run_loop, track_fetched
+    cuda = torch.cuda.is_available() and next(net.parameters()).is_cuda
+    paged = s.optimizer.startswith("paged_") and not cuda
+    steps: list[dict] = []
+    bar = progress_bar(s.max_steps, "smoke steps", enabled=progress, run_dir=run_dir)
+
+    class Measure(LoopHooks):
+        entered = False
+
+        def start(self, trainer, batches, num):
+            self.step = trainer.state.global_step
+            self.measured = tracker is not None and (tracker_always_on or self.step < measure_steps)
+            self.loss_sum, self.padded = 0.0, sum(b["input_ids"].numel() for b in batches)
+            self.tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
+                              for b in batches)
+            if self.measured:
+                track_fetched(tracker, trainer, batches, num, paged)
+                tracker.phase = "forward"
+                tracker.reset_peak()
+                if not tracker_always_on:
+                    tracker.__enter__()
+                    self.entered = True
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            self.t0 = time.perf_counter()
+
+        def leave(self):
+            if self.entered:
+                tracker.__exit__(None, None, None)
+                self.entered = False
+
+        def loss(self):
+            if self.measured:
+                tracker.phase = "backward"
+
+        def micro_loss(self, value):
+            self.loss_sum += float(value)
+
+        def clip(self, trainer):
+            if self.measured:
+                tracker.phase = "optimizer"
+                label_training_state(tracker, trainer.model, paged=paged)
+
+        def end(self):
+            self.leave()
+            tokens = tokens_of(self.step) if tokens_of is not None else self.tokens
+            _record(steps, self.step, time.perf_counter() - self.t0, self.loss_sum, tokens, self.padded,
+                    tracker if self.measured else None, cuda, bar, s.max_steps, on_step)
+
+    measure = Measure()
+    try:
+        trainer = run_loop(net.train(), s, examples, collate, out_dir, s.max_steps, tokenizer, measure, config)
+    finally:  # an error inside a measured step (out of memory) leaves the tracker's mode
+        measure.leave()
+        bar.close()
+    return steps, trainer

@@ -42,6 +42,7 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,9 +68,9 @@ from lora_kit.run import adapter_io
 from lora_kit.run import batches as smoke_data
 from lora_kit.run import distributed as dist_util
 from lora_kit.run.accelerate_config import write_accelerate_config
-from lora_kit.run.loop import train_steps
+from lora_kit.run.loop import train_steps, trainer_steps
 from lora_kit.run.oom import fit_suggestions, free_memory, is_oom, memory_now
-from lora_kit.settings import Settings, from_dict, load_settings
+from lora_kit.settings import STEP_FIELDS, Settings, from_dict, load_settings
 from lora_kit.training import attach_adapter, autocast_context, build_optimizer
 
 PHASES = ("load", "quantize", "adapter", "train", "save", "reload", "verify", "generate")
@@ -183,6 +184,83 @@ class _Run:
         self.write()
 
 
+# How the smoke run runs each Step field (every field is here: tests/test_smoke_fields.py), and for the values it
+# cannot run in a launch, the refusal: ``why(s, world)`` -> None (runs) or what to change. The values themselves are
+# checked once, by the Step (lora_kit.settings.check_values); this says only what a launch runs of valid ones.
+def _sharding_not_run(s, world):
+    if world > 1 and s.sharding in ("zero1", "zero2"):
+        return (f"sharding={s.sharding!r} is DeepSpeed ZeRO-{s.sharding[-1]}, which the smoke run does not run; under "
+                "torchrun it runs 'ddp' (DDP) and 'fsdp' / 'zero3' (FSDP2): set sharding='ddp' or 'fsdp' for the smoke "
+                "run (the plan's figures for your setting are notebook 02's and lora-kit estimate's)")
+    if world > 1 and s.sharding in dist_util.SHARDED:
+        try:  # FSDP2's own limits (QLoRA, bitsandbytes optimizers); CPU offload is refused for every launch below
+            dist_util.check_sharded(s.replace(cpu_offload=False))
+        except ValueError as e:
+            return str(e).rstrip(".")
+    return None
+
+
+def _loop_not_run(s, world):
+    if s.loop != "kit" and world > 1:
+        return (f"loop={s.loop!r} runs the {'SFTTrainer' if s.loop == 'sft' else 'Trainer'} in one process; launch "
+                "the smoke run without torchrun, or set loop='kit' for the multi-process run")
+    return None
+
+
+RUNS = {
+    "method": ("loads the base in dtype ('qlora': 4-bit NF4) and trains every weight ('full') or LoRA adapters", None),
+    "dtype": ("the dtype the base weights are loaded in", None),
+    "autocast": ("torch.autocast over the forward passes (the Trainer's bf16 / fp16 flags with loop trainer / sft)",
+                 None),
+    "double_quant": ("bitsandbytes' double quantisation of the 4-bit constants (qlora)", None),
+    "seq_len": ("rows are truncated / dropped to it (long_examples) and padded to it (padding)", None),
+    "batch_size": ("rows per micro-batch", None),
+    "lora_rank": ("the adapter's r", None),
+    "lora_alpha": ("the adapter's lora_alpha", None),
+    "lora_targets": ("the adapter's target_modules", None),
+    "gradient_checkpointing": ("non-reentrant checkpointing, enabled as the HF Trainer enables it", None),
+    "attn_implementation": ("the model's attention kernel", None),
+    "optimizer": ("the optimizer class (a paged one runs unpaged off CUDA: same states)", None),
+    "num_gpus": ("the ranks launched run (a note when they differ); one process writes the accelerate config for "
+                 "num_gpus and measures one GPU", None),
+    "sharding": ("one process: the one-GPU step, with the launch config for sharding written; under torchrun: "
+                 "'none' / 'ddp' as DDP, 'fsdp' / 'zero3' as FSDP2", _sharding_not_run),
+    "cpu_offload": ("not run", lambda s, world: (
+        "cpu_offload=True is not run by the smoke run (it offloads nothing: FSDP2's CPUOffloadPolicy and DeepSpeed's "
+        "offload are not launched by it); set cpu_offload=False for the smoke run, or run only the planning notebooks "
+        "(lora-kit run --only 00 01 02), which size offload") if s.cpu_offload else None),
+    "grad_accum": ("micro-batches per optimizer step", None),
+    "padding": ("batches built as it says (lora_kit.run.batches.collate): 'max_length' to seq_len with a mask, "
+                "'longest' to the batch's longest row, 'none' seq_len rows without a mask", None),
+    "loop": ("'kit': lora_kit's step; 'trainer' / 'sft': transformers' Trainer / TRL's SFTTrainer train() on the same "
+             "batches", _loop_not_run),
+}
+
+
+def check_runnable(s, world: int | None = None, memory_limit_bytes: int | None = None) -> dict | None:
+    """Refuse, before anything is loaded, the step fields of ``s`` (Settings) this launch of ``world`` processes
+    cannot run: one ValueError naming each field, its value and what to change (:data:`RUNS`). Also reads
+    ``s.from_config`` when ``s.loop == "sft"`` (a TRL SFT config: TRL's parser rejects what ``trl sft`` would) and
+    returns its mapping, the SFTConfig fields the SFTTrainer runs with; else None."""
+    world = dist_util.world_size() if world is None else world
+    problems = [msg for name in STEP_FIELDS if RUNS[name][1] is not None
+                for msg in [RUNS[name][1](s, world)] if msg]
+    if memory_limit_bytes is not None and s.loop != "kit":
+        problems.append(f"memory_limit_bytes (an emulated device) runs the kit's loop only; loop={s.loop!r}: drop "
+                        "memory_limit_bytes, or set loop='kit'")
+    config = None
+    if s.loop == "sft" and s.from_config:
+        try:
+            from lora_kit.plan.config_import import trl_config
+            config = trl_config(s.from_config)
+        except ValueError as e:
+            problems.append(f"from_config: {e}".rstrip("."))
+    if problems:
+        raise ValueError(f"the smoke run cannot run {'these settings' if len(problems) > 1 else 'this setting'}: "
+                         + "; ".join(problems) + ". Nothing was loaded.")
+    return config
+
+
 def _settings(settings, overrides):
     if settings is None:
         return from_dict(overrides)
@@ -223,15 +301,19 @@ def _control_prompts(s, n: int = 4) -> tuple[list[dict], str]:
         return [], f"unavailable: {e}"
 
 
-def _memory_model(s, model_path: str, measured: int | None, world: int, simulate: bool) -> dict:
+def _memory_model(s, model_path: str, measured: int | None, world: int, simulate: bool,
+                  width: int | None = None) -> dict:
     """estimate / simulate beside the measured peak (per-GPU ddp / fsdp too when several processes run).
 
     They describe the step that ran: one GPU (``sharding="none"``), or, under FSDP2, one GPU of
     ``num_gpus=world`` and ``sharding="fsdp"`` (FSDP2 ran, also for "zero3": ``estimate``'s zero3 is DeepSpeed's,
     with its gradient bucket; simulate then runs in a spawned process: its fake FSDP2 world cannot start in a
-    process that joined the real one)."""
+    process that joined the real one). With ``padding="longest"`` the design step's batches were ``width`` tokens
+    wide (their longest row), and the figures are for that width."""
     step = {"num_gpus": world, "sharding": "fsdp"} if dist_util.runs_sharded(s) else {"num_gpus": 1,
                                                                                       "sharding": "none"}
+    if s.padding == "longest" and width:
+        step["seq_len"] = width
     ran = s.step.replace(**step)
     out = {}
     models = {"estimate": estimate, "simulate": simulate_step} if simulate else {"estimate": estimate}
@@ -310,8 +392,7 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
                                     or cpu_threads < 1):
         raise ValueError(f"cpu_threads must be a positive integer or None, got {cpu_threads!r}.")
-    if dist_util.runs_sharded(s):
-        dist_util.check_sharded(s)
+    config = check_runnable(s, None, memory_limit_bytes)
     lock = contextlib.ExitStack()
     if dist_util.rank() == 0 and active_run(s.run_dir) is None:  # inside a lora-kit run, that run holds the lock
         lock.enter_context(run_lock(s.run_dir))
@@ -336,8 +417,10 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
                   else "live-bytes tracker (lora_kit.memory.tracker)",
                   "tracked_steps": "all" if memory_limit_bytes else list(range(min(measure_steps, s.max_steps))),
                   "design_step": 1 if s.max_steps > 1 else 0,
-                  "note": "peak of the second step (index 1) is what estimate/simulate describe; batches are "
-                          "padded to seq_len; untracked steps record time, loss and process RSS only"},
+                  "padding": s.padding,
+                  "note": "peak of the second step (index 1) is what estimate/simulate describe, at that step's "
+                          "width (each step's seq_len: seq_len, or its longest row with padding='longest'); "
+                          "untracked steps record time, loss and process RSS only"},
               "steps": [], "oom": None, "error": None}
     if world > 1 and s.num_gpus not in (1, world):  # the plan's N is not the launch's: say which one is measured
         record["launch"]["note"] = (f"settings plan num_gpus={s.num_gpus}; this run has {world} ranks: the measured "
@@ -357,7 +440,7 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     tracker = None
     if memory_limit_bytes is not None or not torch.cuda.is_available():
         tracker = LiveBytesTracker(limit_bytes=memory_limit_bytes)
-    state: dict = {}
+    state: dict = {"config": config}
     result = SmokeResult(record, out)
     try:
         run.write()
@@ -483,28 +566,39 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     state["model"] = model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     rec["model"]["trainable_parameters"] = trainable
-    optimizer = build_optimizer(model.parameters(), s.optimizer, s.learning_rate)
-    state["optimizer"] = optimizer
+    optimizer = build_optimizer(model.parameters(), s.optimizer, s.learning_rate) if s.loop == "kit" else None
+    state["optimizer"] = optimizer  # the Trainer / SFTTrainer builds its own
     run.done("adapter", note=f"{trainable} trainable parameters, seed {s.seed} set before creation")
 
     run.start("train", tracker)
-    train_model = model if sharded else dist_util.wrap_ddp(model)
-
-    def micro(step, k):
-        i = (step * s.grad_accum + k) * s.batch_size
-        b = smoke_data.collate(mine[i:i + s.batch_size], s.seq_len, tok.pad_token_id)
-        return {k2: v.to(dev) for k2, v in b.items()}
+    batches = _StepBatches(s, tok.pad_token_id, dev)
 
     def on_step(m):
+        m["rows"], m["seq_len"] = batches.rows.get(m["step"]), batches.width.get(m["step"])
+        m["tokens"] = batches.tokens.get(m["step"], m["tokens"])
+        m["tokens_per_s"] = m["tokens"] / m["seconds"]
         rec["steps"].append(m)
         if m["measured"] or time.monotonic() - run._last_write > 10:
             run.write()
 
-    train_steps(train_model, optimizer, micro, s.max_steps, s.grad_accum, tracker=tracker,
-                measure_steps=measure_steps, tracker_always_on=always_on, progress=progress and rank == 0,
-                on_step=on_step, label_module=model, autocast_ctx=autocast_context(s.autocast, s.dtype, dev.type),
-                paged=s.optimizer.startswith("paged_") and dev.type != "cuda", run_dir=s.run_dir if rank == 0 else None,
-                label=label_fsdp if sharded else None)
+    if s.loop == "kit":
+        train_model = model if sharded else dist_util.wrap_ddp(model)
+        train_steps(train_model, optimizer, lambda step, k: batches.micro(mine, step, k), s.max_steps, s.grad_accum,
+                    tracker=tracker, measure_steps=measure_steps, tracker_always_on=always_on,
+                    progress=progress and rank == 0, on_step=on_step, label_module=model,
+                    autocast_ctx=autocast_context(s.autocast, s.dtype, dev.type),
+                    paged=s.optimizer.startswith("paged_") and dev.type != "cuda",
+                    run_dir=s.run_dir if rank == 0 else None, label=label_fsdp if sharded else None)
+    else:  # the user's loop itself: transformers' Trainer / TRL's SFTTrainer, on the same examples and batches
+        with tempfile.TemporaryDirectory(dir=run.out, prefix=".trainer-", suffix=".tmp") as out_dir:  # kept: nothing
+            _, trainer = trainer_steps(model, s, mine[:s.max_steps * s.grad_accum * s.batch_size], batches.collate,
+                                       out_dir, tok, tracker=tracker, measure_steps=measure_steps,
+                                       tracker_always_on=always_on, progress=progress, on_step=on_step,
+                                       run_dir=s.run_dir, config=state.get("config"))
+        rec["loop"] = _trainer_record(s, trainer, model)
+        state["optimizer"] = trainer.optimizer
+        train_model = trainer
+        del trainer
     steps = rec["steps"]
     key = "cuda_max_allocated_bytes" if torch.cuda.is_available() else "peak_bytes"
     design = rec["measurement"]["design_step"]
@@ -522,7 +616,8 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
                          "note": "excludes step 0 (warm-up) when more than one step ran; measured steps run "
                                  "under the tracker and are slower on CPU"}
     if rank == 0:
-        rec["memory_model"] = _memory_model(s, path, measured, world, simulate)
+        rec["memory_model"] = _memory_model(s, path, measured, world, simulate,
+                                            steps[design].get("seq_len") if len(steps) > design else None)
         rec["memory_parts"] = breakdown_rows(rec)
     if (world > 1 or s.num_gpus > 1) and rank == 0:  # the launch config for the multi-GPU run this plans
         rec["accelerate_config"] = str(write_accelerate_config(
@@ -549,6 +644,58 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
         _verify_phases(s, run, state, tracker, tok, probe, path, control_prompts, sharded)
     finally:
         dist_util.barrier()
+
+
+class _StepBatches:
+    """The run's micro-batches, built as ``padding`` says (:func:`lora_kit.run.batches.collate`), with each step's
+    width (the longest micro-batch's, for ``padding="longest"``), rows and real tokens (padding left out) recorded.
+    ``micro(examples, step, k)`` for the kit's loop; ``collate(rows)`` for the Trainer's data loader, which asks for
+    the micro-batches in order (so its n-th call is micro-batch n)."""
+
+    def __init__(self, s, pad_id: int, dev):
+        self.s, self.pad_id, self.dev = s, pad_id, dev
+        self.width: dict = {}
+        self.tokens: dict = {}
+        self.rows: dict = {}
+        self.calls = 0
+
+    def _batch(self, rows: list, step: int) -> dict:
+        b = smoke_data.collate(rows, self.s.seq_len, self.pad_id, self.s.padding)
+        self.width[step] = max(self.width.get(step, 0), b["input_ids"].shape[1])
+        self.tokens[step] = self.tokens.get(step, 0) + smoke_data.real_tokens(rows)
+        self.rows[step] = self.rows.get(step, 0) + len(rows)
+        return b
+
+    def micro(self, examples: list, step: int, k: int) -> dict:
+        i = (step * self.s.grad_accum + k) * self.s.batch_size
+        return {key: v.to(self.dev) for key, v in self._batch(examples[i:i + self.s.batch_size], step).items()}
+
+    def collate(self, rows: list) -> dict:
+        step, self.calls = self.calls // self.s.grad_accum, self.calls + 1
+        return self._batch(rows, step)
+
+
+def _trainer_record(s, trainer, model) -> dict:
+    """What the Trainer / SFTTrainer ran with, read back from the trainer and the model it trained: its class, its
+    arguments that set the step, the adapter's configuration, whether checkpointing was on."""
+    args = trainer.args
+    keys = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "optim",
+            "bf16", "fp16", "max_grad_norm", "weight_decay", "lr_scheduler_type", "warmup_steps", "seed", "max_length")
+    ran = {k: getattr(args, k) for k in keys if hasattr(args, k)}
+    ran["optim"] = str(getattr(ran.get("optim"), "value", ran.get("optim")))
+    ran["lr_scheduler_type"] = str(getattr(ran.get("lr_scheduler_type"), "value", ran.get("lr_scheduler_type")))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    out = {"loop": s.loop, "trainer": type(trainer).__mro__[1].__name__, "args": ran,
+           "optimizer": type(trainer.optimizer).__name__, "from_config": s.from_config or None,
+           "gradient_checkpointing": bool(getattr(base, "is_activation_checkpointing",
+                                                  getattr(base, "is_gradient_checkpointing", False)))}
+    peft = getattr(model, "peft_config", None)
+    if peft:
+        c = peft["default"]
+        targets = c.target_modules
+        out["adapter"] = {"r": c.r, "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout,
+                          "target_modules": targets if isinstance(targets, str) else sorted(targets)}
+    return out
 
 
 def _rank_share(order: list, rank: int, world: int, batch_size: int) -> list:
@@ -674,8 +821,7 @@ def main(argv=None) -> int:
     try:
         s = load_settings(a.params, dict(a.p))
         check_own_folder(s.run_dir, dist_util.world_size())
-        if dist_util.runs_sharded(s):
-            dist_util.check_sharded(s)
+        check_runnable(s, memory_limit_bytes=a.memory_limit_bytes)
     except ValueError as e:  # the same on every rank: said once, not once per torchrun process
         if dist_util.rank() == 0:
             print(f"smoke run: {e}", file=sys.stderr)
@@ -704,6 +850,10 @@ def summary(rec: dict) -> str:
     lines = [f"smoke run: {rec['status']}"]
     if (rec.get("launch") or {}).get("sharding", "none") != "none":
         lines.append(f"  sharding: {rec['launch']['sharding']}")
+    if rec.get("loop"):
+        lp = rec["loop"]
+        lines.append(f"  loop: {lp['loop']} ({lp['trainer']}.train()"
+                     + (f", with {lp['from_config']})" if lp.get("from_config") else ")"))
     if (rec.get("launch") or {}).get("note"):
         lines.append(f"  note: {rec['launch']['note']}")
     if rec.get("data"):
