@@ -58,6 +58,10 @@ def cmd_run(args) -> int:
         settings = load_settings(args.params, overrides)
         if model_is_local(settings.model):  # a missing folder or a malformed config.json: said before anything runs
             model_spec(settings.model)
+        from lora_kit.ui.pipeline import select_notebooks
+        if "03_smoke_run.ipynb" in select_notebooks(args.only):  # what the smoke run cannot run, before 00 starts
+            from lora_kit.run.smoke import check_runnable
+            check_runnable(settings, world=1)
     except ValueError as exc:
         print(f"lora-kit run: invalid settings: {exc}", file=sys.stderr)
         return 2
@@ -140,13 +144,25 @@ def plan_from_config(path, given: dict) -> tuple[dict, list[str], object]:
     return plan, assumed, report
 
 
+def params_for_estimate(path) -> tuple[dict, list[str], str]:
+    """A params file as ``lora-kit estimate`` reads it: (the values it plans with -- model, step fields, gpu,
+    margin --, the run's other settings it ignores, its ``from_config``). A run's own params file, and the
+    ``settings.json`` ``lora-kit run`` writes, hold dataset, evaluation and output settings too: those are ignored
+    (and listed); a name that is no setting at all is refused, with "did you mean"."""
+    params = read_params(path)
+    check_names(params, field_names())
+    ignored = [k for k in params if k not in ESTIMATE_FIELDS and k != "from_config"]
+    return {k: v for k, v in params.items() if k in ESTIMATE_FIELDS}, ignored, params.get("from_config") or ""
+
+
 def cmd_estimate(args) -> int:
     report = None
     try:
-        given = {**(read_params(args.params) if args.params else {}), **_settings_from_args(args, ESTIMATE_FIELDS),
-                 **_parse_p(args.p)}
-        if args.from_config:
-            plan, assumed, report = plan_from_config(args.from_config, given)
+        params, ignored, config = params_for_estimate(args.params) if args.params else ({}, [], "")
+        given = {**params, **_settings_from_args(args, ESTIMATE_FIELDS), **_parse_p(args.p)}
+        from_config = args.from_config or config
+        if from_config:
+            plan, assumed, report = plan_from_config(from_config, given)
         else:
             plan, assumed = estimate_plan(given)
         est = estimate(plan["model"], plan["step"])
@@ -156,7 +172,8 @@ def cmd_estimate(args) -> int:
         print(f"lora-kit estimate: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        out = {"settings": est.settings, "assumed": assumed, "gpu": plan["gpu"], "margin": plan["margin"],
+        out = {"settings": est.settings, "assumed": assumed, "ignored_params": ignored, "gpu": plan["gpu"],
+               "margin": plan["margin"],
                "peak_allocated_bytes": est.peak_allocated_bytes, "device_total_bytes": est.device_total_bytes,
                "breakdown": est.breakdown, "phase": est.phase, "fit": fit, "note": note}
         if report is not None:  # what the config set that the plan does not model, or that does not matter
@@ -167,6 +184,8 @@ def cmd_estimate(args) -> int:
     if report is not None:
         print(report.text())
     print(f"lora-kit estimate: {plan['model']}, one training step, per GPU")
+    if ignored:
+        print(f"  ignored from {args.params} (run settings, no effect on the step's memory): {', '.join(ignored)}")
     print("  values (* = assumed, not given; defaults for planning a real model on a GPU):")
     unused = (*LORA_FIELDS, "double_quant") if plan["method"] == "full" else () if plan["method"] == "qlora" \
         else ("double_quant",)
@@ -238,7 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     e = sub.add_parser("estimate", help="per-GPU memory estimate as a table")
-    e.add_argument("--params", help="YAML file of settings")
+    e.add_argument("--params", help="YAML file of settings, e.g. the run's own params file or the settings.json "
+                                    "lora-kit run wrote: its model, step fields, gpu and margin are planned (its "
+                                    "from_config too); its other settings are listed as ignored")
     e.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"), help="override one setting")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
     e.add_argument("--from-config", metavar="PATH",

@@ -1,0 +1,62 @@
+"""``lora-kit estimate --params`` takes a run's own params file: the shipped params/*.yaml and the settings.json
+``lora-kit run`` writes. It plans the model, step fields, gpu and margin in it, and lists the run's other settings
+(data, evaluation, output) as ignored, in one line; a name that is no setting at all is still refused."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lora_kit.settings import STEP_FIELDS, Settings
+from lora_kit.ui.cli import ESTIMATE_FIELDS, main
+
+PARAMS = sorted((Path(__file__).parents[1] / "params").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PARAMS, ids=lambda p: p.name)
+def test_shipped_params_files_are_estimated_with_what_they_do_not_use_listed(path, capsys):
+    given = yaml.safe_load(path.read_text())
+    assert main(["estimate", "--params", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ignored_params"] == [k for k in given if k not in ESTIMATE_FIELDS]
+    assert {k: out["settings"][k] for k in given if k in STEP_FIELDS} == {k: v for k, v in given.items()
+                                                                         if k in STEP_FIELDS}
+    assert out["settings"]["model"] == given["model"] and out["peak_allocated_bytes"] > 0
+    assert main(["estimate", "--params", str(path)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("ignored from")]
+    assert len(lines) == 1 and all(k in lines[0] for k in out["ignored_params"])
+
+
+def _settings_json_estimate(path, capsys):
+    written = json.loads(Path(path).read_text())
+    assert main(["estimate", "--params", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["assumed"] == [] or set(out["assumed"]) <= {"gpu", "margin"}  # every step field is in the file
+    step = {k: out["settings"][k] for k in STEP_FIELDS}
+    assert step == {k: written[k] for k in STEP_FIELDS}  # the run's step, as it ran (embedded defaults included)
+    assert {"dataset", "run_dir", "max_steps", "gpus", "interactive"} <= set(out["ignored_params"])
+    assert not set(out["ignored_params"]) & set(ESTIMATE_FIELDS)
+    return out
+
+
+def test_a_settings_json_of_the_run_form_is_estimated(tmp_path, capsys):
+    """The file lora-kit run writes is ``Settings.to_dict()`` as JSON (lora_kit.ui.pipeline)."""
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps(Settings(run_dir=str(tmp_path), interactive=False).to_dict()))
+    _settings_json_estimate(path, capsys)
+
+
+@pytest.mark.slow
+def test_the_settings_json_lora_kit_run_wrote_is_estimated(main_job, capsys):
+    assert main_job["rc"] == 0
+    _settings_json_estimate(main_job["run"] / "settings.json", capsys)
+
+
+def test_a_name_that_is_no_setting_is_still_refused(tmp_path, capsys):
+    path = tmp_path / "p.yaml"
+    path.write_text("model: llama-3.1-8b\nsequence_len: 512\ndataset: my.jsonl\n")
+    assert main(["estimate", "--params", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "'sequence_len'" in err and "did you mean" in err
