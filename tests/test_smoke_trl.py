@@ -80,3 +80,21 @@ def test_a_config_trl_rejects_is_refused_before_loading(tmp_path):
     with pytest.raises(ValueError, match="not a TRL SFT config"):
         check_runnable(from_dict({"loop": "sft", "from_config": str(
             __import__("pathlib").Path(__file__).parent / "configs" / "axolotl_lora_mistral-7b.yml")}), world=1)
+
+
+def test_the_smoke_command_runs_a_trl_config(tmp_path, capsys):
+    """``python -m lora_kit.run.smoke --from-config sft.yaml``: the config's step under the SFTTrainer, ``-p``
+    settings winning (here the micro-batch)."""
+    from lora_kit.results import read_json
+    from lora_kit.run.smoke import main
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump({"model_name_or_path": resolve_model("tiny"), **CONFIG}))
+    run = tmp_path / "run"
+    assert main(["--from-config", str(path), "-p", "run_dir", str(run), "-p", "max_steps", "1", "-p", "batch_size",
+                 "1", "-p", "max_new_tokens", "2", "--no-simulate", "--cpu-threads", "1"]) == 0
+    assert "loop: sft (SFTTrainer.train(), with" in capsys.readouterr().out
+    rec = read_json(run / "smoke" / "smoke.json")
+    assert rec["loop"]["args"]["per_device_train_batch_size"] == 1 and rec["loop"]["args"]["learning_rate"] == 3e-3
+    assert main(["--from-config", str(path), "-p", "run_dir", str(tmp_path / "no"), "-p", "num_gpus", "2",
+                 "-p", "sharding", "zero2", "-p", "cpu_offload", "true"]) == 2
+    assert "cpu_offload=True is not run" in capsys.readouterr().err and not (tmp_path / "no").exists()

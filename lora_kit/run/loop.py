@@ -1,6 +1,8 @@
-"""The smoke run's training loop: plain PyTorch, instrumented cheaply.
+"""The smoke run's training loops, instrumented cheaply: the kit's plain PyTorch step (:func:`train_steps`) and,
+for ``loop="trainer"`` / ``"sft"``, transformers' ``Trainer`` / TRL's ``SFTTrainer`` themselves
+(:func:`trainer_steps`), recorded in the same per-step metrics.
 
-Why our own loop and not ``transformers.Trainer``: the step must be exactly the one
+Why the kit's own loop by default, and not ``transformers.Trainer``: the step must be exactly the one
 ``estimate`` / ``simulate`` predict -- it *is* the kit's one training step,
 :func:`lora_kit.training.train_step`, which ``measure`` and ``simulate`` run too -- an
 out-of-memory error must say in which phase it happened (forward, backward, optimizer), and the

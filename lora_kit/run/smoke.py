@@ -7,8 +7,16 @@ adapter (safetensors), reloads it into a fresh base and verifies it, and generat
 prompts with base and adapter side by side. Every phase rewrites ``<run_dir>/smoke/smoke.json``
 atomically, so a crash keeps what was measured and says where it stopped.
 
-The loop is our own plain PyTorch loop, not ``transformers.Trainer`` -- see
-:mod:`lora_kit.run.loop` for why and for what the instrumentation costs. Memory: CUDA
+Every step field is run as it says, or refused up front, by name, with what to change
+(:func:`check_runnable`, one rule per field in :data:`RUNS`), before the run folder is touched or a
+model loaded. The loop is the step's ``loop``: ``"kit"``, the kit's plain PyTorch step (see
+:mod:`lora_kit.run.loop` for why and for what the instrumentation costs); ``"trainer"`` / ``"sft"``,
+transformers' ``Trainer`` / TRL's ``SFTTrainer`` itself (``train()`` with its optimizer, clipping,
+scheduler and loss) on the same examples and batches, measured step by step the same way. With a TRL
+SFT config as ``from_config`` (:func:`lora_kit.plan.config_import.run_settings` makes the settings
+from one), the SFTTrainer takes the config's other trainer fields too, and smoke.json's ``loop``
+records what it ran with, read back from the trainer and the model. Batches follow ``padding``
+(:func:`lora_kit.run.batches.collate`). Memory: CUDA
 ``max_memory_allocated``/``reserved`` per step on a GPU; on CPU the live-bytes tracker on the first
 ``measure_steps`` steps (all steps when ``memory_limit_bytes`` emulates a smaller device). The
 step that ``estimate`` and ``simulate`` describe is the *second* step (index 1); their numbers are
@@ -70,7 +78,7 @@ from lora_kit.run import distributed as dist_util
 from lora_kit.run.accelerate_config import write_accelerate_config
 from lora_kit.run.loop import train_steps, trainer_steps
 from lora_kit.run.oom import fit_suggestions, free_memory, is_oom, memory_now
-from lora_kit.settings import STEP_FIELDS, Settings, from_dict, load_settings
+from lora_kit.settings import STEP_FIELDS, Settings, coerce_value, from_dict, load_settings, read_params
 from lora_kit.training import attach_adapter, autocast_context, build_optimizer
 
 PHASES = ("load", "quantize", "adapter", "train", "save", "reload", "verify", "generate")
@@ -810,6 +818,8 @@ def main(argv=None) -> int:
     quiet()
     p = argparse.ArgumentParser(prog="python -m lora_kit.run.smoke", description=__doc__.split("\n\n")[0])
     p.add_argument("--params", help="YAML params file (Settings fields)")
+    p.add_argument("--from-config", metavar="PATH", help="a TRL SFT config: its step, model and trainer fields run "
+                                                         "under TRL's SFTTrainer (settings given here win)")
     p.add_argument("-p", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"), help="override a setting")
     p.add_argument("--memory-limit-bytes", type=int, default=None, help="emulate a device of this size (CPU)")
     p.add_argument("--measure-steps", type=int, default=3, help="steps the CPU tracker measures")
@@ -819,7 +829,12 @@ def main(argv=None) -> int:
                    help="move a complete smoke run in run_dir aside to <run_dir>/replaced-<id> instead of refusing")
     a = p.parse_args(argv)
     try:
-        s = load_settings(a.params, dict(a.p))
+        if a.from_config:
+            from lora_kit.plan.config_import import run_settings
+            given = {**(read_params(a.params) if a.params else {}), **dict(a.p)}
+            s, _ = run_settings(a.from_config, **{k: coerce_value(k, v) for k, v in given.items()})
+        else:
+            s = load_settings(a.params, dict(a.p))
         check_own_folder(s.run_dir, dist_util.world_size())
         check_runnable(s, memory_limit_bytes=a.memory_limit_bytes)
     except ValueError as e:  # the same on every rank: said once, not once per torchrun process
