@@ -101,3 +101,24 @@ def test_smoke_run_runs_the_padding_it_is_given(padding, tmp_path):
     elif padding == "max_length":
         assert measured == sim["peak_allocated_bytes"], (measured, sim)
     assert abs(sim["error_vs_measured"]) < 0.01 and abs(est["error_vs_measured"]) < 0.02, rec["memory_model"]
+
+
+@pytest.mark.parametrize("loop,method,trainer", [("trainer", "lora", "Trainer"), ("sft", "qlora", "SFTTrainer")])
+def test_smoke_run_runs_the_loop_it_is_given(loop, method, trainer, tmp_path):
+    """loop="trainer" / "sft": the library's own train() runs the step, measured beside estimate and simulate for
+    that loop (without a config: the loop's defaults, with the step's fields)."""
+    r = smoke_run(run_dir=str(tmp_path), loop=loop, method=method, measure_steps=2, progress=False,
+                  **{**FAST, "grad_accum": 1})
+    rec = r.record
+    assert r.ok and rec["verify"]["passed"] and rec["loop"]["trainer"] == trainer and rec["loop"]["from_config"] is None
+    args = rec["loop"]["args"]
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"], args["learning_rate"]) == (
+        FAST["batch_size"], 1, FAST["learning_rate"])
+    assert rec["loop"]["adapter"]["r"] == FAST["lora_rank"] and rec["loop"]["adapter"]["lora_alpha"] == FAST["lora_alpha"]
+    measured = rec["peaks"]["design_step_peak_bytes"]
+    assert measured > 0 and [st["rows"] for st in rec["steps"]] == [FAST["batch_size"]] * FAST["max_steps"]
+    sim = rec["memory_model"]["simulate"]
+    # SFTTrainer casts QLoRA adapters to bf16 (TRL 1.16, as the QLoRA paper does); simulate keeps peft's fp32
+    # adapters, so for sft + qlora its adapters, gradients and AdamW states are larger than what ran
+    assert rec["checkpoint"]["trained_dtype"] == ("bfloat16" if loop == "sft" and method == "qlora" else "float32")
+    assert abs(sim["error_vs_measured"]) < (0.02 if rec["checkpoint"]["trained_dtype"] == "bfloat16" else 0.01), sim

@@ -729,8 +729,10 @@ def _verify_phases(s, run, state, tracker, tok, probe, path, control_prompts, sh
     trained_logits, base_logits, full = _trained_outputs(model, probe, sharded)
     files = adapter_io.save_adapter(model, run.out / "adapter", state_dict=full,
                                     base_model_name=adapter_io.portable_model_name(s.model))
+    trained = {p.dtype for p in model.parameters() if p.requires_grad}
     rec["checkpoint"] = {"dir": str(run.out / "adapter"), "files": files, "bytes": sum(files.values()),
-                         "gathered_from_ranks": dist_util.world_size() if sharded else 1, "written_by_rank": 0}
+                         "gathered_from_ranks": dist_util.world_size() if sharded else 1, "written_by_rank": 0,
+                         "trained_dtype": str(next(iter(trained))).removeprefix("torch.") if len(trained) == 1 else None}
     del full
     for k in ("model", "optimizer"):  # free the trained model and optimizer before loading a fresh base
         state.pop(k, None)
@@ -745,6 +747,10 @@ def _verify_phases(s, run, state, tracker, tok, probe, path, control_prompts, sh
         from peft import prepare_model_for_kbit_training
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     reloaded, keys = adapter_io.load_adapter(base, run.out / "adapter")
+    if trained == {torch.bfloat16}:  # SFTTrainer trains QLoRA adapters in bf16; peft reloads them in fp32: compare
+        for name, p in reloaded.named_parameters():  # outputs computed as they trained (the saved values are equal)
+            if "lora_" in name:
+                p.data = p.data.to(torch.bfloat16)
     fix_bnb_cpu_repack(reloaded)
     state["reloaded"] = reloaded
     rec["reload"] = keys
