@@ -60,3 +60,18 @@ def test_a_name_that_is_no_setting_is_still_refused(tmp_path, capsys):
     assert main(["estimate", "--params", str(path)]) == 2
     err = capsys.readouterr().err
     assert "'sequence_len'" in err and "did you mean" in err
+
+
+def test_a_params_file_naming_a_training_config_plans_from_it(tmp_path, capsys):
+    """A run's params file with ``from_config`` is planned from that config: its model and step replace the
+    file's, as in notebooks 01/02."""
+    config = Path(__file__).parent / "configs" / "trl_qlora_llama-3.1-8b.yaml"
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": "tiny", "seq_len": 64, "from_config": str(config), "dataset": "my.jsonl",
+                                    "gpu": "L4"}))
+    assert main(["estimate", "--params", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["from_config"]["format"] == "trl" and out["settings"]["method"] == "qlora" and out["gpu"] == "L4"
+    assert out["model"] == "llama-3.1-8b"  # the config's model, as notebooks 01/02 plan it (not the run's "tiny")
+    assert sorted(out["ignored_params"]) == ["dataset", "model", "seq_len"]
+    assert out["settings"]["seq_len"] == yaml.safe_load(config.read_text())["max_length"]

@@ -31,6 +31,12 @@ def test_every_step_field_has_a_rule():
 ])
 def test_what_a_launch_cannot_run_is_refused_by_name_before_anything(world, given, names, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))  # as torchrun sets it; refused before any process group is joined
+    import lora_kit.run.smoke as smoke
+
+    def refuse(*a, **k):
+        raise AssertionError("a model or tokenizer was loaded before the settings were found runnable")
+    monkeypatch.setattr(smoke, "load_model", refuse)
+    monkeypatch.setattr(smoke, "load_tokenizer", refuse)
     run = tmp_path / "run"
     with pytest.raises(ValueError) as e:
         smoke_run(run_dir=str(run), progress=False, **{**FAST, **given})

@@ -159,8 +159,11 @@ def cmd_estimate(args) -> int:
     report = None
     try:
         params, ignored, config = params_for_estimate(args.params) if args.params else ({}, [], "")
-        given = {**params, **_settings_from_args(args, ESTIMATE_FIELDS), **_parse_p(args.p)}
         from_config = args.from_config or config
+        if config and not args.from_config:  # as notebooks 01/02: the config's model and step replace the file's
+            ignored += [k for k in params if k in ("model", *STEP_FIELDS)]
+            params = {k: v for k, v in params.items() if k not in ("model", *STEP_FIELDS)}
+        given = {**params, **_settings_from_args(args, ESTIMATE_FIELDS), **_parse_p(args.p)}
         if from_config:
             plan, assumed, report = plan_from_config(from_config, given)
         else:
@@ -185,7 +188,9 @@ def cmd_estimate(args) -> int:
         print(report.text())
     print(f"lora-kit estimate: {plan['model']}, one training step, per GPU")
     if ignored:
-        print(f"  ignored from {args.params} (run settings, no effect on the step's memory): {', '.join(ignored)}")
+        why = "run settings, and the model and step from_config replaces" if config and not args.from_config \
+            else "run settings, no effect on the step's memory"
+        print(f"  ignored from {args.params} ({why}): {', '.join(ignored)}")
     print("  values (* = assumed, not given; defaults for planning a real model on a GPU):")
     unused = (*LORA_FIELDS, "double_quant") if plan["method"] == "full" else () if plan["method"] == "qlora" \
         else ("double_quant",)
