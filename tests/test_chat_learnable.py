@@ -128,9 +128,10 @@ def check_learned(r: dict, family: str, n_eval: int) -> None:
     assert "95 % CI" in ev.summary_sentence
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_learnable_task_gains_on_heldout(family, tmp_path):
-    check_learned(learn_ok(family, tmp_path), family, 16)
+@pytest.mark.parametrize("family,method", [(f, "lora") for f in FAMILIES] + [(f, "qlora") for f in MOE])
+def test_learnable_task_gains_on_heldout(family, method, tmp_path):
+    """Every family with LoRA; the MoE families also with QLoRA (4-bit linear layers, expert LoRA beside them)."""
+    check_learned(learn_ok(family, tmp_path, method=method), family, 16)
 
 
 LONG = {"model": {"layers": 4, "hidden": 128}, "n_rows": 256, "n_eval": 64, "steps": 120}
