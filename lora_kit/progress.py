@@ -2,17 +2,20 @@
 
 - In JupyterLab or a terminal (``enabled=True``): a tqdm bar.
 - Headless inside ``lora-kit run`` (the notebooks run with ``interactive=False``): a line every
-  ``every_s`` seconds and one at the end, appended to ``<run folder>/progress.log``; the pipeline prints
-  new lines under the notebook's own line on the terminal (:func:`follow`).
+  ``every_s`` seconds and one at the end, appended whole to ``<run folder>/progress.log``
+  (:func:`lora_kit.results.append_line`); the pipeline prints new lines under the notebook's own line on the
+  terminal (:func:`follow`). A line the disk has no room for is skipped and said once on stderr (the notebook's
+  output), never raised into the training loop.
 - Otherwise: nothing.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
 
-from lora_kit.results import active_run
+from lora_kit.results import AppendLog, active_run
 
 PROGRESS_LOG = "progress.log"
 
@@ -21,7 +24,8 @@ class _Lines:
     """tqdm's ``update`` / ``set_postfix`` / ``close`` as periodic lines in a file."""
 
     def __init__(self, path: Path, total: int, desc: str, unit: str, every_s: float):
-        self.path, self.total, self.desc, self.unit, self.every_s = path, total, desc, unit, every_s
+        self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
+        self.log = AppendLog(path)  # whole lines: the pipeline's reader (:func:`follow`) never sees half of one
         self.n, self.postfix, self.detail, self.t0 = 0, "", "", time.perf_counter()
         self.last = self.t0
 
@@ -41,6 +45,8 @@ class _Lines:
     def close(self) -> None:
         if self.n:
             self._write()
+        if self.log.lost > 1:
+            print(f"({self.log.failure()})", file=sys.stderr)
 
     def _write(self) -> None:
         spent = time.perf_counter() - self.t0
@@ -50,8 +56,8 @@ class _Lines:
                 f"({self.n / max(self.total, 1):.0%}), "
                 f"{spent:.0f} s" + (f", ~{left:.0f} s left" if self.n < self.total else "")
                 + (f", {self.postfix}" if self.postfix else ""))
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        if not self.log.write(line) and self.log.lost == 1:  # said once, in the notebook's output
+            print(f"(progress line not written: {self.log.failure()})", file=sys.stderr)
 
 
 def bar(total: int, desc: str, *, enabled: bool, run_dir=None, unit: str = "step", every_s: float = 15.0):

@@ -4,6 +4,10 @@
   the same folder and rename it: a reader sees the old file or the new one, never half of one.
   A full disk raises :class:`NotWritten` (an ``OSError``) naming the file that was not written;
   the previous version stays intact.
+- **Logs that grow during a run** (``progress.log``, ``pipeline.log``, ``kernels.log``, ``smoke.log``) are
+  appended in whole records (:func:`append_line`: one write of whole lines under a lock; a record that does
+  not fit is cut off again), so a reader or a crash never sees half a record; :class:`AppendLog` counts what
+  could not be written, for the run's record. Summaries (JSON) are rewritten whole, as above.
 - **Run identity.** Every run (``lora-kit run``, ``smoke_run``, ``evaluate``) has an id and a
   start time (:func:`run_identity`). ``lora-kit run`` puts its identity in the environment
   (:func:`entered_run`), so the notebook kernels it starts inherit it: every JSON result written
@@ -25,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import math
 import os
 import re
@@ -49,7 +54,8 @@ class NotWritten(OSError):
 
     def __init__(self, path: Path, exc: OSError):
         self.path = Path(path)
-        reason = "no space left on device" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror or str(exc)
+        self.reason = reason = ("no space left on device" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                                else exc.strerror or str(exc))
         super().__init__(exc.errno, f"{self.path} was not written: {reason}; the previous version of the file "
                                     "(if any) is kept. Free space or choose another runs folder.")
 
@@ -119,6 +125,146 @@ def _unlink_quietly(tmp) -> None:
     if tmp and os.path.exists(tmp):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+
+
+# ----------------------------------------------------------------------------------------------
+# logs that grow during a run: whole records, appended
+# ----------------------------------------------------------------------------------------------
+def append_line(path: str | Path, text: str) -> Path:
+    """Append ``text`` to the log ``path`` as one whole record: its line(s), newline-terminated, written with one
+    ``os.write`` (unbuffered: nothing waits in a buffer) under an exclusive ``flock``, so writers in several
+    processes never interleave. A record is whole or absent: one that cannot be written completely (full disk) is
+    cut off again and raises :class:`NotWritten`, the earlier records intact; a tail left without its newline by a
+    writer killed mid-write is cut off before this record, so no record is glued to half of another. Readers take
+    only newline-terminated lines (:func:`read_log`)."""
+    import fcntl
+    path = Path(path)
+    data = (text if text.endswith("\n") else text + "\n").encode("utf-8", errors="replace")
+    fd = None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)  # read: where the last whole record ends
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd is closed
+        end = _whole_end(fd, os.fstat(fd).st_size)
+        if end != os.fstat(fd).st_size:
+            os.ftruncate(fd, end)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, end)
+            raise
+    except OSError as exc:
+        raise NotWritten(path, exc) from exc
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return path
+
+
+def _whole_end(fd: int, size: int, chunk: int = 1 << 16) -> int:
+    """The offset just after the last newline of the open file ``fd`` of ``size`` bytes (0 when it has none)."""
+    pos = size
+    while pos > 0:
+        start = max(0, pos - chunk)
+        block = os.pread(fd, pos - start, start)
+        i = block.rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        pos = start
+    return 0
+
+
+def read_log(path: str | Path) -> list[str]:
+    """The whole records (newline-terminated lines) of a log; [] when it is absent."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        return []
+    return data[:data.rfind(b"\n") + 1].decode("utf-8", errors="replace").splitlines()
+
+
+class AppendLog:
+    """A log that grows during a run, written record by record with :func:`append_line`. A record that cannot be
+    written (full disk) never stops the run: it is counted, and :meth:`failure` says what was lost, for the run's
+    own record (``pipeline.json``'s ``not_written``, a notebook's output). ``fresh``: start the log empty (an
+    atomic replace), as a log of one run does."""
+
+    def __init__(self, path: str | Path, fresh: bool = False):
+        self.path, self.lost, self.error = Path(path), 0, None
+        if fresh:
+            try:
+                write_text_atomic(self.path, "")
+            except NotWritten as exc:
+                self.error = exc
+
+    def write(self, text: str) -> bool:
+        """Append one record; False (and counted) when it was not written."""
+        try:
+            append_line(self.path, text)
+            return True
+        except NotWritten as exc:
+            self.lost += 1
+            self.error = self.error or exc
+            return False
+
+    def failure(self) -> str | None:
+        """What was not written, in one line, or None."""
+        if self.error is None:
+            return None
+        what = f"{self.lost} record(s)" if self.lost else "its fresh start"
+        return f"{self.path}: {what} not written ({self.error.reason}); the records before are whole"
+
+
+class LineLog(logging.Handler):
+    """A ``logging`` handler writing each log record whole into an :class:`AppendLog` (``.log``): never half a
+    record, never a traceback printed over the run's output when the disk is full (see :meth:`AppendLog.failure`)."""
+
+    def __init__(self, path: str | Path, fresh: bool = False, level: int = logging.NOTSET):
+        super().__init__(level)
+        self.log = AppendLog(path, fresh=fresh)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record)
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted: logging's own report
+            self.handleError(record)
+            return
+        self.log.write(text)
+
+
+def relay_lines(fd: int, log: AppendLog, name: str = "lora-kit log relay") -> threading.Thread:
+    """Start a thread that reads the pipe ``fd`` (a child process's stdout/stderr) until its end and appends what
+    arrives to ``log`` in whole lines (a last line without its newline is completed when the pipe ends);
+    it closes ``fd``. Returns the thread (daemon): join it once the child is gone."""
+
+    def pump():
+        rest = b""
+        try:
+            while True:
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except InterruptedError:  # pragma: no cover - retried by Python itself since 3.5
+                    continue
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                rest += chunk
+                cut = rest.rfind(b"\n") + 1 or (len(rest) if len(rest) >= 1 << 20 else 0)  # a 1 MiB line: as is
+                if cut:
+                    log.write(rest[:cut].decode("utf-8", errors="replace"))
+                    rest = rest[cut:]
+            if rest:
+                log.write(rest.decode("utf-8", errors="replace"))
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    thread = threading.Thread(target=pump, daemon=True, name=name)
+    thread.start()
+    return thread
 
 
 RESERVE = ".lora-kit-reserve"  # disk held back by a run so that it can still record its ending on a full disk

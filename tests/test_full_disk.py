@@ -121,3 +121,39 @@ def test_smoke_run_raises_not_written_naming_the_adapter(tmp_path, random_llama_
     rec = read_record(tmp_path / "smoke" / "smoke.json")
     assert rec["status"] == "failed at save" and not (tmp_path / "smoke" / "adapter").exists()
     assert not [p for p in (tmp_path / "smoke").iterdir() if p.name.startswith(".")]
+
+
+PROGRESS_ON_A_FULL_DISK = """
+import os, sys
+from pathlib import Path
+from lora_kit.progress import bar
+from lora_kit.results import entered_run, new_run
+run = Path(sys.argv[1])
+run.mkdir()
+with entered_run(new_run("test", run)):
+    b = bar(10, "smoke steps", enabled=False, run_dir=run, every_s=0)
+    b.update(1)  # one whole line
+    fd = os.open(run / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\\0" * 4096)
+    except OSError:
+        os.close(fd)
+    b.set_postfix(note="x" * 50_000)  # a line the disk has no room for
+    b.update(1)
+    b.close()
+print("the loop ran on")
+"""
+
+
+def test_a_log_line_is_whole_or_absent_on_a_full_disk(tmp_path):
+    """progress.log on a real full disk: the line that does not fit leaves no half of it (the pipeline's reader
+    and a later line would take it for a record), the loop is not stopped, and the loss is said."""
+    mount = tmp_path / "small"
+    cmd = shlex.join([sys.executable, "-c", PROGRESS_ON_A_FULL_DISK, str(mount / "run")])
+    r, _, keep = _tmpfs_run(tmp_path, "1m", cmd)
+    assert r.returncode == 0 and "the loop ran on" in r.stdout, r.stderr
+    log = (keep / "run" / "progress.log").read_bytes()
+    assert log.endswith(b"\n") and b"xxx" not in log, log[-200:]
+    assert [line.split(",")[0] for line in log.decode().splitlines()] == ["smoke steps: 1/10 steps (10%)"]
+    assert "progress line not written" in r.stderr and "no space left on device" in r.stderr, r.stderr

@@ -36,10 +36,10 @@ from jupyter_client.manager import AsyncKernelManager
 from lora_kit.data import absolute_paths
 from lora_kit.progress import follow
 from lora_kit.ui.notebook import FIGURE_INDEX, NOTEBOOK_ENV, PLOTLY_JS, figure_index, kit_notebooks_dir
-from lora_kit.results import (RESERVE_BYTES, NotWritten, active_run, check_movable_run, check_output_dir,
-                              clean_leftovers, disk_full, entered_run, interrupts, new_run, now_iso, process_alive,
-                              read_record, release_space, reserve_space, run_lock, same_run, settled, signal_name,
-                              touch, write_json_atomic, write_text_atomic)
+from lora_kit.results import (RESERVE_BYTES, AppendLog, LineLog, NotWritten, active_run, check_movable_run,
+                              check_output_dir, clean_leftovers, disk_full, entered_run, interrupts, new_run, now_iso,
+                              process_alive, read_record, relay_lines, release_space, reserve_space, run_lock,
+                              same_run, settled, signal_name, touch, write_json_atomic, write_text_atomic)
 from lora_kit.settings import Settings
 
 PIPELINE = (
@@ -167,15 +167,26 @@ class TrackedKernelManager(AsyncKernelManager):
 
     kernel_pid: int | None = None
     returncode: int | None = None
+    kernels_log: AppendLog | None = None  # kernels.log, fed by :attr:`kernels_relay`
+    kernels_relay = None
 
     async def _async_launch_kernel(self, kernel_cmd, **kw):
-        # the kernel process's own messages (not cell outputs) go to kernels.log in the run folder
-        # (papermill runs it with the run folder as working directory), not over the terminal
+        # the kernel process's own messages (not cell outputs) go to kernels.log in the run folder (papermill
+        # runs it with the run folder as working directory), not over the terminal: through a pipe, appended in
+        # whole lines by this process (:func:`lora_kit.results.relay_lines`)
         ident = active_run(os.getcwd())
         if ident and "stderr" not in kw:
-            with open(Path(ident["dir"]) / "kernels.log", "ab") as log:
-                kw.update(stderr=log, stdout=log)
+            read_end, write_end = os.pipe()
+            try:
+                kw.update(stderr=write_end, stdout=write_end)
                 await super()._async_launch_kernel(kernel_cmd, **kw)
+            except BaseException:
+                os.close(read_end)
+                raise
+            finally:
+                os.close(write_end)  # the kernel holds its own copy: the pipe ends when the kernel (and its children) do
+            self.kernels_log = AppendLog(Path(ident["dir"]) / KERNELS_LOG)
+            self.kernels_relay = relay_lines(read_end, self.kernels_log, name="lora-kit kernels.log")
         else:
             await super()._async_launch_kernel(kernel_cmd, **kw)
         self.kernel_pid = self.provisioner.process.pid
@@ -193,6 +204,7 @@ class TrackedKernelManager(AsyncKernelManager):
             process_alive({"pid": self.kernel_pid}) is True
 
 
+KERNELS_LOG = "kernels.log"
 KERNEL_FILES = "lk-kernel-"  # <temp folder>/lk-kernel-<pid of lora-kit run>-<random>/: ipc sockets + kernel.json
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path holds 108 with the terminating NUL)
 
@@ -443,7 +455,8 @@ def _run_locked(pm, settings: Settings, out: Path, nb_dir: Path, names: list[str
               "requested": names, "notebooks": list(kept), "not_run": [], "settings": params}
     if resumed:
         record["resumed"] = resumed
-    with entered_run(ident), _papermill_log(out), _reserved(out):
+    logs: list[AppendLog] = []  # the run's logs, whose lost records the record lists at the end (not_written)
+    with entered_run(ident), _papermill_log(out, logs), _reserved(out):
         write_json_atomic(out / "settings.json", params)
         _save(out, record)
         t_all = time.perf_counter()
@@ -453,23 +466,23 @@ def _run_locked(pm, settings: Settings, out: Path, nb_dir: Path, names: list[str
                     log(f"[{i}/{len(todo)}] {name} ...")
                     stop_following = follow(out, log)  # the notebook's training / evaluation progress lines
                     try:
-                        _run_one(pm, nb_dir, out, name, params, record)
+                        _run_one(pm, nb_dir, out, name, params, record, logs)
                     finally:
                         stop_following()
                     log(f"      ok in {record['notebooks'][-1]['seconds']:.1f} s")
                 ran_ok = {e["notebook"] for e in record["notebooks"] if e["status"] == "ok"}
                 record["not_run"] = [n for n in PIPELINE if n not in ran_ok]
                 record["status"] = "complete" if not record["not_run"] else "partial"
-                _finish(out, record, t_all, log)
+                _finish(out, record, t_all, log, logs)
             except KeyboardInterrupt as exc:
                 if record["status"] in ("complete", "partial"):  # every notebook had ended: only the card is lost
                     _save(out, record)
                     raise
                 _end_interrupted(out, record, exc, todo)
-                _finish(out, record, t_all, log)
+                _finish(out, record, t_all, log, logs)
                 raise
             except _NotebookFailed as exc:
-                _finish(out, record, t_all, log)
+                _finish(out, record, t_all, log, logs)
                 lost = "".join(f"\n  {line}" for line in record.get("not_written", []))
                 raise PipelineError(exc.message + lost, exc.name) from exc.__cause__
     return record
@@ -486,12 +499,14 @@ def _reserved(out: Path):
 
 
 @contextlib.contextmanager
-def _papermill_log(out: Path):
-    """papermill's and nbclient's messages go to ``pipeline.log`` in the run folder; the terminal gets
-    our one-line progress and outcome. Every notebook receives all settings (one definition), so
+def _papermill_log(out: Path, logs: list):
+    """papermill's and nbclient's messages go to ``pipeline.log`` in the run folder, each record whole
+    (:class:`lora_kit.results.LineLog`; its :class:`~lora_kit.results.AppendLog` joins ``logs``); the terminal
+    gets our one-line progress and outcome. Every notebook receives all settings (one definition), so
     papermill's warnings about parameters a notebook does not declare are expected: errors only."""
     logger = logging.getLogger("papermill")
-    handler = logging.FileHandler(out / "pipeline.log", delay=True)
+    handler = LineLog(out / "pipeline.log")
+    logs.append(handler.log)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     before = logger.level, logger.propagate
     logger.setLevel(logging.ERROR)
@@ -512,7 +527,7 @@ class _NotebookFailed(Exception):
         self.name, self.message = name, message
 
 
-def _run_one(pm, nb_dir: Path, out: Path, name: str, params: dict, record: dict) -> None:
+def _run_one(pm, nb_dir: Path, out: Path, name: str, params: dict, record: dict, logs: list) -> None:
     dst = out / name
     t0 = time.perf_counter()
     entry = {"notebook": name, "status": "running", "started": now_iso(), "started_unix": time.time()}
@@ -521,14 +536,21 @@ def _run_one(pm, nb_dir: Path, out: Path, name: str, params: dict, record: dict)
     _save(out, record)
     n_kernels, oom_before = len(TrackedKernelManager.started), oom_kills()
     os.environ[NOTEBOOK_ENV] = name  # the kernel inherits it: figures.json says which notebook saved a figure
+    running = running_notebook(dst)
     try:
         try:
-            pm.execute_notebook(str(nb_dir / name), str(dst), parameters=injected_parameters(nb_dir / name, params),
-                                kernel_name="python3",
-                                cwd=str(out), progress_bar=False, log_output=False,
-                                kernel_manager_class=TrackedKernelManager)
+            with _atomic_notebook_saves(out):
+                pm.execute_notebook(str(nb_dir / name), str(running),
+                                    parameters=injected_parameters(nb_dir / name, params), kernel_name="python3",
+                                    cwd=str(out), progress_bar=False, log_output=False,
+                                    kernel_manager_class=TrackedKernelManager)
+            os.replace(running, dst)  # the executed notebook appears whole, once it has run to its end
         finally:
             os.environ.pop(NOTEBOOK_ENV, None)
+            logs += [km for km in TrackedKernelManager.started[n_kernels:] if km.kernels_log is not None]
+    except KeyboardInterrupt as exc:
+        keep_unfinished(running, dst, f"interrupted ({signal_name(exc)})")
+        raise
     except Exception as exc:
         entry.update(seconds=round(time.perf_counter() - t0, 2), ended_unix=time.time())
         kms = TrackedKernelManager.started[n_kernels:]
@@ -545,10 +567,13 @@ def _run_one(pm, nb_dir: Path, out: Path, name: str, params: dict, record: dict)
             entry["error"] += " (disk full)"
             record["status"] += " (disk full)"
         record["not_run"] = [n for n in record["requested"] if n not in {e["notebook"] for e in record["notebooks"]}]
-        if dst.exists():
-            entry["html"] = getattr(export_html(dst), "name", None)
-        kept = (f"\n  executed notebook kept at {dst}" + (" (may be incomplete: the disk is full)" if full else "")
-                if dst.exists() else "")
+        kept = keep_unfinished(running, dst, f"{entry['status']}: {entry['error']}")
+        if kept is not None:
+            entry["html"] = getattr(export_html(kept), "name", None)
+            if kept != dst:
+                entry["kept_as"] = kept.name
+        kept = ("" if kept is None else f"\n  executed notebook kept at {kept}" + (
+            ", its first cell saying that it did not finish" if kept == dst else " (the name says it did not finish)"))
         raise _NotebookFailed(name, f"{name} {entry['status']}: {entry['error']}{kept}\n"
                                     f"  all outputs so far are in {out}") from exc
     entry.update(status="ok", seconds=round(time.perf_counter() - t0, 2), ended_unix=time.time())
@@ -556,6 +581,62 @@ def _run_one(pm, nb_dir: Path, out: Path, name: str, params: dict, record: dict)
     entry["html"] = html.name if html else None
     record.pop("current", None)
     _save(out, record)
+
+
+RUNNING_SUFFIX = ".running.ipynb"  # <name>.running.ipynb: the notebook papermill is executing, saved after each cell
+UNFINISHED_TAG = "lora-kit-unfinished"  # the first cell of an executed notebook that did not run to its end
+
+
+def running_notebook(dst: Path) -> Path:
+    """Where papermill writes ``dst`` while it executes: ``<stem>.running.ipynb`` beside it, renamed to ``dst``
+    when the notebook has run to its end; a run killed outright leaves it under this name."""
+    return dst.with_name(dst.stem + RUNNING_SUFFIX)
+
+
+@contextlib.contextmanager
+def _atomic_notebook_saves(out: Path):
+    """Inside: every save papermill makes into ``out`` (after each cell) replaces the file whole
+    (:func:`lora_kit.results.write_text_atomic`): a reader or a kill never finds half a notebook, and a full
+    disk keeps the previous save and raises :class:`lora_kit.results.NotWritten`."""
+    from papermill.iorw import LocalHandler, papermill_io
+
+    class AtomicSaves(LocalHandler):
+        def write(self, buf, path):
+            write_text_atomic(path, buf)
+
+    entry = (str(out) + os.sep, AtomicSaves())  # papermill picks the first registered prefix the path starts with
+    papermill_io.register(*entry)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            papermill_io._handlers.remove(entry)  # papermill has no unregister
+
+
+def keep_unfinished(running: Path, dst: Path, ending: str) -> Path | None:
+    """Keep the notebook papermill was executing (``running``) as ``dst``, its first cell saying that it did not
+    finish and why (``ending``); where that cannot be written (full disk, an unreadable save), the file is renamed
+    ``<stem>.unfinished.ipynb`` instead, the name saying it. Returns where it is; None when there was none."""
+    if not running.exists():
+        return None
+    import nbformat
+    try:
+        nb = nbformat.read(running, as_version=4)
+        note = nbformat.v4.new_markdown_cell(
+            f"**This notebook did not finish: {ending}.** The cells below show what ran before that; the run's "
+            "record is `pipeline.json`.")
+        note.metadata["tags"] = [UNFINISHED_TAG]
+        nb.cells.insert(0, note)
+        write_text_atomic(dst, nbformat.writes(nb))
+        running.unlink()
+        return dst
+    except Exception:  # noqa: BLE001 - the disk has no room to say it inside: the name says it
+        unfinished = dst.with_name(f"{dst.stem}.unfinished.ipynb")
+        try:
+            os.replace(running, unfinished)
+        except OSError:
+            return running
+        return unfinished
 
 
 def _end_interrupted(out: Path, record: dict, exc: BaseException, todo: list[str]) -> None:
@@ -592,12 +673,28 @@ def _save(out: Path, record: dict) -> None:
         record.setdefault("not_written", []).append(str(exc))
 
 
-def _finish(out: Path, record: dict, t_all: float, log) -> None:
+def _finish(out: Path, record: dict, t_all: float, log, logs: list) -> None:
     record.pop("current", None)
+    _log_failures(record, logs)
     record["seconds"] = round(time.perf_counter() - t_all, 2)
     record["ended"] = now_iso()
     _save(out, record)
     _build_report_safely(out, log)
+
+
+def _log_failures(record: dict, logs: list, wait_s: float = 5.0) -> None:
+    """Add to ``record["not_written"]`` what the run's logs could not write: its own ``AppendLog`` s and the kernel
+    managers whose ``kernels.log`` relays are waited for (``wait_s`` in all) once their kernels are gone."""
+    seen, until = set(), time.monotonic() + wait_s
+    for item in logs:
+        if isinstance(item, TrackedKernelManager):
+            if item.kernels_relay is not None:
+                item.kernels_relay.join(max(0.0, until - time.monotonic()))
+            item = item.kernels_log
+        text = item.failure() if id(item) not in seen else None
+        seen.add(id(item))
+        if text:
+            record.setdefault("not_written", []).append(text)
 
 
 def _build_report_safely(out: Path, log) -> None:
