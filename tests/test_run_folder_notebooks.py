@@ -12,7 +12,7 @@ import nbformat
 
 from lora_kit.results import read_record
 from lora_kit.ui.pipeline import UNFINISHED_TAG, _atomic_notebook_saves, keep_unfinished, running_notebook
-from test_integrity import ENV, nb_dir, wait_for  # noqa: F401 - nb_dir is a fixture
+from test_integrity import ENV, nb_dir, processes_in, wait_for  # noqa: F401 - nb_dir is a fixture
 
 # test_integrity's stand-in notebooks: 00 writes stack.json, 01 touches started_01 and sleeps SLEEP_01 seconds
 
@@ -77,3 +77,23 @@ def test_papermill_saves_into_the_run_folder_are_whole_files(tmp_path):
     assert papermill_io._handlers == before
     assert [p.name for p in out.iterdir()] == ["01.running.ipynb"]  # no temp file beside it
     assert (out / "01.running.ipynb").read_text() == '{"cells": []}'
+
+
+def test_a_killed_runs_notebook_is_its_last_whole_save_and_the_card_names_it(tmp_path, nb_dir):  # noqa: F811
+    from lora_kit.ui.run_card import build_report
+    run = tmp_path / "x"
+    p = subprocess.Popen([sys.executable, "-m", "lora_kit.ui.cli", "run", "--runs-dir", str(tmp_path), "--name", "x",
+                          "--only", "00", "01", "--notebooks", str(nb_dir)], env={**ENV, "SLEEP_01": "60"},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (run / "started_01").exists())
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+    wait_for(lambda: not processes_in(run), timeout=30)  # the kernel sees its parent gone and exits
+    running = run / "01_choose_method.running.ipynb"
+    nbformat.validate(nbformat.read(running, as_version=4))  # whole: every save replaced the file at once
+    assert not (run / "01_choose_method.ipynb").exists()
+    build_report(run)
+    md = (run / "report.md").read_text()
+    assert "| 01_choose_method.ipynb | died; executed so far: 01_choose_method.running.ipynb |" in md, md

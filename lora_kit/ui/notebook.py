@@ -167,6 +167,7 @@ def offline_problems(html_path: str | Path) -> list[str]:
     return problems
 
 
+RUNNING_SUFFIX = ".running.ipynb"  # <stem>.running.ipynb: a notebook ``lora-kit run`` is executing (renamed at its end)
 FIGURE_INDEX = "figures.json"  # <run_dir>/figures.json: which run (and notebook) wrote each saved figure
 NOTEBOOK_ENV = "LORA_KIT_NOTEBOOK"  # the notebook a ``lora-kit run`` kernel executes (set by the pipeline)
 

@@ -35,7 +35,8 @@ from jupyter_client.manager import AsyncKernelManager
 
 from lora_kit.data import absolute_paths
 from lora_kit.progress import follow
-from lora_kit.ui.notebook import FIGURE_INDEX, NOTEBOOK_ENV, PLOTLY_JS, figure_index, kit_notebooks_dir
+from lora_kit.ui.notebook import (FIGURE_INDEX, NOTEBOOK_ENV, PLOTLY_JS, RUNNING_SUFFIX, figure_index,
+                                  kit_notebooks_dir)
 from lora_kit.results import (RESERVE_BYTES, AppendLog, LineLog, NotWritten, active_run, check_movable_run,
                               check_output_dir, clean_leftovers, disk_full, entered_run, interrupts, new_run, now_iso,
                               process_alive, read_record, relay_lines, release_space, reserve_space, run_lock,
@@ -583,7 +584,6 @@ def _run_one(pm, nb_dir: Path, out: Path, name: str, params: dict, record: dict,
     _save(out, record)
 
 
-RUNNING_SUFFIX = ".running.ipynb"  # <name>.running.ipynb: the notebook papermill is executing, saved after each cell
 UNFINISHED_TAG = "lora-kit-unfinished"  # the first cell of an executed notebook that did not run to its end
 
 

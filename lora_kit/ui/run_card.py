@@ -17,6 +17,7 @@ from lora_kit.data import LONG_SHARE_WARN, long_examples_line
 from lora_kit.results import (portable, portable_text, read_record, same_run, settled, write_json_atomic,
                               write_text_atomic)
 from lora_kit.settings import method_label
+from lora_kit.ui.notebook import RUNNING_SUFFIX
 from lora_kit.ui.tables import method_markdown
 
 GiB = 1024 ** 3
@@ -45,6 +46,10 @@ def collect(run_dir: str | Path) -> dict:
     d = Path(run_dir)
     pipe = settled(read_record(d / "pipeline.json"))
     ident = (pipe or {}).get("run")
+    for e in (pipe or {}).get("notebooks") or []:  # a run killed outright left its notebook's last whole save
+        running = Path(str(e.get("notebook"))).stem + RUNNING_SUFFIX
+        if e.get("status") != "ok" and not e.get("kept_as") and (d / running).is_file():
+            e["kept_as"] = running
     card = {"run": ident, "pipeline": pipe, "excluded": {}}
     for part, rel in PARTS.items():
         rec = settled(read_record(d / rel))
@@ -142,7 +147,8 @@ def run_lines(card: dict) -> list[str]:
     rows = {n: "did not run" for n in pipe.get("not_run") or []}
     for e in pipe.get("notebooks") or []:
         detail = f"{e.get('status')}" + (f" ({e['seconds']:.0f} s)" if e.get("seconds") is not None else "")
-        rows[e.get("notebook")] = detail + (f": {str(e['error'])[:200]}" if e.get("error") else "")
+        rows[e.get("notebook")] = detail + (f": {str(e['error'])[:200]}" if e.get("error") else "") + (
+            f"; executed so far: {e['kept_as']}" if e.get("kept_as") else "")
     lines += ["| notebook | in this run |", "|---|---|"] + [f"| {n} | {d} |" for n, d in sorted(rows.items())]
     for line in pipe.get("not_written") or []:
         lines.append(f"\n_Disk full: {line}_")
