@@ -40,9 +40,14 @@ def answer_text(text: str, think: str = "answer") -> str:
     if think == "answer":
         if THINK_CLOSE in text:
             text = text.rsplit(THINK_CLOSE, 1)[1]
-        elif text.lstrip().startswith(THINK_OPEN):
+        elif unfinished_think(text):
             text = ""
     return text.strip()
+
+
+def unfinished_think(text: str) -> bool:
+    """True when ``text`` opens a think block and never closes it (the budget ran out while thinking)."""
+    return text.lstrip().startswith(THINK_OPEN) and THINK_CLOSE not in text
 
 
 def stop_ids(model, fmt: PromptFormat) -> list[int]:
@@ -81,11 +86,12 @@ def _left_pad(seqs: list[list[int]], pad: int):
 
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 16, batch_size: int = 32,
              do_sample: bool = False, temperature: float = 1.0, seed: int = 0, bar=None,
-             fmt: PromptFormat | None = None, think: str = "answer") -> list[str]:
+             fmt: PromptFormat | None = None, think: str = "answer", unfinished: list | None = None) -> list[str]:
     """Answers in the prompt format ``fmt`` (default plain): left-padded batches, stop at the end of the
     model's turn (:func:`stop_ids`) or, plain/template, at a newline (text before it), the think block
     handled by ``think`` (:func:`answer_text`), stripped. ``torch.manual_seed(seed)`` is set first
-    (matters when sampling)."""
+    (matters when sampling). ``unfinished``: a list that gets, per prompt, whether the output ended inside a
+    think block (:func:`unfinished_think`)."""
     import torch
     from transformers import GenerationConfig, StoppingCriteriaList
     fmt = fmt or PromptFormat(tokenizer)
@@ -107,7 +113,10 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 16, bat
         new = [row.tolist() for row in gen[:, ids.shape[1]:]]
         new = [row[:next((j for j, t in enumerate(row) if t in stops), len(row))] for row in new]
         texts = tokenizer.batch_decode(new, skip_special_tokens=True)
-        out += [answer_text(t.split("\n", 1)[0] if fmt.stop_at_newline else t, think) for t in texts]
+        texts = [t.split("\n", 1)[0] if fmt.stop_at_newline else t for t in texts]
+        out += [answer_text(t, think) for t in texts]
+        if unfinished is not None:
+            unfinished += [unfinished_think(t) for t in texts]
         if bar is not None:
             bar.update(1)
     return out

@@ -111,7 +111,7 @@ def learn_ok(family: str, root: Path, steps: int = 80, n_rows: int = 64, n_eval:
     smoke = lk.train_adapters(s, progress=False, simulate=False, cpu_threads=1)  # notebook 03's call
     assert smoke.ok, (smoke.status, smoke.record.get("error"))
     ev = lk.evaluate(s, adapters=lk.trained_adapters(s.run_dir), progress=False)  # notebook 04's
-    return {"smoke": smoke, "eval": ev, "gain": ev.summary["comparisons"]["adapter"]["heldout"]["exact_match"],
+    return {"settings": s, "smoke": smoke, "eval": ev, "gain": ev.summary["comparisons"]["adapter"]["heldout"]["exact_match"],
             "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
 
 
@@ -132,6 +132,20 @@ def check_learned(r: dict, family: str, n_eval: int) -> None:
 def test_learnable_task_gains_on_heldout(family, method, tmp_path):
     """Every family with LoRA; the MoE families also with QLoRA (4-bit linear layers, expert LoRA beside them)."""
     check_learned(learn_ok(family, tmp_path, method=method), family, 16)
+
+
+def test_answers_cut_inside_the_think_block_are_counted_and_said(tmp_path):
+    """Qwen3's adapter answers "<think>\n\n</think>\n\nOK"; a budget that ends inside the block is named."""
+    import lora_kit as lk
+    r = learn_ok("qwen3", tmp_path)
+    assert r["eval"].summary["decoding"]["think_unfinished"] == {}
+    s = r["settings"].replace(max_new_tokens=2)
+    ev = lk.evaluate(s, adapters=lk.trained_adapters(s.run_dir), progress=False)
+    cut = ev.summary["decoding"]["think_unfinished"]
+    assert cut["heldout:adapter"] > 0 and set(cut) <= {"heldout:adapter", "control:adapter", "heldout:base"}
+    assert (f"{cut['heldout:adapter']} of 16 adapter outputs on the held-out set" in ev.summary_sentence
+            and "ended inside a <think> block (max_new_tokens=2 ran out while thinking), judged as empty answers"
+            in ev.summary_sentence)
 
 
 LONG = {"model": {"layers": 4, "hidden": 128}, "n_rows": 256, "n_eval": 64, "steps": 120}

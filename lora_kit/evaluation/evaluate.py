@@ -217,12 +217,15 @@ def _run_split(model, tokenizer, split: str, rows: list[dict], systems: list[str
         ts = time.perf_counter()
         if bar is not None:
             bar.set_description(f"{split}: {s}")
+        cut: list[bool] = []
         with _active(model, s):
-            df[f"pred:{s}"] = generate(model, tokenizer, rows, bar=bar, fmt=fmt, **gen)
+            df[f"pred:{s}"] = generate(model, tokenizer, rows, bar=bar, fmt=fmt, unfinished=cut, **gen)
             nll, ntok = reference_nll(model, tokenizer, rows, df["reference"].tolist(), gen["batch_size"], bar, fmt)
         df[f"ref_nll:{s}"], df["ref_tokens"] = nll, ntok
         df[f"ref_loss:{s}"] = [a / max(b, 1) for a, b in zip(nll, ntok)]
         timing[f"{split}:{s}_wall_s"] = time.perf_counter() - ts
+        if any(cut):
+            timing.setdefault("think_unfinished", {})[f"{split}:{s}"] = sum(cut)
     return C.score_frame(df, systems)
 
 
@@ -264,6 +267,8 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
             plain), "plain", "chat" or a template with ``{prompt}`` -- as in training.
         think: "answer" (judge the text after a reasoning template's ``<think>...</think>`` block; the
             summary says so) or "whole" (judge everything generated) -- :func:`lora_kit.generation.answer_text`.
+            Outputs that end inside the block (``max_new_tokens`` ran out) are counted per split and system in
+            ``summary["decoding"]["think_unfinished"]`` and named in the summary sentence.
         source_names: names of in-memory ``heldout`` / ``control`` lists for the record.
         allow_incomplete_adapter: evaluate an adapter whose smoke run record (``smoke.json`` beside it)
             does not say "complete" (killed, failed, still running); refused by default, because such
@@ -337,6 +342,10 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
         "control": {"source": (source_names or {}).get("control") or _describe(control), "n": len(ctl_rows)},
     }
     summary.update(C.summarize(per_example, list(adapter_paths), summary["heldout"]["is_heldout"], **stats))
+    summary["decoding"]["think_unfinished"] = cut = timing.pop("think_unfinished", {})
+    if cut:
+        summary["summary_sentence"] += _think_sentence(cut, {"heldout": len(ho_rows), "control": len(ctl_rows)},
+                                                       max_new_tokens, think)
     timing.update(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
     summary["timing"] = timing
     summary["versions"] = _versions()
@@ -422,6 +431,16 @@ def _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fie
 _DEFAULTS = {k: v.default for k, v in inspect.signature(evaluate).parameters.items()}
 
 
+
+
+def _think_sentence(cut: dict, n: dict, max_new_tokens: int, think: str) -> str:
+    """What outputs that ended inside a <think> block mean for the comparison (``cut``: {"split:system": count})."""
+    splits = {"heldout": "held-out", "control": "control"}
+    parts = ", ".join(f"{k} of {n[split]} {system} outputs on the {splits[split]} set"
+                      for (split, system), k in ((key.split(":", 1), k) for key, k in cut.items()))
+    judged = "judged as empty answers" if think == "answer" else "judged with their unfinished think block"
+    return (f" {parts} ended inside a <think> block (max_new_tokens={max_new_tokens} ran out "
+            f"while thinking), {judged}; raise max_new_tokens to judge what the model answers.")
 
 
 def _describe(source) -> str | None:
