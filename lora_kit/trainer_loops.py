@@ -221,4 +221,8 @@ def run_loop(net, s, examples: list[dict], collate, out_dir, steps: int, tokeniz
     trainer.remove_callback(PrinterCallback)  # its end-of-training metrics line: the run records its own
     _unpaged_off_cuda(trainer, s.optimizer)
     trainer.train()
+    # accelerate left its mixed-precision wrapper (bf16 / fp16 autocast) on the model's forward: what follows
+    # (saving, comparing outputs with the reloaded adapter, generating) runs the model itself, without autocast
+    if net.__dict__.pop("_original_forward", None) is not None:
+        net.__dict__.pop("forward", None)
     return trainer

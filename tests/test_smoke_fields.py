@@ -109,12 +109,15 @@ def test_smoke_run_runs_the_padding_it_is_given(padding, tmp_path):
     assert abs(sim["error_vs_measured"]) < 0.01 and abs(est["error_vs_measured"]) < 0.02, rec["memory_model"]
 
 
-@pytest.mark.parametrize("loop,method,trainer", [("trainer", "lora", "Trainer"), ("sft", "qlora", "SFTTrainer")])
-def test_smoke_run_runs_the_loop_it_is_given(loop, method, trainer, tmp_path):
+@pytest.mark.parametrize("loop,method,autocast,trainer", [("trainer", "lora", False, "Trainer"),
+                                                        ("trainer", "lora", True, "Trainer"),
+                                                        ("sft", "qlora", False, "SFTTrainer")])
+def test_smoke_run_runs_the_loop_it_is_given(loop, method, autocast, trainer, tmp_path):
     """loop="trainer" / "sft": the library's own train() runs the step, measured beside estimate and simulate for
-    that loop (without a config: the loop's defaults, with the step's fields)."""
-    r = smoke_run(run_dir=str(tmp_path), loop=loop, method=method, measure_steps=2, progress=False,
-                  **{**FAST, "grad_accum": 1})
+    that loop (without a config: the loop's defaults, with the step's fields). With autocast the Trainer's bf16
+    flag is on, and the adapter is verified on the model without accelerate's autocast wrapper."""
+    r = smoke_run(run_dir=str(tmp_path), loop=loop, method=method, autocast=autocast, measure_steps=2,
+                  progress=False, **{**FAST, "grad_accum": 1})
     rec = r.record
     assert r.ok and rec["verify"]["passed"] and rec["loop"]["trainer"] == trainer and rec["loop"]["from_config"] is None
     args = rec["loop"]["args"]
@@ -127,4 +130,8 @@ def test_smoke_run_runs_the_loop_it_is_given(loop, method, trainer, tmp_path):
     # SFTTrainer casts QLoRA adapters to bf16 (TRL 1.16, as the QLoRA paper does); simulate keeps peft's fp32
     # adapters, so for sft + qlora its adapters, gradients and AdamW states are larger than what ran
     assert rec["checkpoint"]["trained_dtype"] == ("bfloat16" if loop == "sft" and method == "qlora" else "float32")
-    assert abs(sim["error_vs_measured"]) < (0.02 if rec["checkpoint"]["trained_dtype"] == "bfloat16" else 0.01), sim
+    assert rec["loop"]["args"]["bf16"] is autocast
+    # with bf16 autocast under the Trainer, simulate was 1.9 % above the measured step here (the memory model's to
+    # close); without, within 1 %
+    bound = 0.03 if autocast else 0.02 if rec["checkpoint"]["trained_dtype"] == "bfloat16" else 0.01
+    assert abs(sim["error_vs_measured"]) < bound, sim
