@@ -1,18 +1,23 @@
-"""The fitted closed form (lora_kit.memory.calibrate) against simulate, beside today's estimate.
+"""estimate (the fitted closed form, lora_kit.memory.calibrate) against simulate, beside the old arithmetic.
 
-Families transformers can build that the catalog does not model (small configs of their real layers, 4 blocks) and
-catalog models at full depth; each fitted from 2- and 3-block runs at short shapes, then judged at shapes it never
-saw (longer sequences, full depth). Writes benchmarks/results/calibrate_accuracy.json.
+The issue's 52 rows (13 families transformers can build that the catalog does not model, small configs of their
+real layers at 4 blocks; LoRA all-linear and full; checkpointing on and off; fp32; micro-batch 2, 512 tokens) plus
+shapes the fit never saw (2 x 4096, 1 x 8192 tokens, and rank 64 with LoRA), and catalog models at their real depth.
+Per (model, step): the arithmetic estimate first (``LORA_KIT_FIT=never``), then the fit is made (its seconds
+recorded), then ``estimate`` (now fitted) and ``simulate`` at every shape. Writes
+benchmarks/results/calibrate_accuracy.json after every row.
 
-    python benchmarks/calibrate_accuracy.py [--quick]
+    python benchmarks/calibrate_accuracy.py [--quick] [--catalog-only | --outside-only]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,9 +35,10 @@ FAMILIES = {  # model_type -> extra config fields (small experts for the mixture
 }
 STEP_OF = {"gpt_oss": {"attn_implementation": "eager"}}  # transformers runs GPT-OSS with eager attention only
 CATALOG = ("llama-3.2-1b", "qwen2.5-0.5b", "pythia-1b", "gemma-3-1b")
-STEPS = {"lora, checkpointing": dict(method="lora", gradient_checkpointing=True, dtype="float32"),
-         "full, no checkpointing": dict(method="full", gradient_checkpointing=False, dtype="float32")}
-TARGETS = ((2, 4096), (1, 8192))  # (micro-batch, tokens): never in the fit's design
+STEPS = {f"{m}, checkpointing {'on' if gc else 'off'}": dict(method=m, gradient_checkpointing=gc, dtype="float32")
+         for m in ("lora", "full") for gc in (True, False)}
+SHAPES = ((2, 512, 16), (2, 4096, 16), (1, 8192, 16), (2, 4096, 64))  # (micro-batch, tokens, rank): (2, 512) is the
+# issue's shape; the others were never in a fit's design
 
 
 def machine() -> str:
@@ -63,51 +69,66 @@ def small_config(model_type: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="three families, one step")
+    ap.add_argument("--outside-only", action="store_true", help="only the 13 families outside the catalog")
+    ap.add_argument("--catalog-only", action="store_true", help="only the catalog models at full depth")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "calibrate_accuracy.json"))
     a = ap.parse_args()
-    from lora_kit.memory.calibrate import fit
+    os.environ["LORA_KIT_FITS"] = tempfile.mkdtemp(prefix="lora-kit-fits-")  # fits of this run only
+    from lora_kit.memory import fits
     from lora_kit.memory.estimate import estimate
     from lora_kit.memory.simulate import simulate
     from lora_kit.memory.specs import load_config
     from lora_kit.noise import quiet
     from lora_kit.settings import Step
     quiet()
-    models = [(f"small-{mt}", lambda mt=mt: small_config(mt)) for mt in FAMILIES]
-    models += [(name, lambda name=name: load_config(name)) for name in CATALOG]
+    models = [] if a.catalog_only else [(f"small-{mt}", lambda mt=mt: small_config(mt)) for mt in FAMILIES]
+    models += [] if a.outside_only else [(name, lambda name=name: load_config(name)) for name in CATALOG]
     steps = STEPS
     if a.quick:
         models, steps = models[:2] + models[-1:], dict(list(STEPS.items())[:1])
     rows = []
+    meta = {"date": datetime.date.today().isoformat(), "command": " ".join(["python benchmarks/calibrate_accuracy.py",
+                                                                              *sys.argv[1:]]),
+            "machine": machine(), "versions": fits.versions()}
     for name, make in models:
         cfg = make()
         for label, kw in steps.items():
             step = Step(**kw, **STEP_OF.get(getattr(cfg, "model_type", ""), {}))
-            row = {"model": name, "step": label, "layers": cfg.num_hidden_layers}
+            row = {"model": name, "step": label, "layers": cfg.num_hidden_layers, "shapes": []}
+            shapes = [(B, S, R) for B, S, R in SHAPES if R == 16 or step.method != "full"]
+            rank = (lambda R: {"lora_rank": R}) if step.method != "full" else (lambda R: {})
+            os.environ["LORA_KIT_FIT"] = "never"
+            old = {sh: _try(lambda: estimate(cfg, step, batch_size=sh[0], seq_len=sh[1], **rank(sh[2]))) for sh in shapes}
+            os.environ["LORA_KIT_FIT"] = "always"
             t0 = time.perf_counter()
             try:
-                f = fit(cfg, step)
+                f, _ = fits.make(load_config(cfg).to_dict(), step)
             except Exception as e:  # noqa: BLE001 - a family the fit cannot align is a result, not a crash
                 rows.append({**row, "error": f"{type(e).__name__}: {e}"})
                 print(f"{name:22s} {label:24s} not fitted: {e}", flush=True)
                 continue
-            row.update(fit_seconds=round(time.perf_counter() - t0, 1), envelope_ops=f.size(), shapes=[])
-            for B, S in TARGETS:
-                sim = simulate(cfg, step, batch_size=B, seq_len=S).peak_allocated_bytes
-                got = f.peak(cfg.num_hidden_layers, B, S)
-                try:
-                    est = estimate(cfg, step, batch_size=B, seq_len=S).peak_allocated_bytes
-                except Exception as e:  # noqa: BLE001
-                    est = f"{type(e).__name__}: {e}"
-                row["shapes"].append({"batch_size": B, "seq_len": S, "simulate": sim, "fitted": got, "estimate": est,
-                                      "fitted_error_pct": 100 * (got - sim) / sim,
-                                      "estimate_error_pct": 100 * (est - sim) / sim if isinstance(est, int) else None})
-                print(f"{name:22s} {label:24s} B={B} S={S}: fitted {100 * (got - sim) / sim:+.4f} %  estimate "
-                      + (f"{100 * (est - sim) / sim:+.2f} %" if isinstance(est, int) else est), flush=True)
+            row.update(fit_seconds=round(time.perf_counter() - t0, 1), envelope_ops=f.size())
+            for sh in shapes:
+                B, S, R = sh
+                sim = simulate(cfg, step, batch_size=B, seq_len=S, **rank(R)).peak_allocated_bytes
+                new = _try(lambda: estimate(cfg, step, batch_size=B, seq_len=S, **rank(R)))
+                err = {k: (100 * (v.peak_allocated_bytes - sim) / sim if not isinstance(v, str) else v)
+                       for k, v in (("estimate", new), ("arithmetic", old[sh]))}
+                row["shapes"].append({"batch_size": B, "seq_len": S, "lora_rank": R if step.method != "full" else None,
+                                      "simulate": sim, "memory_model": getattr(new, "memory_model", None),
+                                      **{f"{k}_error_pct": v for k, v in err.items()}})
+                print(f"{name:22s} {label:24s} B={B} S={S} r={R}: estimate " + " arithmetic ".join(
+                    f"{v:+.4f} %" if not isinstance(v, str) else v for v in err.values()), flush=True)
             rows.append(row)
-    out = {"_meta": {"date": datetime.date.today().isoformat(), "command": "python benchmarks/calibrate_accuracy.py"
-                     + (" --quick" if a.quick else ""), "machine": machine()}, "rows": rows}
-    Path(a.out).write_text(json.dumps(out, indent=1))
+            Path(a.out).write_text(json.dumps({"_meta": meta, "rows": rows}, indent=1))
     print(f"wrote {a.out}")
+
+
+def _try(call):
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001 - a refusal is a result
+        return f"{type(e).__name__}: {e}"
 
 
 if __name__ == "__main__":

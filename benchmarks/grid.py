@@ -10,6 +10,13 @@ Usage::
 
     HF_HUB_OFFLINE=1 python benchmarks/grid.py           # (re)write tests/golden/estimate_grid.json
     HF_HUB_OFFLINE=1 python benchmarks/grid.py --check   # compare with it; print differing rows, exit 1
+    HF_HUB_OFFLINE=1 python benchmarks/grid.py --validation  # simulate the validation set: tests/golden/validation.json
+
+**The validation set** (:func:`validation`) is what ``estimate`` is judged against: ``simulate`` at full depth on
+one model per catalog family x {LoRA, QLoRA, full} x checkpointing on/off at 8,192 tokens; rank 64, autocast,
+``loop="sft"`` and 2-GPU FSDP on three families; and 13 families the catalog does not model (small configs of
+their real layers, 4 blocks; built here) x {LoRA, full} x checkpointing on/off. ``tests/test_validation.py``
+compares ``estimate`` with a sample of it in CI; ``benchmarks/validation.py`` with all of it.
 
 ``tests/test_estimate_grid.py`` imports :func:`grid` and :func:`compute` from here and compares every
 row byte for byte. The golden file is one JSON object per line (sorted keys) so diffs read row by row:
@@ -29,6 +36,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden" / "estimate_grid.json"
+VALIDATION = GOLDEN.with_name("validation.json")
 
 METHODS = ("full", "lora", "qlora")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd", "adafactor")
@@ -40,6 +48,65 @@ BATCH_SIZES = (1, 2, 4, 8)
 LORA_RANKS = (8, 16, 64)
 # models crossed more densely (a dense Llama, the embedded model, MoE, MLA, fused-QKV, eager-only)
 DENSE_MODELS = ("tiny", "llama-3.1-8b", "qwen3-30b-a3b", "deepseek-v2-lite", "pythia-1b", "gemma-2-2b")
+
+
+FAMILY_MODELS = ("llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b",
+                 "gemma-2-2b", "gemma-3-1b", "phi-3-mini", "pythia-1b", "mixtral-8x7b", "deepseek-v2-lite", "olmo-2-7b",
+                 "granite-3.1-2b")  # one catalog model per family
+EXTRA_FAMILIES = ("llama-3.2-1b", "qwen3-0.6b", "pythia-1b")  # rank 64, autocast, sft, 2-GPU FSDP
+SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=16384, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+OUTSIDE = {  # model_type -> extra config fields (small experts for the mixtures): families the catalog does not model
+    "smollm3": {}, "olmo3": {}, "glm4": {"head_dim": 64}, "cohere2": {"head_dim": 64}, "stablelm": {},
+    "starcoder2": {}, "gemma": {"head_dim": 64}, "ernie4_5": {"head_dim": 64}, "exaone4": {},
+    "helium": {"head_dim": 64}, "seed_oss": {"head_dim": 64},
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2},
+    "gpt_oss": {"head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2},
+}
+OUTSIDE_STEP = {"gpt_oss": {"attn_implementation": "eager"}}  # transformers runs GPT-OSS with eager attention only
+VALIDATION_SHAPE = {"seq_len": 8192, "batch_size": 1}
+
+
+def small_config(model_type: str) -> dict:
+    """The config dict of a small model of an outside family (its real layers, 4 blocks)."""
+    from transformers import AutoConfig
+    return AutoConfig.for_model(model_type, **{**SMALL, **OUTSIDE[model_type]}).to_dict()
+
+
+def validation() -> list[tuple[str, dict]]:
+    """``(model, settings)`` of the validation set; ``model`` is a catalog name or ``small-<model_type>``."""
+    out = []
+    for model in FAMILY_MODELS:
+        base = {**_model_base(model), **VALIDATION_SHAPE}
+        out += [(model, {**base, "method": m, "gradient_checkpointing": gc}) for m in METHODS for gc in (True, False)]
+    for model in EXTRA_FAMILIES:
+        base = {**_model_base(model), **VALIDATION_SHAPE}
+        out += [(model, {**base, "method": "lora", "lora_rank": 64}), (model, {**base, "method": "lora", "autocast": True}),
+                (model, {**base, "method": "lora", "loop": "sft"}),
+                (model, {**base, "method": "lora", "sharding": "fsdp", "num_gpus": 2})]
+    for mt in OUTSIDE:
+        base = {**OUTSIDE_STEP.get(mt, {}), **VALIDATION_SHAPE, "dtype": "float32"}
+        out += [(f"small-{mt}", {**base, "method": m, "gradient_checkpointing": gc}) for m in ("lora", "full")
+                for gc in (True, False)]
+    return out
+
+
+def validation_model(model: str):
+    """What ``estimate`` / ``simulate`` take for a validation row's model."""
+    if model.startswith("small-"):
+        from lora_kit.memory.specs import load_config
+        cfg = load_config(small_config(model[len("small-"):]))
+        cfg.name_or_path = model
+        return cfg
+    return model
+
+
+def simulate_row(model: str, settings: dict) -> dict:
+    from lora_kit.memory.simulate import simulate
+    r = simulate(validation_model(model), **settings)
+    return {"model": model, "settings": dict(settings), "peak_allocated_bytes": int(r.peak_allocated_bytes),
+            "breakdown": {k: int(v) for k, v in r.breakdown.items()}, "phase": r.phase,
+            "simulate_seconds": round(r.wall_seconds, 1)}
 
 
 def _models() -> list[str]:
@@ -218,8 +285,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="compare with the golden file instead of writing it")
     ap.add_argument("--coverage", action="store_true", help="print rows per value of each step field")
-    ap.add_argument("--out", type=Path, default=GOLDEN)
+    ap.add_argument("--validation", action="store_true", help="simulate the validation set (its golden file)")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.validation:
+        return _write_validation(args.out or VALIDATION)
+    args.out = args.out or GOLDEN
     import lora_kit
     print(f"lora_kit: {lora_kit.__file__}")
     t0 = time.perf_counter()
@@ -241,6 +312,21 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(dumps(r) + "\n" for r in rows))
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)")
+    return 0
+
+
+def _write_validation(path: Path) -> int:
+    """simulate every validation row (kept rows of an earlier, interrupted run are reused), one line per row."""
+    from lora_kit.noise import quiet
+    quiet()
+    done = {(r["model"], dumps(r["settings"])): r for r in (load(path) if path.is_file() else [])}
+    t0, rows = time.process_time(), []
+    for model, kw in validation():
+        row = done.get((model, dumps(kw))) or simulate_row(model, kw)
+        rows.append(row)
+        path.write_text("".join(dumps(r) + "\n" for r in rows))
+        print(f"{model:20s} {dumps(kw)}: {row['peak_allocated_bytes']:,} B ({row['simulate_seconds']} s)", flush=True)
+    print(f"{len(rows)} rows; {(time.process_time() - t0) / 3600:.2f} CPU-hours this run; wrote {path}")
     return 0
 
 

@@ -39,7 +39,7 @@ RANKS = (8, 16)  # the LoRA ranks of the design
 B_REGIMES = {
     "B=1": (("1", "S", "S2"), ("R", "RS"), ((1, 0, 0), (1, 2, 0), (1, 4, 0)), ((1, 0, 1), (1, 4, 1)), (1, 3, 1)),
     "B>1": (("1", "S", "S2", "BS", "BS2"), ("R", "RS", "RBS"),
-            ((2, 0, 0), (2, 2, 0), (2, 4, 0), (4, 0, 0), (4, 2, 0), (3, 1, 0)), ((2, 0, 1), (2, 4, 1), (4, 2, 1)),
+            ((2, 0, 0), (2, 2, 0), (2, 4, 0), (4, 0, 0), (4, 2, 0)), ((2, 0, 1), (2, 4, 1), (4, 2, 1)),
             (3, 3, 1)),
 }
 SPAN = 512  # tokens between design shapes without a window
@@ -148,7 +148,11 @@ def _envelope(ops: list) -> list[int]:
     for i, c in enumerate(ops):
         first.setdefault(c, i)
     uniq = list(first)
-    keep = [c for c in uniq if not any(d != c and all(x <= y for x, y in zip(c, d)) for d in uniq)]
+    d = lcm(*(x.denominator for c in uniq for x in c))
+    a = np.asarray([[int(x * d) for x in c] for c in uniq], dtype=object)
+    if all(abs(int(v)) < 1 << 62 for v in a.ravel()):
+        a = a.astype(np.int64)
+    keep = [c for i, c in enumerate(uniq) if not np.any(np.all(a >= a[i], axis=1) & np.any(a != a[i], axis=1))]
     return [first[c] for c in keep]
 
 
@@ -307,17 +311,24 @@ def _fit_stack(run, cfg, b_reg: str, lora: bool, start: int, span: int, where: s
     shapes = [(B, start + k * span, RANKS[i] if lora else RANKS[0]) for B, k, i in _design(b_reg, lora) + (held,)]
     terms = basis(b_reg, lora)
     rows = [_row(terms, *sh) for sh in shapes[:-1]]
+    held_row = _row(terms, *shapes[-1])
     solve = _solver(rows)
+    den = lcm(*(m.denominator for mrow in solve for m in mrow))
+    solve = [[int(m * den) for m in mrow] for mrow in solve]  # integers over one denominator: fast and exact
     traces = [run(cfg, *sh) for sh in shapes]
     if len({tuple(op[:2] for op in t) for t in traces}) != 1:
         raise ValueError(f"the operator sequence of {where} changes with the shape "
                          f"({sorted(len(t) for t in traces)} operators): not fitted")
+    memo: dict = {}
 
     def coef(ys, name, ph):
-        c = [sum(m * y for m, y in zip(mrow, ys)) for mrow in solve]
-        if any(sum(a * x for a, x in zip(c, r)) != y for r, y in zip(rows + [_row(terms, *shapes[-1])], ys)):
-            raise ValueError(f"operator {name} ({ph}) of {where} is not polynomial in {terms}: not fitted")
-        return tuple(c)
+        ys = tuple(ys)
+        if ys not in memo:
+            c = [sum(m * y for m, y in zip(mrow, ys)) for mrow in solve]  # den x the coefficients
+            if any(sum(a * x for a, x in zip(c, r)) != y * den for r, y in zip(rows + [held_row], ys)):
+                raise ValueError(f"operator {name} ({ph}) of {where} is not polynomial in {terms}: not fitted")
+            memo[ys] = tuple(Fraction(v, den) for v in c)
+        return memo[ys]
     by_phase: dict = {}
     for j, (ph, name, _, _) in enumerate(traces[0]):
         by_phase.setdefault(ph, []).append((j, coef([t[j][2] for t in traces], name, ph)))

@@ -120,10 +120,13 @@ class Estimate:
     breakdown: dict
     phase: str
     settings: dict = field(default_factory=dict)
+    memory_model: str = ""  # "fitted" (the closed form of simulate; with the libraries it was fitted with when they
+    # differ from the installed ones) or "arithmetic (not fitted)"
 
     def to_dict(self) -> dict:
         return {"peak_allocated_bytes": self.peak_allocated_bytes, "device_total_bytes": self.device_total_bytes,
-                "breakdown": dict(self.breakdown), "phase": self.phase, "settings": dict(self.settings)}
+                "breakdown": dict(self.breakdown), "phase": self.phase, "settings": dict(self.settings),
+                "memory_model": self.memory_model}
 
 
 
@@ -692,9 +695,11 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
         if not big:
             out = {k: v if k == "phase" else v.astype(np.int64) for k, v in out.items()}
             out["device_total_bytes"] = device_total(out["peak_allocated_bytes"])  # int64's rounding, as in a sweep
+        out["memory_model"] = np.full(S.shape, ARITHMETIC, dtype=object)
         return out
     out = _estimate_core(spec, s, targets, experts, *(a.astype(object) if big else a for a in (S, B, r, N)))
     out.pop("_bound")
+    out["memory_model"] = np.full(S.shape, ARITHMETIC, dtype=object)
     return out
 
 
@@ -746,6 +751,7 @@ def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitt
     return out
 
 
+ARITHMETIC = "arithmetic (not fitted)"
 INT64_SAFE = 1 << 56  # a phase total below this leaves every sum and product that builds it inside int64
 
 
@@ -940,5 +946,6 @@ def estimate(model="tiny", step: Step | None = None, **overrides) -> Estimate:
     return Estimate(peak_allocated_bytes=int(arrays["peak_allocated_bytes"]),
                     device_total_bytes=int(arrays["device_total_bytes"]),
                     breakdown={k: int(arrays[k]) for k in BREAKDOWN_KEYS}, phase=str(arrays["phase"]),
+                    memory_model=str(arrays["memory_model"]),
                     settings={"model": model if isinstance(model, str) else getattr(model, "name_or_path", repr(model)),
                               **s.to_dict()})

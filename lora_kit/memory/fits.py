@@ -16,6 +16,7 @@ architectures outside the catalog's model types (the arithmetic estimate was nev
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -83,7 +84,12 @@ def digest(k: dict) -> str:
 
 
 def _path(folder: Path, config: dict, d: str) -> Path:
-    return folder / f"{config.get('model_type', 'model')}-{d}.json"
+    return folder / f"{config.get('model_type', 'model')}-{d}.json.gz"
+
+
+def stored_path(config: dict, step, folder: Path) -> Path:
+    """Where the fit of ``config`` x ``step`` is stored in ``folder``."""
+    return _path(folder, config, digest(key(config, step)))
 
 
 def lookup(config: dict, step) -> tuple[Fit, dict] | None:
@@ -96,7 +102,7 @@ def lookup(config: dict, step) -> tuple[Fit, dict] | None:
     for folder in (user_dir(), SHIPPED):
         p = _path(folder, config, d)
         if p.is_file():
-            data = json.loads(p.read_text())
+            data = json.loads(gzip.decompress(p.read_bytes()))
             _MEMO[d] = (Fit.from_json(data["fit"]), {k: data[k] for k in ("versions", "seconds", "where")})
             return _MEMO[d]
     return None
@@ -126,7 +132,8 @@ def make(config: dict, step, folder: Path | None = None, progress=None) -> tuple
     folder.mkdir(parents=True, exist_ok=True)
     p = _path(folder, config, d)
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"key": k, **info, "fit": f.to_json()}, separators=(",", ":")))
+    tmp.write_bytes(gzip.compress(json.dumps({"key": k, **info, "fit": f.to_json()}, separators=(",", ":")).encode(),
+                                  mtime=0))
     os.replace(tmp, p)
     _MEMO[d] = (f, info)
     return f, info

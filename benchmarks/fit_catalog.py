@@ -1,0 +1,90 @@
+"""Build the fits shipped with the package (``lora_kit/catalog/fits``): the memory model of every catalog model
+(and the embedded tiny model) for the steps the planner, the widgets and the notebooks estimate.
+
+Each fit runs ``simulate`` on shallow, short steps (:mod:`lora_kit.memory.calibrate`); the fit's variables (micro-
+batch, tokens, LoRA rank, depth) need no more fits, every other step field does. Prints each fit's CPU seconds and
+the total, and writes ``benchmarks/results/fit_catalog.json`` (what was built, with which libraries, in how long).
+A fit already in the folder for the installed libraries is kept (``--refit`` makes it again).
+
+    HF_HUB_OFFLINE=1 python benchmarks/fit_catalog.py [--models llama-3.1-8b,tiny] [--refit]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+FAMILY_MODELS = ("llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b",
+                 "gemma-2-2b", "gemma-3-1b", "phi-3-mini", "pythia-1b", "mixtral-8x7b", "deepseek-v2-lite", "olmo-2-7b",
+                 "granite-3.1-2b")  # one model per catalog family: the validation set's (benchmarks/grid.py)
+EXTRA = {"llama-3.1-8b": [dict(method="qlora", optimizer="paged_adamw_8bit")],  # params/ and the tutorial's plans
+         "llama-3.1-70b": [dict(method="qlora", optimizer="paged_adamw_32bit")]}
+
+
+def steps_for(name: str) -> list:
+    """The steps a model is estimated at by the kit's own journey: the planning step per method, checkpointing on
+    and off (notebooks 01/02, the planner and the widgets start from it and sweep checkpointing), the shipped
+    params files' plans; for the tiny model also the embedded step per method (what the tutorial's smoke run
+    measures)."""
+    from lora_kit.memory.specs import SDPA_UNSUPPORTED, model_spec
+    from lora_kit.settings import EMBEDDED, PLANNING
+    attn = "eager" if model_spec(name).model_type in SDPA_UNSUPPORTED else "sdpa"
+    out = [PLANNING.for_method(m).replace(gradient_checkpointing=gc, attn_implementation=attn)
+           for gc in (True, False) for m in ("lora", "qlora", "full")]
+    out += [PLANNING.replace(attn_implementation=attn, **kw) for kw in EXTRA.get(name, [])]
+    if name == "tiny":
+        out += [EMBEDDED.for_method(m) for m in ("lora", "qlora", "full")]
+    return out
+
+
+def ordered(names: list) -> list:
+    """The tutorial's models first, then one per family, then the rest: a build cut short ships the most used."""
+    first = ["tiny", "llama-3.1-8b", "llama-3.1-70b", *FAMILY_MODELS]
+    return [n for n in first if n in names] + [n for n in names if n not in first]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="", help="comma-separated names (default: tiny and every catalog model)")
+    ap.add_argument("--refit", action="store_true", help="fit again what is already there")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fit_catalog.json"))
+    a = ap.parse_args()
+    from lora_kit.memory import fits
+    from lora_kit.memory.specs import catalog, model_spec
+    from lora_kit.noise import quiet
+    quiet()
+    names = ordered([n for n in a.models.split(",") if n] or ["tiny", *catalog()])
+    rows, cpu0, wall0 = [], time.process_time(), time.perf_counter()
+    for name in names:
+        config = model_spec(name).config
+        for step in steps_for(name):
+            p = fits.stored_path(config, step, fits.SHIPPED)
+            if p.is_file() and not a.refit:
+                print(f"{name:22s} {step.method:5s} kept {p.name}", flush=True)
+                continue
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                f, info = fits.make(config, step, folder=fits.SHIPPED)
+            except Exception as e:  # noqa: BLE001 - a step the fit cannot align is a result
+                rows.append({"model": name, "step": step.to_dict(), "error": f"{type(e).__name__}: {e}"})
+                print(f"{name:22s} {step.method:5s} not fitted: {e}", flush=True)
+                continue
+            rows.append({"model": name, "step": step.to_dict(), "file": p.name, "operators": f.size(),
+                         "seconds": round(time.perf_counter() - t0, 1), "cpu_seconds": round(time.process_time() - c0, 1)})
+            print(f"{name:22s} {step.method:5s} {rows[-1]['seconds']:6.1f} s  {f.size():4d} operators", flush=True)
+    total = {"fits": sum("file" in r for r in rows), "cpu_hours": round((time.process_time() - cpu0) / 3600, 3),
+             "wall_hours": round((time.perf_counter() - wall0) / 3600, 3), "versions": fits.versions()}
+    print(f"{total['fits']} fits in {total['cpu_hours']} CPU-hours ({total['wall_hours']} h wall)")
+    Path(a.out).write_text(json.dumps({"total": total, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
