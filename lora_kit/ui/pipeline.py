@@ -550,7 +550,9 @@ def _run_one(pm, nb_dir: Path, out: Path, name: str, params: dict, record: dict,
             os.environ.pop(NOTEBOOK_ENV, None)
             logs += [km for km in TrackedKernelManager.started[n_kernels:] if km.kernels_log is not None]
     except KeyboardInterrupt as exc:
-        keep_unfinished(running, dst, f"interrupted ({signal_name(exc)})")
+        kept = keep_unfinished(running, dst, f"interrupted ({signal_name(exc)})")
+        if kept is not None and kept != dst:
+            entry["kept_as"] = kept.name
         raise
     except Exception as exc:
         entry.update(seconds=round(time.perf_counter() - t0, 2), ended_unix=time.time())
@@ -650,8 +652,9 @@ def _end_interrupted(out: Path, record: dict, exc: BaseException, todo: list[str
     for e in record["notebooks"]:
         if e["status"] == "running":
             e.update(status="interrupted", ended_unix=time.time())
-            if (out / e["notebook"]).exists():
-                e["html"] = getattr(export_html(out / e["notebook"]), "name", None)
+            kept = out / e.get("kept_as", e["notebook"])
+            if kept.exists():
+                e["html"] = getattr(export_html(kept), "name", None)
     ran = {e["notebook"] for e in record["notebooks"]}
     record["not_run"] = [n for n in todo if n not in ran]
     record["status"] = "interrupted" + (f" at {current}" if current else "")
