@@ -147,9 +147,12 @@ def plan_from_config(path, given: dict) -> tuple[dict, list[str], object]:
 def params_for_estimate(path) -> tuple[dict, list[str], str]:
     """A params file as ``lora-kit estimate`` reads it: (the values it plans with -- model, step fields, gpu,
     margin --, the run's other settings it ignores, its ``from_config``). A run's own params file, and the
-    ``settings.json`` ``lora-kit run`` writes, hold dataset, evaluation and output settings too: those are ignored
-    (and listed); a name that is no setting at all is refused, with "did you mean"."""
+    ``settings.json`` ``lora-kit run`` writes (with the run's identity, ``run``, left aside), hold dataset,
+    evaluation and output settings too: those are ignored (and listed); a name that is no setting at all is
+    refused, with "did you mean"."""
     params = read_params(path)
+    if isinstance(params.get("run"), dict):  # the run identity lora_kit.results stamps on what a run writes
+        params = {k: v for k, v in params.items() if k != "run"}
     check_names(params, field_names())
     ignored = [k for k in params if k not in ESTIMATE_FIELDS and k != "from_config"]
     return {k: v for k, v in params.items() if k in ESTIMATE_FIELDS}, ignored, params.get("from_config") or ""
