@@ -11,7 +11,7 @@ import sys
 import nbformat
 
 from lora_kit.results import read_record
-from lora_kit.ui.pipeline import UNFINISHED_TAG, _atomic_notebook_saves, keep_unfinished, running_notebook
+from lora_kit.ui.pipeline import UNFINISHED_TAG, keep_unfinished, notebook_saves, running_notebook
 from test_integrity import ENV, nb_dir, processes_in, wait_for  # noqa: F401 - nb_dir is a fixture
 
 # test_integrity's stand-in notebooks: 00 writes stack.json, 01 touches started_01 and sleeps SLEEP_01 seconds
@@ -46,6 +46,7 @@ def test_a_notebook_appears_only_when_it_ends_and_an_interrupted_one_is_marked(t
     assert not list(run.glob("*.running.ipynb"))
     done = nbformat.read(run / "00_stack_check.ipynb", as_version=4)
     assert UNFINISHED_TAG not in json.dumps([c.metadata for c in done.cells])
+    assert done.metadata.papermill.output_path == str(run / "00_stack_check.ipynb"), "its record names where it is"
     assert "Invalid -W option ignored: invalid action: 'not-an-action'\n" in (run / "kernels.log").read_text()
 
 
@@ -64,19 +65,19 @@ def test_a_failed_notebook_is_kept_marked_and_an_unreadable_one_by_its_name(tmp_
     assert keep_unfinished(running, dst, "failed") is None  # nothing was executed
 
 
-def test_papermill_saves_into_the_run_folder_are_whole_files(tmp_path):
+def test_papermill_saves_of_a_notebook_go_whole_to_its_running_name(tmp_path):
     from papermill.iorw import papermill_io
     out = tmp_path / "run"
     out.mkdir()
+    dst = out / "01_choose_method.ipynb"
     before = list(papermill_io._handlers)
-    with _atomic_notebook_saves(out):
-        handler = papermill_io.get_handler(str(out / "01.running.ipynb"))
-        papermill_io.write('{"cells": []}', str(out / "01.running.ipynb"))
-        assert type(handler).__name__ == "AtomicSaves"
+    with notebook_saves(dst):
+        assert type(papermill_io.get_handler(str(dst))).__name__ == "AtomicSaves"
+        papermill_io.write('{"cells": []}', str(dst))
         assert type(papermill_io.get_handler(str(tmp_path / "elsewhere.ipynb"))).__name__ == "LocalHandler"
     assert papermill_io._handlers == before
-    assert [p.name for p in out.iterdir()] == ["01.running.ipynb"]  # no temp file beside it
-    assert (out / "01.running.ipynb").read_text() == '{"cells": []}'
+    assert [p.name for p in out.iterdir()] == ["01_choose_method.running.ipynb"]  # no temp file, no dst yet
+    assert (out / "01_choose_method.running.ipynb").read_text() == '{"cells": []}'
 
 
 def test_a_killed_runs_notebook_is_its_last_whole_save_and_the_card_names_it(tmp_path, nb_dir):  # noqa: F811

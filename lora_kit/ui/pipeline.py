@@ -540,8 +540,8 @@ def _run_one(pm, nb_dir: Path, out: Path, name: str, params: dict, record: dict,
     running = running_notebook(dst)
     try:
         try:
-            with _atomic_notebook_saves(out):
-                pm.execute_notebook(str(nb_dir / name), str(running),
+            with notebook_saves(dst):  # papermill saves dst (its metadata names dst) into the running file
+                pm.execute_notebook(str(nb_dir / name), str(dst),
                                     parameters=injected_parameters(nb_dir / name, params), kernel_name="python3",
                                     cwd=str(out), progress_bar=False, log_output=False,
                                     kernel_manager_class=TrackedKernelManager)
@@ -596,17 +596,19 @@ def running_notebook(dst: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _atomic_notebook_saves(out: Path):
-    """Inside: every save papermill makes into ``out`` (after each cell) replaces the file whole
-    (:func:`lora_kit.results.write_text_atomic`): a reader or a kill never finds half a notebook, and a full
-    disk keeps the previous save and raises :class:`lora_kit.results.NotWritten`."""
+def notebook_saves(dst: Path):
+    """Inside: each save papermill makes of ``dst`` (after every cell) goes to :func:`running_notebook` instead,
+    replacing it whole (:func:`lora_kit.results.write_text_atomic`), so ``dst`` appears only when renamed at the
+    end, a reader or a kill never finds half a notebook, and a full disk keeps the previous save and raises
+    :class:`lora_kit.results.NotWritten`. Other files in ``dst``'s folder are written whole too."""
     from papermill.iorw import LocalHandler, papermill_io
+    running = running_notebook(dst)
 
     class AtomicSaves(LocalHandler):
         def write(self, buf, path):
-            write_text_atomic(path, buf)
+            write_text_atomic(running if Path(path) == dst else path, buf)
 
-    entry = (str(out) + os.sep, AtomicSaves())  # papermill picks the first registered prefix the path starts with
+    entry = (str(dst.parent) + os.sep, AtomicSaves())  # papermill takes the first registered prefix a path starts with
     papermill_io.register(*entry)
     try:
         yield
