@@ -52,6 +52,7 @@ _LAZY = {
     "gpu_table": "lora_kit.plan.gpus",
     "dataset_lengths": "lora_kit.plan.dataset_fit",
     "settings_from_config": "lora_kit.plan.config_import",
+    "run_settings": "lora_kit.plan.config_import",
     "write_job": "lora_kit.run.config_export",
     "smoke_run": "lora_kit.run.smoke",
     "train_adapters": "lora_kit.run.adapters",

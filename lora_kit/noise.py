@@ -18,6 +18,10 @@ WARNINGS = (
     (UserWarning, r"Paged optimizers are not supported on CPU",
      "bitsandbytes falls back to the same optimizer without paging; paging only matters on CUDA, and the kit "
      "plans paged optimizers' memory for the GPU"),
+    (UserWarning, r"Could not find a config file in ",
+     "peft looks for the base's config.json under the adapter's recorded base name (a portable name such as "
+     "'tiny', never a local path) to tell whether the vocabulary was resized; offline it cannot, and assumes "
+     "not, which holds for the kit's adapters (no embedding is resized)"),
 )
 # logger name -> (start of the message, why it is harmless)
 LOGS = {

@@ -202,8 +202,9 @@ class Step:
                            "mask) | 'longest' / 'max_length' (padded rows with a mask). Default 'none': a plan "
                            "sizes full rows of seq_len tokens, the worst case, and padding adds only the mask.",
                            choices=PADDINGS)
-    loop: str = setting("kit", "Training loop the figures describe: 'kit' (lora_kit's step) | 'trainer' "
-                        "(transformers' Trainer) | 'sft' (TRL's SFTTrainer), each with its own defaults. "
+    loop: str = setting("kit", "Training loop the figures describe and the smoke run runs: 'kit' (lora_kit's step) | "
+                        "'trainer' (transformers' Trainer, its train()) | 'sft' (TRL's SFTTrainer, its train()), "
+                        "each with its own defaults. "
                         "Default 'kit'.", choices=LOOPS)
 
     def __post_init__(self):
@@ -527,6 +528,8 @@ def read_params(params_file: str | Path) -> dict:
         raise ValueError(f"params file {str(p)!r} is not valid YAML{where}: {problem}.") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"params file {str(p)!r} must hold a mapping of setting: value.")
+    if isinstance(loaded.get("run"), dict):  # the run identity lora_kit.results stamps on a run's settings.json
+        loaded = {k: v for k, v in loaded.items() if k != "run"}
     return loaded
 
 

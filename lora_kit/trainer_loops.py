@@ -44,16 +44,6 @@ class LoopHooks:
     def end(self) -> None: ...
 
 
-def track_fetched(tracker, trainer, batches: list, num_items, paged: bool = False) -> None:
-    """Register with ``tracker`` what is live once a Trainer step's batches are fetched: the training state
-    (labelled: weights, adapters, optimizer states), the batches, ``num_items_in_batch`` and the running loss."""
-    from lora_kit.memory.breakdown import label_training_state
-    label_training_state(tracker, trainer.model, trainer.optimizer, paged=paged)
-    for b in batches:
-        tracker.track(v for v in b.values() if isinstance(v, torch.Tensor))
-    tracker.track([t for t in (num_items, trainer._tr_loss) if isinstance(t, torch.Tensor)])
-
-
 def _hooked(base, hooks: LoopHooks, when):
     """``base`` (Trainer / SFTTrainer) calling ``hooks`` during the steps ``when(global_step)`` is true for."""
     class Hooked(base):

@@ -81,3 +81,15 @@ def test_a_log_record_is_whole_and_what_is_lost_is_recorded(tmp_path):
     _log_failures(record, [handler.log, lost])
     assert record["not_written"] == [f"{tmp_path / 'gone' / 'progress.log'}: 2 record(s) not written (No such file "
                                      "or directory); the records before are whole"]
+
+
+def test_smoke_log_records_are_whole_and_a_lost_one_is_in_smoke_json(tmp_path, random_llama_dir):
+    import json
+    from lora_kit.run.smoke import smoke_run
+    (tmp_path / "smoke" / "smoke.log").mkdir(parents=True)  # the log cannot be written: its records are lost, said
+    smoke_run(model=str(random_llama_dir), run_dir=str(tmp_path), examples=[{"prompt": "a", "response": "b"}] * 8,
+              control_prompts=["hi"], progress=False, simulate=False, max_steps=1, batch_size=2, seq_len=16,
+              lora_rank=2, lora_alpha=4, max_new_tokens=1, measure_steps=1)
+    rec = json.loads((tmp_path / "smoke" / "smoke.json").read_text())
+    assert rec["status"] == "complete"
+    assert rec["not_written"][0].startswith(f"{tmp_path / 'smoke' / 'smoke.log'}: ") and "not written" in rec["not_written"][0]

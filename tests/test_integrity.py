@@ -413,8 +413,12 @@ def test_disk_full_under_the_pipeline_itself(tmp_path, nb_dir):
     r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=240)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
-    assert "02_memory_sweeps.ipynb failed: OSError: [Errno 28] No space left on device (disk full)" in r.stderr
-    assert "HTML export of 02_memory_sweeps.ipynb failed" in r.stderr
+    assert ("02_memory_sweeps.ipynb failed: NotWritten: [Errno 28] " in r.stderr
+            and "02_memory_sweeps.running.ipynb was not written: no space left on device" in r.stderr)
+    assert "HTML export of 02_memory_sweeps.unfinished.ipynb failed" in r.stderr
+    # papermill's saves are whole: the last one that fitted is kept, named unfinished (no room to mark it inside)
+    nbformat.validate(nbformat.read(keep / "02_memory_sweeps.unfinished.ipynb", as_version=4))
+    assert not (keep / "02_memory_sweeps.ipynb").exists()
     assert read_record(keep / "stack.json")["probes"] == [] and read_record(keep / "sweeps.json")["n"] == 1
     rec = read_record(keep / "pipeline.json")  # written from the run's reserve (tests/test_full_disk.py)
     assert rec["notebooks"][0]["status"] == "ok" and rec["status"] == "failed at 02_memory_sweeps.ipynb (disk full)"

@@ -1,4 +1,11 @@
-"""Analytic memory estimate of one training step: pure arithmetic, microseconds, vectorizable.
+"""Memory estimate of one training step: ``simulate`` in closed form, microseconds, vectorizable.
+
+Where a fit of ``simulate`` exists for the model and the step's categorical settings (shipped, cached, or made on
+the spot: :mod:`lora_kit.memory.fits`), the figure is that fit evaluated (:mod:`lora_kit.memory.calibrate`: exact
+integer polynomials in tokens, micro-batch and rank, blocks added per layer type), and ``memory_model`` says
+"fitted". Otherwise -- several GPUs, ``cpu_offload``, ``loop="sft"``, catalog settings no fit covers -- the
+hand-written arithmetic below gives it, and ``memory_model`` says "arithmetic (not fitted)". What follows
+describes that arithmetic.
 
 What is counted is defined in ``design.md`` ("one training step" = the second step of a loop:
 forward with ``labels=input_ids``, ``loss.backward()``, ``optimizer.step()``,

@@ -95,16 +95,16 @@ def stored_path(config: dict, step, folder: Path) -> Path:
 def lookup(config: dict, step) -> tuple[Fit, dict] | None:
     """The stored fit for ``config`` and ``step`` with what it was fitted with (``versions``, ``seconds``), or
     None."""
-    k = key(config, step)
-    d = digest(k)
-    if d in _MEMO:
-        return _MEMO[d]
+    d = digest(key(config, step))
+    memo = (str(user_dir()), d)  # the same fit can be in another cache folder, or in none
+    if memo in _MEMO:
+        return _MEMO[memo]
     for folder in (user_dir(), SHIPPED):
         p = _path(folder, config, d)
         if p.is_file():
             data = json.loads(gzip.decompress(p.read_bytes()))
-            _MEMO[d] = (Fit.from_json(data["fit"]), {k: data[k] for k in ("versions", "seconds", "where")})
-            return _MEMO[d]
+            _MEMO[memo] = (Fit.from_json(data["fit"]), {k: data[k] for k in ("versions", "seconds", "where")})
+            return _MEMO[memo]
     return None
 
 
@@ -135,7 +135,8 @@ def make(config: dict, step, folder: Path | None = None, progress=None) -> tuple
     tmp.write_bytes(gzip.compress(json.dumps({"key": k, **info, "fit": f.to_json()}, separators=(",", ":")).encode(),
                                   mtime=0))
     os.replace(tmp, p)
-    _MEMO[d] = (f, info)
+    if folder == user_dir():
+        _MEMO[(str(folder), d)] = (f, info)
     return f, info
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 
-from lora_kit.memory.breakdown import label_training_state, tracked_peak
+from lora_kit.memory.breakdown import _is_tensor, label_training_state, tracked_peak
 from lora_kit.memory.device import alloc_bytes as _r
 
 SFT_TOKEN_TILE = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
@@ -40,6 +40,15 @@ SFT_VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
 
 
 # -- the real loops, measured ---------------------------------------------------------------------------------
+def track_fetched(tracker, trainer, batches: list, num_items, paged: bool = False) -> None:
+    """Register with ``tracker`` what is live once a Trainer step's batches are fetched: the training state
+    (labelled: weights, adapters, optimizer states), the batches, ``num_items_in_batch`` and the running loss."""
+    label_training_state(tracker, trainer.model, trainer.optimizer, paged=paged)
+    for b in batches:
+        tracker.track(v for v in b.values() if _is_tensor(v))
+    tracker.track([t for t in (num_items, trainer._tr_loss) if _is_tensor(t)])
+
+
 def measure_real_loop(net, batch: dict, s, steps: int = 2, tokenizer=None) -> dict:
     """Peak of the last of ``steps`` steps of the real ``Trainer`` / ``SFTTrainer``
     (:func:`lora_kit.trainer_loops.run_real_loop`) training ``net`` on ``batch``, on the CPU. The tracker is
@@ -56,10 +65,7 @@ def measure_real_loop(net, batch: dict, s, steps: int = 2, tokenizer=None) -> di
 
     class Measure(LoopHooks):
         def start(self, trainer, batches, num):
-            label_training_state(tracker, trainer.model, trainer.optimizer, paged=paged)
-            for b in batches:
-                tracker.track(v for v in b.values() if isinstance(v, torch.Tensor))
-            tracker.track([t for t in (num, trainer._tr_loss) if isinstance(t, torch.Tensor)])
+            track_fetched(tracker, trainer, batches, num, paged)
             tracker.phase = "forward"
             tracker.reset_peak()
             tracker.__enter__()

@@ -136,7 +136,8 @@ def trainer_steps(net, s, examples: list[dict], collate, out_dir, tokenizer=None
     :func:`lora_kit.memory.loops.measure_real_loop` does) and left at ``on_step_end``; ``loss`` is the step's loss
     the Trainer logs (the sum of ``training_step``'s returns). ``tokens_of(step)``: the step's real tokens (default:
     the attention masks' sum). Returns (steps, trainer)."""
-    from lora_kit.trainer_loops import LoopHooks, run_loop, track_fetched
+    from lora_kit.memory.loops import track_fetched
+    from lora_kit.trainer_loops import LoopHooks, run_loop
     cuda = torch.cuda.is_available() and next(net.parameters()).is_cuda
     paged = s.optimizer.startswith("paged_") and not cuda
     steps: list[dict] = []

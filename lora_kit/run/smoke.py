@@ -69,8 +69,8 @@ from lora_kit.memory.simulate import simulate as simulate_step
 from lora_kit.memory.tracker import LiveBytesTracker
 from lora_kit.noise import quiet
 from lora_kit.prompting import PromptFormat, resolve_prompt_format
-from lora_kit.results import (NotWritten, active_run, check_output_dir, clean_leftovers, disk_full, interrupts,
-                              read_record, run_identity, run_lock, same_run, settled, signal_name, touch,
+from lora_kit.results import (LineLog, NotWritten, active_run, check_output_dir, clean_leftovers, disk_full,
+                              interrupts, read_record, run_identity, run_lock, same_run, settled, signal_name, touch,
                               write_json_atomic)
 from lora_kit.run import adapter_io
 from lora_kit.run import batches as smoke_data
@@ -135,31 +135,19 @@ class SmokeResult:
         return self.record[key]
 
 
-class _LogFile(logging.FileHandler):
-    """smoke.log: a line that cannot be written (full disk) is dropped, not printed with a traceback; smoke.json
-    records the run's ending and :class:`NotWritten` names the result file that was not written."""
-
-    def handleError(self, record) -> None:  # noqa: N802 - logging's name
-        pass
-
-    def flush(self) -> None:
-        with contextlib.suppress(OSError):
-            super().flush()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            super().close()
-
-
 class _Run:
     """Holds the record and writes it after each phase (rank 0 only)."""
 
     def __init__(self, out: Path, record: dict, write: bool):
         self.out, self.record, self.write_enabled = out, record, write
         self._last_write = 0.0
+        self.log = None  # smoke.log's AppendLog: what it could not write is recorded in smoke.json
 
     def write(self) -> None:
         if self.write_enabled:
+            lost = self.log.failure() if self.log is not None else None
+            if lost:
+                self.record["not_written"] = [lost]
             write_json_atomic(self.out / "smoke.json", touch(self.record))
             self._last_write = time.monotonic()
 
@@ -438,10 +426,11 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     if rank == 0:
         try:
             out.mkdir(parents=True, exist_ok=True)
-            handler = _LogFile(out / "smoke.log", mode="w")
         except OSError as e:
             _close(None, created, threads_before, lock)
-            raise NotWritten(out / "smoke.log", e) from None
+            raise NotWritten(out, e) from None
+        handler = LineLog(out / "smoke.log", fresh=True)  # whole records; a full disk is recorded, never raised
+        run.log = handler.log
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)

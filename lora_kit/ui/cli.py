@@ -150,9 +150,7 @@ def params_for_estimate(path) -> tuple[dict, list[str], str]:
     ``settings.json`` ``lora-kit run`` writes (with the run's identity, ``run``, left aside), hold dataset,
     evaluation and output settings too: those are ignored (and listed); a name that is no setting at all is
     refused, with "did you mean"."""
-    params = read_params(path)
-    if isinstance(params.get("run"), dict):  # the run identity lora_kit.results stamps on what a run writes
-        params = {k: v for k, v in params.items() if k != "run"}
+    params = read_params(path)  # without the run identity lora_kit.results stamps on what a run writes
     check_names(params, field_names())
     ignored = [k for k in params if k not in ESTIMATE_FIELDS and k != "from_config"]
     return {k: v for k, v in params.items() if k in ESTIMATE_FIELDS}, ignored, params.get("from_config") or ""
@@ -181,7 +179,8 @@ def cmd_estimate(args) -> int:
         out = {"settings": est.settings, "assumed": assumed, "ignored_params": ignored, "gpu": plan["gpu"],
                "margin": plan["margin"],
                "peak_allocated_bytes": est.peak_allocated_bytes, "device_total_bytes": est.device_total_bytes,
-               "breakdown": est.breakdown, "phase": est.phase, "fit": fit, "note": note}
+               "breakdown": est.breakdown, "phase": est.phase, "memory_model": est.memory_model, "fit": fit,
+               "note": note}
         if report is not None:  # what the config set that the plan does not model, or that does not matter
             out.update({"model": plan["model"], "not_modelled": report.not_modelled, "ignored": report.ignored,
                         "from_config": report.to_dict()})
@@ -207,11 +206,40 @@ def cmd_estimate(args) -> int:
         print(f"  {names[k]:<{width}}{v / GiB:10.3f} GiB")
     print(f"  {'peak allocated':<{width}}{est.peak_allocated_bytes / GiB:10.3f} GiB  (per GPU, in {est.phase})")
     print(f"  {'device total':<{width}}{est.device_total_bytes / GiB:10.3f} GiB  (+ CUDA context, allocator reserve)")
+    print(textwrap.fill(f"memory model: {est.memory_model}" + ("" if est.memory_model.startswith("fitted") else
+                                                                "; `lora-kit fit` with the same flags fits it"),
+                        width=110, initial_indent="  ", subsequent_indent="    "))
     verdict = "fits" if fit["fits"] else "does NOT fit"
     print(f"  {fit['gpu']}: {verdict} with a {plan['margin']:.0%} margin "
           f"(headroom {fit['headroom_bytes'] / GiB:+.2f} GiB of {fit['capacity_bytes'] / GiB:.1f} GiB)")
     if note:
         print(textwrap.fill(f"note: {note}", width=110, initial_indent="  ", subsequent_indent="    "))
+    return 0
+
+
+def cmd_fit(args) -> int:
+    """Fit ``simulate`` for the plan's model and step (the closed form ``estimate`` evaluates) and store it."""
+    from tqdm.auto import tqdm
+
+    from lora_kit.memory import fits
+    try:
+        params, _, _ = params_for_estimate(args.params) if args.params else ({}, [], "")
+        plan, _ = estimate_plan({**params, **_settings_from_args(args, ESTIMATE_FIELDS), **_parse_p(args.p)})
+        step, config = plan["step"], model_spec(plan["model"]).config
+        folder = Path(args.folder) if args.folder else None
+        with tqdm(total=1, desc=f"fitting {plan['model']}", unit="simulated step", disable=args.quiet) as bar:
+            def progress(done, total):
+                bar.total = total
+                bar.update(1)
+            f, info = fits.make(config, step, folder=folder, progress=progress)
+        est = estimate(plan["model"], step)
+    except ValueError as exc:
+        print(f"lora-kit fit: {exc}", file=sys.stderr)
+        return 2
+    where = fits.stored_path(config, step, folder or fits.user_dir())
+    print(f"lora-kit fit: {plan['model']} fitted in {info['seconds']} s ({f.size()} operators kept) -> {where}")
+    print(f"  {step}")
+    print(f"  estimate now: {est.peak_allocated_bytes / GiB:.3f} GiB peak allocated ({est.memory_model})")
     return 0
 
 
@@ -278,6 +306,20 @@ def build_parser() -> argparse.ArgumentParser:
                                             "margin": default_of("margin")},
                        "plan (defaults: planning a real model on a GPU; every assumed value is printed)")
     e.set_defaults(func=cmd_estimate)
+
+    f = sub.add_parser("fit", help="fit the memory model (simulate in closed form) for a model and step, and keep it",
+                       description="Run simulate on shallow, short steps of the model's architecture, fit the "
+                                   "closed form estimate evaluates for the step's settings (any length, micro-batch, "
+                                   "rank and depth), and store it in the fits cache ($LORA_KIT_FITS, default "
+                                   "~/.cache/lora_kit/fits): after installing other library versions, or for a "
+                                   "step no stored fit covers. Takes the same settings as lora-kit estimate.")
+    f.add_argument("--params", help="YAML file of settings (as for lora-kit estimate)")
+    f.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"), help="override one setting")
+    f.add_argument("--folder", help="store the fit here instead of the fits cache")
+    f.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_setting_flags(f, ESTIMATE_FIELDS, {**PLANNING.to_dict(), "gpu": default_of("gpu"),
+                                            "margin": default_of("margin")}, "step to fit (defaults: planning)")
+    f.set_defaults(func=cmd_fit)
 
     c = sub.add_parser("check", help="versions, hardware and real probes of the training stack; exit 1 when a "
                                      "probe the planned settings need failed")
