@@ -74,3 +74,44 @@ def test_gpu_validate_skips_cleanly_without_cuda_and_dry_runs_on_cpu(tmp_path, c
         assert r["simulate_err_pct"] == 0.0, r  # tiny CPU configs: simulate == real step
     printed = capsys.readouterr().out
     assert "simulate_err_pct" in printed and "tiny-qwen2 qlora ckpt" in printed
+
+
+def _tiny_pythia(tmp_path) -> str:
+    """Issue 32's Pythia case in miniature: GPT-NeoX, partial rotary, parallel residual, 2 layers."""
+    from transformers import GPTNeoXConfig
+    GPTNeoXConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, vocab_size=256,
+                  rotary_pct=0.25, max_position_embeddings=256).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+PYTHIA_STEP = dict(method="lora", lora_targets=["query_key_value"], lora_rank=8, seq_len=64, batch_size=1,
+                   gradient_checkpointing=False, attn_implementation="sdpa", dtype="bfloat16")
+
+
+def test_real_step_and_simulate_allocate_the_same_storages_in_the_same_order(tmp_path):
+    from lora_kit.memory.measure import measure_config
+    from lora_kit.memory.simulate import simulate
+    from lora_kit.memory.tracker import first_divergence
+    model = _tiny_pythia(tmp_path)
+    real = measure_config(model, trace=True, **PYTHIA_STEP)
+    sim = simulate(model, trace=True, **PYTHIA_STEP)
+    assert first_divergence(real.allocations, sim.allocations) is None
+    assert real.peak_allocated_bytes == sim.peak_allocated_bytes and real.phase == sim.phase
+    assert [t[:2] for t in real.allocations if t[1].startswith("_scaled_dot_product")] == \
+        [("forward", "_scaled_dot_product_flash_attention_for_cpu.default")] * 2 * 2 + \
+        [("backward", "_scaled_dot_product_flash_attention_for_cpu_backward.default")] * 3 * 2  # out+lse; dq, dk, dv
+    assert max(live for _, _, live in real.trace) == real.peak_allocated_bytes  # the peak is one operator's moment
+
+
+def test_first_divergence_names_the_kernel_two_steps_part_at(tmp_path):
+    from lora_kit.memory.simulate import simulate
+    from lora_kit.memory.tracker import first_divergence
+    model = _tiny_pythia(tmp_path)
+    sdpa = simulate(model, trace=True, **PYTHIA_STEP).allocations
+    eager = simulate(model, trace=True, **{**PYTHIA_STEP, "attn_implementation": "eager"}).allocations
+    d = first_divergence(sdpa, eager)
+    assert set(d["only_a"]) == {"forward _scaled_dot_product_flash_attention_for_cpu.default",
+                                "backward _scaled_dot_product_flash_attention_for_cpu_backward.default"}
+    assert "forward _softmax.default" in d["only_b"] and d["only_b"]["forward _softmax.default"] > 0
+    assert first_divergence(sdpa, sdpa[:-1]) == {"index": len(sdpa) - 1, "a": sdpa[-1], "b": None,
+                                                 "only_a": {f"{sdpa[-1][0]} {sdpa[-1][1]}": sdpa[-1][2]}, "only_b": {}}

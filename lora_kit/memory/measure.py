@@ -40,6 +40,8 @@ class MeasureResult:
     device: str
     wall_seconds: float  # the measured step
     losses: list = field(default_factory=list)
+    trace: list | None = None  # trace=True (CPU): per operator of the step, (phase, operator, live bytes)
+    allocations: list | None = None  # trace=True (CPU): (phase, operator, bytes) per new storage (tracker.allocations)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,13 +49,15 @@ class MeasureResult:
 
 # -- measuring --------------------------------------------------------------------------------
 def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, autocast_ctx=None,
-                 paged: bool = False) -> MeasureResult:
+                 paged: bool = False, trace: bool = False) -> MeasureResult:
     """Peak memory of the last of ``steps`` real training steps of a prepared model/optimizer/batch.
 
     ``device``: where the model lives (default: its first parameter's device). On CUDA the peak
     statistics are reset before the measured step; on CPU a LiveBytesTracker runs on it.
     ``paged=True`` (a paged bitsandbytes optimizer on CPU, i.e. its non-paged twin): its paged
     buffers are left out of the peak, as ``max_memory_allocated`` leaves managed memory out.
+    ``trace=True`` (CPU): keep the tracker's per-operator trace and allocations, to set beside ``simulate``'s
+    (``benchmarks/trace_diff.py`` names the first operator where a real step and ``simulate`` part).
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1 (2 measures a steady-state step), got {steps!r}.")
@@ -70,7 +74,7 @@ def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, aut
         wall = time.perf_counter() - t0
         return MeasureResult(int(torch.cuda.max_memory_allocated(device)),
                              int(torch.cuda.max_memory_reserved(device)), {}, "", str(device), wall, losses)
-    tracker = LiveBytesTracker()
+    tracker = LiveBytesTracker(trace=trace)
     label_training_state(tracker, model, optimizer, paged=paged)
     tracker.track(v for v in batch.values() if isinstance(v, torch.Tensor))
     tracker.reset_peak()
@@ -80,23 +84,27 @@ def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, aut
                                        on_grads=lambda: label_training_state(tracker, model)).loss))
     wall = time.perf_counter() - t0
     peak, breakdown = tracked_peak(tracker)
-    return MeasureResult(peak, None, breakdown, tracker.peak_phase, str(device), wall, losses)
+    return MeasureResult(peak, None, breakdown, tracker.peak_phase, str(device), wall, losses, tracker.trace,
+                         tracker.allocations() if trace else None)
 
 
 def measure_config(model, step: Step | None = None, *, device: str = "cpu", seed: int = 0, steps: int = 2,
-                   **overrides) -> MeasureResult:
+                   trace: bool = False, **overrides) -> MeasureResult:
     """Build a random-init real model from ``model``'s config (same ``model``, ``step`` and overrides as
     ``estimate``) and measure one real step on ``device``. QLoRA quantizes with bitsandbytes (saved to a
     temporary folder and loaded as users load it). Only small models make sense on a CPU. ``loop="trainer"`` /
-    ``"sft"`` runs the real ``Trainer`` / ``SFTTrainer`` (CPU only; ``lora_kit.memory.loops.measure_real_loop``)."""
+    ``"sft"`` runs the real ``Trainer`` / ``SFTTrainer`` (CPU only; ``lora_kit.memory.loops.measure_real_loop``).
+    ``trace``: as :func:`measure_step` (loop "kit" only)."""
     s = as_step(step, **overrides)
     check_model_step(model, s)
     net, opt, batch = build_real_model(load_config(model), s, device=device, seed=seed)
     if s.loop != "kit":
+        if trace:
+            raise ValueError(f"trace=True records loop='kit' steps; loop={s.loop!r} is measured untraced.")
         return _measure_loop(net, batch, s, steps, device)
     ctx = autocast_context(s.autocast, s.dtype, torch.device(device).type)
     return measure_step(net, batch, opt, steps=steps, device=device, autocast_ctx=ctx,
-                        paged=s.optimizer.startswith("paged_") and torch.device(device).type != "cuda")
+                        paged=s.optimizer.startswith("paged_") and torch.device(device).type != "cuda", trace=trace)
 
 
 def _measure_loop(net, batch, s, steps: int, device: str) -> MeasureResult:

@@ -79,6 +79,7 @@ class SimResult:
     notes: list = field(default_factory=list)  # what was approximated or left out
     collectives: dict = field(default_factory=dict)  # sharded: buffer bytes all-gathered / reduce-scattered per step
     trace: list | None = None  # trace=True: per operator of the step, (phase, operator, live bytes, parts): see simulate
+    allocations: list | None = None  # trace=True: (phase, operator, bytes) per new storage (tracker.allocations)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -226,7 +227,8 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
     ``lora_kit.fsdp`` describes both. ``trace`` (one GPU): keep the live bytes after each operator of the step
     (``SimResult.trace``: (phase, operator, bytes, parts) in order, ``parts`` the bytes of the first five
     ``BREAKDOWN_KEYS`` then, the rest being activations; paged states left out as from the peak; what
-    ``lora_kit.memory.calibrate`` fits).
+    ``lora_kit.memory.calibrate`` fits), and ``SimResult.allocations``, the storages each operator returned, in order
+    (equal item for item to a real step's ``MeasureResult.allocations`` when the same kernels run).
     """
     s = as_step(step, **overrides)
     name = check_model_step(model, s)
@@ -294,4 +296,4 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
         steps = [(ph, op, live - p[-1], p[:-1]) for (ph, op, live), p in zip(tracker.trace, parts)]
     return SimResult(int(peak), device_total(peak), bd, tracker.peak_phase, time.perf_counter() - t0,
                      {"model": name, **s.to_dict()}, notes,
-                     getattr(tracker, "collectives", {}), steps)
+                     getattr(tracker, "collectives", {}), steps, tracker.allocations() if tracker.trace is not None else None)

@@ -85,6 +85,8 @@ class LiveBytesTracker(TorchDispatchMode):
         self._snapshot: dict[int, int] = {}  # live set at the peak
         self._pending = False  # a new peak was reached and not yet snapshotted
         self._life: dict[int, list] = {}  # trace: serial -> [first operator live after, operator it died in, bytes]
+        self._allocs: list[tuple[int, int]] = []  # trace: (operator index, bytes) per storage an operator returned new
+        self._in_op = False
 
     # -- counting -----------------------------------------------------------------------------
     def _free(self, serial: int, cdata: int) -> None:
@@ -129,6 +131,8 @@ class LiveBytesTracker(TorchDispatchMode):
             self.current_bytes += nbytes
             if self.trace is not None:
                 self._life[serial] = [len(self.trace), None, nbytes]
+                if self._in_op and nbytes:
+                    self._allocs.append((len(self.trace), nbytes))
             free = self._free
             self._refs[serial] = weakref.ref(st, lambda _r, s=serial, c=cdata: free(s, c))
         if self.current_bytes > self.peak_bytes:
@@ -161,17 +165,29 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):  # fast path: most operators return one tensor
-            self._add(out)
-        elif isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) or o is None for o in out):
-            for o in out:
-                if o is not None:
-                    self._add(o)
-        else:
-            tree_map_only(torch.Tensor, self._add, out)
+        self._in_op = True  # storages added now are this operator's outputs (allocations())
+        try:
+            if isinstance(out, torch.Tensor):  # fast path: most operators return one tensor
+                self._add(out)
+            elif isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) or o is None for o in out):
+                for o in out:
+                    if o is not None:
+                        self._add(o)
+            else:
+                tree_map_only(torch.Tensor, self._add, out)
+        finally:
+            self._in_op = False
         if self.trace is not None:
             self.trace.append((self.phase, func.__name__, self.current_bytes))
         return out
+
+    def allocations(self) -> list[tuple[str, str, int]]:
+        """``trace=True``: (phase, operator, bytes) for each new non-empty storage an operator returned, in order. Unlike the
+        live bytes, this sequence does not depend on when storages die, so a real step's and ``simulate``'s are
+        equal item for item when the same kernels run (:func:`first_divergence` names where they part)."""
+        if self.trace is None:
+            raise ValueError("allocations() needs LiveBytesTracker(trace=True).")
+        return [self.trace[j][:2] + (nbytes,) for j, nbytes in self._allocs if j < len(self.trace)]
 
     # -- already-live tensors and categories --------------------------------------------------
     def track(self, tensors) -> int:
@@ -241,6 +257,25 @@ def _tracked_resize(storage, size):
     for tr in _ACTIVE:
         tr._add_storage(storage)
     return out
+
+
+def first_divergence(a: list, b: list) -> dict | None:
+    """Where two allocation sequences (:meth:`LiveBytesTracker.allocations`) part: None when equal, else the index,
+    the two items there (None past an end) and the bytes each allocates that the other does not, per (phase, operator)
+    (the multiset difference: a kernel that allocates differently shows up there even if the sequences realign)."""
+    from collections import Counter
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if i == len(a) == len(b):
+        return None
+    ca, cb = Counter(a), Counter(b)
+
+    def extra(c1, c2) -> dict:
+        out: dict = defaultdict(int)
+        for (ph, op, nbytes), n in (c1 - c2).items():
+            out[f"{ph} {op}"] += n * nbytes
+        return dict(out)
+    return {"index": i, "a": a[i] if i < len(a) else None, "b": b[i] if i < len(b) else None,
+            "only_a": extra(ca, cb), "only_b": extra(cb, ca)}
 
 
 def _tensors(x):
