@@ -25,11 +25,16 @@ sys.path.insert(0, str(ROOT))
 FAMILY_MODELS = ("llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b",
                  "gemma-2-2b", "gemma-3-1b", "phi-3-mini", "pythia-1b", "mixtral-8x7b", "deepseek-v2-lite", "olmo-2-7b",
                  "granite-3.1-2b")  # one model per catalog family: the validation set's (benchmarks/grid.py)
-EXTRA = {"llama-3.1-8b": [dict(method="qlora", optimizer="paged_adamw_8bit")],  # params/ and the tutorial's plans
-         "llama-3.1-70b": [dict(method="qlora", optimizer="paged_adamw_32bit")]}
+PAPER = dict(method="qlora", optimizer="paged_adamw_32bit", lora_rank=64)  # lora_kit.plan.headline's PAPER_STEP
+EXTRA = {"llama-3.1-8b": [dict(method="qlora", optimizer="paged_adamw_8bit")],  # params/, and the headline's steps
+         "llama-3.1-70b": [PAPER, {**PAPER, "lora_rank": 16},
+                           {**PAPER, "lora_rank": 16, "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}],
+         "llama-65b": [PAPER],
+         # the validation set's autocast rows (benchmarks/grid.py)
+         **{m: [dict(method="lora", autocast=True)] for m in ("llama-3.2-1b", "qwen3-0.6b", "pythia-1b")}}
 
 
-def steps_for(name: str) -> list:
+def steps_for(name: str, extra_only: bool = False) -> list:
     """The steps a model is estimated at by the kit's own journey: the planning step per method, checkpointing on
     and off (notebooks 01/02, the planner and the widgets start from it and sweep checkpointing), the shipped
     params files' plans; for the tiny model also the embedded step per method (what the tutorial's smoke run
@@ -37,10 +42,10 @@ def steps_for(name: str) -> list:
     from lora_kit.memory.specs import SDPA_UNSUPPORTED, model_spec
     from lora_kit.settings import EMBEDDED, PLANNING
     attn = "eager" if model_spec(name).model_type in SDPA_UNSUPPORTED else "sdpa"
-    out = [PLANNING.for_method(m).replace(gradient_checkpointing=gc, attn_implementation=attn)
-           for gc in (True, False) for m in ("lora", "qlora", "full")]
+    out = [] if extra_only else [PLANNING.for_method(m).replace(gradient_checkpointing=gc, attn_implementation=attn)
+                                 for gc in (True, False) for m in ("lora", "qlora", "full")]
     out += [PLANNING.replace(attn_implementation=attn, **kw) for kw in EXTRA.get(name, [])]
-    if name == "tiny":
+    if name == "tiny" and not extra_only:
         out += [EMBEDDED.for_method(m) for m in ("lora", "qlora", "full")]
     return out
 
@@ -55,17 +60,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="", help="comma-separated names (default: tiny and every catalog model)")
     ap.add_argument("--refit", action="store_true", help="fit again what is already there")
+    ap.add_argument("--extra-only", action="store_true", help="only the params files' and the headline's steps")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fit_catalog.json"))
     a = ap.parse_args()
     from lora_kit.memory import fits
     from lora_kit.memory.specs import catalog, model_spec
     from lora_kit.noise import quiet
     quiet()
-    names = ordered([n for n in a.models.split(",") if n] or ["tiny", *catalog()])
+    names = [n for n in a.models.split(",") if n] or ordered(["tiny", *catalog()])  # given: in the order given
     rows, cpu0, wall0 = [], time.process_time(), time.perf_counter()
     for name in names:
         config = model_spec(name).config
-        for step in steps_for(name):
+        for step in steps_for(name, a.extra_only):
             p = fits.stored_path(config, step, fits.SHIPPED)
             if p.is_file() and not a.refit:
                 print(f"{name:22s} {step.method:5s} kept {p.name}", flush=True)

@@ -232,7 +232,8 @@ def compute(model: str, settings: dict) -> dict:
         raise ValueError(f"estimate({model!r}, **{settings}) refused a grid row: {err}") from err
     return {"model": model, "settings": dict(settings), "peak_allocated_bytes": int(e.peak_allocated_bytes),
             "device_total_bytes": int(e.device_total_bytes),
-            "breakdown": {k: int(v) for k, v in e.breakdown.items()}, "phase": str(e.phase)}
+            "breakdown": {k: int(v) for k, v in e.breakdown.items()}, "phase": str(e.phase),
+            "memory_model": e.memory_model}
 
 
 def dumps(row: dict) -> str:
@@ -255,7 +256,8 @@ def differences(golden: list[dict], rows: list[dict]) -> list[str]:
             out.append(f"row {i}: settings differ: golden {g['model']} {dumps(g['settings'])}, "
                        f"grid {r['model']} {dumps(r['settings'])}")
             continue
-        fields = [k for k in ("peak_allocated_bytes", "device_total_bytes", "phase") if g[k] != r[k]]
+        fields = [k for k in ("peak_allocated_bytes", "device_total_bytes", "phase", "memory_model")
+                  if g.get(k) != r.get(k)]
         fields += [f"breakdown.{k}" for k in sorted(set(g["breakdown"]) | set(r["breakdown"]))
                    if g["breakdown"].get(k) != r["breakdown"].get(k)]
         detail = "; ".join(f"{f}: {_get(g, f)} -> {_get(r, f)}" for f in fields)
@@ -264,7 +266,7 @@ def differences(golden: list[dict], rows: list[dict]) -> list[str]:
 
 
 def _get(row: dict, field: str):
-    return row["breakdown"].get(field.split(".", 1)[1]) if field.startswith("breakdown.") else row[field]
+    return row["breakdown"].get(field.split(".", 1)[1]) if field.startswith("breakdown.") else row.get(field)
 
 
 def coverage(rows: list[dict]) -> dict:

@@ -12,8 +12,12 @@ a basis of the shape: ``1, S, S²`` at ``B == 1``; ``1, S, S², B·S, B·S²`` a
 tables, masks, activations, attention scores); with LoRA also ``R, R·S`` (and ``R·B·S`` above ``B == 1``) for the
 rank ``R`` (adapters, their states and gradients, the LoRA A outputs). Per phase (forward / backward / optimizer)
 the peak at a shape is the largest operator's value; across depths it grows linearly, each block adding what its
-type keeps, so the phase peak of the whole model is the two-block stack's plus, per layer type, the count of its
-blocks times what one block of that type adds (measured on a three-block stack). The figure is the largest
+type keeps, so the phase peak of the whole model is the two-block stack's plus the count of blocks times what one
+more block adds (measured on a three-block stack). A model whose layer types repeat with a period ``p >= 2``
+(Gemma-2/3, GPT-OSS) is fitted on whole periods instead (its first ``p + L mod p`` blocks, and one period more):
+with gradient checkpointing the peak sits in one block's recomputation, and in a two- or three-block stack of mixed
+types which block holds it changes as blocks are added, so extrapolating per type counted that change once per
+block (GPT-OSS: +6.8 % at 4 blocks); a whole period adds the same bytes wherever the peak is. The figure is the largest
 phase's; its parts are the parts of the operator holding it. Operators that can never be a phase's maximum are
 pruned.
 
@@ -35,6 +39,9 @@ from math import lcm
 import numpy as np
 
 RANKS = (8, 16)  # the LoRA ranks of the design
+# optimizers whose state is polynomial in the rank; the 8-bit and paged ones switch a tensor's state kind at a size
+# (bitsandbytes: 32-bit states under 4,096 elements; paged buffers from 100,000), so with them the rank is fixed
+RANK_FREE = ("adamw", "sgd", "adafactor")
 # the B regimes: basis without / with the rank, design (B, k, rank index), held-out shape; S = start + k * span
 B_REGIMES = {
     "B=1": (("1", "S", "S2"), ("R", "RS"), ((1, 0, 0), (1, 2, 0), (1, 4, 0)), ((1, 0, 1), (1, 4, 1)), (1, 3, 1)),
@@ -71,13 +78,29 @@ def _s_regimes(cfg) -> dict:
     return out
 
 
+def periodic(types) -> tuple[int, int] | None:
+    """``(p, d0)`` when the layer pattern repeats with a period ``p >= 2`` at least twice (Gemma's 5 sliding + 1
+    global, GPT-OSS's alternation): the model is ``d0 = p + L % p`` blocks plus whole periods. None otherwise."""
+    if not types:
+        return None
+    L = len(types)
+    p = next(q for q in range(1, L + 1) if all(t == types[i % q] for i, t in enumerate(types)))
+    return (p, p + L % p) if 2 <= p and 2 * p <= L else None
+
+
 def _stacks(cfg) -> dict:
-    """The shallow stacks fitted. Without layer types: two and three blocks. With them (first type ``a``, last
-    ``z``): ``[a, a]``; per type ``t``, ``[a, t, a]`` (what one more block of ``t`` keeps, the top unchanged); and,
-    when ``z`` differs from ``a``, ``[a, a, z]`` (what a top block of type ``z`` changes)."""
+    """The shallow stacks fitted. Without layer types: two and three blocks. With a periodic pattern (period
+    ``p``, :func:`periodic`): its first ``d0`` blocks and ``d0 + p`` (one more period: whatever moment of a step
+    holds the peak, each whole period adds the same bytes to it, as one block does in a uniform stack). Otherwise
+    (first type ``a``, last ``z``): ``[a, a]``; per type ``t``, ``[a, t, a]`` (what one more block of ``t`` keeps,
+    the top unchanged); and, when ``z`` differs from ``a``, ``[a, a, z]`` (what a top block of type ``z`` changes)."""
     types = getattr(cfg, "layer_types", None)
     if not isinstance(types, list) or not types:
         return {"base": None, "block": None}
+    per = periodic(types)
+    if per:
+        p, d0 = per
+        return {"base": list(types[:d0]), "block": list(types[:d0 + p])}
     a, z = types[0], types[-1]
     out = {"base": [a, a], **{f"mid:{t}": [a, t, a] for t in dict.fromkeys(types)}}
     if z != a:
@@ -90,6 +113,13 @@ def stack_weights(types, layers: int) -> dict:
     blocks is the weighted sum of the stacks' phase peaks)."""
     if types is None:
         return {"base": 3 - layers, "block": layers - 2}
+    per = periodic(list(types))
+    if per:
+        p, d0 = per
+        k, rest = divmod(layers - d0, p)
+        if rest or k < 0:
+            raise ValueError(f"{layers} blocks is not {d0} plus whole periods of {p} of the fitted layer pattern")
+        return {"base": 1 - k, "block": k}
     types = list(types[:layers])
     a, z = types[0], types[-1]
     counts = {t: types.count(t) - (2 if t == a else 0) for t in dict.fromkeys(types)}
@@ -191,12 +221,10 @@ class Fit:
         """:meth:`peak` over 1-D arrays of one integer kind (int64, or object: Python ints): (peaks, parts
         (rows x 5), phases)."""
         n = len(B)
-        peak = np.zeros(n, dtype=B.dtype)
-        parts = np.zeros((n, PARTS), dtype=B.dtype)
-        phase = np.empty(n, dtype=object)
         regimes = np.asarray([self._regime(int(s)) for s in np.unique(S)], dtype=object)
         s_reg = regimes[np.searchsorted(np.unique(S), S)]
         weights = stack_weights(self.types, layers)
+        groups = []
         for b_reg in ("B=1", "B>1"):
             for reg in dict.fromkeys(s_reg.tolist()):
                 rows = np.flatnonzero(((B == 1) if b_reg == "B=1" else (B > 1)) & (s_reg == reg))
@@ -204,7 +232,11 @@ class Fit:
                     x = np.stack(_row(basis(b_reg, self.lora), B[rows], S[rows], R[rows]), axis=1)
                     if x.dtype != object and self._bound(b_reg, reg, weights, x) >= 1 << 62:
                         x = x.astype(object)  # past int64's room: Python ints
-                    peak[rows], parts[rows], phase[rows] = self._combine(b_reg, reg, weights, x)
+                    groups.append((rows, self._combine(b_reg, reg, weights, x)))
+        kind = object if any(g[1][0].dtype == object for g in groups) else B.dtype
+        peak, parts, phase = np.zeros(n, dtype=kind), np.zeros((n, PARTS), dtype=kind), np.empty(n, dtype=object)
+        for rows, (p, q, ph) in groups:
+            peak[rows], parts[rows], phase[rows] = p, q, ph
         return peak, parts, phase
 
     def _bound(self, b_reg: str, s_reg: str, weights: dict, x) -> int:
@@ -261,13 +293,14 @@ def _table(rows) -> np.ndarray:
 
 def fit(cfg, step, progress=None) -> Fit:
     """Fit ``simulate`` for the architecture ``cfg`` (a ``PretrainedConfig``) and ``step`` (a ``Step``; its
-    ``batch_size``, ``seq_len`` and, with LoRA, ``lora_rank`` are the fit's variables). ``progress(done, total)`` is
+    ``batch_size``, ``seq_len`` and, with LoRA and an optimizer of :data:`RANK_FREE`, ``lora_rank`` are the fit's
+    variables). ``progress(done, total)`` is
     called after each simulated step. Raises ValueError naming what cannot be aligned."""
     from lora_kit.memory.simulate import simulate
     if step.sharding not in ("none", "ddp") or step.loop == "sft":
         raise ValueError("calibrate fits one GPU's step with loop 'kit' or 'trainer' (sft's tiles follow the tokens).")
     step = step.replace(sharding="none", num_gpus=1)
-    lora = step.method != "full"
+    lora = rank_is_variable(step)
     s_regimes, stacks, raw, unfitted = _s_regimes(cfg), _stacks(cfg), {}, {}
     plan = [(s, b, st) for s in s_regimes for b in B_REGIMES for st in stacks]
     total = sum(len(_design(b, lora)) + 1 for _, b, _ in plan)
@@ -297,6 +330,11 @@ def fit(cfg, step, progress=None) -> Fit:
     types = getattr(cfg, "layer_types", None)
     return Fit(tables, d, {k: v[2:] for k, v in s_regimes.items()}, tuple(types) if isinstance(types, list) and types
                else None, lora, unfitted)
+
+
+def rank_is_variable(step) -> bool:
+    """Whether a fit of ``step`` holds every LoRA rank (else it holds ``step.lora_rank`` only)."""
+    return step.method != "full" and step.optimizer in RANK_FREE
 
 
 def _design(b_reg: str, lora: bool) -> tuple:

@@ -63,7 +63,8 @@ def differences(a: str = "llama-65b", b: str = "llama-3.1-70b") -> list[dict]:
     """The parts of the step that differ between two models at :data:`PAPER_STEP`, bytes each: 4-bit linear
     weights, quantization constants, embedding + lm_head (fp32 after ``prepare_model_for_kbit_training``),
     LoRA adapters, the gradients live at the peak (with checkpointing it is the bottom block's recompute: the
-    blocks above have theirs), the activations at the peak, and the fp32 logits at the loss (one ``seq x vocab``
+    blocks above have theirs), the optimizer states bitsandbytes does not page (those of tensors under 100,000
+    elements), the activations at the peak, and the fp32 logits at the loss (one ``seq x vocab``
     copy; the loss holds up to four). All but the logits add up to the peaks' difference."""
     out = []
     for name in (a, b):
@@ -75,6 +76,7 @@ def differences(a: str = "llama-65b", b: str = "llama-3.1-70b") -> list[dict]:
                     "4-bit linear weights": e.breakdown["weights"] - emb - _norm_bytes(spec),
                     "embedding + lm_head (fp32)": emb, "quantization constants": e.breakdown["quant_constants"],
                     "LoRA adapters (fp32)": e.breakdown["adapters"], "gradients at the peak": e.breakdown["gradients"],
+                    "optimizer states not paged": e.breakdown["optimizer_states"],
                     "activations at the peak": e.breakdown["activations"],
                     "logits, one fp32 copy": int(_r(T * spec.vocab_size * 4))})
     return out
