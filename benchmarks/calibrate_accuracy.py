@@ -3,15 +3,17 @@
 The issue's 52 rows (13 families transformers can build that the catalog does not model, small configs of their
 real layers at 4 blocks; LoRA all-linear and full; checkpointing on and off; fp32; micro-batch 2, 512 tokens) plus
 shapes the fit never saw (2 x 4096, 1 x 8192 tokens, and rank 64 with LoRA), and catalog models at their real depth.
-Per (model, step): the arithmetic estimate first (``LORA_KIT_FIT=never``), then the fit is made (its seconds
-recorded), then ``estimate`` (now fitted) and ``simulate`` at every shape. Writes
-benchmarks/results/calibrate_accuracy.json after every row.
+Per (model, step): the arithmetic estimate (no fit visible), then the fit (made, or read from ``tests/golden/fits``
+-- the validation set's fits, the same keys -- with the seconds it took when it was made), then ``estimate`` (now
+fitted) and ``simulate`` at every shape. Writes benchmarks/results/calibrate_accuracy.json after every row; rows
+already there are kept (an interrupted run resumes).
 
     python benchmarks/calibrate_accuracy.py [--quick] [--catalog-only | --outside-only]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -73,7 +75,7 @@ def main() -> None:
     ap.add_argument("--catalog-only", action="store_true", help="only the catalog models at full depth")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "calibrate_accuracy.json"))
     a = ap.parse_args()
-    os.environ["LORA_KIT_FITS"] = tempfile.mkdtemp(prefix="lora-kit-fits-")  # fits of this run only
+    os.environ.setdefault("LORA_KIT_FITS", str(ROOT / "tests" / "golden" / "fits"))
     from lora_kit.memory import fits
     from lora_kit.memory.estimate import estimate
     from lora_kit.memory.simulate import simulate
@@ -86,6 +88,8 @@ def main() -> None:
     steps = STEPS
     if a.quick:
         models, steps = models[:2] + models[-1:], dict(list(STEPS.items())[:1])
+    done = {(r["model"], r["step"]): r for r in json.loads(Path(a.out).read_text())["rows"]} \
+        if Path(a.out).is_file() else {}
     rows = []
     meta = {"date": datetime.date.today().isoformat(), "command": " ".join(["python benchmarks/calibrate_accuracy.py",
                                                                               *sys.argv[1:]]),
@@ -94,20 +98,24 @@ def main() -> None:
         cfg = make()
         for label, kw in steps.items():
             step = Step(**kw, **STEP_OF.get(getattr(cfg, "model_type", ""), {}))
+            if (name, label) in done and "error" not in done[(name, label)]:
+                rows.append(done[(name, label)])
+                continue
             row = {"model": name, "step": label, "layers": cfg.num_hidden_layers, "shapes": []}
             shapes = [(B, S, R) for B, S, R in SHAPES if R == 16 or step.method != "full"]
             rank = (lambda R: {"lora_rank": R}) if step.method != "full" else (lambda R: {})
-            os.environ["LORA_KIT_FIT"] = "never"
-            old = {sh: _try(lambda: estimate(cfg, step, batch_size=sh[0], seq_len=sh[1], **rank(sh[2]))) for sh in shapes}
+            with no_fits(fits):
+                old = {sh: _try(lambda: estimate(cfg, step, batch_size=sh[0], seq_len=sh[1], **rank(sh[2])))
+                       for sh in shapes}
             os.environ["LORA_KIT_FIT"] = "always"
-            t0 = time.perf_counter()
             try:
-                f, _ = fits.make(load_config(cfg).to_dict(), step)
+                config = load_config(cfg).to_dict()
+                f, info = fits.lookup(config, step) or fits.make(config, step)
             except Exception as e:  # noqa: BLE001 - a family the fit cannot align is a result, not a crash
                 rows.append({**row, "error": f"{type(e).__name__}: {e}"})
                 print(f"{name:22s} {label:24s} not fitted: {e}", flush=True)
                 continue
-            row.update(fit_seconds=round(time.perf_counter() - t0, 1), envelope_ops=f.size())
+            row.update(fit_seconds=info["seconds"], envelope_ops=f.size())
             for sh in shapes:
                 B, S, R = sh
                 sim = simulate(cfg, step, batch_size=B, seq_len=S, **rank(R)).peak_allocated_bytes
@@ -122,6 +130,24 @@ def main() -> None:
             rows.append(row)
             Path(a.out).write_text(json.dumps({"_meta": meta, "rows": rows}, indent=1))
     print(f"wrote {a.out}")
+
+
+@contextlib.contextmanager
+def no_fits(fits):
+    """No fit visible (an empty cache, no shipped fits, none made): what estimate gave before fits."""
+    saved = (fits.SHIPPED, os.environ.get("LORA_KIT_FITS"), os.environ.get("LORA_KIT_FIT"))
+    empty = tempfile.mkdtemp(prefix="lora-kit-no-fits-")
+    fits.SHIPPED = Path(empty)
+    os.environ.update(LORA_KIT_FITS=empty, LORA_KIT_FIT="never")
+    try:
+        yield
+    finally:
+        fits.SHIPPED = saved[0]
+        for k, v in zip(("LORA_KIT_FITS", "LORA_KIT_FIT"), saved[1:]):
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _try(call):

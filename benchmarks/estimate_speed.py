@@ -31,7 +31,7 @@ def main() -> None:
     for kw in cases:
         wall, cpu = timed(lambda: estimate(**kw), 500)
         print(f"estimate({', '.join(f'{k}={v}' for k, v in kw.items())}): {wall * 1e3:.3f} ms wall, "
-              f"{cpu * 1e3:.3f} ms CPU per call (target <= 1 ms)")
+              f"{cpu * 1e3:.3f} ms CPU per call (target <= 1 ms); {estimate(**kw).memory_model}")
     spec = model_spec("llama-3.1-8b")
     seq = np.array([256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072])[:, None, None, None]
     batch = np.arange(1, 11)[None, :, None, None]
@@ -42,8 +42,9 @@ def main() -> None:
         kw = dict(method=method, seq_len=seq, batch_size=batch, num_gpus=gpus,
                   **({"lora_rank": rank} if method != "full" else {}))
         wall, cpu = timed(lambda: estimate_arrays(spec, **kw), 20)
+        how = sorted(set(estimate_arrays(spec, **kw)["memory_model"].ravel().tolist()))
         print(f"estimate_arrays llama-3.1-8b {method:5s}: {n} configurations in {wall * 1e3:.1f} ms wall, "
-              f"{cpu * 1e3:.1f} ms CPU (target <= 100 ms)")
+              f"{cpu * 1e3:.1f} ms CPU (target <= 100 ms); {', '.join(how)}")
 
 
 if __name__ == "__main__":

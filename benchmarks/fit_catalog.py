@@ -86,10 +86,25 @@ def main() -> None:
             rows.append({"model": name, "step": step.to_dict(), "file": p.name, "operators": f.size(),
                          "seconds": round(time.perf_counter() - t0, 1), "cpu_seconds": round(time.process_time() - c0, 1)})
             print(f"{name:22s} {step.method:5s} {rows[-1]['seconds']:6.1f} s  {f.size():4d} operators", flush=True)
-    total = {"fits": sum("file" in r for r in rows), "cpu_hours": round((time.process_time() - cpu0) / 3600, 3),
-             "wall_hours": round((time.perf_counter() - wall0) / 3600, 3), "versions": fits.versions()}
-    print(f"{total['fits']} fits in {total['cpu_hours']} CPU-hours ({total['wall_hours']} h wall)")
-    Path(a.out).write_text(json.dumps({"total": total, "rows": rows}, indent=1))
+    print(f"this run: {sum('file' in r for r in rows)} fits in {(time.process_time() - cpu0) / 3600:.3f} CPU-hours "
+          f"({(time.perf_counter() - wall0) / 3600:.3f} h wall)")
+    Path(a.out).write_text(json.dumps(shipped_summary(), indent=1))
+
+
+def shipped_summary() -> dict:
+    """Every fit in the package's folder: what it is, with which libraries, how long it took (wall seconds on the
+    machine that made it, which may have been shared), and the totals."""
+    import gzip
+
+    from lora_kit.memory import fits
+    rows = []
+    for p in sorted(fits.SHIPPED.glob("*.json.gz")):
+        d = json.loads(gzip.decompress(p.read_bytes()))
+        rows.append({"file": p.name, "model_type": d["key"]["architecture"].get("model_type"),
+                     "settings": d["key"]["settings"], "seconds": d["seconds"], "versions": d["versions"],
+                     "where": d["where"]})
+    return {"total": {"fits": len(rows), "wall_hours": round(sum(r["seconds"] for r in rows) / 3600, 3),
+                      "bytes": sum(p.stat().st_size for p in fits.SHIPPED.glob("*.json.gz"))}, "rows": rows}
 
 
 if __name__ == "__main__":

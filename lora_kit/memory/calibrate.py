@@ -202,6 +202,15 @@ class Fit:
     def size(self) -> int:
         return sum(len(t) for phases in self.tables.values() for t in phases.values())
 
+    def covers(self, seq_lens) -> bool:
+        """Whether every length of ``seq_lens`` lies in a fitted regime."""
+        try:
+            for S in np.unique(seq_lens):
+                self._regime(int(S))
+        except ValueError:
+            return False
+        return True
+
     def _regime(self, S: int) -> str:
         for name, (lo, hi) in self.s_regimes.items():
             if S >= lo and (hi is None or S < hi):

@@ -692,7 +692,7 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
     S, B, r, N = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (seq_len, batch_size, lora_rank,
                                                                                num_gpus)))
     fitted = _fit_for(spec, s)
-    if fitted is not None:
+    if fitted is not None and fitted[0].covers(S):  # lengths of an unfitted regime: the arithmetic, said so
         return _fitted_arrays(spec, s, targets, experts, fitted, S, B, r)
     corners = [np.unique([a.min(), a.max()]).astype(object) for a in (S, B, r, N)]
     wide = _estimate_core(spec, s, targets, experts, *np.meshgrid(*corners, indexing="ij"))
