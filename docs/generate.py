@@ -528,7 +528,7 @@ def headline_md(heads: dict) -> str:
         rows.append([f"{what} vs a real CPU step ({s['exact']} of {s['n']} byte-exact)", s["n"], cell(s),
                      cell(s, "p90"), cell(s, "max"),
                      "[tables](docs/accuracy.md#autocasttrue-estimate-and-simulate-vs-a-real-cpu-step)"])
-    for key, what in (("calibrate", "`estimate` (fitted) vs `simulate`: 13 families outside the catalog, 4 in it"),
+    for key, what in (("calibrate", "`estimate` (fitted) vs `simulate`: 13 families outside the catalog, 4 blocks, 4 shapes"),
                       ("calibrate-estimate", "the old arithmetic `estimate` vs `simulate`, the same rows")):
         s = heads[key]
         rows.append([what, s["n"], cell(s), cell(s, "p90"), cell(s, "max"),
