@@ -226,13 +226,30 @@ class Fit:
                                np.asarray([R], dtype=object))
         return int(out[0][0]), tuple(int(p) for p in out[1][0]), str(out[2][0])
 
-    def peak_arrays(self, layers: int, B, S, R) -> tuple:
+    def weights(self, layers: int, types=None) -> dict | None:
+        """The stacks' weights for a model of ``layers`` blocks with layer types ``types`` (default: the fitted
+        model's), or None when the fit does not describe that depth and pattern (then it must not be used)."""
+        types = self.types if types is None else tuple(types)
+        if (types is None) != (self.types is None) or (types and periodic(list(types)) != periodic(list(self.types))):
+            return None
+        try:
+            w = stack_weights(types, layers)
+        except ValueError:
+            return None
+        some = next(iter(self.tables))
+        return w if all((some[0], some[1], st) in self.tables for st in w) else None
+
+    def peak_arrays(self, layers: int, B, S, R, types=None) -> tuple:
         """:meth:`peak` over 1-D arrays of one integer kind (int64, or object: Python ints): (peaks, parts
-        (rows x 5), phases)."""
+        (rows x 5), phases); ``types``: the model's layer types when they are not the fitted model's."""
         n = len(B)
+        if B.dtype != object and int(S.max()) ** 2 * int(B.max()) * max(int(R.max()), 1) >= 1 << 62:
+            B, S, R = (a.astype(object) for a in (B, S, R))  # S²·B would wrap in int64: Python ints
         regimes = np.asarray([self._regime(int(s)) for s in np.unique(S)], dtype=object)
         s_reg = regimes[np.searchsorted(np.unique(S), S)]
-        weights = stack_weights(self.types, layers)
+        weights = self.weights(layers, types)
+        if weights is None:
+            raise ValueError(f"this fit does not describe {layers} blocks of layer types {types}: refit")
         groups = []
         for b_reg in ("B=1", "B>1"):
             for reg in dict.fromkeys(s_reg.tolist()):

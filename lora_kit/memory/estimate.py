@@ -692,7 +692,9 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
     S, B, r, N = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (seq_len, batch_size, lora_rank,
                                                                                num_gpus)))
     fitted = _fit_for(spec, s)
-    if fitted is not None and fitted[0].covers(S):  # lengths of an unfitted regime: the arithmetic, said so
+    if fitted is not None and fitted[0].covers(S) and \
+            fitted[0].weights(spec.num_layers, _filled_layer_types(spec)) is not None:
+        # (else lengths of an unfitted regime, or a depth / layer pattern the fit does not describe: the arithmetic)
         return _fitted_arrays(spec, s, targets, experts, fitted, S, B, r)
     corners = [np.unique([a.min(), a.max()]).astype(object) for a in (S, B, r, N)]
     wide = _estimate_core(spec, s, targets, experts, *np.meshgrid(*corners, indexing="ij"))
@@ -735,12 +737,18 @@ def _fit_for(spec: ModelSpec, s: Step):
     return found
 
 
+def _filled_layer_types(spec: ModelSpec):
+    """The layer types transformers fills in for the config (what a fit's depth composition reads)."""
+    from lora_kit.memory import fits
+    return fits.layer_types(spec.config)
+
+
 def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitted, S, B, r) -> dict:
     """:func:`estimate_arrays` from a fit: exact integers (int64 arrays, or Python ints where a figure passes
     int64's room); ``memory_model`` says which fit, and with which libraries when they differ from today's."""
     from lora_kit.memory import fits
     f, info = fitted
-    peak, parts, phase = f.peak_arrays(spec.num_layers, B.ravel(), S.ravel(), r.ravel())
+    peak, parts, phase = f.peak_arrays(spec.num_layers, B.ravel(), S.ravel(), r.ravel(), _filled_layer_types(spec))
     kind = parts.dtype
     out = {k: parts[:, i] for i, k in enumerate(BREAKDOWN_KEYS[:5])}
     if s.sharding == "ddp":  # DDP's gradient buckets: a second copy of the gradients (as simulate adds them)

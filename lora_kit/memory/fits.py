@@ -66,15 +66,27 @@ def categorical(step) -> dict:
 _ARCH: dict = {}
 
 
-def architecture(config: dict) -> dict:
-    """The config as transformers fills it (so a catalog entry and the same model's config.json agree), less what
-    does not change one block's operators."""
+def _filled(config: dict) -> tuple[dict, tuple | None]:
+    """(the config as transformers fills it, less what does not change one block's operators; its layer types)."""
     raw = json.dumps(config, sort_keys=True, default=str)
     if raw not in _ARCH:
         from lora_kit.memory.specs import load_config
         full = json.loads(load_config(config).to_json_string(use_diff=False))
-        _ARCH[raw] = {k: v for k, v in sorted(full.items()) if k not in NOT_ARCHITECTURE}
+        types = full.get("layer_types")
+        _ARCH[raw] = ({k: v for k, v in sorted(full.items()) if k not in NOT_ARCHITECTURE},
+                      tuple(types) if isinstance(types, list) and types else None)
     return _ARCH[raw]
+
+
+def architecture(config: dict) -> dict:
+    """The config as transformers fills it (so a catalog entry and the same model's config.json agree), less what
+    does not change one block's operators."""
+    return _filled(config)[0]
+
+
+def layer_types(config: dict) -> tuple | None:
+    """The model's layer types as transformers fills them (a catalog entry may not list them)."""
+    return _filled(config)[1]
 
 
 def key(config: dict, step) -> dict:
