@@ -20,22 +20,14 @@ import os
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=16384, pad_token_id=0, bos_token_id=0, eos_token_id=0)
-FAMILIES = {  # model_type -> extra config fields (small experts for the mixtures)
-    "smollm3": {}, "olmo3": {}, "glm4": {"head_dim": 64}, "cohere2": {"head_dim": 64}, "stablelm": {},
-    "starcoder2": {}, "gemma": {"head_dim": 64}, "ernie4_5": {"head_dim": 64}, "exaone4": {},
-    "helium": {"head_dim": 64}, "seed_oss": {"head_dim": 64},
-    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2},
-    "gpt_oss": {"head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2},
-}
-STEP_OF = {"gpt_oss": {"attn_implementation": "eager"}}  # transformers runs GPT-OSS with eager attention only
+from grid import OUTSIDE, OUTSIDE_STEP, validation_model  # noqa: E402  (the 13 outside families, one definition)
+
 CATALOG = ("llama-3.2-1b", "qwen2.5-0.5b", "pythia-1b", "gemma-3-1b")
 STEPS = {f"{m}, checkpointing {'on' if gc else 'off'}": dict(method=m, gradient_checkpointing=gc, dtype="float32")
          for m in ("lora", "full") for gc in (True, False)}
@@ -61,13 +53,6 @@ def machine() -> str:
             f"{len(os.sched_getaffinity(0))} cores, torch {torch.__version__}")
 
 
-def small_config(model_type: str):
-    from transformers import AutoConfig
-    cfg = AutoConfig.for_model(model_type, **{**SMALL, **FAMILIES[model_type]})
-    cfg.name_or_path = f"small-{model_type}"
-    return cfg
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="three families, one step")
@@ -83,7 +68,7 @@ def main() -> None:
     from lora_kit.noise import quiet
     from lora_kit.settings import Step
     quiet()
-    models = [] if a.catalog_only else [(f"small-{mt}", lambda mt=mt: small_config(mt)) for mt in FAMILIES]
+    models = [] if a.catalog_only else [(f"small-{mt}", lambda mt=mt: validation_model(f"small-{mt}")) for mt in OUTSIDE]
     models += [] if a.outside_only else [(name, lambda name=name: load_config(name)) for name in CATALOG]
     steps = STEPS
     if a.quick:
@@ -97,7 +82,7 @@ def main() -> None:
     for name, make in models:
         cfg = make()
         for label, kw in steps.items():
-            step = Step(**kw, **STEP_OF.get(getattr(cfg, "model_type", ""), {}))
+            step = Step(**kw, **OUTSIDE_STEP.get(getattr(cfg, "model_type", ""), {}))
             if (name, label) in done and "error" not in done[(name, label)]:
                 rows.append(done[(name, label)])
                 continue

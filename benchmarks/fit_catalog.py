@@ -20,11 +20,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from grid import FAMILY_MODELS  # noqa: E402  (one catalog model per family: the validation set's)
 
 
-FAMILY_MODELS = ("llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b",
-                 "gemma-2-2b", "gemma-3-1b", "phi-3-mini", "pythia-1b", "mixtral-8x7b", "deepseek-v2-lite", "olmo-2-7b",
-                 "granite-3.1-2b")  # one model per catalog family: the validation set's (benchmarks/grid.py)
 PAPER = dict(method="qlora", optimizer="paged_adamw_32bit", lora_rank=64)  # lora_kit.plan.headline's PAPER_STEP
 EXTRA = {"llama-3.1-8b": [dict(method="qlora", optimizer="paged_adamw_8bit")],  # params/, and the headline's steps
          "llama-3.1-70b": [PAPER, {**PAPER, "lora_rank": 16},

@@ -712,9 +712,10 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
     return out
 
 
-def _catalog_types() -> set:
+@lru_cache(maxsize=1)
+def _catalog_types() -> frozenset:
     from lora_kit.memory.specs import catalog, catalog_config
-    return {catalog_config(n)["model_type"] for n in catalog()} | {"llama"}  # "tiny" is a Llama
+    return frozenset({catalog_config(n)["model_type"] for n in catalog()} | {"llama"})  # "tiny" is a Llama
 
 
 def _fit_for(spec: ModelSpec, s: Step):
@@ -726,14 +727,8 @@ def _fit_for(spec: ModelSpec, s: Step):
     found = fits.lookup(spec.config, s)
     if found is None and fits.should_fit(spec.config, _catalog_types()):
         import sys
-
-        from lora_kit.progress import bar
-        with bar(1, f"fitting the memory model of {spec.name}", enabled=sys.stderr.isatty(),
-                 unit="simulated step") as pb:
-            def progress(done, total):
-                pb.total = total
-                pb.update(1)
-            found = fits.make(spec.config, s, progress=progress)
+        found = fits.make(spec.config, s, show=f"fitting the memory model of {spec.name}" if sys.stderr.isatty()
+                          else None)
     return found
 
 

@@ -130,17 +130,22 @@ def should_fit(config: dict, known_types) -> bool:
     return when == "always" or (when == "auto" and config.get("model_type") not in known_types)
 
 
-def make(config: dict, step, folder: Path | None = None, progress=None) -> tuple[Fit, dict]:
+def make(config: dict, step, folder: Path | None = None, show: str | None = None) -> tuple[Fit, dict]:
     """Fit ``config`` x ``step`` now (``simulate`` on shallow, short steps) and store it in ``folder`` (default: the
-    user's cache); returns (fit, info)."""
+    user's cache); ``show``: a progress bar's title (None: no bar). Returns (fit, info)."""
     import time
 
     from lora_kit.memory.calibrate import fit
     from lora_kit.memory.specs import load_config
+    from lora_kit.progress import bar
     k = key(config, step)
     d = digest(k)
     t0 = time.perf_counter()
-    f = fit(load_config(config), step, progress=progress)
+    with bar(1, show or "", enabled=show is not None, unit="simulated step") as pb:
+        def progress(done, total):
+            pb.total = total
+            pb.update(1)
+        f = fit(load_config(config), step, progress=progress)
     info = {"versions": versions(), "seconds": round(time.perf_counter() - t0, 1), "where": _machine()}
     folder = user_dir() if folder is None else folder
     folder.mkdir(parents=True, exist_ok=True)

@@ -219,19 +219,13 @@ def cmd_estimate(args) -> int:
 
 def cmd_fit(args) -> int:
     """Fit ``simulate`` for the plan's model and step (the closed form ``estimate`` evaluates) and store it."""
-    from tqdm.auto import tqdm
-
     from lora_kit.memory import fits
     try:
         params, _, _ = params_for_estimate(args.params) if args.params else ({}, [], "")
         plan, _ = estimate_plan({**params, **_settings_from_args(args, ESTIMATE_FIELDS), **_parse_p(args.p)})
         step, config = plan["step"], model_spec(plan["model"]).config
         folder = Path(args.folder) if args.folder else None
-        with tqdm(total=1, desc=f"fitting {plan['model']}", unit="simulated step", disable=args.quiet) as bar:
-            def progress(done, total):
-                bar.total = total
-                bar.update(1)
-            f, info = fits.make(config, step, folder=folder, progress=progress)
+        f, info = fits.make(config, step, folder=folder, show=None if args.quiet else f"fitting {plan['model']}")
         est = estimate(plan["model"], step)
     except ValueError as exc:
         print(f"lora-kit fit: {exc}", file=sys.stderr)
