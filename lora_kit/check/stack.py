@@ -69,6 +69,23 @@ def versions() -> dict:
     return {"versions": v, "hardware": hw}
 
 
+def memory_reading(free: int, total: int) -> dict:
+    """What ``torch.cuda.mem_get_info()`` says, labelled. Its *total* is the capacity a process can fill (the CUDA
+    context lives inside it; nvidia-smi's larger total adds the driver's share). Its *free* is read after this
+    process's context exists, so taking it as the capacity would count the context twice."""
+    return {"cuda_total_bytes": int(total), "cuda_free_bytes": int(free),
+            "basis": "torch.cuda.mem_get_info(): total = capacity; free = total - context - what is in use now"}
+
+
+def cuda_memory(device=None) -> dict | None:
+    """:func:`memory_reading` of ``device`` (default: the current one); None without CUDA. Creates the CUDA context
+    of that device, so call it only for the device this process uses (``lora-kit check`` reads every GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return memory_reading(free, total)
+
+
 def notes(info: dict, probes: list[dict]) -> list[str]:
     """Known traps that apply to this stack."""
     out = ["A framework supporting a model does not mean every accelerated kernel works on this device: "
@@ -156,6 +173,8 @@ def report(settings: Settings | None = None, probes: bool = True) -> dict:
     """Versions, hardware, probe results, notes and the :func:`verdict` for ``settings`` (default: the
     embedded default plan), as a JSON-ready dict."""
     info = versions()
+    for i, g in enumerate(info["hardware"]["gpus"]):
+        g.update(cuda_memory(i) or {})
     results = stack_probes.run_all() if probes else []
     return {**info, "probes": results, "notes": notes(info, results),
             "verdict": verdict(results, settings), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -186,7 +205,9 @@ def format_table(rep: dict) -> str:
     lines += ["Hardware", f"  {'cpu':<14}{hw['cpu_architecture']} ({hw['cpu_count']} cores)", f"  {'os':<14}{hw['os']}"]
     for g in hw["gpus"]:
         lines.append(f"  {'gpu':<14}{g['name']}, compute capability {g['compute_capability']}, "
-                     f"{g['memory_bytes'] / 2**30:.1f} GiB")
+                     f"{g['memory_bytes'] / 2**30:.1f} GiB"
+                     + (f"; CUDA total {g['cuda_total_bytes'] / 2**30:.2f} GiB (the capacity a plan is judged on)"
+                        if "cuda_total_bytes" in g else ""))
     if not hw["gpus"]:
         lines.append(f"  {'gpu':<14}none")
     if rep["probes"]:

@@ -11,6 +11,14 @@ CUDA-reported total (``cuda_total_mib`` * 2**20) where a public report is named 
 ``memory_gb`` * 1e9 (the smaller reading of the vendor's GB). The planner compares a plan's
 ``device_total_bytes`` (allocator peak plus CUDA context) with ``(1 - margin) * capacity_bytes``.
 
+What CUDA can hand out is less than nvidia-smi's total: the driver keeps a share no process can use (H200:
+nvidia-smi 143,771 MiB, CUDA 143,156 MiB, measured in ``benchmarks/reference/cuda_h200.json``), and the CUDA context
+takes its bytes from the CUDA total. ``cuda_capacity_bytes`` is the CUDA total (``cuda_visible_bytes``, the reading
+named in ``cuda_visible_source``; ``memory_gb`` * 1e9 where none is named, and ``cuda_capacity_basis`` says which);
+``context_bytes`` the CUDA context (``cuda_context_bytes``, else the ``CUDA_CONTEXT_BYTES`` assumption, said in
+``context_basis``); ``driver_share_bytes`` nvidia-smi's total minus CUDA's where both are known. On the machine,
+``lora_kit.check.stack.cuda_memory`` reads the CUDA total itself.
+
 Prices: ``example_price_per_hour`` is an example to show how cost is computed, never a quote; the
 planner takes the user's own ``prices={"H100-SXM": ...}``.
 """
@@ -21,13 +29,18 @@ from pathlib import Path
 
 import pandas as pd
 
+from lora_kit.memory.device import CUDA_CONTEXT_BYTES
+
 CATALOG_CSV = Path(__file__).parents[1] / "catalog" / "gpus.csv"
-COLUMNS = ("name", "memory_gb", "memory_type", "cuda_total_mib", "cuda_total_source", "memory_bandwidth_gbs",
+COLUMNS = ("name", "memory_gb", "memory_type", "cuda_total_mib", "cuda_total_source", "cuda_visible_bytes",
+           "cuda_visible_source", "cuda_context_bytes", "cuda_context_source", "memory_bandwidth_gbs",
            "bf16_tflops", "fp16_tflops", "architecture", "compute_capability", "cpu_arch", "interconnect",
            "interconnect_gbs", "source", "example_price_per_hour", "notes")
 REQUIRED = ("name", "memory_gb", "memory_bandwidth_gbs")
-NUMERIC = ("memory_gb", "cuda_total_mib", "memory_bandwidth_gbs", "bf16_tflops", "fp16_tflops",
+NUMERIC = ("memory_gb", "cuda_total_mib", "cuda_visible_bytes", "cuda_context_bytes", "memory_bandwidth_gbs", "bf16_tflops", "fp16_tflops",
            "interconnect_gbs", "example_price_per_hour")
+FALLBACK_CAPACITY = "fallback: vendor GB x 1e9 (no CUDA reading named)"
+FALLBACK_CONTEXT = "fallback: lora_kit.memory.device.CUDA_CONTEXT_BYTES (an assumption, no reading named)"
 _USER_ROWS: dict[str, dict] = {}  # key -> row added with add_gpu (this Python session only)
 _CACHE: dict = {}
 
@@ -66,6 +79,13 @@ def _finish(df: pd.DataFrame) -> pd.DataFrame:
     df["capacity_bytes"] = df["cuda_total_mib"].mul(2 ** 20).fillna(df["memory_gb"] * 1e9).astype("int64")
     df["capacity_gib"] = df["capacity_bytes"] / 2 ** 30
     df["memory_bytes"] = df["capacity_bytes"]  # alias (the CLI reads it)
+    seen = df["cuda_visible_bytes"].notna()
+    df["cuda_capacity_bytes"] = df["cuda_visible_bytes"].fillna(df["memory_gb"] * 1e9).astype("int64")
+    df["cuda_capacity_basis"] = seen.map({True: "CUDA total (cuda_visible_source)", False: FALLBACK_CAPACITY})
+    ctx = df["cuda_context_bytes"].notna()
+    df["context_bytes"] = df["cuda_context_bytes"].fillna(CUDA_CONTEXT_BYTES).astype("int64")
+    df["context_basis"] = ctx.map({True: "measured (cuda_context_source)", False: FALLBACK_CONTEXT})
+    df["driver_share_bytes"] = df["cuda_total_mib"] * 2 ** 20 - df["cuda_visible_bytes"]  # NaN unless both known
     df["key"] = df["name"].map(_key)
     return df.drop_duplicates("key", keep="last").set_index("name", drop=False)
 
