@@ -27,6 +27,7 @@ QWEN7B_AS_LLAMA = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_
 FIT_H200 = {"l8b-lora-ckpt-s2048", "l8b-qlora-ckpt-s2048", "l1b-full-s2048-b4", "l8b-lora-s2048-b2-nockpt",
             "q3-8b-lora-ckpt-s8192"}
 FIT_PEFT = {"lora--llama-3.2-3B-rank32", "full-finetuning--llama-3.2-3B-lr_0.00001"}
+FIT_QWEN = {"qwen:Qwen-7B-s256"}
 PEFT_LORA_LIKE = {"rank64-rslora": "rsLoRA only changes the scale alpha/sqrt(r): the same kernels as LoRA"}
 
 
@@ -127,10 +128,13 @@ def published_rows(ref: Path) -> list:
             "gpu": "A100-80GB",
             "settings": _settings(method="qlora" if gptq else "lora", seq_len=int(r["seq_len"]), batch_size=1,
                                   lora_rank=64, lora_targets="all-linear", gradient_checkpointing=True,
-                                  dtype="float16" if gptq else "bfloat16", grad_accum=8),
+                                  dtype="float16" if gptq else "bfloat16", grad_accum=8,
+                                  autocast=True),
             "measured": {"step_seconds": secs, "tokens_per_step": 8 * int(r["seq_len"])},
-            "role": "judged", "out_of_scope": "GPTQ int4 kernels (auto-gptq), not bitsandbytes NF4" if gptq else None,
-            "notes": ("HF Trainer, FlashAttention-2, PyTorch 2.0, CUDA 11.8; 1 iteration = 8 micro-steps of batch 1 + "
+            "role": "fit" if f"qwen:{r['model'].split('/')[-1]}-s{r['seq_len']}" in FIT_QWEN else "judged",
+            "out_of_scope": "GPTQ int4 kernels (auto-gptq), not bitsandbytes NF4" if gptq else None,
+            "notes": ("HF Trainer --bf16 (autocast; peft of 2023 kept adapters in the base dtype), FlashAttention-2, "
+                      "PyTorch 2.0, CUDA 11.8; 1 iteration = 8 micro-steps of batch 1 + "
                       "one optimizer step; optimizer assumed AdamW (torch)")})
     a = [r for r in pub if r["source"].startswith("Answer.AI") and " s per " in (r["notes"] or "")]
     for r in a:

@@ -1,92 +1,98 @@
-"""Step time from FLOPs: an assumed utilization the user sees, replaced by a measured one (calibration).
+"""Step time from the kernels CUDA runs: each matmul at its dtype's peak, attention at the kernel SDPA picks,
+element-wise traffic at memory bandwidth, QLoRA's dequantisation per pass, the optimizer by bytes moved.
 
-Model of one training step (forward + backward + optimizer step), ``T = batch_size * seq_len`` tokens
-per GPU, ``P`` = weights of every matmul the tokens pass through (the block linears plus the LM head;
-the embedding is a lookup, not a matmul), ``s`` = seq_len, ``a`` = attention width (heads * head_dim),
-``L`` = layers, ``r`` = LoRA rank:
+One training step on one GPU (``T = batch_size * seq_len`` tokens per micro-step; ``grad_accum`` micro-steps,
+then one optimizer step). Every kernel costs ``max(device time, host_seconds_per_kernel)``: eager PyTorch
+dispatches kernels one by one, so small ones are launch-bound; a kernel's device time is its roofline,
+``max(FLOPs / (peak * matmul_efficiency), bytes / (bandwidth * bandwidth_efficiency))``.
 
-- forward: ``2 T P`` (one multiply-add per weight per token) + attention ``4 T s a L * c`` (QK^T and
-  AV; ``c`` = 0.5 with ``attn_implementation="sdpa"`` because flash/efficient kernels skip the masked
-  half of a causal matrix, 1.0 with "eager");
-- backward, full fine-tuning: ``2 x forward`` (input gradients + weight gradients), the usual ``6 T P``;
-- backward, LoRA / QLoRA: the frozen weights still need *input* gradients (``2 T P``) but no weight
-  gradients; attention backward is ``2 x`` its forward (it has no weights); the adapters cost
-  ``6 T r (in + out)`` per adapted linear (small: r << width);
-- gradient checkpointing: the decoder blocks' forward runs a second time during backward (the LM head
-  is not recomputed);
-- QLoRA dequantization: every pass through a 4-bit linear (forward, backward, and the recomputed
-  forward) first expands its NF4 weights to the compute dtype: ``2.5 bytes`` moved per weight
-  (0.5 read + 2 written), a memory-bound cost ``passes * P_lin * 2.5 / bandwidth``. It does not
-  shrink with the batch, which is why QLoRA is much slower per token at small batches;
-- optimizer step: memory-bound, ``16 bytes`` moved per trainable fp32 parameter for AdamW (read
-  param, grad, two moments; write param and moments), ``/ bandwidth``;
-- compute runs at ``mfu`` (model FLOPs utilization) of the GPU's dense tensor-core peak for the
-  compute dtype; memory-bound parts at ``bandwidth_efficiency`` of the datasheet bandwidth.
+- **Matmuls** by shape ``T x in x out`` and the dtype they really run in: base linears in the compute dtype
+  (tensor-core ``bf16_tflops`` / ``fp16_tflops``); LoRA's A and B in the adapter dtype (fp32: peft keeps adapters
+  in fp32); with QLoRA's usual recipe (``prepare_model_for_kbit_training``) also ``lm_head`` in fp32. fp32
+  matmuls run on CUDA cores (``allow_tf32`` is off by default): ``FP32_TFLOPS`` of
+  :mod:`lora_kit.plan.time_constants`. Backward: input gradients for every linear, weight gradients for trained
+  ones (full fine-tuning; LoRA's A and B).
+- **Attention** at the kernel CUDA's SDPA picks: FlashAttention for fp16/bf16 on sm80+ (causal half skipped,
+  backward 2.5x forward) at ``attention_efficiency`` of the tensor peak; in fp32 (QLoRA's recipe) the
+  memory-efficient kernel for MHA, and for GQA the **math** kernel before torch 2.14: full S x S scores in fp32
+  on CUDA cores plus their traffic. ``attn_implementation="eager"`` is the math path in the activation dtype.
+- **Element-wise and norm traffic** (RMSNorm in fp32 internally, rotary, residual adds, SiLU x up, LoRA's casts
+  and adds, the loss's fp32 logits) at bandwidth; activations are fp32 under QLoRA's recipe.
+- **QLoRA dequantisation**: every pass through a 4-bit linear (forward, backward, the recomputed forward)
+  expands its NF4 weights to bf16: ``(0.5 + 2) bytes`` per weight at bandwidth, times ``dequant_factor``
+  (bitsandbytes' measured cost over that bound).
+- **Checkpointing**: the decoder blocks' forward runs again in backward, and its Python (non-reentrant
+  checkpointing re-runs each block's module code inside backward) adds host time the device waits for.
+- **Optimizer**: ``torch.optim.AdamW(foreach=True)`` moves 20 state-sized passes per trainable element (in the
+  trained parameters' dtype); bitsandbytes' 8-bit optimizers are fused (10 bytes per parameter).
+- **Several GPUs**: this is each GPU's step; :mod:`lora_kit.plan.multi_gpu` adds the communication.
 
-Assumptions (each one shown to the user in :meth:`TimeModel.describe`):
+The six ``FITTED`` constants are the same for every GPU; a GPU enters only through its datasheet peaks.
+``benchmarks/time_published.py`` fits them on published and measured runs and judges them on others
+(``docs/time-model.md``); the model's measured error gives the interval the planner prints.
 
-- ``mfu = 0.35`` until calibrated: LoRA fine-tuning of 1-10B models with HF Trainer typically
-  reaches 25-50 % of the dense bf16 peak; smaller models and short sequences reach less.
-- compute rate by dtype: bfloat16 / autocast -> ``bf16_tflops`` (fp16 figure if bf16 is missing);
-  float16 -> ``fp16_tflops``; float32 without autocast -> TF32 tensor cores at half the bf16 rate
-  (true of the A100 / H100 / Ada datasheets).
-- ``bandwidth_efficiency = 0.7`` of the datasheet memory bandwidth for the memory-bound parts.
-- data parallel (num_gpus > 1): each GPU runs the same step on its own micro-batch; gradient
-  all-reduce, ZeRO-3 / FSDP parameter gathers and CPU offload traffic are NOT modelled (they overlap
-  with compute on NVLink machines, they do not over PCIe): treat multi-GPU times as a lower bound.
-- padding: ``seq_len`` is the padded length, so tokens/s counts pad tokens as work; packing removes them.
-
-Calibration: :func:`calibrate` takes a measured step time (e.g. a smoke run's median) and the
-settings it ran with, and returns a :class:`TimeModel` whose ``mfu`` reproduces it exactly; the
-memory-bound terms are kept and the remainder is attributed to compute. Given a second measured
-step with far fewer tokens it also solves for a fixed per-step overhead (kernel launches, per-op
-dispatch, Python), which matters on CPUs and for tiny models.
-
-Accuracy (measured, ``benchmarks/time_model_accuracy.py --threads 1``, a hidden-256 4-layer Llama on
-this repository's shared CPU, median wall of 5 round-robin repeats): calibrated on one LoRA step
-(seq_len 128, batch 8), the predictions for seq_len 256, batch 16, checkpointing on and full
-fine-tuning were within 6-11 %; seq_len 512 (-25 %: CPU attention does not skip the causal half)
-and QLoRA (-22 %: bitsandbytes' CPU dequantization is slower than a bandwidth bound) missed, and a
-16-token step was 84 % under (fixed per-step costs; the two-run calibration removes that). With two
-threads on the loaded machine the same steps were 3-10x slower and too noisy to judge (a step
-varied 3.9-6.0 s of CPU time between runs). Check it on your GPU with the same script.
+Calibration: :func:`calibrate` takes a measured step (a smoke run's median) and returns a :class:`TimeModel`
+whose ``scale`` reproduces it; with a second measured step with far fewer tokens it also solves for a fixed
+``overhead_seconds`` per step (Python, data loading, synchronisation). A calibrated model's interval is the
+smaller one measured for a calibration on the same GPU.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from importlib import metadata
 
 from lora_kit.memory.specs import check_targets, model_spec
+from lora_kit.plan import time_constants as C
 from lora_kit.settings import Step, as_step
 
-DEQUANT_BYTES_PER_WEIGHT = 2.5  # NF4 read (0.5 B) + compute-dtype write (2 B)
-OPTIMIZER_BYTES = {"adamw": 16, "paged_adamw_32bit": 16, "adamw_8bit": 10, "paged_adamw_8bit": 10,
-                   "sgd": 8, "adafactor": 12}  # bytes moved per trainable parameter in optimizer.step()
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PARTS = ("matmul", "adapters", "attention", "elementwise", "dequant", "lm_head_loss", "recompute_host", "optimizer")
 
 
 @dataclass(frozen=True)
 class TimeModel:
-    """Utilization assumptions; ``source`` says whether they are assumed or measured."""
-    mfu: float = 0.35  # fraction of the dense tensor-core peak the matmuls reach
-    bandwidth_efficiency: float = 0.7  # fraction of datasheet memory bandwidth for memory-bound parts
-    overhead_seconds: float = 0.0  # fixed cost per step (kernel launches, Python); 0 unless calibrated on 2 runs
-    source: str = "assumed (typical LoRA fine-tuning on a datacenter GPU); calibrate with a measured step"
+    """The fitted constants (:mod:`lora_kit.plan.time_constants`), a calibration ``scale`` and fixed
+    ``overhead_seconds``, and the model's measured ``error_factor`` (the interval is ``[t / f, t * f]``)."""
+    matmul_efficiency: float = C.FITTED["matmul_efficiency"]
+    attention_efficiency: float = C.FITTED["attention_efficiency"]
+    bandwidth_efficiency: float = C.FITTED["bandwidth_efficiency"]
+    host_seconds_per_kernel: float = C.FITTED["host_seconds_per_kernel"]
+    dequant_factor: float = C.FITTED["dequant_factor"]
+    recompute_host_seconds_per_kernel: float = C.FITTED["recompute_host_seconds_per_kernel"]
+    scale: float = 1.0  # measured / modelled, from a calibration on the user's GPU
+    overhead_seconds: float = 0.0  # fixed cost per step; 0 unless calibrated on 2 runs
+    error_factor: float = C.ERROR_FACTOR_UNCALIBRATED
+    source: str = ("fitted on published GPU runs (benchmarks/time_published.py, docs/time-model.md); calibrate "
+                   "with a measured step on your GPU")
+    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
-        for name in ("mfu", "bandwidth_efficiency"):
+        for name in ("matmul_efficiency", "attention_efficiency", "bandwidth_efficiency", "dequant_factor", "scale"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v and math.isfinite(v)):
                 raise ValueError(f"TimeModel.{name} must be a positive number, got {v!r}.")
-        if not (isinstance(self.overhead_seconds, (int, float)) and self.overhead_seconds >= 0):
-            raise ValueError(f"TimeModel.overhead_seconds must be >= 0, got {self.overhead_seconds!r}.")
+        for name in ("overhead_seconds", "host_seconds_per_kernel", "recompute_host_seconds_per_kernel"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ValueError(f"TimeModel.{name} must be >= 0, got {v!r}.")
+        if not (isinstance(self.error_factor, (int, float)) and self.error_factor >= 1):
+            raise ValueError(f"TimeModel.error_factor must be >= 1, got {self.error_factor!r}.")
 
     def describe(self) -> str:
+        cal = f", x{self.scale:.3g} from calibration" if self.scale != 1 else ""
         fixed = f", {self.overhead_seconds:.3g} s fixed per step" if self.overhead_seconds else ""
-        return (f"step-time model: {self.mfu:.1%} of peak FLOP/s for matmuls, "
-                f"{self.bandwidth_efficiency:.0%} of datasheet bandwidth for memory-bound parts{fixed} ({self.source})")
+        return (f"step-time model: matmuls at {self.matmul_efficiency:.0%} of their dtype's peak, attention at "
+                f"{self.attention_efficiency:.0%}, memory traffic at {self.bandwidth_efficiency:.0%} of datasheet "
+                f"bandwidth, {self.host_seconds_per_kernel * 1e6:.3g} us per kernel launch, bitsandbytes "
+                f"dequantisation {self.dequant_factor:.3g}x its bandwidth bound, checkpointing's recompute "
+                f"{self.recompute_host_seconds_per_kernel * 1e6:.3g} us of Python per kernel{cal}{fixed}; measured error within "
+                f"x{self.error_factor:.2g} ({self.source})")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("extra")
+        return d
 
 
 def _targets(spec, step: Step) -> list:
@@ -130,89 +136,254 @@ def trainable_params(spec, step: Step) -> int:
     return sum(step.lora_rank * (lin.in_features + lin.out_features) for lin in _targets(spec, step)) * spec.num_layers
 
 
+def fp32_flops(gpu: dict) -> tuple[float, str]:
+    """FP32 CUDA-core FLOP/s of ``gpu`` and where the figure comes from."""
+    own = gpu.get("fp32_tflops")
+    if isinstance(own, (int, float)) and own == own and own > 0:
+        return float(own) * 1e12, "the GPU row's fp32_tflops"
+    if gpu.get("name") in C.FP32_TFLOPS:
+        return C.FP32_TFLOPS[gpu["name"]] * 1e12, "datasheet FP32 (lora_kit/plan/time_constants.py)"
+    return peak_flops(gpu, "bfloat16", False) * C.FP32_OF_BF16_FALLBACK, (
+        f"assumed {C.FP32_OF_BF16_FALLBACK:.3g} of the bf16 peak (no FP32 figure for this GPU)")
+
+
 def peak_flops(gpu: dict, dtype: str, autocast: bool) -> float:
-    """Dense FLOP/s the matmuls run at on ``gpu`` (a catalog row) for the compute dtype (see assumptions)."""
+    """Dense FLOP/s of ``gpu`` (a catalog row) for matmuls in ``dtype``: the tensor-core figure for bf16 / fp16
+    (fp16's where bf16 is missing) and under autocast; CUDA cores (:func:`fp32_flops`) for fp32."""
     bf16, fp16 = gpu.get("bf16_tflops"), gpu.get("fp16_tflops")
     bf16 = bf16 if bf16 == bf16 and bf16 else fp16  # NaN / missing -> fp16 figure
     fp16 = fp16 if fp16 == fp16 and fp16 else bf16
-    tf = {"bfloat16": bf16, "float16": fp16}.get(dtype, bf16 if autocast else (bf16 or 0) / 2)
-    if not tf or tf != tf:
+    if not bf16 or bf16 != bf16:
         raise ValueError(f"GPU {gpu.get('name')!r} has no tensor-core TFLOP/s in the catalog; add bf16_tflops.")
-    return float(tf) * 1e12
+    if dtype == "float32" and not autocast:
+        return fp32_flops(gpu)[0]
+    return float(fp16 if dtype == "float16" else bf16) * 1e12
+
+
+def _torch_version() -> tuple:
+    try:
+        return tuple(int(x) for x in metadata.version("torch").split("+")[0].split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return (0, 0)
+
+
+def attention_kernel(spec, step: Step, gpu: dict, torch_version: tuple | None = None) -> str:
+    """The kernel CUDA's SDPA runs for this step: "flash", "mem_efficient", "math", or "eager" (transformers'
+    own matmul-softmax-matmul), from PyTorch's dispatch rules (see ``time_constants``)."""
+    spec, st = model_spec(spec), as_step(step)
+    if st.attn_implementation == "eager":
+        return "eager"
+    act = _dtypes(st)["activations"]
+    gqa = spec.num_kv_heads != spec.num_heads
+    tv = _torch_version() if torch_version is None else torch_version
+    mem_eff_ok = not gqa or tv >= C.MEM_EFFICIENT_GQA_FROM_TORCH
+    cc = gpu.get("compute_capability")
+    cc = float(cc) if isinstance(cc, (int, float, str)) and str(cc).replace(".", "", 1).isdigit() else 8.0
+    if act != "float32" and cc >= C.FLASH_MIN_CAPABILITY and spec.head_dim <= 256:
+        return "flash"
+    return "mem_efficient" if mem_eff_ok else "math"
+
+
+def _dtypes(st: Step) -> dict:
+    """The dtype each part runs in. QLoRA's usual recipe (prepare_model_for_kbit_training) up-casts every
+    non-quantised tensor to fp32: activations, norms, lm_head; its 4-bit matmuls compute in ``dtype``."""
+    half = st.dtype if st.dtype != "float32" else "bfloat16"
+    if st.method == "qlora":
+        return {"base": half, "activations": "float32", "head": "float32", "adapters": half if st.autocast else
+                "float32", "weights": half}
+    base = half if st.autocast else st.dtype
+    return {"base": base, "activations": base, "head": base, "adapters": base if st.autocast else "float32",
+            "weights": st.dtype}
+
+
+class _Clock:
+    """Sums kernels by part: each costs max(roofline device time, host dispatch time)."""
+
+    def __init__(self, gpu: dict, tm: TimeModel):
+        self.tm, self.gpu = tm, gpu
+        self.bw = float(gpu["memory_bandwidth_gbs"]) * 1e9 * tm.bandwidth_efficiency
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+        self.kernels = 0.0
+
+    def add(self, part, flops=0.0, peak=1.0, eff=None, bytes_=0.0, kernels=1.0, times=1.0):
+        dev = max(flops / (peak * (eff or self.tm.matmul_efficiency)), bytes_ / self.bw)
+        self.seconds[part] += times * max(dev, kernels * self.tm.host_seconds_per_kernel)
+        self.kernels += times * kernels
+
+    def matmul(self, part, T, k, n, peak, act_bytes, weight_bytes, times=1.0):
+        self.add(part, 2.0 * T * k * n, peak, bytes_=T * (k + n) * act_bytes + k * n * weight_bytes, times=times)
+
+
+def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: float, adapted: set, kernel: str):
+    """One pass over the decoder blocks: ``kind`` = "forward" or "backward" (a recompute is another forward)."""
+    dt = _dtypes(st)
+    a = DTYPE_BYTES[dt["activations"]]
+    mm_b = DTYPE_BYTES[dt["base"]]
+    base_peak = peak_flops(gpu, dt["base"], False)
+    f32_peak = fp32_flops(gpu)[0]
+    bwd = kind == "backward"
+    L = spec.num_layers
+    H, F = spec.hidden_size, spec.intermediate_size
+    trained_base = st.method == "full"
+    for lin in spec.linears:
+        n_l = times * (lin.layers or L)
+        k, n = lin.in_features, lin.out_features
+        mms = (2 if trained_base else 1) if bwd else 1
+        c.matmul("matmul", T, k, n, base_peak, mm_b, mm_b, times=n_l * mms)
+        if st.autocast and dt["weights"] == "float32":  # fp32 master weight cast to 16-bit per use
+            c.add("elementwise", bytes_=k * n * 6, times=n_l)
+        if st.method == "qlora":
+            c.add("dequant", bytes_=k * n * (C.NF4_READ_BYTES + C.DEQUANT_WRITE_BYTES) * c.tm.dequant_factor,
+                  kernels=2, times=n_l)
+            c.add("elementwise", bytes_=T * (k + n) * (a + mm_b), kernels=C.QLORA_EXTRA_KERNELS - 2, times=n_l)
+        if lin.name in adapted:
+            r, ab = st.lora_rank, DTYPE_BYTES[dt["adapters"]]
+            ap = f32_peak if dt["adapters"] == "float32" else base_peak
+            per = 2 if bwd else 1  # A and B: input and weight gradients in backward
+            c.matmul("adapters", T, k, r, ap, ab, ab, times=n_l * per)
+            c.matmul("adapters", T, r, n, ap, ab, ab, times=n_l * per)
+            ew = (T * k * (a + ab) if a != ab else 0) + T * n * (2 * ab + 2 * a + ab)
+            c.add("adapters", bytes_=ew * (C.BACKWARD_ELEMENTWISE if bwd else 1),
+                  kernels=C.LORA_ELEMENTWISE_KERNELS * (C.BACKWARD_KERNELS if bwd else 1), times=n_l)
+    # element-wise traffic of one block
+    q_k = T * (spec.num_heads + spec.num_kv_heads) * spec.head_dim
+    ew = (spec.norms_per_layer * T * H * C.NORM_BYTES(a) + q_k * a * C.ROTARY_PASSES
+          + T * H * a * (C.ATTN_LAYOUT_PASSES + 2 * C.RESIDUAL_PASSES) + T * F * a * C.MLP_ACT_PASSES)
+    kn = spec.norms_per_layer * C.NORM_KERNELS + C.ROTARY_KERNELS + C.BLOCK_OTHER_KERNELS
+    c.add("elementwise", bytes_=ew * (C.BACKWARD_ELEMENTWISE if bwd else 1),
+          kernels=kn * (C.BACKWARD_KERNELS if bwd else 1), times=times * L)
+    _attention(c, spec, st, gpu, kernel, bwd, times * L)
+
+
+def _attention(c: _Clock, spec, st: Step, gpu: dict, kernel: str, bwd: bool, times: float):
+    B, s = st.batch_size, st.seq_len
+    width = spec.num_heads * spec.head_dim
+    dt = _dtypes(st)
+    if kernel in ("flash", "mem_efficient"):
+        flops = 4.0 * B * s * s * width * C.CAUSAL_FRACTION * (C.FLASH_BACKWARD_FLOPS if bwd else 1.0)
+        peak = (peak_flops(gpu, dt["activations"], False) if kernel == "flash" or dt["activations"] != "float32"
+                else fp32_flops(gpu)[0])
+        c.add("attention", flops, peak, eff=c.tm.attention_efficiency,
+              bytes_=4 * B * s * width * DTYPE_BYTES[dt["activations"]], kernels=3 if bwd else 1, times=times)
+        return
+    # math / eager: full S x S scores materialised (the causal half is masked, not skipped)
+    act = dt["activations"]
+    peak = peak_flops(gpu, act, False)
+    score_b = 4 if kernel == "eager" or act == "float32" else DTYPE_BYTES[act]
+    passes = C.MATH_SCORE_PASSES_BWD if bwd else C.MATH_SCORE_PASSES_FWD
+    scores = B * spec.num_heads * s * s * score_b * passes
+    gqa = 2 * B * s * width * DTYPE_BYTES[act] * 2 if spec.num_kv_heads != spec.num_heads else 0
+    c.add("attention", 4.0 * B * s * s * width * (2 if bwd else 1), peak, bytes_=0, kernels=2 * (2 if bwd else 1),
+          times=times)
+    c.add("attention", bytes_=scores + gqa, kernels=passes, times=times)
+
+
+def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeModel | None = None,
+                 **overrides) -> dict:
+    """Seconds of one optimizer step by part (before calibration), kernels launched, the attention kernel."""
+    tm = time_model or TimeModel()
+    spec, st = model_spec(spec), as_step(step, **overrides)
+    c = _Clock(gpu, tm)
+    T = int(st.batch_size) * int(st.seq_len)
+    adapted = set() if st.method == "full" else {lin.name for lin in _targets(spec, st)}
+    kernel = attention_kernel(spec, st, gpu)
+    for kind in ("forward", "backward"):
+        _block_pass(c, spec, st, gpu, kind, T, 1.0, adapted, kernel)
+    if st.gradient_checkpointing:  # the blocks' forward again, inside backward; its Python does not overlap
+        before = c.kernels
+        _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
+        c.seconds["recompute_host"] += (c.kernels - before) * tm.recompute_host_seconds_per_kernel
+    dt = _dtypes(st)
+    hb = DTYPE_BYTES[dt["head"]]
+    hp = peak_flops(gpu, dt["head"], False)
+    H, V = spec.hidden_size, spec.vocab_size
+    head_mms = 1 + (2 if st.method == "full" else 1)  # forward; input (and weight) gradient
+    c.matmul("lm_head_loss", T, H, V, hp, hb, hb, times=head_mms)
+    a = DTYPE_BYTES[dt["activations"]]
+    c.add("lm_head_loss", bytes_=T * V * 4 * C.LOSS_PASSES + 2 * T * H * C.NORM_BYTES(a), kernels=12 + 2 * C.NORM_KERNELS)
+    micro = sum(c.seconds.values())
+    opt_s, opt_k = _optimizer_seconds(spec, st, c)
+    parts = {k: v * st.grad_accum for k, v in c.seconds.items()}
+    parts["optimizer"] = opt_s
+    return {"parts": parts, "micro_step_seconds": micro, "kernels": c.kernels * st.grad_accum + opt_k,
+            "attention_kernel": kernel, "dtypes": dt, "fp32_source": fp32_flops(gpu)[1]}
+
+
+def _optimizer_seconds(spec, st: Step, c: _Clock) -> tuple:
+    n = trainable_params(spec, st)
+    if st.method == "full":
+        elem = 4 if (st.autocast or st.dtype == "float32") else DTYPE_BYTES[st.dtype]
+        tensors = len(spec.linears) * spec.num_layers + spec.norms_per_layer * spec.num_layers + 3
+    else:
+        elem, tensors = 4, 2 * len(_targets(spec, st)) * spec.num_layers
+    per = C.OPTIMIZER_BYTES_PER_PARAM.get(st.optimizer, C.ADAMW_FOREACH_PASSES * elem)
+    kernels = C.FOREACH_OPS * math.ceil(tensors / C.FOREACH_TENSORS_PER_KERNEL)
+    dev = n * per / c.bw
+    return max(dev, kernels * c.tm.host_seconds_per_kernel), kernels
 
 
 def step_time(spec, gpu: dict, step: Step | None = None, time_model: TimeModel | None = None,
               **overrides) -> dict:
-    """Predicted seconds per optimizer step (micro-batch per GPU) and tokens/s over all GPUs, for ``step``
-    (default ``PLANNING``) with ``overrides``.
+    """Predicted seconds per optimizer step on each GPU (``grad_accum`` micro-steps of ``batch_size`` rows, then
+    the optimizer) and tokens/s over all GPUs, for ``step`` (default ``PLANNING``) with ``overrides``.
 
     ``gpu`` is a catalog row (``lora_kit.plan.gpus.get_gpu(name)``) or any dict with ``bf16_tflops`` /
-    ``fp16_tflops`` and ``memory_bandwidth_gbs`` (e.g. a CPU described by the user).
+    ``fp16_tflops`` and ``memory_bandwidth_gbs`` (optionally ``fp32_tflops`` and ``compute_capability``).
+    ``interval_seconds`` is ``[t / f, t * f]`` with ``f`` the model's measured error (``time_model.error_factor``).
     """
     tm = time_model or TimeModel()
-    st = as_step(step, **overrides)
+    spec, st = model_spec(spec), as_step(step, **overrides)
+    d = device_parts(spec, gpu, st, tm)
+    p = d["parts"]
+    modelled = sum(p.values())
+    total = tm.scale * modelled + tm.overhead_seconds
     f = flops_per_step(spec, st)
-    compute_s = f["total"] / (peak_flops(gpu, st.dtype, st.autocast) * tm.mfu)
-    bw = float(gpu["memory_bandwidth_gbs"]) * 1e9 * tm.bandwidth_efficiency
-    memory_s = _memory_bound_seconds(spec, st, bw)
-    total = compute_s + memory_s["dequant"] + memory_s["optimizer"] + tm.overhead_seconds
-    return {"step_seconds": total, "compute_seconds": compute_s, "dequant_seconds": memory_s["dequant"],
-            "optimizer_seconds": memory_s["optimizer"], "flops": f["total"],
-            "tokens_per_step": f["tokens"] * st.num_gpus, "tokens_per_second": f["tokens"] * st.num_gpus / total,
-            "mfu": tm.mfu, "time_model": tm.describe()}
-
-
-def _memory_bound_seconds(spec, step: Step, bw) -> dict:
-    spec = model_spec(spec)
-    dequant = 0.0
-    if step.method == "qlora":
-        p_lin = sum(lin.in_features * lin.out_features for lin in spec.linears) * spec.num_layers
-        passes = 3 if step.gradient_checkpointing else 2
-        dequant = passes * p_lin * DEQUANT_BYTES_PER_WEIGHT / bw
-    opt = trainable_params(spec, step) * OPTIMIZER_BYTES.get(step.optimizer, 16) / bw
-    return {"dequant": dequant, "optimizer": opt}
+    tokens = f["tokens"] * st.grad_accum
+    flops = f["total"] * st.grad_accum
+    peak = peak_flops(gpu, _dtypes(st)["base"], False)
+    return {"step_seconds": total, "interval_seconds": (total / tm.error_factor, total * tm.error_factor),
+            "compute_seconds": tm.scale * (p["matmul"] + p["adapters"] + p["attention"] + p["lm_head_loss"]),
+            "dequant_seconds": tm.scale * p["dequant"], "optimizer_seconds": tm.scale * p["optimizer"],
+            "parts_seconds": {k: tm.scale * v for k, v in p.items()}, "kernels": d["kernels"],
+            "attention_kernel": d["attention_kernel"], "dtypes": d["dtypes"], "flops": flops,
+            "tokens_per_step": tokens * st.num_gpus, "tokens_per_second": tokens * st.num_gpus / total,
+            "mfu": flops / (total * peak), "time_model": tm.describe()}
 
 
 def calibrate(measured_step_seconds: float, settings, gpu: dict, time_model: TimeModel | None = None,
               spec=None, second: tuple | None = None) -> TimeModel:
-    """A TimeModel whose ``mfu`` reproduces ``measured_step_seconds`` for ``settings`` on ``gpu``.
+    """A TimeModel whose ``scale`` reproduces ``measured_step_seconds`` for ``settings`` on ``gpu``.
 
-    ``settings``: a :class:`lora_kit.settings.Settings`, or a dict of step fields and ``model``. The
-    memory-bound terms (dequantization, optimizer) keep ``bandwidth_efficiency``; the rest of the
-    measured time is attributed to the matmuls. Raises if the memory-bound terms alone exceed it.
-
-    ``second=(seconds, settings)``: a second measured step with far fewer tokens (e.g. batch 1 and a
-    short sequence). Then two numbers are solved for: ``mfu`` and a fixed ``overhead_seconds`` per
-    step (kernel launches, Python, per-op dispatch), which dominates small models and CPUs.
+    ``settings``: a :class:`lora_kit.settings.Settings`, or a dict of step fields and ``model``.
+    ``second=(seconds, settings)``: a second measured step with far fewer tokens (e.g. batch 1 and a short
+    sequence). Then two numbers are solved for: ``scale`` and a fixed ``overhead_seconds`` per step (Python,
+    data loading, synchronisation), which dominates small models and CPUs. The calibrated model's
+    ``error_factor`` is the smaller one measured after calibrating on the same GPU
+    (``time_constants.ERROR_FACTOR_CALIBRATED``).
     """
     for t in (measured_step_seconds, *(second[:1] if second else ())):
-        if not (isinstance(t, (int, float)) and t > 0):
+        if not (isinstance(t, (int, float)) and t > 0 and math.isfinite(t)):
             raise ValueError(f"measured step seconds must be positive numbers, got {t!r}.")
-    tm = time_model or TimeModel()
+    tm = replace(time_model or TimeModel(), scale=1.0, overhead_seconds=0.0)
 
-    def parts(sett):
+    def modelled(sett):
         model = spec if spec is not None else (sett["model"] if isinstance(sett, dict) else sett.model)
         st = as_step(sett)
-        p = step_time(model, gpu, st, time_model=replace(tm, overhead_seconds=0.0))
-        return p["compute_seconds"] * tm.mfu, p["dequant_seconds"] + p["optimizer_seconds"], st.to_dict()
+        return step_time(model, gpu, st, time_model=tm)["step_seconds"], st.to_dict()
 
-    a1, mem1, kw = parts(settings)
-    budget1 = measured_step_seconds - mem1
-    if budget1 <= 0:
-        raise ValueError(f"measured {measured_step_seconds:.4g} s is less than the memory-bound part alone "
-                         f"({mem1:.4g} s); check the GPU's memory_bandwidth_gbs.")
+    a1, kw = modelled(settings)
     label = f"{kw.get('method')}, seq_len {kw.get('seq_len')}, batch {kw.get('batch_size')}"
+    err = max(1.0, min(tm.error_factor, C.ERROR_FACTOR_CALIBRATED))
     if second is not None:
-        a2, mem2, kw2 = parts(second[1])
-        budget2 = second[0] - mem2
+        a2, kw2 = modelled(second[1])
         if a1 == a2:
             raise ValueError("the two calibration runs need different token counts (seq_len x batch_size).")
-        inv = (budget1 - budget2) / (a1 - a2)
-        overhead = budget1 - a1 * inv
-        if inv > 0 and overhead >= 0:
-            return replace(tm, mfu=1 / inv, overhead_seconds=overhead, source=(
+        scale = (measured_step_seconds - second[0]) / (a1 - a2)
+        overhead = measured_step_seconds - a1 * scale
+        if scale > 0 and overhead >= 0:
+            return replace(tm, scale=scale, overhead_seconds=overhead, error_factor=err, source=(
                 f"calibrated on two measured steps: {measured_step_seconds:.4g} s ({label}) and {second[0]:.4g} s "
                 f"({kw2.get('method')}, seq_len {kw2.get('seq_len')}, batch {kw2.get('batch_size')})"))
         # inconsistent pair (noise): fall back to the one-run calibration below
-    return replace(tm, mfu=a1 / budget1, overhead_seconds=0.0,
+    return replace(tm, scale=measured_step_seconds / a1, overhead_seconds=0.0, error_factor=err,
                    source=f"calibrated on a measured step of {measured_step_seconds:.4g} s ({label})")

@@ -1,0 +1,91 @@
+"""Every constant of the step-time model (:mod:`lora_kit.plan.timing`), each with its source.
+
+Two kinds:
+
+- **Counted** from the code CUDA runs (PyTorch, transformers, peft, bitsandbytes): bytes a kernel moves, kernels
+  an op launches, which attention kernel SDPA picks. Not fitted.
+- **Fitted** (``FITTED``): six numbers, the same for every GPU, fitted by ``benchmarks/time_published.py`` on the
+  calibration rows of ``benchmarks/reference/time_rows.json`` and judged on the rest (``docs/time-model.md``).
+  A GPU enters only through its datasheet peaks (``lora_kit/catalog/gpus.csv``: ``bf16_tflops``,
+  ``fp16_tflops``, ``memory_bandwidth_gbs``; FP32 below).
+"""
+from __future__ import annotations
+
+# --- fitted (benchmarks/time_published.py --fit; results in benchmarks/results/time_published.json) ----------
+FITTED = {
+    "matmul_efficiency": 0.627,  # fraction of the dtype's dense peak a large matmul reaches
+    "attention_efficiency": 0.369,  # fraction of the 16-bit tensor peak FlashAttention / mem-efficient reach
+    "bandwidth_efficiency": 0.68,  # fraction of datasheet bandwidth element-wise kernels reach
+    "host_seconds_per_kernel": 1.86e-06,  # eager PyTorch's host time to dispatch one kernel (a floor per kernel)
+    "dequant_factor": 11.3,  # bitsandbytes NF4 dequantisation time / its bandwidth bound
+    # non-reentrant checkpointing re-runs each block's Python forward inside backward, where the device waits
+    # for it: host seconds per recomputed kernel that do not overlap with device work
+    "recompute_host_seconds_per_kernel": 3.34e-05,
+}
+
+# Measured error of the model (benchmarks/results/time_published.json): the planner's interval is
+# [t / factor, t * factor]. Before calibration: the largest miss over the in-scope rows; after the smoke run's
+# calibration on the rented GPU: the largest miss of a one-row calibration predicting another row of the same
+# GPU, model and method.
+ERROR_FACTOR_UNCALIBRATED = 1.38  # worst in-scope row: fitted x1.38, judged x1.35
+ERROR_FACTOR_CALIBRATED = 1.37  # worst same-model, same-method pair (median 15.8 %)
+
+# --- FP32 (non-tensor, CUDA-core) dense TFLOP/s, vendor datasheets ------------------------------------------
+# QLoRA's usual recipe (prepare_model_for_kbit_training) keeps LoRA layers, norms and lm_head in fp32, and
+# torch.backends.cuda.matmul.allow_tf32 defaults to False (PyTorch >= 1.12), so those matmuls run on CUDA
+# cores at this rate, not on tensor cores. Keys are catalog names; a row's own ``fp32_tflops`` wins.
+FP32_TFLOPS = {
+    "T4": 8.1,  # NVIDIA T4 datasheet
+    "L4": 30.3,  # NVIDIA L4 datasheet
+    "A10G": 31.2,  # NVIDIA A10 datasheet (the A10G's public figure is the A10's)
+    "RTX-4090": 82.6,  # Ada whitepaper appendix
+    "RTX-6000-Ada": 91.1,  # RTX 6000 Ada datasheet
+    "L40S": 91.6,  # L40S datasheet
+    "A100-40GB": 19.5, "A100-80GB": 19.5,  # A100 datasheet
+    "H100-PCIe": 51.0, "H100-SXM": 67.0, "H200": 67.0,  # H100 / H200 datasheets
+    "B200": 80.0,  # HGX B200 specifications (FP32 per GPU)
+}
+FP32_OF_BF16_FALLBACK = 1 / 8  # GPU without an FP32 figure: assumed 1/8 of its bf16 tensor peak (shown as assumed)
+
+# --- attention kernel CUDA's SDPA picks (torch/nn/attention dispatch rules, sdp_utils.cpp) ------------------
+FLASH_MIN_CAPABILITY = 8.0  # FlashAttention-2 kernels in PyTorch need sm80+; fp16/bf16 only; GQA supported
+MEM_EFFICIENT_GQA_FROM_TORCH = (2, 14)  # memory-efficient kernel accepts enable_gqa from torch 2.14 (PR 181528)
+CAUSAL_FRACTION = 0.5  # flash / memory-efficient kernels skip the masked half of a causal score matrix
+FLASH_BACKWARD_FLOPS = 2.5  # FlashAttention-2 backward = 2.5x its forward FLOPs (5 matmuls vs 2; Dao 2023 §3)
+MATH_SCORE_PASSES_FWD = 6  # math kernel, per S x S element: write QK^T, read+write mask add, read+write softmax, read for AV
+MATH_SCORE_PASSES_BWD = 7  # grad of probs (write), softmax backward (read p, dp; write ds), ds read by two matmuls
+
+# --- element-wise traffic per decoder block, forward (HF Llama-family modelling code) ------------------------
+# RMSNorm: to(fp32), pow, mean, rsqrt*, mul, to(dtype), weight mul -> bytes per element of the hidden state:
+NORM_BYTES = lambda a: 32 + 4 * a  # noqa: E731  (a = activation bytes; fp32 internals = 4 B reads/writes)
+NORM_KERNELS = 7
+ROTARY_PASSES = 10  # q*cos, rotate_half (slice, neg, cat), *sin, add; for q and k: passes over q+k elements
+ROTARY_KERNELS = 12
+RESIDUAL_PASSES = 3  # two reads, one write, per residual add (two adds per block)
+MLP_ACT_PASSES = 6  # silu(gate) (read, write) then * up (two reads, one write) + one re-read: per ffn element
+BLOCK_OTHER_KERNELS = 8  # reshapes that copy (transpose().contiguous()), residual adds, activation
+ATTN_LAYOUT_PASSES = 4  # q/k/v/out transposes to and from the heads layout (read + write of the hidden state)
+BACKWARD_ELEMENTWISE = 2.0  # backward of an element-wise op reads the saved input and the gradient, writes one
+BACKWARD_KERNELS = 1.5  # backward kernels per forward kernel (element-wise grads fuse less than they launch)
+
+# --- LoRA (peft tuners/lora/layer.py Linear.forward) --------------------------------------------------------
+# x cast to the adapter dtype (fp32 by default: autocast_adapter_dtype=True), lora_A, lora_B, * scaling,
+# result + ..., cast back: 2 matmuls and 3 element-wise kernels per adapted linear.
+LORA_ELEMENTWISE_KERNELS = 3
+
+# --- QLoRA (bitsandbytes Linear4bit / matmul_4bit) ----------------------------------------------------------
+NF4_READ_BYTES = 0.5  # 4-bit weight read per element
+DEQUANT_WRITE_BYTES = 2  # the compute-dtype (bf16) copy written per element, then read by the matmul
+QLORA_EXTRA_KERNELS = 4  # dequantize (+ absmax dequant with double quant), cast in, cast out
+
+# --- loss (transformers ForCausalLMLoss: logits.float(), shift, cross_entropy) ------------------------------
+LOSS_PASSES = 8  # fp32 passes over T x V: upcast, shift copy, log_softmax (r+w), nll, backward (r+w+cast)
+
+# --- optimizer step (torch.optim.AdamW(foreach=True), _multi_tensor_adam) -----------------------------------
+# One read or write of a state-sized tensor per foreach op: weight decay mul_ (2), lerp_ (3), mul_ (2),
+# addcmul_ (3), sqrt (2), div_ (2), add_ eps (2), addcdiv_ (4) = 20 passes over trainable elements.
+ADAMW_FOREACH_PASSES = 20
+OPTIMIZER_BYTES_PER_PARAM = {"adamw_8bit": 10, "paged_adamw_8bit": 10,  # bitsandbytes fused 8-bit kernel:
+                             "sgd": 8, "adafactor": 12}  # p, g read; 1-byte m, v rw; p write (bnb optim)
+FOREACH_TENSORS_PER_KERNEL = 36  # tensors per foreach launch at depth 4 (ATen MultiTensorApply.cuh depth_to_max_tensors)
+FOREACH_OPS = 10  # foreach launches per AdamW step (the 8 ops above + step count + bias corrections)
