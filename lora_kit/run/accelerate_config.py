@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lora_kit.results import write_text_atomic
+from lora_kit.run.alloc_conf import DEFAULT, variable
 
 MIXED = {"bfloat16": "bf16", "float16": "fp16", "float32": "no"}
 
@@ -61,5 +62,7 @@ def write_accelerate_config(path, **kwargs) -> Path:
     head = ("# accelerate config written by lora_kit; launch: accelerate launch --config_file "
             f"{Path(path).name} train.py\n# sharding={kwargs.get('sharding', 'ddp')}"
             f" cpu_offload={kwargs.get('cpu_offload', False)}\n"
-            "# QLoRA + fsdp/zero3: set bnb_4bit_quant_storage to the compute dtype in BitsAndBytesConfig.\n")
+            "# QLoRA + fsdp/zero3: set bnb_4bit_quant_storage to the compute dtype in BitsAndBytesConfig.\n"
+            f"# CUDA allocator: launch with {variable()}={DEFAULT} unless you set it (accelerate's config has no field "
+            "for it; lora_kit's smoke run sets it itself)\n")
     return write_text_atomic(path, head + yaml.safe_dump(cfg, sort_keys=True))

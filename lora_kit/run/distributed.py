@@ -17,6 +17,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from lora_kit.run.alloc_conf import apply_default
+
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -27,7 +29,9 @@ def rank() -> int:
 
 
 def init_if_launched() -> bool:
-    """Join the process group when started by torchrun (WORLD_SIZE > 1); True if this call created it."""
+    """Join the process group when started by torchrun (WORLD_SIZE > 1); True if this call created it. Sets the
+    kit's CUDA allocator default first (:func:`lora_kit.run.alloc_conf.apply_default`), before CUDA starts."""
+    apply_default()
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"

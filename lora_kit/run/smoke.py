@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from lora_kit.check.stack import versions
+from lora_kit.check.stack import cuda_memory, versions
 from lora_kit.data import (check_base_mix, control_source, field_settings, is_conversational, load_examples, long_examples_line,
                            mix_examples, run_data, to_examples, write_run_data)
 from lora_kit.loading import fix_bnb_cpu_repack, load_model, load_tokenizer, resolve_model
@@ -75,6 +75,7 @@ from lora_kit.results import (LineLog, NotWritten, active_run, check_output_dir,
 from lora_kit.run import adapter_io
 from lora_kit.run import batches as smoke_data
 from lora_kit.run import distributed as dist_util
+from lora_kit.run.alloc_conf import apply_default as default_allocator
 from lora_kit.run.accelerate_config import write_accelerate_config
 from lora_kit.run.loop import train_steps, trainer_steps
 from lora_kit.run.oom import fit_suggestions, free_memory, is_oom, memory_now
@@ -400,6 +401,7 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
     threads_before = torch.get_num_threads()
     if cpu_threads:
         torch.set_num_threads(cpu_threads)
+    allocator = default_allocator()  # before CUDA starts: expandable segments unless the environment set it
     created = dist_util.init_if_launched()
     rank, world = dist_util.rank(), dist_util.world_size()
     out = Path(s.run_dir) / "smoke"
@@ -407,6 +409,8 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
               "settings": s.to_dict(), "stack": versions(),
               "launch": {"world_size": world, "device": str(dist_util.device()), "sharding": dist_util.engine(s),
                          "torch_threads": torch.get_num_threads(), "memory_limit_bytes": memory_limit_bytes},
+              "allocator": allocator,  # the CUDA caching allocator setting this run started with
+              "cuda_memory": cuda_memory(dist_util.device()),  # mem_get_info of this rank's GPU; None on CPU
               "phases": {p: {"status": "pending"} for p in PHASES},
               "measurement": {
                   "method": "cuda max_memory_allocated per step" if torch.cuda.is_available()
@@ -811,6 +815,7 @@ def check_own_folder(run_dir: str, world: int = 1) -> None:
 def main(argv=None) -> int:
     """``python -m lora_kit.run.smoke --params run.yaml [-p key value ...]`` (works under torchrun)."""
     quiet()
+    default_allocator()  # a launched rank sets it before anything can start CUDA
     p = argparse.ArgumentParser(prog="python -m lora_kit.run.smoke", description=__doc__.split("\n\n")[0])
     p.add_argument("--params", help="YAML params file (Settings fields)")
     p.add_argument("--from-config", metavar="PATH", help="a TRL SFT config: its step, model and trainer fields run "
