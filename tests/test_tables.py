@@ -42,7 +42,9 @@ def test_method_rows_cells(plan):
     cheapest = plan[plan["fits"]]["epoch_cost"].idxmin()
     fastest = plan[plan["fits"]]["epoch_hours"].idxmin()
     assert rows.attrs["recommended"] == cheapest and rows["note"][cheapest] == T.RECOMMENDED
-    assert rows["note"][fastest] == "fastest" and (rows["note"] != "").sum() == 2
+    if fastest != cheapest:  # the cheapest row may also be the fastest: then it carries the recommendation only
+        assert rows["note"][fastest] == "fastest"
+    assert (rows["note"] != "").sum() == 1 + (fastest != cheapest)
     # the planner's recommendation names that row first
     p = plan.loc[cheapest]
     assert f"on {p['gpu']} (${p['epoch_cost']:.2f}" in plan.attrs["recommendation"]

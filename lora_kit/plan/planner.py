@@ -377,35 +377,84 @@ def verdict_text(plan: dict) -> str:
     return f"Does NOT fit on {plan['gpu']}: {need}; short by {head}.{tail}{note}"
 
 
+def epoch_from_data(data: dict, packed: bool = False) -> dict:
+    """One epoch of the user's dataset from the smoke run's data statistics (``smoke.json``'s ``data``: the rows
+    that train after the long-example policy, their mean length): ``{"examples", "tokens", "packed", "note"}``
+    for :func:`compare_methods`' ``epoch``. ``packed``: rows packed into ``seq_len`` (steps follow tokens), else
+    each row padded (steps follow rows)."""
+    if not isinstance(data, dict) or not data.get("usable") or not data.get("mean_length"):
+        raise ValueError("epoch_from_data needs the smoke run's data statistics (smoke.json 'data' with 'usable' and "
+                         f"'mean_length'); got {data!r:.120}. Run the smoke run on your dataset, or pass "
+                         "epoch={'examples': N} (or {'tokens': N, 'packed': True}) yourself.")
+    seq_len = int(data.get("seq_len") or 0)
+    mean = min(float(data["mean_length"]), seq_len) if seq_len else float(data["mean_length"])
+    n = int(data["usable"])
+    return {"examples": n, "tokens": int(round(n * mean)), "packed": bool(packed),
+            "note": f"your dataset: {n:,} rows of {mean:,.0f} tokens on average (the smoke run's data statistics), "
+                    + ("packed into rows of seq_len" if packed else "each padded to seq_len")}
+
+
+def _epoch(epoch, num_examples, dataset_tokens, seq_len) -> dict:
+    """What one epoch is: the user's ``epoch`` (see :func:`epoch_from_data`), else ``dataset_tokens`` packed, else
+    ``num_examples`` padded (the placeholder when the dataset is not known yet)."""
+    if epoch is not None:
+        if not isinstance(epoch, dict) or not (epoch.get("examples") or epoch.get("tokens")):
+            raise ValueError(f"epoch must be a dict with 'examples' (padded rows) or 'tokens' (with 'packed': True), "
+                             f"e.g. epoch_from_data(smoke['data']); got {epoch!r:.120}.")
+        for k in ("examples", "tokens"):
+            v = epoch.get(k)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"epoch[{k!r}] must be a positive number, got {v!r}.")
+        packed = bool(epoch.get("packed")) or not epoch.get("examples")
+        if packed and not epoch.get("tokens"):
+            raise ValueError("a packed epoch needs epoch['tokens'] (the dataset's tokens).")
+        ex = int(epoch["examples"]) if epoch.get("examples") else None
+        return {"examples": ex, "tokens": int(epoch.get("tokens") or ex * int(seq_len)), "packed": packed,
+                "source": "yours", "note": epoch.get("note") or ("your tokens packed into rows of seq_len" if packed
+                                                                 else "your rows, each padded to seq_len")}
+    if num_examples is None or num_examples <= 0:
+        raise ValueError(f"num_examples must be a positive integer, got {num_examples!r}.")
+    if dataset_tokens is not None:
+        if dataset_tokens <= 0:
+            raise ValueError(f"dataset_tokens must be positive, got {dataset_tokens!r}.")
+        return {"examples": None, "tokens": int(dataset_tokens), "packed": True, "source": "yours",
+                "note": "dataset_tokens packed into rows of seq_len"}
+    return {"examples": int(num_examples), "tokens": int(num_examples) * int(seq_len), "packed": False,
+            "source": "placeholder", "note": f"each example padded to seq_len; {int(num_examples):,} examples is a "
+                                             "placeholder until the smoke run has read your dataset (epoch=)"}
+
+
 def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_000, epochs: float = 1.0,
                     dataset_tokens: int | None = None, prices: dict | None = None, margin: float = 0.10,
                     methods=METHODS, time_model=None, max_batch: int = 64, step: Step | None = None,
-                    **overrides) -> pd.DataFrame:
-    """Method x GPU table: fits, memory, step time, tokens/s, time and cost per epoch; recommendation.
+                    epoch: dict | None = None, **overrides) -> pd.DataFrame:
+    """Method x GPU table: fits, memory, step time, tokens/s, time and cost per epoch with their interval;
+    recommendation.
 
     The plan is ``step`` (default ``PLANNING``) with ``overrides``, for each of ``methods`` (LoRA fields back
     to their defaults for "full"). ``batch_size="max"`` uses, per row, the largest micro-batch that fits (up
     to ``max_batch``): the guide's "spend the remaining memory on batch"; an int uses that micro-batch
-    everywhere. An epoch is ``num_examples`` padded to ``seq_len`` (or ``dataset_tokens`` packed into rows of
-    ``seq_len`` when given). ``prices`` maps GPU -> your price per GPU-hour; missing GPUs use the
-    catalog's *example* price and ``price_source`` says so. Time uses :mod:`lora_kit.plan.timing`
-    (``time_model``: a calibrated one from a smoke run, else the assumed utilization).
-    The plain-language recommendation is in ``df.attrs["recommendation"]`` (and :func:`recommend`).
+    everywhere. An epoch is the user's dataset: ``epoch`` (:func:`epoch_from_data` of the smoke run's data
+    statistics, or ``{"examples": N}`` / ``{"tokens": N, "packed": True}``), else ``dataset_tokens`` packed into
+    rows of ``seq_len``, else ``num_examples`` padded to ``seq_len`` (a placeholder; ``df.attrs["epoch"]`` says
+    which). A step is ``grad_accum`` micro-steps of ``batch_size`` rows on each of ``num_gpus`` GPUs.
+    ``prices`` maps GPU -> your price per GPU-hour; missing GPUs use the catalog's *example* price and
+    ``price_source`` says so. Time uses :mod:`lora_kit.plan.timing` (``time_model``: a calibrated one from a
+    smoke run, else the fitted model); ``*_low`` / ``*_high`` columns are the interval from the model's measured
+    error (``df.attrs["time_error_factor"]``). The plain-language recommendation is in ``df.attrs["recommendation"]``
+    (and :func:`recommend`); it says when the cheapest options' costs are within that error.
     """
     check_margin(margin)
     gpus = list(gpus or default_of("gpus"))
-    if num_examples is None or num_examples <= 0:
-        raise ValueError(f"num_examples must be a positive integer, got {num_examples!r}.")
-    if dataset_tokens is not None and dataset_tokens <= 0:
-        raise ValueError(f"dataset_tokens must be positive, got {dataset_tokens!r}.")
     base = as_step(step, **overrides)
+    ep = _epoch(epoch, num_examples, dataset_tokens, base.seq_len)
     if batch_size != "max":
         base = base.replace(batch_size=batch_size)
     steps_by_method = {m: base.for_method(m) for m in methods}  # each method's step, validated
     price = resolve_prices(gpus, prices)
     user_priced = {get_gpu(k)["name"] for k in (prices or {})}
     num_gpus = base.num_gpus
-    seq_len = base.seq_len
+    tm = time_model or TimeModel()
     rows = []
     for method in methods:
         for g in gpus:
@@ -419,30 +468,34 @@ def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_0
             row = {"method": method, "gpu": gname, "fits": bool(v["fits"]) and b > 0, "batch_size": st.batch_size,
                    "peak_gib": e.peak_allocated_bytes / GIB, "device_total_gib": e.device_total_bytes / GIB,
                    "capacity_gib": v["capacity_bytes"] / GIB, "headroom_gib": float(v["headroom_bytes"]) / GIB}
-            t = step_time(model, get_gpu(gname), st, time_model=time_model)
-            tokens_step = t["tokens_per_step"]
-            steps = (math.ceil(dataset_tokens / tokens_step) if dataset_tokens
-                     else math.ceil(num_examples / (st.batch_size * num_gpus)))
+            t = step_time(model, get_gpu(gname), st, time_model=tm)
+            rows_step = st.batch_size * num_gpus * st.grad_accum
+            steps = (math.ceil(ep["tokens"] / (rows_step * st.seq_len)) if ep["packed"]
+                     else math.ceil(ep["examples"] / rows_step))
             hours = steps * epochs * t["step_seconds"] / 3600
             p = price[gname]
+            cost = (hours / epochs) * p * num_gpus if p == p else float("nan")
             row.update(step_seconds=t["step_seconds"], tokens_per_second=t["tokens_per_second"],
                        steps_per_epoch=steps, epoch_hours=hours / epochs, total_hours=hours,
+                       epoch_hours_low=hours / epochs / tm.error_factor, epoch_hours_high=hours / epochs * tm.error_factor,
                        price_per_hour=p, price_source="yours" if gname in user_priced else "example",
-                       epoch_cost=(hours / epochs) * p * num_gpus if p == p else float("nan"),
+                       epoch_cost=cost, epoch_cost_low=cost / tm.error_factor, epoch_cost_high=cost * tm.error_factor,
                        total_cost=hours * p * num_gpus if p == p else float("nan"))
             if not row["fits"]:
-                for k in ("step_seconds", "tokens_per_second", "epoch_hours", "total_hours", "epoch_cost", "total_cost"):
+                for k in TIME_COLUMNS:
                     row[k] = float("nan")
             rows.append(row)
     df = pd.DataFrame(rows)
+    df.attrs["time_error_factor"] = tm.error_factor
     df.attrs["recommendation"] = recommend(df)
-    df.attrs["time_model"] = (time_model or TimeModel()).describe()
-    df.attrs["epoch"] = ({"examples": None, "tokens": int(dataset_tokens),
-                          "note": "dataset_tokens packed into rows of seq_len"} if dataset_tokens else
-                         {"examples": int(num_examples), "tokens": int(num_examples) * int(seq_len),
-                          "note": "each example padded to seq_len"})
+    df.attrs["time_model"] = tm.describe()
+    df.attrs["epoch"] = ep
     df.attrs["epochs"] = epochs
     return df
+
+
+TIME_COLUMNS = ("step_seconds", "tokens_per_second", "epoch_hours", "total_hours", "epoch_cost", "total_cost",
+                "epoch_hours_low", "epoch_hours_high", "epoch_cost_low", "epoch_cost_high")
 
 
 QLORA_VS_LORA = ("weights QLoRA saves (MiB)", "extra activations of QLoRA (MiB)", "QLoRA / LoRA peak")
@@ -471,6 +524,21 @@ def _method_words(method) -> str:
     return "full fine-tuning" if method == "full" else method_label(method)
 
 
+def _within_error(priced: pd.DataFrame, cheapest, factor) -> list[str]:
+    """The options whose cost per epoch is within the time model's measured error of the cheapest one (a ranking
+    the model cannot make: each prediction may be off by that factor)."""
+    if not factor or factor <= 1:
+        return []
+    near = priced[(priced.index != cheapest.name) & (priced["epoch_cost"] <= cheapest["epoch_cost"] * factor)]
+    if near.empty:
+        return []
+    names = ", ".join(f"{_method_words(r['method'])} on {r['gpu']} (${r['epoch_cost']:.2f})"
+                      for _, r in near.sort_values("epoch_cost").head(3).iterrows())
+    return [f"Within the time model's accuracy (x{factor:.2f}, its measured error; a smoke run on the rented GPU "
+            f"narrows it) {names} cost{'s' if len(near) == 1 else ''} the same as {_method_words(cheapest['method'])} "
+            f"on {cheapest['gpu']}."]
+
+
 def recommend(df: pd.DataFrame) -> str:
     """Plain-language recommendation from a :func:`compare_methods` table."""
     ok = df[df["fits"]]
@@ -486,6 +554,7 @@ def recommend(df: pd.DataFrame) -> str:
         c = priced.loc[priced["epoch_cost"].idxmin()]
         parts.append(f"Cheapest per epoch: {_method_words(c['method'])} on {c['gpu']} (${c['epoch_cost']:.2f}, "
                      f"{c['epoch_hours']:.2f} h, micro-batch {c['batch_size']}).")
+        parts += _within_error(priced, c, df.attrs.get("time_error_factor"))
     f = ok.loc[ok["epoch_hours"].idxmin()]
     parts.append(f"Fastest: {_method_words(f['method'])} on {f['gpu']} ({f['epoch_hours']:.2f} h per epoch"
                  + (f", ${f['epoch_cost']:.2f}" if f["epoch_cost"] == f["epoch_cost"] else "") + ").")
