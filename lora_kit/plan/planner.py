@@ -424,6 +424,15 @@ def _epoch(epoch, num_examples, dataset_tokens, seq_len) -> dict:
                                              "placeholder until the smoke run has read your dataset (epoch=)"}
 
 
+def steps_per_epoch(epoch: dict, batch_size: int, seq_len: int, num_gpus: int = 1, grad_accum: int = 1) -> int:
+    """Optimizer steps in one epoch (:func:`_epoch`'s dict): packed tokens fill rows of ``seq_len``; padded
+    examples are one row each; a step takes ``batch_size * num_gpus * grad_accum`` rows."""
+    rows_step = int(batch_size) * int(num_gpus) * int(grad_accum)
+    if epoch.get("packed"):
+        return math.ceil(int(epoch["tokens"]) / (rows_step * int(seq_len)))
+    return math.ceil(int(epoch["examples"]) / rows_step)
+
+
 def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_000, epochs: float = 1.0,
                     dataset_tokens: int | None = None, prices: dict | None = None, margin: float = 0.10,
                     methods=METHODS, time_model=None, max_batch: int = 64, step: Step | None = None,
@@ -469,9 +478,7 @@ def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_0
                    "peak_gib": e.peak_allocated_bytes / GIB, "device_total_gib": e.device_total_bytes / GIB,
                    "capacity_gib": v["capacity_bytes"] / GIB, "headroom_gib": float(v["headroom_bytes"]) / GIB}
             t = step_time(model, get_gpu(gname), st, time_model=tm)
-            rows_step = st.batch_size * num_gpus * st.grad_accum
-            steps = (math.ceil(ep["tokens"] / (rows_step * st.seq_len)) if ep["packed"]
-                     else math.ceil(ep["examples"] / rows_step))
+            steps = steps_per_epoch(ep, st.batch_size, st.seq_len, num_gpus, st.grad_accum)
             hours = steps * epochs * t["step_seconds"] / 3600
             p = price[gname]
             cost = (hours / epochs) * p * num_gpus if p == p else float("nan")

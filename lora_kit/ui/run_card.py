@@ -14,6 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from lora_kit.data import LONG_SHARE_WARN, long_examples_line
+from lora_kit.plan import time_constants
+from lora_kit.plan.gpus import get_gpu
+from lora_kit.plan.planner import epoch_from_data, steps_per_epoch
+from lora_kit.plan.records import plan_row
+from lora_kit.plan.timing import calibrate
 from lora_kit.results import (portable, portable_text, read_record, same_run, settled, write_json_atomic,
                               write_text_atomic)
 from lora_kit.settings import method_label
@@ -235,6 +240,75 @@ def request_lines(plan: dict | None, sweeps: dict | None = None) -> list[str]:
     if longest_line(sweeps):
         lines += ["", longest_line(sweeps)]
     return lines + [""]
+
+
+def _smoke_calibration(smoke: dict, plan: dict, row: dict) -> dict | None:
+    """The smoke run's measured step as a calibration of the plan's GPU, when it ran the planned model on CUDA on
+    that GPU: ``{"scale", "error_factor", "source"}``; None otherwise (a CPU or tiny-model smoke run)."""
+    ss = smoke.get("settings") or {}
+    steps = [x.get("seconds") for x in (smoke.get("steps") or [])[1:] if x.get("seconds")]
+    if not steps or not str((smoke.get("launch") or {}).get("device", "")).startswith("cuda"):
+        return None
+    if ss.get("model") != plan.get("model") or not ss.get("gpu"):
+        return None
+    try:
+        gpu = get_gpu(ss["gpu"])
+        if gpu["name"] != row["gpu"]:
+            return None
+        measured = sorted(steps)[len(steps) // 2]
+        tm = calibrate(measured, ss, gpu)
+    except ValueError:
+        return None
+    return {"scale": tm.scale, "error_factor": tm.error_factor, "source": tm.source}
+
+
+def epoch_time(card: dict) -> dict | None:
+    """Time and cost of one epoch of the user's data for the planned row (``method`` on ``gpu`` of the settings,
+    else the recommended row), with the interval from the time model's measured error: before calibration, or
+    the smaller one after the smoke run calibrated the model on that GPU. The epoch is the plan's when the user
+    gave it, else the smoke run's data statistics, else the plan's placeholder (said so)."""
+    plan, smoke, s = card.get("plan") or {}, card.get("smoke") or {}, card.get("settings") or {}
+    row = plan_row(plan.get("rows") or [], s.get("gpu"), s.get("method"))
+    if not row or not row.get("fits") or not row.get("step_seconds"):
+        return None
+    ep = plan.get("epoch") or {}
+    data = smoke.get("data") or {}
+    if ep.get("source") != "yours" and data.get("usable") and data.get("mean_length"):
+        ep = epoch_from_data(data)
+    if not (ep.get("examples") or ep.get("tokens")):
+        return None
+    a = plan.get("assumptions") or {}
+    n_gpus = int(a.get("num_gpus") or 1)
+    steps = steps_per_epoch(ep, row["batch_size"], plan.get("seq_len") or a.get("seq_len"), n_gpus,
+                            int(s.get("grad_accum") or 1))
+    cal = _smoke_calibration(smoke, plan, row)
+    factor = cal["error_factor"] if cal else time_constants.ERROR_FACTOR_UNCALIBRATED
+    step_s = row["step_seconds"] * (cal["scale"] if cal else 1.0)
+    hours = steps * step_s / 3600
+    price = row.get("price_per_hour")
+    cost = hours * price * n_gpus if price is not None else None
+    return {"method": row["method"], "gpu": row["gpu"], "batch_size": row["batch_size"], "num_gpus": n_gpus,
+            "steps": steps, "step_seconds": step_s, "hours": hours, "hours_low": hours / factor,
+            "hours_high": hours * factor, "cost": cost, "cost_low": cost / factor if cost is not None else None,
+            "cost_high": cost * factor if cost is not None else None, "price_source": row.get("price_source"),
+            "error_factor": factor, "calibration": cal, "epoch": ep}
+
+
+def epoch_time_lines(et: dict | None) -> list[str]:
+    """The epoch's time and cost with their interval, in words."""
+    if not et:
+        return []
+    ep = et["epoch"]
+    size = (f"{ep['examples']:,} rows" if ep.get("examples") else f"{ep['tokens']:,} tokens") + f" ({ep.get('note', '')})"
+    why = (f"after calibrating on the smoke run's measured step on this GPU ({et['calibration']['source']})"
+           if et.get("calibration") else "before calibration: a smoke run of this model on the rented GPU narrows it")
+    cost = (f"; cost **${et['cost']:,.2f}** (${et['cost_low']:,.2f} to ${et['cost_high']:,.2f}, "
+            f"{'your' if et.get('price_source') == 'yours' else 'EXAMPLE'} price)" if et.get("cost") is not None else "")
+    return ["### Time and cost per epoch", "",
+            f"{method_label(et['method'])} on {et['num_gpus']} x {et['gpu']}, micro-batch {et['batch_size']}: one epoch "
+            f"is {size}, {et['steps']:,} steps of {et['step_seconds']:.3g} s: **{et['hours']:,.2f} h** "
+            f"({et['hours_low']:,.2f} to {et['hours_high']:,.2f} h){cost}. The interval is the time model's measured "
+            f"error, x{et['error_factor']:.2f}, {why}.", ""]
 
 
 def _probe_rows(probes: list[dict]) -> list[dict]:
@@ -465,6 +539,7 @@ def render_markdown(card: dict) -> str:
     lines = title_lines(card)
     lines += run_lines(card)
     lines += request_lines(card["plan"], card["sweeps"])
+    lines += epoch_time_lines(card.get("epoch_time"))
     lines += loop_lines(card["plan"], s.get("gpu"))
     # --- settings ----------------------------------------------------------------------------
     lines += ["## Settings", "", "The run's settings (the names and values of a params file):", "",
@@ -566,6 +641,7 @@ def build_report(run_dir: str | Path) -> dict:
     card["figures"] = _figures(d, card["pipeline"])
     card = portable(card, d)  # the card is sent when renting a GPU: no absolute local path (relative to run_dir)
     card["next_checks"] = next_checks(card)
+    card["epoch_time"] = epoch_time(card)
     write_json_atomic(d / "report.json", card)
     write_text_atomic(d / "report.md", portable_text(render_markdown(card), d))
     return {"md": str(d / "report.md"), "json": str(d / "report.json")}
