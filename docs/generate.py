@@ -1,11 +1,11 @@
 """Write the documentation that states measured figures, from the files that hold the measurements.
 
-    .venv/bin/python docs/generate.py           # (re)write docs/accuracy.md, docs/cli.md, README's headline table
+    .venv/bin/python docs/generate.py           # (re)write docs/accuracy.md, docs/cli.md, docs/time-model.md, README's headline table
     .venv/bin/python docs/generate.py --check   # exit 1 naming each generated file that is out of date
 
 Reads ``benchmarks/results/*.json`` (every table, misses included), ``benchmarks/reference/cuda_h200.json``
 (real steps on a GPU) and the argparse parser of ``lora_kit.ui.cli`` (``build_parser``). Writes
-``docs/accuracy.md``, ``docs/cli.md``, the block of ``README.md`` between the ``headline`` marker comments,
+``docs/accuracy.md``, ``docs/cli.md``, ``docs/time-model.md``, the block of ``README.md`` between the ``headline`` marker comments,
 and ``docs/sources.json``: per input file its sha256, and the date it was measured with where that date comes
 from -- the file's own ``_meta`` (``{"date", "machine", "command"}``, optional, per section under
 ``_meta[<section>]``), else ``git log`` (the last commit that changed the file), else the day the generator
@@ -31,6 +31,7 @@ CUDA_REFERENCE = ROOT / "benchmarks" / "reference" / "cuda_h200.json"
 SOURCES = ROOT / "docs" / "sources.json"
 ACCURACY = ROOT / "docs" / "accuracy.md"
 CLI = ROOT / "docs" / "cli.md"
+TIME_MODEL = ROOT / "docs" / "time-model.md"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- generated: headline (docs/generate.py) -->", "<!-- end generated: headline -->"
 GIB = 2 ** 30
@@ -483,7 +484,7 @@ def accuracy_md(prov: dict) -> tuple[str, dict]:
         add(sec_validation(prov))
     known = {"calibrate_accuracy.json", "validation.json", "fit_catalog.json", "memory_accuracy.json", "memory_accuracy_moe.json", "memory_accuracy_sharded_estimate.json",
              "memory_accuracy_sharded_real.json", "loop_accuracy.json", "deepspeed_accuracy.json",
-             "planner_speed.cpu.json"}
+             "planner_speed.cpu.json", "time_published.json"}
     unknown = [p for p in sorted(RESULTS.glob("*.json"))
                if p.name not in known and not p.name.startswith("time_model_accuracy")]
     for p in unknown:  # a results file nobody wrote a table for yet still shows up, raw
@@ -543,6 +544,55 @@ def headline_md(heads: dict) -> str:
     return table(["comparison", "rows", "median \\|error\\|", "p90", "max", "details"], rows)
 
 
+def _ratio_stats(s: dict) -> str:
+    if not s.get("n"):
+        return "no rows"
+    return (f"{s['n']} rows, median error {s['median_abs_error']:.3f} (as a fraction of the measured time), "
+            f"worst x{s['max_factor']:.2f} (ratios {s['min_ratio']:.2f} to {s['max_ratio']:.2f})")
+
+
+def time_model_md(prov: dict) -> str:
+    """docs/time-model.md from benchmarks/results/time_published.json (benchmarks/time_published.py)."""
+    src = RESULTS / "time_published.json"
+    d = json.loads(src.read_text())
+    sec = Section("The step-time model against measured GPU runs", src, d.get("command", ""), prov,
+                  machine="evaluates the model on a CPU; the measurements are the rows' own GPUs")
+    t = d["targets"]
+    out = [HEADER.format(inputs=f"`{rel(src)}`"),
+           "# Step time and cost: how far to trust them\n\n"
+           "`lora_kit.plan.timing` predicts a training step from the kernels CUDA runs: each matmul at the peak of the "
+           "dtype it really runs in, attention at the kernel SDPA picks, element-wise traffic at memory bandwidth, "
+           "QLoRA's dequantisation per pass, checkpointing's recompute, the optimizer by bytes moved. Its few constants "
+           "(`lora_kit/plan/time_constants.py`, `FITTED`) are the same for every GPU; a GPU enters through its datasheet "
+           "peaks. They are fitted on the rows marked *fit* and judged on the rows marked *judged*; ratio = predicted "
+           "/ measured seconds per optimizer step. The planner's interval is the worst ratio below (before "
+           "calibration) or the worst after a one-row calibration of the same model and method on the same GPU "
+           "(after the smoke run).\n\n", sec.head()]
+    c = d["constants"]
+    out.append("Fitted constants: " + ", ".join(f"`{k}` = {v:.3g}" for k, v in c.items()) + ".\n\n")
+    out.append(f"Targets (issue 35): median error under {t['median_abs_error']:.2f} and within x{t['max_factor']:.2f} on "
+               "every judged row.\n\n")
+    out.append("- fitted rows: " + _ratio_stats(d["fitted"]) + "\n- judged rows: " + _ratio_stats(d["judged"])
+               + "\n- after a one-row calibration on the same GPU: " + _ratio_stats(d["calibrated"])
+               + "\n- ... of the same model and method (what a smoke run calibrates): "
+               + _ratio_stats(d["calibrated"]["same_model_and_method"]) + "\n\n")
+    out.append("### Per source\n\n" + table(["source", "in-scope rows and error"],
+                                             [[k, _ratio_stats(v)] for k, v in d["by_source"].items()]) + "\n")
+    rows = [[f"[{r['id']}]({r['url']})" if r["url"].startswith("http") else r["id"], r["role"], r["gpu"],
+             r["method"], r["seq_len"], r["batch_size"], "on" if r["checkpointing"] else "off", r["attention_kernel"],
+             f"{r['measured_seconds']:.4g}", f"{r['predicted_seconds']:.4g}", f"{r['ratio']:.2f}",
+             "**miss**" if r["miss"] else ""] for r in d["rows"]]
+    out.append("### Every in-scope row\n\n" + table(
+        ["row", "role", "GPU", "method", "seq_len", "batch", "ckpt", "attention kernel", "measured (s/step)",
+         "predicted (s/step)", "ratio", ""], rows) + "\n")
+    reasons: dict = {}
+    for r in d["out_of_scope"]:
+        reasons.setdefault(r["reason"], []).append(r["id"])
+    out.append(f"### Out of scope ({len(d['out_of_scope'])} rows, listed with the reason)\n\n" + table(
+        ["reason", "rows"], [[why, ", ".join(ids)] for why, ids in reasons.items()]))
+    return "".join(out)
+
+
 def cli_md() -> str:
     # argparse wraps to the terminal's width (and may colour): fix both so the file is the same anywhere
     fixed = {"COLUMNS": "100", "NO_COLOR": "1", "PYTHON_COLORS": "0"}
@@ -584,7 +634,7 @@ def render(write: bool) -> dict[Path, str]:
     names = ", ".join(f"`{k}`" for k in sorted(prov)) or "benchmarks/results/*.json"
     acc, heads = accuracy_md(prov)
     return {ACCURACY: HEADER.format(inputs="`benchmarks/results/*.json` and `benchmarks/reference/cuda_h200.json`")
-            + acc, CLI: cli_md(), README: readme_with(headline_md(heads)),
+            + acc, CLI: cli_md(), README: readme_with(headline_md(heads)), TIME_MODEL: time_model_md(prov),
             SOURCES: json.dumps(prov, indent=1, sort_keys=True) + "\n"}
 
 
