@@ -112,7 +112,7 @@ def main() -> int:
         dtype = "bfloat16"
     else:
         gpu = {"name": "this CPU (nominal 1 TFLOP/s; only the calibrated product matters)",
-               "bf16_tflops": 1.0, "fp16_tflops": 1.0, "memory_bandwidth_gbs": 10.0}
+               "bf16_tflops": 1.0, "fp16_tflops": 1.0, "fp32_tflops": 1.0, "memory_bandwidth_gbs": 10.0}
         cfg = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024)
         settings = CPU_SETTINGS

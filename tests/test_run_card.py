@@ -49,8 +49,9 @@ def test_header_and_assumptions_match_the_request(card):
     for said in ("**llama-3.1-8b**", "2,048 tokens per example", "base weights: bfloat16", "4-bit NF4",
                  "gradient checkpointing on", "optimizer adamw", "rank 16, targets all-linear",
                  "at most 90% of the GPU's memory", "one epoch: 10,000 examples = 20,480,000 tokens",
-                 "placeholder until the smoke run has read your dataset", "of their dtype's peak", "measured error"):
+                 "of their dtype's peak", "measured error"):
         assert said in request, said
+    assert "a placeholder until the smoke run has read your dataset" in md.split("### Time and cost per epoch")[1]
 
 
 def test_every_fitting_row_cheapest_first_with_currency(card):

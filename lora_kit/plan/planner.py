@@ -395,8 +395,9 @@ def epoch_from_data(data: dict, packed: bool = False) -> dict:
 
 
 def _epoch(epoch, num_examples, dataset_tokens, seq_len) -> dict:
-    """What one epoch is: the user's ``epoch`` (see :func:`epoch_from_data`), else ``dataset_tokens`` packed, else
-    ``num_examples`` padded (the placeholder when the dataset is not known yet)."""
+    """What one epoch is: the user's ``epoch`` (see :func:`epoch_from_data`; ``source`` "yours"), else
+    ``dataset_tokens`` packed, else ``num_examples`` padded (a placeholder until the dataset is known: no
+    ``source``)."""
     if epoch is not None:
         if not isinstance(epoch, dict) or not (epoch.get("examples") or epoch.get("tokens")):
             raise ValueError(f"epoch must be a dict with 'examples' (padded rows) or 'tokens' (with 'packed': True), "
@@ -417,18 +418,17 @@ def _epoch(epoch, num_examples, dataset_tokens, seq_len) -> dict:
     if dataset_tokens is not None:
         if dataset_tokens <= 0:
             raise ValueError(f"dataset_tokens must be positive, got {dataset_tokens!r}.")
-        return {"examples": None, "tokens": int(dataset_tokens), "packed": True, "source": "yours",
-                "note": "dataset_tokens packed into rows of seq_len"}
-    return {"examples": int(num_examples), "tokens": int(num_examples) * int(seq_len), "packed": False,
-            "source": "placeholder", "note": f"each example padded to seq_len; {int(num_examples):,} examples is a "
-                                             "placeholder until the smoke run has read your dataset (epoch=)"}
+        return {"examples": None, "tokens": int(dataset_tokens), "note": "dataset_tokens packed into rows of seq_len"}
+    # no "source": the placeholder until the smoke run has read the user's data (the run card says so)
+    return {"examples": int(num_examples), "tokens": int(num_examples) * int(seq_len),
+            "note": "each example padded to seq_len"}
 
 
 def steps_per_epoch(epoch: dict, batch_size: int, seq_len: int, num_gpus: int = 1, grad_accum: int = 1) -> int:
     """Optimizer steps in one epoch (:func:`_epoch`'s dict): packed tokens fill rows of ``seq_len``; padded
     examples are one row each; a step takes ``batch_size * num_gpus * grad_accum`` rows."""
     rows_step = int(batch_size) * int(num_gpus) * int(grad_accum)
-    if epoch.get("packed"):
+    if epoch.get("packed", not epoch.get("examples")):
         return math.ceil(int(epoch["tokens"]) / (rows_step * int(seq_len)))
     return math.ceil(int(epoch["examples"]) / rows_step)
 

@@ -275,6 +275,9 @@ def epoch_time(card: dict) -> dict | None:
     data = smoke.get("data") or {}
     if ep.get("source") != "yours" and data.get("usable") and data.get("mean_length"):
         ep = epoch_from_data(data)
+    elif ep.get("source") != "yours" and ep.get("examples"):
+        ep = {**ep, "note": f"{ep.get('note', '')}; a placeholder until the smoke run has read your dataset "
+                            "(or pass epoch= to compare_methods)"}
     if not (ep.get("examples") or ep.get("tokens")):
         return None
     a = plan.get("assumptions") or {}
