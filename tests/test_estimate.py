@@ -39,7 +39,7 @@ def test_lora_static_bytes_equal_a_real_peft_model_and_adamw_state():
     for p in trainable:
         p.grad = torch.zeros_like(p)
     opt.step()
-    states = [v for s in opt.state.values() for k, v in s.items() if k != "step"]  # step lives on the host on CUDA
+    states = [v for s in opt.state.values() for v in s.values()]  # with each 0-dim step, as simulate counts it
     est = estimate_arrays(cfg, method="lora", dtype="bfloat16", lora_rank=8, seq_len=16)
     assert int(est["weights"]) == storage_bytes(frozen)
     assert int(est["adapters"]) == storage_bytes(trainable)
@@ -52,7 +52,7 @@ def test_full_static_bytes_and_optimizer_phase():
     params = list(model.parameters())
     e = estimate(cfg, method="full", dtype="float32", seq_len=8)
     assert e.breakdown["weights"] == storage_bytes(params)
-    assert e.breakdown["optimizer_states"] == 2 * storage_bytes(params)
+    assert e.breakdown["optimizer_states"] == 2 * storage_bytes(params) + 512 * len(params)  # exp_avg(_sq), step
     if e.phase == "optimizer":  # grads + foreach AdamW's sqrt(v) temporary
         assert e.breakdown["gradients"] == storage_bytes(params)
     sgd = estimate(cfg, method="full", dtype="float32", seq_len=8, optimizer="sgd")
@@ -110,7 +110,11 @@ def test_what_users_expect_of_an_8b_plan():
     assert peak(attn_implementation="eager") > peak()
     adam = estimate(**base).breakdown["optimizer_states"]
     assert estimate(**base, optimizer="sgd").breakdown["optimizer_states"] == 0
-    assert estimate(**base, optimizer="paged_adamw_32bit").breakdown["optimizer_states"] == 0
+    # paged states of tensors of 100,000 elements or more live outside the allocator; the LoRA A matrices (16 x 4096)
+    # are smaller, so bitsandbytes keeps theirs on the device (the rule is checked on the real optimizers in
+    # test_compose.py)
+    paged = estimate(**base, optimizer="paged_adamw_32bit").breakdown["optimizer_states"]
+    assert 0 < paged < estimate(**base).breakdown["optimizer_states"]
     assert 0.24 < estimate(**base, optimizer="adamw_8bit").breakdown["optimizer_states"] / adam < 0.27
     full = dict(method="full", num_gpus=8, seq_len=2048)
     ddp, z1, z2, z3 = (peak(sharding=s, **full) for s in ("ddp", "zero1", "zero2", "zero3"))

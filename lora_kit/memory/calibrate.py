@@ -242,6 +242,19 @@ class Fit:
     def peak_arrays(self, layers: int, B, S, R, types=None) -> tuple:
         """:meth:`peak` over 1-D arrays of one integer kind (int64, or object: Python ints): (peaks, parts
         (rows x 5), phases); ``types``: the model's layer types when they are not the fitted model's."""
+        phases = self.phase_arrays(layers, B, S, R, types)
+        names = list(phases)
+        peaks = np.stack([phases[ph][0] for ph in names])
+        idx = np.argmax(peaks, axis=0)  # the first phase reaching the largest value, as simulate names it
+        rows = np.arange(len(idx))
+        parts = np.stack([phases[ph][1] for ph in names])[idx, rows]
+        return peaks[idx, rows], parts, np.asarray(names, dtype=object)[idx]
+
+    def phase_arrays(self, layers: int, B, S, R, types=None, grad_share=None) -> dict:
+        """Each phase's peak over 1-D arrays ``B, S, R`` (as :meth:`peak_arrays`): phase -> (peaks, parts (rows x
+        5)), exact integers; what a caller composes other settings from (sharding, another optimizer).
+        ``grad_share``: per row, ``N`` when only ``1/N`` of the gradients will stay (sharded over ``N`` GPUs): each
+        phase's operator is then the one largest once its gradients are divided by ``N`` (its parts undivided)."""
         n = len(B)
         if B.dtype != object and int(S.max()) ** 2 * int(B.max()) * max(int(R.max()), 1) >= 1 << 62:
             B, S, R = (a.astype(object) for a in (B, S, R))  # S²·B would wrap in int64: Python ints
@@ -258,12 +271,15 @@ class Fit:
                     x = np.stack(_row(basis(b_reg, self.lora), B[rows], S[rows], R[rows]), axis=1)
                     if x.dtype != object and self._bound(b_reg, reg, weights, x) >= 1 << 62:
                         x = x.astype(object)  # past int64's room: Python ints
-                    groups.append((rows, self._combine(b_reg, reg, weights, x)))
-        kind = object if any(g[1][0].dtype == object for g in groups) else B.dtype
-        peak, parts, phase = np.zeros(n, dtype=kind), np.zeros((n, PARTS), dtype=kind), np.empty(n, dtype=object)
-        for rows, (p, q, ph) in groups:
-            peak[rows], parts[rows], phase[rows] = p, q, ph
-        return peak, parts, phase
+                    share = None if grad_share is None else np.asarray(grad_share)[rows].astype(x.dtype)
+                    groups.append((rows, self._combine(b_reg, reg, weights, x, share)))
+        kind = object if any(v[0].dtype == object for g in groups for v in g[1].values()) else B.dtype
+        out = {}
+        for rows, per_phase in groups:
+            for ph, (p, q) in per_phase.items():
+                peak, parts = out.setdefault(ph, (np.zeros(n, dtype=kind), np.zeros((n, PARTS), dtype=kind)))
+                peak[rows], parts[rows] = p, q
+        return out
 
     def _bound(self, b_reg: str, s_reg: str, weights: dict, x) -> int:
         """An upper bound of every magnitude the int64 evaluation of ``x``'s rows forms."""
@@ -279,8 +295,12 @@ class Fit:
                        for j in range(len(basis(b_reg, self.lora)))]
         return memo[k]
 
-    def _combine(self, b_reg: str, s_reg: str, weights: dict, x) -> tuple:
-        best = None
+    def _combine(self, b_reg: str, s_reg: str, weights: dict, x, share=None) -> dict:
+        """phase -> (peaks, parts) of the rows ``x`` (basis values): per stack the largest operator's value and
+        parts, summed with the stacks' weights, divided once (rounded up). ``share``: per row, rank the operators by
+        ``share * total - (share - 1) * gradients`` (their value with ``1/share`` of the gradients)."""
+        out = {}
+        d = self.denominator
         for ph in self.tables[(b_reg, s_reg, "base")]:
             tot = 0
             for stack, w in weights.items():
@@ -288,16 +308,12 @@ class Fit:
                 if t.dtype != x.dtype:
                     t = t.astype(x.dtype)
                 vals = x @ t[:, 0, :].T  # rows x ops
+                if share is not None:
+                    vals = share[:, None] * vals - (share - 1)[:, None] * (x @ t[:, 4, :].T)
                 i = np.argmax(vals, axis=1)
                 tot = tot + w * (t[i] * x[:, None, :]).sum(axis=2)  # rows x (1 + parts): the largest operator's
-            if best is None:
-                best, phase = tot, np.full(len(x), ph, dtype=object)
-            else:
-                more = tot[:, 0] > best[:, 0]
-                best = np.where(more[:, None], tot, best)
-                phase = np.where(more, ph, phase)
-        d = self.denominator
-        return -(-best[:, 0] // d), -(-best[:, 1:] // d), phase
+            out[ph] = (-(-tot[:, 0] // d), -(-tot[:, 1:] // d))
+        return out
 
     def to_json(self) -> dict:
         return {"denominator": self.denominator, "s_regimes": self.s_regimes,

@@ -29,8 +29,11 @@ def alloc_bytes(nbytes):
     return (arr + ALLOC_ROUND - 1) // ALLOC_ROUND * ALLOC_ROUND
 
 
+RESERVE = Fraction(RESERVE_FRACTION).limit_denominator(1000)  # 2/25: one exact rational for every path
+
+
 def _exact_total(peak: int) -> int:
-    return peak + CUDA_CONTEXT_BYTES + -(-Fraction(RESERVE_FRACTION) * peak // 1)
+    return peak + CUDA_CONTEXT_BYTES + -(-RESERVE.numerator * peak // RESERVE.denominator)
 
 
 def device_total(peak):
@@ -42,5 +45,7 @@ def device_total(peak):
         out = np.frompyfunc(lambda x: _exact_total(int(x)), 1, 1)(arr)
         return int(out) if np.ndim(out) == 0 else out
     arr = arr.astype(np.int64)
-    out = arr + CUDA_CONTEXT_BYTES + np.ceil(RESERVE_FRACTION * arr).astype(np.int64)
+    if arr.size and int(np.abs(arr).max()) >= (1 << 62) // RESERVE.numerator:  # the integer product would wrap
+        return device_total(arr.astype(object))
+    out = arr + CUDA_CONTEXT_BYTES + -(-RESERVE.numerator * arr // RESERVE.denominator)
     return int(out) if out.ndim == 0 else out

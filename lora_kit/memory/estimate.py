@@ -3,9 +3,11 @@
 Where a fit of ``simulate`` exists for the model and the step's categorical settings (shipped, cached, or made on
 the spot: :mod:`lora_kit.memory.fits`), the figure is that fit evaluated (:mod:`lora_kit.memory.calibrate`: exact
 integer polynomials in tokens, micro-batch and rank, blocks added per layer type), and ``memory_model`` says
-"fitted". Otherwise -- several GPUs, ``cpu_offload``, ``loop="sft"``, catalog settings no fit covers -- the
-hand-written arithmetic below gives it, and ``memory_model`` says "arithmetic (not fitted)". What follows
-describes that arithmetic.
+"fitted". A step that differs from a fit only in its static parts -- another optimizer whose step composes, sharding
+(ZeRO-1/2/3, FSDP outside the group-by-group case below, CPU offload) -- is that fit composed with the exact static
+arithmetic (:mod:`lora_kit.memory.compose`), and ``memory_model`` says "composed (...)", naming what was composed.
+Otherwise -- ``loop="sft"``, FSDP2 group by group, catalog settings no fit covers -- the hand-written arithmetic
+below gives it, and ``memory_model`` says "arithmetic (not fitted)". What follows describes that arithmetic.
 
 What is counted is defined in ``design.md`` ("one training step" = the second step of a loop:
 forward with ``labels=input_ids``, ``loss.backward()``, ``optimizer.step()``,
@@ -100,6 +102,7 @@ from functools import lru_cache
 import numpy as np
 
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
+from lora_kit.memory.compose import GRADIENTS_SHARDED, SWAPPABLE, compose, label
 from lora_kit.memory.device import DEEPSPEED_REDUCE_BUCKET, device_total
 from lora_kit.memory.device import alloc_bytes as _r
 from lora_kit.memory.fsdp_math import fsdp_totals
@@ -107,14 +110,16 @@ from lora_kit.memory.mla import is_mla, mla_attention, mla_rope_bytes
 from lora_kit.memory.moe import expert_lora, expert_lora_tensors, moe_block
 from lora_kit.memory.loops import loop_terms, sft_head
 from lora_kit.memory.specs import ModelSpec, check_targets, model_spec
+from lora_kit.memory.static import DTYPE_BYTES
+from lora_kit.memory.static import block_weight_bytes as _block_weight_bytes
+from lora_kit.memory.static import optimizer_state_bytes as _opt_state
+from lora_kit.memory.static import optimizer_temp_bytes as _opt_temp
+from lora_kit.memory.static import static_bytes as _static
+from lora_kit.memory.static import trainable_shapes as _trainable
+from lora_kit.memory.static import trainable_tensors as _trainable_tensors
 from lora_kit.settings import Step, as_step, check_axes
 
 PHASES = ("forward", "backward", "optimizer")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-NF4_BLOCK = 64  # bitsandbytes 4-bit blocksize
-DQ_BLOCK = 256  # double-quant: absmax of the absmax, per 256 blocks
-OPT8_BLOCK = 256  # bitsandbytes 8-bit optimizer blocksize
-OPT8_MIN_SIZE = 4096
 FP32_SCALED_NORMS = ("gemma", "gemma2", "gemma3_text")  # RMSNorm output = normalized * (1 + weight.float())
 ROPE_BY_CAT = ("phi3", "gpt_neox")  # apply_rotary_pos_emb returns cat([rotated, pass-through], -1)
 
@@ -136,84 +141,6 @@ class Estimate:
                 "memory_model": self.memory_model}
 
 
-
-
-def _param_bytes(spec: ModelSpec, groups, bytes_per_elem: float) -> int:
-    return int(sum(count * int(_r(int(np.ceil(numel * bytes_per_elem)))) for g, numel, count in spec.param_tensors()
-                   if g in groups))
-
-
-@lru_cache(maxsize=1024)
-def _trainable(spec: ModelSpec, method: str, weight_bytes: int, targets: tuple) -> tuple:
-    """(rows, cols, count, elem_bytes, per_rank) of every trainable tensor; numel = rows*cols (x rank if per_rank).
-
-    LoRA: A is (rank, in), B is (out, rank), fp32; stored as (1, in) / (out, 1) with per_rank=True.
-    """
-    if method != "full":
-        out = []
-        for lin in spec.linears:
-            if lin.name in targets:
-                out += [(1, lin.in_features, spec.num_layers, 4, True), (lin.out_features, 1, spec.num_layers, 4, True)]
-        return tuple(out)
-    h, V, n = spec.hidden_size, spec.vocab_size, spec.num_layers
-    out = [(V, h, 1 if spec.tied_embeddings else 2, weight_bytes, False)]
-    for lin in spec.linears:
-        out.append((lin.out_features, lin.in_features, lin.layers or n, weight_bytes, False))
-        if lin.bias:
-            out.append((1, lin.out_features, lin.layers or n, weight_bytes, False))
-    out += [(1, numel, count, weight_bytes, False) for g, numel, count in spec.param_tensors() if g == "norm"]
-    return tuple(out)
-
-
-def _opt_state(optimizer: str, rows, cols, eb):
-    """Optimizer state bytes on the GPU for one tensor of shape (rows, cols) with element bytes eb."""
-    numel = rows * cols
-    if optimizer == "adamw":
-        return 2 * _r(numel * eb)
-    if optimizer == "adamw_8bit":
-        q8 = 2 * (_r(numel) + _r(4 * (-(-numel // OPT8_BLOCK))) + _r(256 * 4))
-        return np.where(numel < OPT8_MIN_SIZE, 2 * _r(numel * 4), q8)
-    if optimizer == "adafactor":  # torch.optim.Adafactor: row + column second moments for matrices
-        factored = (rows > 1) & (cols > 1)
-        return np.where(factored, _r(rows * eb) + _r(cols * eb), _r(numel * eb))
-    return 0 * numel  # sgd (no momentum); paged_*: unified memory, outside PyTorch's allocator
-
-
-def _opt_temp(optimizer: str, tensors: list):
-    """Temporaries of optimizer.step(): foreach AdamW's sqrt(v) copy of every state; adafactor ~2 of the largest."""
-    if optimizer == "adamw":
-        return sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
-    if optimizer == "adafactor":
-        return 2 * np.max(np.stack([_r(rows * cols * eb) for rows, cols, c, eb in tensors]), axis=0)
-    return 0
-
-
-@lru_cache(maxsize=1024)
-def _static(spec: ModelSpec, method: str, dtype: str, autocast: bool, double_quant: bool) -> tuple[int, int]:
-    """(weights, quant_constants) bytes of the whole model on one replica."""
-    e = DTYPE_BYTES[dtype]
-    everything = ("embed", "lm_head", "linear", "bias", "norm")
-    if method == "full":
-        return _param_bytes(spec, everything, 4 if autocast else e), 0
-    if method == "lora":
-        return _param_bytes(spec, everything, e), 0
-    weights = _param_bytes(spec, ("linear",), 0.5) + _param_bytes(spec, ("embed", "lm_head", "bias", "norm"), 4)
-    quant = 0
-    for lin in spec.linears:
-        blocks = -(-lin.in_features * lin.out_features // NF4_BLOCK)
-        if double_quant:  # uint8 absmax + fp32 absmax per 256 blocks + 256-entry code + offset + NF4 code
-            per = int(_r(blocks)) + int(_r(4 * -(-blocks // DQ_BLOCK))) + int(_r(256 * 4)) + 512 + 512
-        else:  # fp32 absmax + NF4 code
-            per = int(_r(4 * blocks)) + 512
-        quant += per * (lin.layers or spec.num_layers)  # DeepSeek: dense MLP in block 0 only
-    return weights, quant
-
-
-def _block_weight_bytes(spec: ModelSpec, method: str, dtype: str, autocast: bool) -> int:
-    """One decoder block's weights as gathered by zero3 / fsdp (quantized blocks are not gathered)."""
-    e = 4 if (method == "full" and autocast) else DTYPE_BYTES[dtype]
-    numel = sum(lin.in_features * lin.out_features + lin.out_features * lin.bias for lin in spec.linears)
-    return int(_r(numel * e))
 
 
 def _rotary_dim(spec: ModelSpec) -> int:
@@ -691,11 +618,11 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
     targets = tuple(t for t in targets if t not in experts["dropped"])
     S, B, r, N = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (seq_len, batch_size, lora_rank,
                                                                                num_gpus)))
-    fitted = _fit_for(spec, s)
+    fitted = None if _fsdp_groups(spec, s) else _fit_for(spec, s)
     if fitted is not None and fitted[0].covers(S) and \
             fitted[0].weights(spec.num_layers, _filled_layer_types(spec)) is not None:
         # (else lengths of an unfitted regime, or a depth / layer pattern the fit does not describe: the arithmetic)
-        return _fitted_arrays(spec, s, targets, experts, fitted, S, B, r)
+        return _fitted_arrays(spec, s, targets, experts, fitted, S, B, r, N)
     corners = [np.unique([a.min(), a.max()]).astype(object) for a in (S, B, r, N)]
     wide = _estimate_core(spec, s, targets, experts, *np.meshgrid(*corners, indexing="ij"))
     big = wide.pop("_bound") >= INT64_SAFE  # a figure beyond int64's range: every row in Python ints
@@ -719,17 +646,29 @@ def _catalog_types() -> frozenset:
 
 
 def _fit_for(spec: ModelSpec, s: Step):
-    """The fitted closed form of ``simulate`` for this model and step (stored, or fitted now when
-    ``lora_kit.memory.fits.should_fit`` says so), or None: the arithmetic below."""
-    if s.sharding not in ("none", "ddp") or s.loop == "sft" or not spec.config:
+    """(fit, what it was fitted with, the optimizer it was fitted with) for this model and step: the step's own fit,
+    else the same step's fit with AdamW (another optimizer is composed: :mod:`lora_kit.memory.compose`), else one
+    fitted now when ``lora_kit.memory.fits.should_fit`` says so; None: the arithmetic below."""
+    if s.loop == "sft" or not spec.config:
         return None
     from lora_kit.memory import fits
-    found = fits.lookup(spec.config, s)
-    if found is None and fits.should_fit(spec.config, _catalog_types()):
+    for opt in dict.fromkeys((s.optimizer, "adamw") if s.optimizer in SWAPPABLE else (s.optimizer,)):
+        found = fits.lookup(spec.config, s.replace(optimizer=opt))
+        if found is not None:
+            return (*found, opt)
+    if fits.should_fit(spec.config, _catalog_types()):
         import sys
-        found = fits.make(spec.config, s, show=f"fitting the memory model of {spec.name}" if sys.stderr.isatty()
-                          else None)
-    return found
+        return (*fits.make(spec.config, s, show=f"fitting the memory model of {spec.name}" if sys.stderr.isatty()
+                           else None), s.optimizer)
+    return None
+
+
+def _fsdp_groups(spec: ModelSpec, s: Step) -> bool:
+    """Whether FSDP2's per-rank figure is taken group by group (:mod:`lora_kit.memory.fsdp_math`, as ``simulate``
+    runs it) rather than composed from a one-GPU fit: ``simulate`` keeps no operator trace of a sharded step yet, and
+    the composition's sharded gradients at the one-GPU peak missed its validation rows by up to 1.9 %."""
+    return s.sharding in ("fsdp", "zero3") and s.method != "qlora" and not s.cpu_offload and \
+        s.optimizer in ("adamw", "sgd") and not spec.moe
 
 
 def _filled_layer_types(spec: ModelSpec):
@@ -738,41 +677,39 @@ def _filled_layer_types(spec: ModelSpec):
     return fits.layer_types(spec.config)
 
 
-def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitted, S, B, r) -> dict:
-    """:func:`estimate_arrays` from a fit: exact integers (int64 arrays, or Python ints where a figure passes
-    int64's room); ``memory_model`` says which fit, and with which libraries when they differ from today's."""
+def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitted, S, B, r, N) -> dict:
+    """:func:`estimate_arrays` from a fit, composed with the static arithmetic where the step differs from it
+    (:mod:`lora_kit.memory.compose`): exact integers (int64 arrays, or Python ints where a figure passes int64's
+    room); ``memory_model`` says which, and with which libraries when they differ from today's."""
     from lora_kit.memory import fits
-    f, info = fitted
-    peak, parts, phase = f.peak_arrays(spec.num_layers, B.ravel(), S.ravel(), r.ravel(), _filled_layer_types(spec))
-    kind = parts.dtype
+    f, info, fitted_optimizer = fitted
+    args = (spec.num_layers, B.ravel(), S.ravel(), r.ravel(), _filled_layer_types(spec))
+    phases = f.phase_arrays(*args)
+    kind = next(iter(phases.values()))[1].dtype
+    tensors, _ = _trainable_tensors(spec, s, targets, experts, r.ravel().astype(kind))
+    phases = compose(spec, s, fitted_optimizer, phases, tensors, N.ravel().astype(kind))
+    if s.sharding in GRADIENTS_SHARDED:  # the one-GPU peak's operator, or the one largest with 1/N of its gradients
+        other = compose(spec, s, fitted_optimizer, f.phase_arrays(*args, N.ravel()), tensors, N.ravel().astype(kind))
+        phases = {ph: (np.maximum(p, other[ph][0]), np.where((other[ph][0] > p)[:, None], other[ph][1], q))
+                  for ph, (p, q) in phases.items()}
+    names = [ph for ph in PHASES if ph in phases]
+    peaks = np.stack([phases[ph][0] for ph in names])
+    idx = np.argmax(peaks, axis=0)
+    rows = np.arange(idx.size)
+    peak, parts = peaks[idx, rows], np.stack([phases[ph][1] for ph in names])[idx, rows]
     out = {k: parts[:, i] for i, k in enumerate(BREAKDOWN_KEYS[:5])}
-    if s.sharding == "ddp":  # DDP's gradient buckets: a second copy of the gradients (as simulate adds them)
-        tensors, _ = _trainable_tensors(spec, s, targets, experts, r.ravel().astype(kind))
-        bucket = sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
-        out["gradients"] = out["gradients"] + bucket
-        peak = peak + bucket
     out["activations"] = peak - sum(out[k] for k in BREAKDOWN_KEYS[:5])
     out = {k: np.asarray(v, dtype=kind).reshape(S.shape) for k, v in out.items()}
     out["peak_allocated_bytes"] = np.asarray(peak, dtype=kind).reshape(S.shape)
     out["device_total_bytes"] = np.asarray(device_total(out["peak_allocated_bytes"]), dtype=kind)
-    out["phase"] = np.asarray(phase, dtype=object).astype(str).reshape(S.shape)
+    out["phase"] = np.asarray(names, dtype=object)[idx].astype(str).reshape(S.shape)
     note = fits.version_note(info)
-    out["memory_model"] = np.full(S.shape, "fitted" + (f" ({note})" if note else ""), dtype=object)
+    out["memory_model"] = np.full(S.shape, label(s, fitted_optimizer) + (f" ({note})" if note else ""), dtype=object)
     return out
 
 
 ARITHMETIC = "arithmetic (not fitted)"
 INT64_SAFE = 1 << 56  # a phase total below this leaves every sum and product that builds it inside int64
-
-
-def _trainable_tensors(spec: ModelSpec, s: Step, targets: tuple, experts: dict, r) -> tuple[list, list]:
-    """(rows, cols, count, element bytes) of every trainable tensor at rank(s) ``r``, and of those the LoRA tensors
-    on MoE experts and routers."""
-    wb = 4 if (s.method == "full" and s.autocast) else DTYPE_BYTES[s.dtype]
-    tensors = [((rows * r if rows == 1 else rows) if pr else rows, (cols * r if cols == 1 else cols) if pr else cols,
-                c, eb) for rows, cols, c, eb, pr in _trainable(spec, s.method, wb, targets)]
-    expert_tensors = expert_lora_tensors(spec, experts, r)  # LoRA on MoE experts and routers (none elsewhere)
-    return tensors + expert_tensors, expert_tensors
 
 
 def _estimate_core(spec: ModelSpec, s: Step, targets: tuple, experts: dict, S, B, r, N) -> dict:
@@ -916,8 +853,7 @@ def _estimate_core(spec: ModelSpec, s: Step, targets: tuple, experts: dict, S, B
     grads_at = np.where(idx == 0, 0, np.where(idx == 2, grads, bwd_grads))
     out = {"weights": w_gpu, "quant_constants": q_gpu, "adapters": adapters, "gradients": grads_at + bucket,
            "optimizer_states": states}
-    if sharding in ("fsdp", "zero3") and method != "qlora" and not cpu_offload and optimizer in ("adamw", "sgd") \
-            and not spec.moe:  # per rank under FSDP2, group by group as simulate runs it (memory.fsdp_math; no experts)
+    if _fsdp_groups(spec, s):  # per rank under FSDP2, group by group as simulate runs it (memory.fsdp_math; no experts)
         extra = totals[0] - (static + act["forward"])  # what every phase adds besides (the step's inputs)
         stream = 4 if method == "qlora" else (2 if autocast else DTYPE_BYTES[dtype])
         totals, parts = fsdp_totals(spec, method, wb, targets, N, r, optimizer, act, sharding,
