@@ -2,10 +2,12 @@
 
 Reads ``benchmarks/reference/time_rows.json`` (built by ``benchmarks/time_rows_build.py`` from the shared
 reference; committed), fits the ``FITTED`` constants of :mod:`lora_kit.plan.time_constants` on the rows whose
-``role`` is "fit" (least squares on log(predicted / measured); the same constants for every GPU), and prints the
+``role`` is "fit" (least squares on log(predicted / measured); the same constants for every GPU; efficiencies kept in (0, 1),
+the dequantisation and L2 factors at least 1), and prints the
 error of every in-scope row, per source, fitted and judged rows marked; out-of-scope rows are listed with their
 reason. It also measures the error left after a one-row calibration on the same GPU (what the smoke run does):
-each row calibrates the model, the other rows on that GPU are predicted. Saves
+each row calibrates the model, the other rows on that GPU are predicted (all of them, and those of the same
+model, method and checkpointing: the smoke run measures the planned settings). Saves
 ``benchmarks/results/time_published.json`` (``docs/time-model.md`` is generated from it).
 
     .venv/bin/python benchmarks/time_published.py            # fit, then judge
@@ -46,8 +48,25 @@ def predict(row: dict, tm: TimeModel) -> dict:
     return step_time(model, get_gpu(row["gpu"]), time_model=tm, **row["settings"])
 
 
+BOUNDED = ("matmul_efficiency", "attention_efficiency", "bandwidth_efficiency")  # fractions of a peak: (0, 1)
+AT_LEAST_ONE = ("dequant_factor", "l2_speedup")  # slower / faster than a bound by construction: >= 1
+
+
+def _value(name: str, x: float) -> float:
+    """A fitted constant from its unconstrained parameter (physical ranges kept)."""
+    if name in BOUNDED:
+        return 1 / (1 + math.exp(-x))
+    return 1 + math.exp(x) if name in AT_LEAST_ONE else math.exp(x)
+
+
+def _param(name: str, v: float) -> float:
+    if name in BOUNDED:
+        return math.log(v / (1 - v))
+    return math.log(max(v - 1, 1e-3)) if name in AT_LEAST_ONE else math.log(v)
+
+
 def _loss(x, rows) -> float:
-    tm = TimeModel(**dict(zip(NAMES, (math.exp(v) for v in x))))
+    tm = TimeModel(**{k: _value(k, v) for k, v in zip(NAMES, x)})
     return sum(math.log(predict(r, tm)["step_seconds"] / r["measured"]["step_seconds"]) ** 2 for r in rows)
 
 
@@ -84,8 +103,8 @@ def nelder_mead(f, x0, step=0.3, iters=400, tol=1e-7):
 
 def fit(rows) -> TimeModel:
     fit_rows = [r for r in rows if r["role"] == "fit"]
-    x, _ = nelder_mead(lambda v: _loss(v, fit_rows), [math.log(C.FITTED[k]) for k in NAMES])
-    return TimeModel(**{k: float(f"{math.exp(v):.3g}") for k, v in zip(NAMES, x)})
+    x, _ = nelder_mead(lambda v: _loss(v, fit_rows), [_param(k, C.FITTED[k]) for k in NAMES])
+    return TimeModel(**{k: float(f"{_value(k, v):.3g}") for k, v in zip(NAMES, x)})
 
 
 def _stats(ratios) -> dict:
@@ -110,11 +129,13 @@ def calibrated_error(rows, tm: TimeModel) -> dict:
                 if r is not cal:
                     q = scale * pred[r["id"]] / r["measured"]["step_seconds"]
                     ratios.append(q)
-                    same = (r["model"], r["settings"]["method"]) == (cal["model"], cal["settings"]["method"])
+                    same = all(r["settings"][k] == cal["settings"][k] for k in ("method", "gradient_checkpointing")) \
+                        and r["model"] == cal["model"]
                     pairs.append({"gpu": gpu, "calibrated_on": cal["id"], "predicted": r["id"], "ratio": q,
                                   "same_model_and_method": same})
     same = [p["ratio"] for p in pairs if p["same_model_and_method"]]
-    return {**_stats(ratios), "same_model_and_method": _stats(same), "pairs": pairs}
+    return {**_stats(ratios), "same_model_and_method": _stats(same), "pairs": pairs,
+            "same_means": "the same model, method and gradient checkpointing (what a smoke run of the plan measures)"}
 
 
 def run(tm: TimeModel, rows, out_rows) -> dict:
@@ -151,7 +172,7 @@ def _print(res: dict):
               f"{x['predicted_seconds']:9.4f} {x['ratio']:6.2f}{'  MISS' if x['miss'] else ''}")
     for name, s in [*res["by_source"].items(), ("fitted rows", res["fitted"]), ("judged rows", res["judged"]),
                     ("after a one-row calibration on the same GPU", res["calibrated"]),
-                    ("  ... same model and method (what a smoke run calibrates)", res["calibrated"]["same_model_and_method"])]:
+                    ("  ... same model, method and checkpointing (what a smoke run calibrates)", res["calibrated"]["same_model_and_method"])]:
         if s["n"]:
             print(f"{name}: n={s['n']}, median |error| {s['median_abs_error']:.1%}, worst x{s['max_factor']:.2f}")
     print(f"out of scope ({len(res['out_of_scope'])} rows):")

@@ -78,3 +78,16 @@ def test_reference_rows_name_their_source_and_scope():
     assert len(sources) >= 3
     for s in sources:  # every in-scope source has a judged row
         assert any(r["role"] == "judged" for r in rows if r["source"] == s and not r["out_of_scope"])
+
+
+def test_l2_resident_traffic_is_faster_only_where_it_fits():
+    l40s = get_gpu("L40S")
+    no_l2 = dict(l40s, l2_mb=0.0001)  # a row's own l2_mb wins over the datasheet table
+    short = dict(method="lora", seq_len=256, batch_size=2, gradient_checkpointing=False)
+    fast = step_time("llama-3.2-3b", l40s, **short)["parts_seconds"]["elementwise"]
+    slow = step_time("llama-3.2-3b", no_l2, **short)["parts_seconds"]["elementwise"]
+    assert fast < slow / 1.2
+    long = dict(short, seq_len=16384)  # activations far beyond 96 MB: DRAM-bound either way
+    a = step_time("llama-3.2-3b", l40s, **long)["parts_seconds"]["elementwise"]
+    b = step_time("llama-3.2-3b", no_l2, **long)["parts_seconds"]["elementwise"]
+    assert a == pytest.approx(b, rel=0.05)

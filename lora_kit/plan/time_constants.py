@@ -4,7 +4,7 @@ Two kinds:
 
 - **Counted** from the code CUDA runs (PyTorch, transformers, peft, bitsandbytes): bytes a kernel moves, kernels
   an op launches, which attention kernel SDPA picks. Not fitted.
-- **Fitted** (``FITTED``): six numbers, the same for every GPU, fitted by ``benchmarks/time_published.py`` on the
+- **Fitted** (``FITTED``): a few numbers, the same for every GPU, fitted by ``benchmarks/time_published.py`` on the
   calibration rows of ``benchmarks/reference/time_rows.json`` and judged on the rest (``docs/time-model.md``).
   A GPU enters only through its datasheet peaks (``lora_kit/catalog/gpus.csv``: ``bf16_tflops``,
   ``fp16_tflops``, ``memory_bandwidth_gbs``; FP32 below).
@@ -13,22 +13,23 @@ from __future__ import annotations
 
 # --- fitted (benchmarks/time_published.py --fit; results in benchmarks/results/time_published.json) ----------
 FITTED = {
-    "matmul_efficiency": 0.627,  # fraction of the dtype's dense peak a large matmul reaches
-    "attention_efficiency": 0.369,  # fraction of the 16-bit tensor peak FlashAttention / mem-efficient reach
-    "bandwidth_efficiency": 0.68,  # fraction of datasheet bandwidth element-wise kernels reach
-    "host_seconds_per_kernel": 1.86e-06,  # eager PyTorch's host time to dispatch one kernel (a floor per kernel)
-    "dequant_factor": 11.3,  # bitsandbytes NF4 dequantisation time / its bandwidth bound
+    "matmul_efficiency": 0.583,  # fraction of the dtype's dense peak a large matmul reaches
+    "attention_efficiency": 0.786,  # fraction of the 16-bit tensor peak FlashAttention / mem-efficient reach
+    "bandwidth_efficiency": 0.609,  # fraction of datasheet bandwidth element-wise kernels reach
+    "host_seconds_per_kernel": 1.92e-06,  # eager PyTorch's host time to dispatch one kernel (a floor per kernel)
+    "dequant_factor": 7.28,  # bitsandbytes NF4 dequantisation time / its bandwidth bound
     # non-reentrant checkpointing re-runs each block's Python forward inside backward, where the device waits
     # for it: host seconds per recomputed kernel that do not overlap with device work
-    "recompute_host_seconds_per_kernel": 3.34e-05,
+    "recompute_host_seconds_per_kernel": 3.43e-05,
+    "l2_speedup": 1.46,  # L2 bandwidth / DRAM bandwidth for element-wise traffic that stays in L2
 }
 
 # Measured error of the model (benchmarks/results/time_published.json): the planner's interval is
 # [t / factor, t * factor]. Before calibration: the largest miss over the in-scope rows; after the smoke run's
 # calibration on the rented GPU: the largest miss of a one-row calibration predicting another row of the same
-# GPU, model and method.
-ERROR_FACTOR_UNCALIBRATED = 1.38  # worst in-scope row: fitted x1.38, judged x1.35
-ERROR_FACTOR_CALIBRATED = 1.37  # worst same-model, same-method pair (median 15.8 %)
+# GPU, model, method and checkpointing (a smoke run measures the planned settings).
+ERROR_FACTOR_UNCALIBRATED = 1.38  # worst in-scope row: fitted x1.38, judged x1.27
+ERROR_FACTOR_CALIBRATED = 1.17  # worst pair of the same model, method, checkpointing (median 8.8 %)
 
 # --- FP32 (non-tensor, CUDA-core) dense TFLOP/s, vendor datasheets ------------------------------------------
 # QLoRA's usual recipe (prepare_model_for_kbit_training) keeps LoRA layers, norms and lm_head in fp32, and
@@ -46,6 +47,12 @@ FP32_TFLOPS = {
     "B200": 80.0,  # HGX B200 specifications (FP32 per GPU)
 }
 FP32_OF_BF16_FALLBACK = 1 / 8  # GPU without an FP32 figure: assumed 1/8 of its bf16 tensor peak (shown as assumed)
+
+# --- L2 cache (MB), vendor datasheets / architecture whitepapers ---------------------------------------------
+# Element-wise kernels re-read tensors the previous kernel wrote: when they fit in L2 the traffic does not reach
+# DRAM. Ada's large L2 (L40S, RTX cards) matters for short sequences.
+L2_MB = {"T4": 4, "L4": 48, "A10G": 6, "RTX-4090": 72, "RTX-6000-Ada": 96, "L40S": 96, "A100-40GB": 40,
+         "A100-80GB": 40, "H100-PCIe": 50, "H100-SXM": 50, "H200": 50, "B200": 126}
 
 # --- attention kernel CUDA's SDPA picks (torch/nn/attention dispatch rules, sdp_utils.cpp) ------------------
 FLASH_MIN_CAPABILITY = 8.0  # FlashAttention-2 kernels in PyTorch need sm80+; fp16/bf16 only; GQA supported

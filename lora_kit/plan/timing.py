@@ -23,11 +23,13 @@ dispatches kernels one by one, so small ones are launch-bound; a kernel's device
   (bitsandbytes' measured cost over that bound).
 - **Checkpointing**: the decoder blocks' forward runs again in backward, and its Python (non-reentrant
   checkpointing re-runs each block's module code inside backward) adds host time the device waits for.
+- **L2 cache**: element-wise traffic whose working set fits in the GPU's L2 (``time_constants.L2_MB``) moves at
+  ``l2_speedup`` x DRAM bandwidth (Ada's large L2 matters at short sequences).
 - **Optimizer**: ``torch.optim.AdamW(foreach=True)`` moves 20 state-sized passes per trainable element (in the
   trained parameters' dtype); bitsandbytes' 8-bit optimizers are fused (10 bytes per parameter).
 - **Several GPUs**: this is each GPU's step; :mod:`lora_kit.plan.multi_gpu` adds the communication.
 
-The six ``FITTED`` constants are the same for every GPU; a GPU enters only through its datasheet peaks.
+The ``FITTED`` constants are the same for every GPU; a GPU enters only through its datasheet peaks.
 ``benchmarks/time_published.py`` fits them on published and measured runs and judges them on others
 (``docs/time-model.md``); the model's measured error gives the interval the planner prints.
 
@@ -60,6 +62,7 @@ class TimeModel:
     host_seconds_per_kernel: float = C.FITTED["host_seconds_per_kernel"]
     dequant_factor: float = C.FITTED["dequant_factor"]
     recompute_host_seconds_per_kernel: float = C.FITTED["recompute_host_seconds_per_kernel"]
+    l2_speedup: float = C.FITTED["l2_speedup"]
     scale: float = 1.0  # measured / modelled, from a calibration on the user's GPU
     overhead_seconds: float = 0.0  # fixed cost per step; 0 unless calibrated on 2 runs
     error_factor: float = C.ERROR_FACTOR_UNCALIBRATED
@@ -68,7 +71,8 @@ class TimeModel:
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
-        for name in ("matmul_efficiency", "attention_efficiency", "bandwidth_efficiency", "dequant_factor", "scale"):
+        for name in ("matmul_efficiency", "attention_efficiency", "bandwidth_efficiency", "dequant_factor", "scale",
+                     "l2_speedup"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v and math.isfinite(v)):
                 raise ValueError(f"TimeModel.{name} must be a positive number, got {v!r}.")
@@ -85,7 +89,8 @@ class TimeModel:
         return (f"step-time model: matmuls at {self.matmul_efficiency:.0%} of their dtype's peak, attention at "
                 f"{self.attention_efficiency:.0%}, memory traffic at {self.bandwidth_efficiency:.0%} of datasheet "
                 f"bandwidth, {self.host_seconds_per_kernel * 1e6:.3g} us per kernel launch, bitsandbytes "
-                f"dequantisation {self.dequant_factor:.3g}x its bandwidth bound, checkpointing's recompute "
+                f"dequantisation {self.dequant_factor:.3g}x its bandwidth bound, L2-resident traffic at "
+                f"{self.l2_speedup:.3g}x DRAM bandwidth, checkpointing's recompute "
                 f"{self.recompute_host_seconds_per_kernel * 1e6:.3g} us of Python per kernel{cal}{fixed}; measured error within "
                 f"x{self.error_factor:.2g} ({self.source})")
 
@@ -134,6 +139,15 @@ def trainable_params(spec, step: Step) -> int:
     if step.method == "full":
         return spec.num_params
     return sum(step.lora_rank * (lin.in_features + lin.out_features) for lin in _targets(spec, step)) * spec.num_layers
+
+
+def l2_bytes(gpu: dict) -> float:
+    """The GPU's L2 cache in bytes: the row's ``l2_mb``, else the datasheet figure in ``time_constants``; 0 when
+    unknown (no L2 effect)."""
+    own = gpu.get("l2_mb")
+    if isinstance(own, (int, float)) and own == own and own > 0:
+        return float(own) * 2 ** 20
+    return C.L2_MB.get(gpu.get("name"), 0) * 2 ** 20
 
 
 def fp32_flops(gpu: dict) -> tuple[float, str]:
@@ -204,9 +218,18 @@ class _Clock:
         self.bw = float(gpu["memory_bandwidth_gbs"]) * 1e9 * tm.bandwidth_efficiency
         self.seconds = dict.fromkeys(PARTS, 0.0)
         self.kernels = 0.0
+        self.l2 = l2_bytes(gpu)
 
-    def add(self, part, flops=0.0, peak=1.0, eff=None, bytes_=0.0, kernels=1.0, times=1.0):
-        dev = max(flops / (peak * (eff or self.tm.matmul_efficiency)), bytes_ / self.bw)
+    def _bw(self, working_set):
+        """Element-wise kernels read what the previous kernel just wrote: the share of a working set that fits
+        in L2 moves at ``l2_speedup`` times DRAM bandwidth."""
+        if not working_set or not self.l2:
+            return self.bw
+        inside = min(1.0, self.l2 / working_set)
+        return self.bw / ((1 - inside) + inside / self.tm.l2_speedup)
+
+    def add(self, part, flops=0.0, peak=1.0, eff=None, bytes_=0.0, kernels=1.0, times=1.0, working_set=None):
+        dev = max(flops / (peak * (eff or self.tm.matmul_efficiency)), bytes_ / self._bw(working_set))
         self.seconds[part] += times * max(dev, kernels * self.tm.host_seconds_per_kernel)
         self.kernels += times * kernels
 
@@ -235,7 +258,8 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
         if st.method == "qlora":
             c.add("dequant", bytes_=k * n * (C.NF4_READ_BYTES + C.DEQUANT_WRITE_BYTES) * c.tm.dequant_factor,
                   kernels=2, times=n_l)
-            c.add("elementwise", bytes_=T * (k + n) * (a + mm_b), kernels=C.QLORA_EXTRA_KERNELS - 2, times=n_l)
+            c.add("elementwise", bytes_=T * (k + n) * (a + mm_b), kernels=C.QLORA_EXTRA_KERNELS - 2, times=n_l,
+                  working_set=T * max(k, n) * (a + mm_b))
         if lin.name in adapted:
             r, ab = st.lora_rank, DTYPE_BYTES[dt["adapters"]]
             ap = f32_peak if dt["adapters"] == "float32" else base_peak
@@ -243,14 +267,14 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
             c.matmul("adapters", T, k, r, ap, ab, ab, times=n_l * per)
             c.matmul("adapters", T, r, n, ap, ab, ab, times=n_l * per)
             ew = (T * k * (a + ab) if a != ab else 0) + T * n * (2 * ab + 2 * a + ab)
-            c.add("adapters", bytes_=ew * (C.BACKWARD_ELEMENTWISE if bwd else 1),
+            c.add("adapters", bytes_=ew * (C.BACKWARD_ELEMENTWISE if bwd else 1), working_set=T * n * (ab + a),
                   kernels=C.LORA_ELEMENTWISE_KERNELS * (C.BACKWARD_KERNELS if bwd else 1), times=n_l)
     # element-wise traffic of one block
     q_k = T * (spec.num_heads + spec.num_kv_heads) * spec.head_dim
     ew = (spec.norms_per_layer * T * H * C.NORM_BYTES(a) + q_k * a * C.ROTARY_PASSES
           + T * H * a * (C.ATTN_LAYOUT_PASSES + 2 * C.RESIDUAL_PASSES) + T * F * a * C.MLP_ACT_PASSES)
     kn = spec.norms_per_layer * C.NORM_KERNELS + C.ROTARY_KERNELS + C.BLOCK_OTHER_KERNELS
-    c.add("elementwise", bytes_=ew * (C.BACKWARD_ELEMENTWISE if bwd else 1),
+    c.add("elementwise", bytes_=ew * (C.BACKWARD_ELEMENTWISE if bwd else 1), working_set=T * max(H, F) * 2 * a,
           kernels=kn * (C.BACKWARD_KERNELS if bwd else 1), times=times * L)
     _attention(c, spec, st, gpu, kernel, bwd, times * L)
 
