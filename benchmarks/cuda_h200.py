@@ -1,0 +1,143 @@
+"""The shared rows of ``benchmarks/reference/cuda_h200.json`` (real steps on one H200) beside the kit's figures.
+
+Per row: ``estimate``'s peak allocated and device total; the reserved bytes of PyTorch's caching allocator replayed
+(:mod:`lora_kit.memory.allocator`, default and ``expandable_segments:True``) over ``simulate``'s allocation sequence;
+and the measured ``max_memory_allocated``, ``max_memory_reserved`` and what the process added to nvidia-smi (its
+peak minus what was used before it started).
+
+The sequence replayed: the weights and the optimizer states as ``simulate`` tracks them (already live, in that
+order), then its tracked step twice (steady state). Not replayed: loading (for QLoRA, bitsandbytes quantising on
+load, which leaves blocks behind) and the first step's own order, so reserved after load is not reproduced.
+``simulate`` follows CPU kernels (pitfalls: "A CPU step is not a CUDA step"). The events are read from
+``LiveBytesTracker`` through a subclass here (births and deaths of storages); the tracker has no public hook for it.
+
+    python benchmarks/cuda_h200.py [--rows l8b-lora-ckpt-s2048,...] [--out benchmarks/results/cuda_h200.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import lora_kit as lk  # noqa: E402
+from lora_kit.memory import simulate as sim_mod  # noqa: E402
+from lora_kit.memory.allocator import replay  # noqa: E402
+from lora_kit.memory.tracker import LiveBytesTracker  # noqa: E402
+from lora_kit.plan.gpus import get_gpu  # noqa: E402
+from lora_kit.results import write_json_atomic  # noqa: E402
+
+REFERENCE = ROOT / "benchmarks" / "reference" / "cuda_h200.json"
+GIB = 2 ** 30
+
+
+class EventTracker(LiveBytesTracker):
+    """A LiveBytesTracker that also keeps ("alloc", serial, bytes) / ("free", serial) in the order they happen."""
+    last = None
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.events: list[tuple] = []
+        EventTracker.last = self
+
+    def _add_storage(self, st):
+        new = self._serial_of.get(st._cdata) is None
+        serial = super()._add_storage(st)
+        if new and self._live.get(serial):
+            self.events.append(("alloc", serial, self._live[serial]))
+        return serial
+
+    def reset_peak(self):  # simulate calls it once what was live before the step is tracked
+        self.mark = len(self.events)
+        super().reset_peak()
+
+    def _free(self, serial, cdata):
+        if self._live.get(serial):
+            self.events.append(("free", serial))
+        super()._free(serial, cdata)
+
+
+def step_kwargs(row: dict) -> dict:
+    st = row["settings"]
+    kw = dict(method=st["method"], seq_len=st["seq"], batch_size=st["batch"], gradient_checkpointing=st["ckpt"],
+              optimizer=st["optim"], dtype="bfloat16")
+    if st["method"] != "full":
+        kw.update(lora_rank=st["rank"], lora_alpha=st["alpha"], lora_targets=st["targets"])
+    return kw
+
+
+def steady_state(events: list, n_live_before: int) -> list:
+    """The tracked step twice after what was live before it (its first ``n_live_before`` allocations)."""
+    pre, step = events[:n_live_before], events[n_live_before:]
+    second = [(e[0], ("2", e[1])) + tuple(e[2:]) for e in step]
+    return pre + step + second
+
+
+def one(row: dict) -> dict:
+    kw = step_kwargs(row)
+    est = lk.estimate(model=row["model"], **kw)
+    orig = sim_mod.LiveBytesTracker
+    sim_mod.LiveBytesTracker = EventTracker
+    t0 = time.perf_counter()
+    try:
+        sim = lk.simulate(row["model"], **kw)
+    finally:
+        sim_mod.LiveBytesTracker = orig
+    tr = EventTracker.last
+    events = steady_state(tr.events, tr.mark)
+    rep = {name: replay(events, expandable_segments=exp) for name, exp in (("default", False), ("expandable", True))}
+    added = row["peak_nvml"] - row["nvml_used_before_context"]
+    context = get_gpu("H200")["context_bytes"]
+    expandable = row["settings"].get("alloc") == "expandable_segments:True"
+    reserved = rep["expandable" if expandable else "default"].max_reserved
+    return {
+        "case": row["case"], "model": row["model"], "settings": kw, "allocator": "expandable" if expandable else "default",
+        "measured": {"max_allocated": row["peak_allocated"], "max_reserved": row["peak_reserved"],
+                     "process_added_nvidia_smi": added, "context": row["context_used"]},
+        "estimate": {"peak_allocated": est.peak_allocated_bytes, "device_total": est.device_total_bytes},
+        "simulate": {"peak_allocated": sim.peak_allocated_bytes, "seconds": round(time.perf_counter() - t0, 1),
+                     "events": len(tr.events)},
+        "replay": {k: {"max_allocated": v.max_allocated, "max_reserved": v.max_reserved,
+                       "max_inactive_split": v.max_inactive_split} for k, v in rep.items()},
+        "ratios": {"estimate_allocated": est.peak_allocated_bytes / row["peak_allocated"],
+                   "replay_reserved": reserved / row["peak_reserved"],
+                   "estimate_device_total_vs_added": est.device_total_bytes / added,
+                   "context_plus_replay_vs_added": (context + reserved) / added},
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default=None, help="comma-separated case names (default: every shared step row)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cuda_h200.json"))
+    a = p.parse_args(argv)
+    ref = json.loads(REFERENCE.read_text())
+    rows = [r for r in ref["rows"] if "settings" in r]
+    if a.rows:
+        want = a.rows.split(",")
+        rows = [r for r in rows if r["case"] in want]
+    out = []
+    print(f"{'case':<34}{'alloc est/meas':>15}{'reserved replay/meas':>22}{'meas GiB':>10}{'dev.total/added':>17}"
+          f"{'ctx+replay/added':>18}")
+    for r in rows:
+        res = one(r)
+        out.append(res)
+        q = res["ratios"]
+        print(f"{r['case']:<34}{q['estimate_allocated']:>15.4f}{q['replay_reserved']:>22.4f}"
+              f"{r['peak_reserved'] / GIB:>10.2f}{q['estimate_device_total_vs_added']:>17.4f}"
+              f"{q['context_plus_replay_vs_added']:>18.4f}", flush=True)
+    write_json_atomic(a.out, {"_about": __doc__.split("\n\n")[0] + " Machine that computed the kit's figures: "
+                              + os.uname().machine + " CPU; measured figures: the reference file.",
+                              "reference": str(REFERENCE.relative_to(ROOT)), "rows": out})
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
