@@ -108,9 +108,9 @@ def _step(model, opt, ids):
 
 def test_replay_of_a_real_cpu_training_step():
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    ids = torch.randint(0, 512, (2, 256))
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    ids = torch.randint(0, 256, (2, 128))
     peaks = []
     for kind in ("recorder", "tracker"):  # the same two steps, seen by each
         torch.manual_seed(0)
