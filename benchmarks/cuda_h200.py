@@ -79,32 +79,46 @@ def steady_state(events: list, n_live_before: int) -> list:
     return pre + step + second
 
 
-def one(row: dict) -> dict:
-    kw = step_kwargs(row)
-    est = lk.estimate(model=row["model"], **kw)
+def simulate_with_events(model, **kw):
+    """``lora_kit.simulate(model, **kw)`` and the steady-state allocation sequence of its step (:func:`steady_state`)."""
     orig = sim_mod.LiveBytesTracker
     sim_mod.LiveBytesTracker = EventTracker
-    t0 = time.perf_counter()
     try:
-        sim = lk.simulate(row["model"], **kw)
+        sim = lk.simulate(model, **kw)
     finally:
         sim_mod.LiveBytesTracker = orig
     tr = EventTracker.last
-    events = steady_state(tr.events, tr.mark)
-    rep = {name: replay(events, expandable_segments=exp) for name, exp in (("default", False), ("expandable", True))}
+    return sim, steady_state(tr.events, tr.mark)
+
+
+def replayed(events: list) -> dict:
+    """Reserved (and allocated, inactive split) of ``events`` under both allocator settings."""
+    out = {}
+    for name, exp in (("default", False), ("expandable", True)):
+        v = replay(events, expandable_segments=exp)
+        out[name] = {"max_allocated": v.max_allocated, "max_reserved": v.max_reserved,
+                     "max_inactive_split": v.max_inactive_split}
+    return out
+
+
+def one(row: dict) -> dict:
+    kw = step_kwargs(row)
+    est = lk.estimate(model=row["model"], **kw)
+    t0 = time.perf_counter()
+    sim, events = simulate_with_events(row["model"], **kw)
+    seconds = time.perf_counter() - t0
+    rep = replayed(events)
     added = row["peak_nvml"] - row["nvml_used_before_context"]
     context = get_gpu("H200")["context_bytes"]
     expandable = row["settings"].get("alloc") == "expandable_segments:True"
-    reserved = rep["expandable" if expandable else "default"].max_reserved
+    reserved = rep["expandable" if expandable else "default"]["max_reserved"]
     return {
         "case": row["case"], "model": row["model"], "settings": kw, "allocator": "expandable" if expandable else "default",
         "measured": {"max_allocated": row["peak_allocated"], "max_reserved": row["peak_reserved"],
                      "process_added_nvidia_smi": added, "context": row["context_used"]},
         "estimate": {"peak_allocated": est.peak_allocated_bytes, "device_total": est.device_total_bytes},
-        "simulate": {"peak_allocated": sim.peak_allocated_bytes, "seconds": round(time.perf_counter() - t0, 1),
-                     "events": len(tr.events)},
-        "replay": {k: {"max_allocated": v.max_allocated, "max_reserved": v.max_reserved,
-                       "max_inactive_split": v.max_inactive_split} for k, v in rep.items()},
+        "simulate": {"peak_allocated": sim.peak_allocated_bytes, "seconds": round(seconds, 1), "events_replayed": len(events)},
+        "replay": rep,
         "ratios": {"estimate_allocated": est.peak_allocated_bytes / row["peak_allocated"],
                    "replay_reserved": reserved / row["peak_reserved"],
                    "estimate_device_total_vs_added": est.device_total_bytes / added,

@@ -8,6 +8,14 @@ five architecture families) it runs two real steps on the GPU (lora_kit.memory.m
 - their ``device_total_bytes`` vs the device level: CUDA context (``mem_get_info`` used bytes after
   CUDA init, before any model) + ``max_memory_reserved`` -- what nvidia-smi shows at the peak.
 
+Per config it also replays ``simulate``'s allocation sequence through PyTorch's caching allocator
+(:mod:`lora_kit.memory.allocator`, via ``benchmarks/cuda_h200.py``) for both allocator settings and compares the one
+this process runs with (``env.allocator``: the variable torch reads, see :mod:`lora_kit.run.alloc_conf`) with
+``max_memory_reserved``; ``env.cuda_memory`` is ``mem_get_info``'s total (the capacity) and free. For the other
+setting run it again in a fresh process, e.g. ``PYTORCH_ALLOC_CONF=expandable_segments:True`` (torch >= 2.9) with
+another ``--out``; configs run one after another in one process (``empty_cache`` between them), the replay starts
+empty for each.
+
 Prints one table and writes JSON (atomically) to ``--out``. Designed to finish in < 8 minutes on
 one H200. CI never needs it. Without CUDA it says so and exits 0, unless ``--cpu-dry-run``: then
 two tiny configurations run on the CPU (tracked real step) so the script itself is tested.
@@ -23,6 +31,7 @@ import gc
 import os
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -147,6 +156,11 @@ def _estimate(model, kw):
         return None, f"estimate failed: {type(e).__name__}: {e}"
 
 
+def in_effect():
+    from lora_kit.run.alloc_conf import in_effect as allocator_in_effect
+    return allocator_in_effect()
+
+
 def _pct(pred, real):
     return None if pred is None or not real else 100.0 * (pred - real) / real
 
@@ -163,7 +177,8 @@ def run_one(label, model, kw, device, ctx_bytes):
     import torch
 
     from lora_kit.memory.measure import measure_config
-    from lora_kit.memory.simulate import simulate
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cuda_h200 import replayed, simulate_with_events
     row = {"label": label, "model": model if isinstance(model, str) else type(model).__name__, "settings": kw}
     est, why = _estimate(model, kw)
     row["estimate_peak"] = est.peak_allocated_bytes if est else None
@@ -171,9 +186,10 @@ def run_one(label, model, kw, device, ctx_bytes):
     row["notes"] = [why] if why else []
     t0 = time.perf_counter()
     try:
-        sim = simulate(model, **kw)
+        sim, events = simulate_with_events(model, **kw)
         row.update(simulate_peak=sim.peak_allocated_bytes, simulate_total=sim.device_total_bytes,
-                   simulate_phase=sim.phase, simulate_seconds=round(time.perf_counter() - t0, 2))
+                   simulate_phase=sim.phase, simulate_seconds=round(time.perf_counter() - t0, 2),
+                   replay=replayed(events))  # reserved of PyTorch's caching allocator over simulate's sequence
     except Exception as e:  # noqa: BLE001
         row.update(simulate_peak=None, simulate_total=None)
         row["notes"].append(f"simulate failed: {type(e).__name__}: {e}")
@@ -194,6 +210,9 @@ def run_one(label, model, kw, device, ctx_bytes):
     row["simulate_err_pct"] = _pct(row.get("simulate_peak"), row["measured_peak"])
     row["estimate_total_err_pct"] = _pct(row["estimate_total"], row.get("measured_total"))
     row["simulate_total_err_pct"] = _pct(row.get("simulate_total"), row.get("measured_total"))
+    if row.get("replay") and row.get("measured_reserved") is not None:  # on the setting this process runs with
+        setting = "expandable" if in_effect()["expandable_segments"] else "default"
+        row["replay_reserved_err_pct"] = _pct(row["replay"][setting]["max_reserved"], row["measured_reserved"])
     return row
 
 
@@ -219,7 +238,8 @@ def print_table(rows):
         for n in r["notes"]:
             print(f"    note: {n}")
     import statistics
-    for key in ("simulate_err_pct", "estimate_err_pct", "simulate_total_err_pct", "estimate_total_err_pct"):
+    for key in ("simulate_err_pct", "estimate_err_pct", "simulate_total_err_pct", "estimate_total_err_pct",
+                "replay_reserved_err_pct"):
         errs = [abs(r[key]) for r in rows if r.get(key) is not None]
         if errs:
             print(f"{key:<24} n={len(errs):2d} median |err| {statistics.median(errs):6.2f}%  max {max(errs):6.2f}%")
@@ -236,6 +256,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import torch
 
+    from lora_kit.check.stack import cuda_memory
     from lora_kit.results import write_json_atomic
     if args.cpu_dry_run or args.cpu_matrix:
         device, configs, ctx = "cpu", tiny_configs(matrix=args.cpu_matrix), 0
@@ -250,7 +271,8 @@ def main(argv=None):
     t_start = time.perf_counter()
     rows = []
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-           "context_bytes_measured": ctx}
+           "context_bytes_measured": ctx, "allocator": in_effect(),
+           "cuda_memory": cuda_memory() if device == "cuda" else None}  # mem_get_info: total = capacity
     try:
         import bitsandbytes
         import transformers
