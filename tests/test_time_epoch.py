@@ -36,7 +36,7 @@ def test_epoch_is_the_users_data_with_the_uncalibrated_interval(tmp_path, table)
     et = rep["epoch_time"]
     assert et["epoch"]["examples"] == 1200 and et["epoch"]["tokens"] == 480_000
     row = table[(table["method"] == "lora") & (table["gpu"] == "H100-SXM")].iloc[0]
-    assert et["steps"] == -(-1200 // 4) == steps_per_epoch(et["epoch"], 4, 1024)
+    assert et["steps"] == -(-1200 // 4) == steps_per_epoch(et["epoch"], 4, 1024, 1, 1)
     assert et["hours"] == pytest.approx(et["steps"] * row["step_seconds"] / 3600)
     assert et["error_factor"] == C.ERROR_FACTOR_UNCALIBRATED and et["calibration"] is None
     assert et["hours_low"] < et["hours"] < et["hours_high"] and et["cost_low"] < et["cost"] < et["cost_high"]

@@ -424,7 +424,7 @@ def _epoch(epoch, num_examples, dataset_tokens, seq_len) -> dict:
             "note": "each example padded to seq_len"}
 
 
-def steps_per_epoch(epoch: dict, batch_size: int, seq_len: int, num_gpus: int = 1, grad_accum: int = 1) -> int:
+def steps_per_epoch(epoch: dict, batch_size: int, seq_len: int, num_gpus: int, grad_accum: int) -> int:
     """Optimizer steps in one epoch (:func:`_epoch`'s dict): packed tokens fill rows of ``seq_len``; padded
     examples are one row each; a step takes ``batch_size * num_gpus * grad_accum`` rows."""
     rows_step = int(batch_size) * int(num_gpus) * int(grad_accum)
