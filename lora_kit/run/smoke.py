@@ -482,10 +482,11 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
         record["oom"]["memory_after_free"] = memory_now(tracker)
         try:
             on_gpu = torch.cuda.is_available() and not memory_limit_bytes
-            limit = memory_limit_bytes or (torch.cuda.get_device_properties(0).total_memory if on_gpu else None)
+            dev = dist_util.device()  # this rank's GPU; its capacity is mem_get_info's total, read at the start
+            limit = memory_limit_bytes or ((record["cuda_memory"] or {}).get("cuda_total_bytes") if on_gpu else None)
             record["oom"]["suggestions"] = fit_suggestions(
                 {**s.to_dict(), "model": record.get("model", {}).get("path", s.model)}, limit, cuda=on_gpu,
-                name=torch.cuda.get_device_name(0) if on_gpu else None)
+                name=torch.cuda.get_device_name(dev) if on_gpu else None)
         except Exception as se:  # noqa: BLE001 - suggestions are advice; the failure record matters more
             record["oom"]["suggestions"] = {"error": f"{type(se).__name__}: {se}"}
         log.error("out of memory in phase %s: %s", phase, e)
