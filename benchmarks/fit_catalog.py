@@ -46,7 +46,31 @@ def steps_for(name: str, extra_only: bool = False) -> list:
                                  for gc in (True, False) for m in ("lora", "qlora", "full")]
     out += [PLANNING.replace(attn_implementation=attn, **kw) for kw in EXTRA.get(name, [])]
     if name == "tiny" and not extra_only:
-        out += [EMBEDDED.for_method(m) for m in ("lora", "qlora", "full")]
+        out += [EMBEDDED.for_method(m) for m in ("lora", "qlora", "full")] + grid_steps(name)
+    return out
+
+
+def grid_steps(name: str) -> list:
+    """One step per fit the golden estimate grid's rows of ``name`` need (``benchmarks/grid.py``): the tutorial's
+    model is estimated at every setting a user can click, so all of them ship fitted. Rows another fit serves (an
+    optimizer composed from AdamW's: ``lora_kit.memory.compose``) and ``loop="sft"`` (not fitted) are left out."""
+    import grid
+
+    from lora_kit.memory import fits
+    from lora_kit.memory.compose import SWAPPABLE
+    from lora_kit.memory.specs import model_spec
+    from lora_kit.settings import as_step
+    config, out, seen = model_spec(name).config, [], set()
+    for model, kw in grid.grid():
+        step = as_step(None, **kw)
+        if model != name or step.loop == "sft":
+            continue
+        if step.optimizer in SWAPPABLE:
+            step = step.replace(optimizer="adamw")
+        d = fits.digest(fits.key(config, step))
+        if d not in seen:
+            seen.add(d)
+            out.append(step)
     return out
 
 

@@ -53,7 +53,7 @@ DENSE_MODELS = ("tiny", "llama-3.1-8b", "qwen3-30b-a3b", "deepseek-v2-lite", "py
 FAMILY_MODELS = ("llama-3.2-1b", "mistral-7b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b",
                  "gemma-2-2b", "gemma-3-1b", "phi-3-mini", "pythia-1b", "mixtral-8x7b", "deepseek-v2-lite", "olmo-2-7b",
                  "granite-3.1-2b")  # one catalog model per family
-EXTRA_FAMILIES = ("llama-3.2-1b", "qwen3-0.6b", "pythia-1b")  # rank 64, autocast, sft, 2-GPU FSDP
+EXTRA_FAMILIES = ("llama-3.2-1b", "qwen3-0.6b", "pythia-1b")  # rank 64, autocast, sft, 2-GPU FSDP, 8-bit optimizers
 SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=16384, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 OUTSIDE = {  # model_type -> extra config fields (small experts for the mixtures): families the catalog does not model
@@ -83,7 +83,10 @@ def validation() -> list[tuple[str, dict]]:
         base = {**_model_base(model), **VALIDATION_SHAPE}
         out += [(model, {**base, "method": "lora", "lora_rank": 64}), (model, {**base, "method": "lora", "autocast": True}),
                 (model, {**base, "method": "lora", "loop": "sft"}),
-                (model, {**base, "method": "lora", "sharding": "fsdp", "num_gpus": 2})]
+                (model, {**base, "method": "lora", "sharding": "fsdp", "num_gpus": 2}),
+                # another optimizer, composed from the AdamW fit (lora_kit.memory.compose)
+                (model, {**base, "method": "lora", "optimizer": "paged_adamw_8bit"}),
+                (model, {**base, "method": "full", "optimizer": "adamw_8bit"})]
     for mt in OUTSIDE:
         base = {**OUTSIDE_STEP.get(mt, {}), **VALIDATION_SHAPE, "dtype": "float32"}
         out += [(f"small-{mt}", {**base, "method": m, "gradient_checkpointing": gc}) for m in ("lora", "full")

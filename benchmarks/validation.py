@@ -47,12 +47,12 @@ def main() -> int:
     rows = [compare(r) for r in grid.load(grid.VALIDATION)]
     for r in rows:
         print(f"{r['model']:20s} {grid.dumps(r['settings']):110s} {r['error_pct']:+8.4f} %  {r['memory_model']}")
-    fitted = [abs(r["error_pct"]) for r in rows if r["memory_model"].startswith("fitted")]
+    fitted = [abs(r["error_pct"]) for r in rows if r["memory_model"].startswith(("fitted", "composed"))]
     summary = {"rows": len(rows), "fitted": len(fitted),
                "fitted_median_pct": statistics.median(fitted) if fitted else None,
                "fitted_max_pct": max(fitted, default=None),
                "not_fitted": [f"{r['model']} {grid.dumps(r['settings'])}: {r['error_pct']:+.2f} % ({r['memory_model']})"
-                              for r in rows if not r["memory_model"].startswith("fitted")]}
+                              for r in rows if not r["memory_model"].startswith(("fitted", "composed"))]}
     print(json.dumps(summary, indent=1))
     out = ROOT / "benchmarks" / "results" / "validation.json"
     out.write_text(json.dumps({"_meta": {"command": "python benchmarks/validation.py", "versions": versions()},
