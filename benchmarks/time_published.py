@@ -35,7 +35,11 @@ from lora_kit.results import write_json_atomic
 ROWS = Path(__file__).parent / "reference" / "time_rows.json"
 OUT = Path(__file__).parent / "results" / "time_published.json"
 NAMES = tuple(C.FITTED)
-TARGET_MEDIAN, TARGET_FACTOR = 0.15, 1.5  # issue 35: within 15 % median and 1.5x on every judged row
+TARGET_MEDIAN, TARGET_FACTOR = 0.15, 1.5
+# the fit's fixed starting point (so that a rerun reproduces the shipped constants): typical figures, not fitted
+START = {"matmul_efficiency": 0.6, "attention_efficiency": 0.5, "bandwidth_efficiency": 0.7,
+         "host_seconds_per_kernel": 1e-5, "dequant_factor": 3.0, "recompute_host_seconds_per_kernel": 3e-5,
+         "l2_speedup": 2.0}  # issue 35: within 15 % median and 1.5x on every judged row
 
 
 def load_rows(path=ROWS) -> tuple[list, list]:
@@ -103,7 +107,7 @@ def nelder_mead(f, x0, step=0.3, iters=400, tol=1e-7):
 
 def fit(rows) -> TimeModel:
     fit_rows = [r for r in rows if r["role"] == "fit"]
-    x, _ = nelder_mead(lambda v: _loss(v, fit_rows), [_param(k, C.FITTED[k]) for k in NAMES])
+    x, _ = nelder_mead(lambda v: _loss(v, fit_rows), [_param(k, START[k]) for k in NAMES], iters=1500)
     return TimeModel(**{k: float(f"{_value(k, v):.3g}") for k, v in zip(NAMES, x)})
 
 

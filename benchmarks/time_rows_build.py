@@ -134,7 +134,9 @@ def published_rows(ref: Path) -> list:
             "role": "fit" if f"qwen:{r['model'].split('/')[-1]}-s{r['seq_len']}" in FIT_QWEN else "judged",
             "out_of_scope": "GPTQ int4 kernels (auto-gptq), not bitsandbytes NF4" if gptq else None,
             "notes": ("HF Trainer --bf16 (autocast; peft of 2023 kept adapters in the base dtype), FlashAttention-2, "
-                      "PyTorch 2.0, CUDA 11.8; 1 iteration = 8 micro-steps of batch 1 + "
+                      "PyTorch 2.0, CUDA 11.8; Qwen's remote modelling code (modeling_qwen.py) calls flash-attn's fused rotary "
+                      "and rms_norm kernels when installed: fewer element-wise kernels than HF Llama code the kit "
+                      "models; 1 iteration = 8 micro-steps of batch 1 + "
                       "one optimizer step; optimizer assumed AdamW (torch)")})
     a = [r for r in pub if r["source"].startswith("Answer.AI") and " s per " in (r["notes"] or "")]
     for r in a:
