@@ -8,7 +8,7 @@ dispatches kernels one by one, so small ones are launch-bound; a kernel's device
 
 - **Matmuls** by shape ``T x in x out`` and the dtype they really run in: base linears in the compute dtype
   (tensor-core ``bf16_tflops`` / ``fp16_tflops``); LoRA's A and B in the adapter dtype (fp32: peft keeps adapters
-  in fp32); with QLoRA's usual recipe (``prepare_model_for_kbit_training``) also ``lm_head`` in fp32. fp32
+  in fp32; 16-bit under autocast); with QLoRA's usual recipe (``prepare_model_for_kbit_training``) also ``lm_head`` in fp32. fp32
   matmuls run on CUDA cores (``allow_tf32`` is off by default): ``FP32_TFLOPS`` of
   :mod:`lora_kit.plan.time_constants`. Backward: input gradients for every linear, weight gradients for trained
   ones (full fine-tuning; LoRA's A and B).
