@@ -27,12 +27,12 @@ from pathlib import Path
 from lora_kit.plan.config_import import settings_from_config
 from lora_kit.results import write_text_atomic
 from lora_kit.run.accelerate_config import write_accelerate_config
+from lora_kit.run.alloc_conf import DEFAULT as ALLOC, NEW, OLD
 from lora_kit.settings import as_step
 from lora_kit.training import TRAINER_OPTIM
 
 TOOLS = ("trl", "axolotl", "llamafactory")
 CONFIG_NAME = {"trl": "sft.yaml", "axolotl": "axolotl.yaml", "llamafactory": "llamafactory.yaml"}
-ALLOC = "expandable_segments:True"
 
 
 def hub_id(model: str) -> str:
@@ -172,8 +172,8 @@ def launch_script(tool: str, step) -> str:
     head = ["#!/usr/bin/env bash", f"# written by lora_kit: runs the planned step with {tool} on {step.num_gpus} GPU(s)",
             "set -euo pipefail", 'cd "$(dirname "$0")"',
             "# the allocator setting the plan assumes; torch < 2.9 reads the first variable, newer torch the second",
-            f'export PYTORCH_CUDA_ALLOC_CONF="${{PYTORCH_CUDA_ALLOC_CONF:-{ALLOC}}}"',
-            'export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-$PYTORCH_CUDA_ALLOC_CONF}"']
+            f'export {OLD}="${{{OLD}:-{ALLOC}}}"',
+            f'export {NEW}="${{{NEW}:-${OLD}}}"']
     if tool == "trl":
         run = ['SFT="$(python -c \'import trl.scripts.sft as m; print(m.__file__)\')"',
                f'accelerate launch --config_file accelerate.yaml "$SFT" --config {cfg} "$@"']
