@@ -46,7 +46,7 @@ def marker_boxes(fig, width=F.DESIGN_WIDTH):
     return out
 
 
-def assert_readable(fig, widths=(F.DESIGN_WIDTH, F.NOTEBOOK_WIDTH, 1200), markers=False):
+def assert_readable(fig, widths=F.SHOWN_WIDTHS, markers=False):
     """At each output width: no label leaves the plot or overlaps another label (nor, with ``markers``,
     a data marker)."""
     for width in widths:
@@ -72,6 +72,25 @@ def test_place_labels_separates_crowded_points():
         boxes.append((x + dx - w / 2, y + dy - h / 2, x + dx + w / 2, y + dy + h / 2))
     assert not any(F.boxes_overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
     assert all(b[0] >= 0 and b[2] <= size[0] and b[1] >= 0 for b in boxes)
+
+
+def test_place_labels_holds_at_every_shown_width():
+    """Ten labels crowded in a corner: shifts stay fixed in px while anchors and markers stretch with the
+    output's width (x scaled by W'/W), so the boxes are checked at each of the figure's shown widths."""
+    anchors = [(84, 42), (24, 21), (101, 93), (81, 78), (74, 95), (102, 20), (106, 23), (93, 34), (106, 63), (50, 54)]
+    texts = ["A100-80GB", "H100-SXM", "L40S", "T4", "L4", "RTX-4090", "A10G", "RTX-6000-Ada", "B200", "H200"]
+    W, H = F.plot_size()
+    widths = [F.plot_size(w)[0] for w in F.SHOWN_WIDTHS]
+    shifts = F.place_labels(anchors, texts, (W, H), widths=widths)
+    for Wp in widths:
+        s = Wp / W
+        boxes = [(x * s + dx - w / 2, y + dy - h / 2, x * s + dx + w / 2, y + dy + h / 2)
+                 for (x, y), (dx, dy), (w, h) in zip(anchors, shifts, map(F.text_size, texts))]
+        marks = [(x * s - F.MARKER_RADIUS, y - F.MARKER_RADIUS, x * s + F.MARKER_RADIUS, y + F.MARKER_RADIUS)
+                 for x, y in anchors]
+        assert not any(F.boxes_overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), f"{Wp} px"
+        assert not any(F.boxes_overlap(a, m, pad=1) for a in boxes for m in marks), f"{Wp} px"
+        assert all(b[0] >= 0 and b[2] <= Wp and b[1] >= 0 and b[3] <= H for b in boxes), f"{Wp} px"
 
 
 def test_breakdown_bar_stacks_parts_and_marks_gpu():

@@ -10,9 +10,11 @@ Memory axes are GiB (2**30 bytes; MiB when everything is under 1 GiB), times hou
 costs in USD at the catalog's example prices (labelled so) or in the user's currency for their prices.
 
 Readable at a notebook's width: every figure has a fixed height and margins and its legend above the
-plot, so label positions are computed in pixels for :data:`DESIGN_WIDTH`, the narrowest notebook output
-designed for (a wider one, ~900 px in JupyterLab, only spreads them further): labels that would collide are merged (GPUs with the same capacity, percentiles with the
-same value) or moved (:func:`place_labels`), and the tests check the computed boxes never overlap.
+plot, so label positions are computed in pixels. A label's shift is fixed in px while the data it points
+at stretches with the output's width, so a spot free at one width can hide a marker at another: positions
+are chosen for every width in :data:`SHOWN_WIDTHS` (760 px, the narrowest designed for; ~900 px in
+JupyterLab; 1200 px). Labels that would collide are merged (GPUs with the same capacity, percentiles with
+the same value) or moved (:func:`place_labels`), and the tests check the computed boxes never overlap.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ METHOD_MARKERS = {"full": dict(symbol="square", size=12), "lora": dict(symbol="c
 
 DESIGN_WIDTH = 760  # px: the narrowest notebook output that label positions are computed for
 NOTEBOOK_WIDTH = 900  # px: a typical JupyterLab output width (screenshots, the run card's PNGs)
+WIDE_WIDTH = 1200  # px: a wide screen's notebook output
+SHOWN_WIDTHS = (DESIGN_WIDTH, NOTEBOOK_WIDTH, WIDE_WIDTH)  # label positions must hold at each of these
 HEIGHT = 480
 MARGIN = {"l": 70, "r": 30, "t": 85, "b": 60}  # t: title + one legend row; 55 without a legend
 TOP_NO_LEGEND = 55
@@ -75,15 +79,22 @@ def _overlap_area(a, b) -> float:
     return max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
 
 
-def place_labels(anchors, texts, size, markers=None, gap: float = 3.0, radii=None) -> list[tuple[float, float]]:
+def place_labels(anchors, texts, size, markers=None, gap: float = 3.0, radii=None,
+                 widths=None) -> list[tuple[float, float]]:
     """Label-centre shifts (px, y up) from each anchor so that no two labels overlap, nor a marker,
     nor the plot's edges: the first free spot of above / right / below / left / the diagonals / twice
     as far, else the least-overlapping one. ``anchors`` are px in the plotting area; ``markers`` are
-    ``(x, y)`` or ``(x, y, radius)`` px (default: the anchors); ``radii`` the marker radius at each anchor."""
+    ``(x, y)`` or ``(x, y, radius)`` px (default: the anchors); ``radii`` the marker radius at each anchor.
+
+    ``widths``: the plotting-area widths (px) the figure is shown at (default: ``size``'s only). A label
+    keeps its px shift while its anchor and the markers move with the axis (x scaled by W'/W, the height
+    fixed), so a spot's cost is summed over every width: one free at 760 px may cover a marker at 900."""
     W, H = size
-    marks = [(m[0] - r, m[1] - r, m[0] + r, m[1] + r)
-             for m in (anchors if markers is None else markers) for r in [m[2] if len(m) > 2 else MARKER_RADIUS]]
-    placed, shifts = [], [None] * len(anchors)
+    scales = [1.0] if widths is None else [float(w) / W for w in widths]
+    marks = [(m[0], m[1], m[2] if len(m) > 2 else MARKER_RADIUS) for m in (anchors if markers is None else markers)]
+    marks = [[(mx * s - r, my - r, mx * s + r, my + r) for mx, my, r in marks] for s in scales]
+    placed: list[list[tuple]] = [[] for _ in scales]  # per width: the boxes of the labels placed so far
+    shifts = [None] * len(anchors)
     pts = np.asarray(anchors, dtype=float).reshape(-1, 2)
     crowd = [int((np.hypot(*(pts - p).T) < 60).sum()) for p in pts]
     for k in sorted(range(len(anchors)), key=lambda i: -crowd[i]):  # the most crowded first: they need the room
@@ -99,15 +110,18 @@ def place_labels(anchors, texts, size, markers=None, gap: float = 3.0, radii=Non
                                        -22.5, -157.5, -67.5, -112.5])]
         best, best_cost = None, None
         for dx, dy in cands:
-            box = (x + dx - w / 2, y + dy - h / 2, x + dx + w / 2, y + dy + h / 2)
-            outside = (max(0, -box[0]) + max(0, box[2] - W)) * h + (max(0, -box[1]) + max(0, box[3] - H)) * w
-            cost = (10 * sum(_overlap_area(box, b) for b in placed) + sum(_overlap_area(box, m) for m in marks)
-                    + 10 * outside)
+            boxes = [(x * s + dx - w / 2, y + dy - h / 2, x * s + dx + w / 2, y + dy + h / 2) for s in scales]
+            cost = 0.0
+            for box, s, done, ms in zip(boxes, scales, placed, marks):
+                outside = (max(0, -box[0]) + max(0, box[2] - W * s)) * h + (max(0, -box[1]) + max(0, box[3] - H)) * w
+                cost += (10 * sum(_overlap_area(box, b) for b in done) + sum(_overlap_area(box, m) for m in ms)
+                         + 10 * outside)
             if best_cost is None or cost < best_cost:
-                best, best_cost = (dx, dy, box), cost
+                best, best_cost = (dx, dy, boxes), cost
             if cost == 0:
                 break
-        placed.append(best[2])
+        for done, box in zip(placed, best[2]):
+            done.append(box)
         shifts[k] = (best[0], best[1])
     return shifts
 
@@ -369,7 +383,8 @@ def cost_time_scatter(compare_df: pd.DataFrame, title: str | None = None, curren
     spots = _label_spots(px, df["gpu"].tolist())
     anchors = [px[idx].mean(axis=0) for _, idx in spots]
     shifts = place_labels(anchors, [t for t, _ in spots], (W, H), markers=[(*p, r) for p, r in zip(px, radius)],
-                          radii=[radius[idx].max() for _, idx in spots])
+                          radii=[radius[idx].max() for _, idx in spots],
+                          widths=[plot_size(w)[0] for w in SHOWN_WIDTHS])
     for (text, idx), (dx, dy), r in zip(spots, shifts, [radius[idx].max() for _, idx in spots]):
         x, y = float(df["epoch_hours"].iloc[idx].mean()), float(df["epoch_cost"].iloc[idx].mean())
         if is_far((dx, dy), text, r):  # a leader line from the point to its label (ay: px, down)
