@@ -1,0 +1,460 @@
+"""The SDPA kernel CUDA picks for a step, and what the math fallback costs: read from PyTorch's dispatch rules.
+
+A CPU step cannot show which kernel CUDA runs: the kit's ``simulate`` takes the CPU flash path, which keeps
+what CUDA's flash / memory-efficient / cuDNN kernels keep (the output and an fp32 logsumexp). This module
+states CUDA's choice from PyTorch's public dispatch source and prices the one choice that changes memory
+by a lot: the **math** kernel, which materialises ``B x heads x S x S`` fp32 scores.
+
+**What SDPA receives** (:func:`sdpa_call`), from the kit's step and transformers' ``sdpa_attention_forward``:
+
+- dtype: ``prepare_model_for_kbit_training`` (method ``qlora``) up-casts norms, embeddings and ``lm_head`` to
+  fp32, so the residual stream is fp32; bitsandbytes' ``Linear4bit`` returns its input's dtype and peft adds
+  the fp32 adapter output, so q/k/v are **fp32**. LoRA/full in bf16: peft casts its result back to the base
+  layer's dtype, so q/k/v are in ``dtype``. ``autocast``: CUDA's autocast casts SDPA's inputs to the 16-bit
+  compute dtype (``scaled_dot_product_attention`` is on its lower-precision list, ``autocast_mode.cpp``).
+- ``enable_gqa=True`` when the model has fewer K/V heads than query heads and transformers'
+  ``use_gqa_in_sdpa`` says yes: on CUDA it checks only that there is no attention mask and that K and V have
+  the same head size <= 256 -- not the dtype. Otherwise transformers repeats K/V itself (``repeat_kv``).
+- a mask: padded batches (``padding`` not ``"none"``) and sliding-window layers longer than their window
+  (``masking_utils._ignore_causal_mask_sdpa``); without one, ``is_causal=True``.
+- dropout: the config's ``attention_dropout`` (transformers passes it in training mode).
+
+**Which backend** (:func:`sdpa_backend`): ``select_sdp_backend`` in
+``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` tries the backends in ``priority_order`` (flash,
+memory-efficient, math, cuDNN; cuDNN first on sm90 / sm100 where ``check_prefer_cudnn_attention`` holds) and
+takes the first whose ``can_use_*`` filters all pass. Each rule below names its filter; ``sdp_utils_cpp.h``
+holds the shared ones. Version changes: ``enable_gqa`` exists from torch 2.5 (PR 132689); the memory-efficient
+kernel instantiates ``check_batch_size_and_num_heads_dense<supports_gqa=false>`` until torch 2.13 and accepts
+GQA (and implicit MQA) from 2.14 (PR 191085); ``_safe_softmax`` reuses its output's storage from torch 2.6
+(PR 139613).
+
+**What the math kernel costs** (:func:`math_fallback_bytes`): ``_scaled_dot_product_attention_math``
+(``attention.cpp``) is composite -- the same ATen ops on every device -- so its tensors follow from the
+source: ``q * sqrt(scale)``, a float causal mask, K/V repeated to every query head (``enable_gqa``),
+``k^T * sqrt(scale)``, the fp32 scores, ``_safe_softmax`` (softmax output, a bool ``isneginf`` mask and its
+row reduction), the output; autograd keeps the scaled q, the scaled K^T, the probabilities and the repeated V.
+Backward holds the probabilities, their gradient and the softmax gradient at once (three S x S tensors).
+Flash / memory-efficient keep q, k, v, the output and the logsumexp, and add the q/k/v gradients in backward,
+as the kit counts them. Every storage is rounded to 512 bytes like the CUDA caching allocator. Checked on real
+CPU steps (the math kernel runs the same composite there) with torch's profiler memory timeline:
+``tests/test_cuda_kernels.py``.
+
+fp16/bf16 inputs reach the math kernel only in corner cases (masks on pre-sm80 cards, odd head sizes); its
+fp32 up-casts are not priced here (:func:`math_fallback_bytes` raises).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+
+from lora_kit.memory.specs import model_spec
+from lora_kit.memory.tracker import round_bytes
+from lora_kit.settings import as_step
+
+SDP_UTILS = "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp"
+SDP_UTILS_CPP = "aten/src/ATen/native/transformers/sdp_utils_cpp.h"
+ATTENTION_CPP = "aten/src/ATen/native/transformers/attention.cpp"
+ENABLE_GQA_FROM = (2, 5)  # scaled_dot_product_attention(enable_gqa=...) (PR 132689)
+EFFICIENT_GQA_FROM = (2, 14)  # memory-efficient kernel: check_batch_size_and_num_heads_dense<true, ...> (PR 191085)
+SAFE_SOFTMAX_REUSE_FROM = (2, 6)  # _safe_softmax writes its where() into the softmax output (PR 139613)
+FIXED_TORCH = "2.14"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+BACKENDS = ("flash", "efficient", "cudnn", "math")
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def torch_version(version: str | tuple | None = None) -> tuple:
+    """(major, minor) of ``version`` ("2.11.0+cu130", (2, 11)) or of the installed torch."""
+    if isinstance(version, tuple):
+        return tuple(int(x) for x in version[:2])
+    text = version or metadata.version("torch")
+    try:
+        return tuple(int(x) for x in text.split("+")[0].split(".")[:2])
+    except ValueError as e:
+        raise ValueError(f"torch_version={version!r} is not a version; give e.g. '2.11' or (2, 11).") from e
+
+
+@dataclass(frozen=True)
+class SdpaCall:
+    """What one ``scaled_dot_product_attention`` call receives (the facts CUDA's dispatch reads)."""
+    batch: int
+    q_heads: int
+    kv_heads: int  # heads of the K/V tensors passed (= q_heads when transformers repeated them)
+    seq_q: int
+    seq_kv: int
+    head_dim_qk: int
+    head_dim_v: int
+    dtype: str  # of q, k and v
+    enable_gqa: bool
+    has_mask: bool
+    is_causal: bool
+    dropout: float = 0.0
+    requires_grad: bool = True
+    model_kv_heads: int = 0  # the model's K/V heads (0: same as kv_heads)
+    layout: str = "bshd"  # "bshd": q/k/v are (B, S, H, D) tensors transposed to (B, H, S, D), as transformers'
+
+
+def _cfg_value(cfg: dict, *names, default=None):
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    return default
+
+
+def sdpa_call(spec, step=None, **overrides) -> SdpaCall:
+    """The SDPA call the kit's step makes (see the module docstring for each rule and its source)."""
+    spec, st = model_spec(spec), as_step(step, **overrides)
+    cfg = spec.config or {}
+    if st.method == "qlora" and not st.autocast:
+        dtype = "float32"  # prepare_model_for_kbit_training: fp32 residual stream, Linear4bit returns fp32
+    elif st.autocast:
+        dtype = st.dtype if st.dtype != "float32" else "bfloat16"  # training.autocast_context
+    else:
+        dtype = st.dtype
+    window = _cfg_value(cfg, "sliding_window")
+    if cfg.get("use_sliding_window") is False:
+        window = None
+    has_mask = st.padding != "none" or bool(window and st.seq_len > int(window))
+    dqk = int(_cfg_value(cfg, "qk_head_dim", default=spec.head_dim))
+    dv = int(_cfg_value(cfg, "v_head_dim", default=spec.head_dim))
+    gqa_model = spec.num_kv_heads < spec.num_heads
+    use_gqa = gqa_model and not has_mask and dqk == dv <= 256  # sdpa_attention.use_gqa_in_sdpa (CUDA branch)
+    return SdpaCall(batch=int(st.batch_size), q_heads=spec.num_heads,
+                    kv_heads=spec.num_kv_heads if use_gqa else spec.num_heads, seq_q=int(st.seq_len),
+                    seq_kv=int(st.seq_len), head_dim_qk=dqk, head_dim_v=dv, dtype=dtype, enable_gqa=use_gqa,
+                    has_mask=has_mask, is_causal=not has_mask and st.seq_len > 1,
+                    dropout=float(_cfg_value(cfg, "attention_dropout", default=0.0) or 0.0),
+                    model_kv_heads=spec.num_kv_heads)
+
+
+# -- the filters, one per rule: None when it passes, else why not (with the function it comes from) ----------------
+def _sm(cc: float) -> tuple:
+    major = int(cc)
+    return major, int(round((cc - major) * 10))
+
+
+def _in_range(cc, lo, hi) -> bool:
+    return _sm(lo) <= _sm(cc) <= _sm(hi)
+
+
+def _heads(c: SdpaCall, supports_gqa: bool, mqa_without_flag: bool = False):
+    """check_batch_size_and_num_heads_dense<supports_gqa> (sdp_utils_cpp.h): with enable_gqa and a backend that
+    supports it, K/V heads must divide the query heads; otherwise every head count must be equal."""
+    if c.enable_gqa and supports_gqa:
+        if c.q_heads % c.kv_heads:
+            return f"{SDP_UTILS_CPP}:check_grouped_query_attention: K/V heads must divide query heads"
+        return None
+    if c.kv_heads != c.q_heads and not (mqa_without_flag and c.kv_heads == 1):
+        why = " (enable_gqa is not supported by this backend)" if c.enable_gqa else ""
+        return (f"{SDP_UTILS_CPP}:check_batch_size_and_num_heads_dense: query has {c.q_heads} heads, key/value "
+                f"{c.kv_heads}{why}")
+    return None
+
+
+def _dtype(c: SdpaCall, allowed: tuple, fn: str):
+    if c.dtype not in allowed:
+        return f"{SDP_UTILS}:{fn}: {c.dtype} q/k/v; needs {' or '.join(allowed)}"
+    return None
+
+
+def _flash_reasons(c: SdpaCall, tv: tuple, cc: float) -> list:
+    r = []
+    if c.has_mask:
+        r.append(f"{SDP_UTILS_CPP}:check_for_attn_mask: no attn_mask allowed")
+    if not (c.head_dim_qk == c.head_dim_v and c.head_dim_qk <= 256):
+        r.append(f"{SDP_UTILS}:check_head_dim_size_flash: q/k/v head dims must be equal and <= 256")
+    if not _in_range(cc, 8.0, 12.1):
+        r.append(f"{SDP_UTILS}:check_flash_attention_hardware_support: needs sm80-sm121, got sm{cc}")
+    if (c.requires_grad and (_in_range(cc, 8.6, 8.9) or _in_range(cc, 12.0, 12.1))
+            and not (c.head_dim_qk <= 192 or (c.dropout == 0 and c.head_dim_qk > 224))):
+        r.append(f"{SDP_UTILS}:check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120: "
+                 f"no training with head dim {c.head_dim_qk} on sm{cc}")
+    if c.is_causal and c.seq_q != c.seq_kv:
+        r.append(f"{SDP_UTILS}:check_flash_causal_non_square_seqlens: causal needs seq_q == seq_kv")
+    why = _dtype(c, ("float16", "bfloat16") if cc >= 8 else ("float16",), "check_dtypes_flash_attention")
+    r += [why] if why else []
+    why = _heads(c, supports_gqa=True)
+    return r + ([why] if why else [])
+
+
+def _efficient_reasons(c: SdpaCall, tv: tuple, cc: float) -> list:
+    r = []
+    if not _in_range(cc, 5.0, 12.1):
+        r.append(f"{SDP_UTILS}:check_mem_efficient_hardware_support: needs sm50-sm121, got sm{cc}")
+    half = c.dtype in ("float16", "bfloat16")
+    align = (8 if half else 4) if cc >= 8 else (8 if half and cc >= 7 else 4 if cc >= 7 else 1)
+    # minimum_gemm_alignment: 128 bits per tensor-core load on sm80+ (and for 16-bit on sm70+), else 1 (4 on sm80+)
+    if c.head_dim_qk % align or c.head_dim_v % align:
+        r.append(f"{SDP_UTILS}:check_head_dim_size_mem_efficient: head dims must be multiples of {align}")
+    allowed = ("float16", "float32", "bfloat16") if cc >= 8 else ("float16", "float32")
+    why = _dtype(c, allowed, "can_use_mem_efficient_attention")
+    r += [why] if why else []
+    gqa = tv >= EFFICIENT_GQA_FROM
+    why = _heads(c, supports_gqa=gqa, mqa_without_flag=gqa)
+    if why and not gqa and c.enable_gqa:
+        why += f" (torch {tv[0]}.{tv[1]} < {FIXED_TORCH}, PR 191085)"
+    return r + ([why] if why else [])
+
+
+def _cudnn_reasons(c: SdpaCall, tv: tuple, cc: float) -> list:
+    r = []
+    why = _dtype(c, ("float16", "bfloat16") if cc >= 8 else ("float16",), "check_dtypes_low_precision")
+    r += [why] if why else []
+    if not _in_range(cc, 8.0, 12.1):
+        r.append(f"{SDP_UTILS}:check_cudnn_hardware_support: needs sm80-sm121, got sm{cc}")
+    if c.dropout * 16 != math.floor(c.dropout * 16):
+        r.append(f"{SDP_UTILS}:check_cudnn_dropout: dropout must be a multiple of 1/16")
+    limit = 256 if (int(cc) in (9, 10)) else 128  # check_cudnn_tensor_shapes (256 with cuDNN > 9.22 on sm90/sm10x)
+    if c.head_dim_qk > limit or c.head_dim_v > limit or c.head_dim_qk % 8 or c.head_dim_v % 8:
+        r.append(f"{SDP_UTILS}:check_cudnn_tensor_shapes: head dims must be multiples of 8 and <= {limit}")
+    why = _heads(c, supports_gqa=True)
+    return r + ([why] if why else [])
+
+
+@dataclass
+class BackendChoice:
+    backend: str  # "flash" | "efficient" | "cudnn" | "math"
+    torch: str  # the torch version the rules were read for
+    compute_capability: float
+    rejected: dict = field(default_factory=dict)  # backend tried before it -> the rules it failed (file:function)
+    order: tuple = ()
+
+    def why(self) -> str:
+        """One line: the backend and, for each one passed over, its first failed rule."""
+        parts = [f"{b}: {rs[0].split(': ', 1)[-1]}" for b, rs in self.rejected.items()]
+        return f"{self.backend}" + (f" ({'; '.join(parts)})" if parts else "")
+
+
+def sdpa_backend(call: SdpaCall, torch_version_: str | tuple | None = None, compute_capability: float = 9.0,
+                 prefer_cudnn: bool | None = None) -> BackendChoice:
+    """The backend CUDA's ``select_sdp_backend`` picks for ``call`` with torch ``torch_version_`` (default: the
+    installed one) on a GPU of ``compute_capability``. ``prefer_cudnn`` (default: sm90 / sm100, as
+    ``check_prefer_cudnn_attention`` with a recent cuDNN) puts cuDNN first; it never changes whether the math
+    kernel runs (cuDNN, like flash, takes only fp16/bf16)."""
+    tv = torch_version(torch_version_)
+    cc = float(compute_capability)
+    if call.enable_gqa and tv < ENABLE_GQA_FROM:
+        raise ValueError(f"enable_gqa needs torch >= 2.5 (got {tv[0]}.{tv[1]}); transformers repeats K/V there: "
+                         "build the call with enable_gqa=False and kv_heads=q_heads.")
+    cudnn_first = (int(cc) in (9, 10)) if prefer_cudnn is None else prefer_cudnn
+    order = ("cudnn", "flash", "efficient", "math") if cudnn_first else ("flash", "efficient", "math", "cudnn")
+    rules = {"flash": _flash_reasons, "efficient": _efficient_reasons, "cudnn": _cudnn_reasons}
+    rejected = {}
+    for b in order:
+        if b == "math":
+            return BackendChoice("math", f"{tv[0]}.{tv[1]}", cc, rejected, order)
+        why = rules[b](call, tv, cc)
+        if not why:
+            return BackendChoice(b, f"{tv[0]}.{tv[1]}", cc, rejected, order)
+        rejected[b] = why
+    raise AssertionError("math is always in the order")
+
+
+# -- the math kernel's tensors, allocation by allocation -------------------------------------------------------------
+class _Live:
+    """Live bytes of named storages (each rounded to ``block``) and the peak since :meth:`mark`."""
+
+    def __init__(self, block: int):
+        self.block, self.sizes, self.now, self.peak = block, {}, 0, 0
+
+    def alloc(self, name: str, nbytes: int):
+        assert name not in self.sizes, name
+        self.sizes[name] = round_bytes(int(nbytes), self.block)
+        self.now += self.sizes[name]
+        self.peak = max(self.peak, self.now)
+
+    def free(self, *names):
+        for n in names:
+            self.now -= self.sizes.pop(n)
+
+    def mark(self):
+        self.peak = self.now
+        return self.now
+
+
+def _shapes(c: SdpaCall) -> dict:
+    e = DTYPE_BYTES[c.dtype]
+    B, Hq, Hk, L, S = c.batch, c.q_heads, c.kv_heads, c.seq_q, c.seq_kv
+    return dict(q=B * Hq * L * c.head_dim_qk * e, k=B * Hk * S * c.head_dim_qk * e, v=B * Hk * S * c.head_dim_v * e,
+                krep=B * Hq * S * c.head_dim_qk * e, vrep=B * Hq * S * c.head_dim_v * e, out=B * Hq * L * c.head_dim_v * e,
+                lse=B * Hq * L * 4, scores=B * Hq * L * S * 4, masked=B * Hq * L * S, rows=B * Hq * L,
+                mask=L * S * 4, tril=L * S)
+
+
+def _math_events(c: SdpaCall, tv: tuple, block: int) -> dict:
+    """Walk _scaled_dot_product_attention_math's forward and backward (attention.cpp) and the flash path the kit
+    counts; return each phase's peak and what stays, relative to the same starting point."""
+    if c.dtype != "float32":
+        raise ValueError(f"math_fallback_bytes prices fp32 q/k/v (QLoRA's recipe); got {c.dtype}, whose fp32 "
+                         "up-casts inside the math kernel are not modelled.")
+    z = _shapes(c)
+    repeat = c.enable_gqa and c.kv_heads != c.q_heads  # pre_process_group_query_attention_input
+    # matmul reshapes (B, H, ...) to (B*H, ...): a view when B == 1 or the tensor is contiguous, else a copy.
+    # transformers' q/k/v are transposed (B, S, H, D) tensors; repeat_interleave / repeat_kv outputs are contiguous.
+    strided = c.layout == "bshd" and c.batch > 1 and c.q_heads > 1
+    k_strided = strided and not repeat and c.kv_heads == c.q_heads and c.model_kv_heads in (0, c.kv_heads)
+    m = _Live(block)
+    for n in ("q", "k", "v"):
+        m.alloc(n, z[n])
+    start = m.mark()
+    m.alloc("qs", z["q"])  # q * sqrt(scale)
+    if c.is_causal:  # ones(L, S, bool).tril() -> convert_boolean_attn_mask -> float mask
+        m.alloc("ones", z["tril"]); m.alloc("tril", z["tril"]); m.free("ones")
+        m.alloc("mask", z["mask"]); m.free("tril")
+    if repeat:
+        m.alloc("krep", z["krep"]); m.alloc("vrep", z["vrep"])
+    m.alloc("ks", z["krep"] if repeat else z["k"])  # k^T * sqrt(scale)
+    if strided:
+        m.alloc("qc", z["q"])  # matmul's reshape copy of the scaled q (saved by bmm instead of qs)
+    if k_strided:
+        m.alloc("kc", z["k"])
+    m.alloc("scores", z["scores"])  # q k^T (the mask is added in place)
+    m.alloc("probs", z["scores"]); m.alloc("masked", z["masked"]); m.alloc("rows", z["rows"])  # _safe_softmax
+    if tv < SAFE_SOFTMAX_REUSE_FROM:
+        m.alloc("where", z["scores"]); m.free("probs"); m.sizes["probs"] = m.sizes.pop("where")
+    m.free("rows", "masked", "scores")
+    v_saved = "vrep" if repeat else "v"
+    if strided and not repeat:
+        m.alloc("vc", z["v"]); v_saved = "vc"
+    m.alloc("o", z["out"])  # probs @ v
+    fwd_peak = m.peak - start
+    # on return: the locals die unless autograd saved them (bmm saved the copies qc / kc when it made them)
+    m.free(*[n for n, gone in (("qs", strided), ("ks", k_strided), ("krep", repeat), ("mask", c.is_causal)) if gone])
+    # transformers: o.transpose(1, 2).contiguous(); o is not saved by anything; its q/k/v locals die on return
+    m.alloc("o2", z["out"]); m.free("o")
+    for n in ("q", "k", "v"):
+        if n != v_saved:
+            m.free(n)
+    saved_math = m.now - start  # + o2 (same in both paths)
+    # backward: grad of o2 arrives (B, S, H, Dv) contiguous
+    m.free("o2"); m.alloc("g_o2", z["out"])
+    bwd_start = m.mark()
+    if strided:
+        m.alloc("G", z["out"])  # reshape copy of the transposed gradient
+    m.alloc("g_probs", z["scores"]); m.alloc("g_vrep", z["vrep"] if repeat else z["v"])
+    if strided:
+        m.free("G")
+    m.free(v_saved, "g_o2")
+    m.alloc("g_scores", z["scores"])  # _softmax_backward_data
+    m.free("g_probs", "probs")
+    m.alloc("g_qs", z["q"]); m.alloc("g_ks", z["krep"] if repeat else z["k"])
+    m.free("g_scores", "qc" if strided else "qs", "kc" if k_strided else "ks")
+    bwd_peak = m.peak - bwd_start
+
+    f = _Live(block)  # flash / efficient / cuDNN as the kit counts them
+    for n in ("q", "k", "v"):
+        f.alloc(n, z[n])
+    fstart = f.mark()
+    f.alloc("o", z["out"]); f.alloc("lse", z["lse"])
+    f_fwd_peak = f.peak - fstart
+    f.alloc("o2", z["out"])
+    saved_flash = f.now - fstart
+    f.free("o2"); f.alloc("g_o2", z["out"])
+    fb = f.mark()
+    f.alloc("g_q", z["q"]); f.alloc("g_k", z["k"]); f.alloc("g_v", z["v"])
+    f_bwd_peak = f.peak - fb
+    return dict(fwd_peak=fwd_peak, saved=saved_math, bwd_peak=bwd_peak, flash_fwd_peak=f_fwd_peak,
+                flash_saved=saved_flash, flash_bwd_peak=f_bwd_peak)
+
+
+@dataclass
+class MathFallback:
+    """Extra bytes of the math kernel over flash / memory-efficient, per attention call and for the step."""
+    call: dict  # the SdpaCall
+    saved_per_layer: int  # kept from a layer's forward to its backward
+    forward_extra: int  # at the math forward's own peak, beyond what flash holds just after its kernel
+    backward_extra: int  # at the math backward's peak (three S x S tensors), beyond flash's after its kernel
+    layers: int
+    checkpointing: bool
+    peak_extra: int  # at the step's peak when the peak is in attention (an upper bound otherwise)
+    scores_bytes: int  # one fp32 B x heads x S x S tensor
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def math_fallback_bytes(spec, step=None, *, block: int = 512, torch_version_: str | tuple | None = None,
+                        **overrides) -> MathFallback:
+    """What the math kernel adds, as exact arithmetic over the step's shapes (see the module docstring).
+
+    ``peak_extra``: without checkpointing every layer keeps ``saved_per_layer`` until its backward, so the last
+    layer's forward or backward adds ``(layers - 1) * saved_per_layer`` plus its own extra; with checkpointing
+    only the recomputed layer keeps them. Where the step's peak lies elsewhere (the loss at a large vocabulary)
+    the true increase is smaller: :func:`peak_with_math` places the per-call figures on a simulated step."""
+    spec, st = model_spec(spec), as_step(step, **overrides)
+    c = sdpa_call(spec, st)
+    ev = _math_events(c, torch_version(torch_version_), block)
+    saved = ev["saved"] - ev["flash_saved"]
+    fwd = ev["fwd_peak"] - ev["flash_fwd_peak"]
+    bwd = ev["saved"] + ev["bwd_peak"] - (ev["flash_saved"] + ev["flash_bwd_peak"])
+    L = spec.num_layers
+    own = max(fwd, bwd)
+    peak = own if st.gradient_checkpointing else (L - 1) * saved + own
+    return MathFallback(asdict(c), saved, fwd, bwd, L, bool(st.gradient_checkpointing), peak,
+                        round_bytes(_shapes(c)["scores"], block))
+
+
+SDPA_FORWARD_OPS = ("_scaled_dot_product_flash_attention_for_cpu.default",)
+SDPA_BACKWARD_OPS = ("_scaled_dot_product_flash_attention_for_cpu_backward.default",)
+
+
+def peak_with_math(trace, fb: MathFallback) -> int:
+    """The step's peak if every attention call ran the math kernel: ``simulate(..., trace=True)``'s trace (live
+    bytes after each operator of the CPU step, whose SDPA is the flash path) with the math kernel's extra placed
+    at each SDPA call -- its forward / backward peak at the kernel, its saved tensors from a kept forward (not the
+    first pass of a checkpointed block) to its backward."""
+    extra = best = 0
+    for phase, op, live, *_ in trace:
+        here = live + extra
+        if op in SDPA_FORWARD_OPS:
+            here += fb.forward_extra
+            if not (fb.checkpointing and phase == "forward"):  # a checkpointed block's first pass keeps nothing
+                extra += fb.saved_per_layer
+        elif op in SDPA_BACKWARD_OPS:  # its forward was a kept one (the recompute, under checkpointing)
+            extra -= fb.saved_per_layer
+            here = live + extra + fb.backward_extra
+        best = max(best, here)
+    return int(best)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def cuda_attention_note(model, step=None, *, torch_version_: str | tuple | None = None,
+                        compute_capability: float = 9.0, peak_bytes: int | None = None, sim=None,
+                        **overrides) -> str | None:
+    """None, or one plain sentence for the plan / run card when CUDA would run this step's attention in the math
+    kernel: the cost per GPU and the fix, with the peak both ways when ``peak_bytes`` (the kit's peak, which
+    counts the fused kernel) or ``sim`` (``simulate(..., trace=True)``, for the exact placement) is given."""
+    spec, st = model_spec(model), as_step(step, **overrides)
+    if st.attn_implementation != "sdpa":
+        return None
+    c = sdpa_call(spec, st)
+    choice = sdpa_backend(c, torch_version_, compute_capability)
+    if choice.backend != "math":
+        return None
+    why = (f"{SHORT[c.dtype]} q/k/v" + (" with grouped K/V" if c.enable_gqa else "")
+           + (" and a mask" if c.has_mask else ""))
+    try:
+        fb = math_fallback_bytes(spec, st, torch_version_=torch_version_)
+    except ValueError:
+        return (f"On CUDA with torch {choice.torch}, this step's attention runs in the math kernel ({why}): it "
+                "materialises seq_len x seq_len scores per head. Fix: autocast or attn_implementation='eager'.")
+    if sim is not None and getattr(sim, "trace", None):
+        base, extra = sim.peak_allocated_bytes, peak_with_math(sim.trace, fb) - sim.peak_allocated_bytes
+        extra = max(0, extra)
+    else:
+        base, extra = peak_bytes, fb.peak_extra
+    fixes = []
+    if c.dtype == "float32" and st.method == "qlora":
+        fixes.append("cast the LoRA layers and norms to bf16 after prepare_model_for_kbit_training")
+    if c.dtype == "float32":
+        fixes.append("autocast=True")
+    if c.enable_gqa:
+        fixes.append("repeat K/V to every query head before SDPA (the memory-efficient kernel then takes fp32)")
+        fixes.append(f"torch >= {FIXED_TORCH}")
+    both = (f" (peak {_gib(base + extra)} instead of {_gib(base)})" if base is not None else "")
+    return (f"On CUDA with torch {choice.torch}, this step's attention runs in the math kernel ({why}): "
+            f"+{_gib(extra)} per GPU{both}. Fix: {'; or '.join(fixes)}.")
