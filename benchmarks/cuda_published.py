@@ -106,11 +106,8 @@ def estimate_reserved(est) -> tuple[int, str]:
     if term is not None:
         return int(term), "estimate.reserved_bytes"
     return (est.device_total_bytes - CUDA_CONTEXT_BYTES,
-            "estimate: device_total_bytes minus the CUDA context it adds (allocated x (1 + RESERVE_FRACTION))")
-
-
-def catalog_gpu(name) -> dict | None:
-    return get_gpu(name) if name else None
+            "estimate's reserved: device_total_bytes minus the CUDA context it adds (allocated x (1 + "
+            "RESERVE_FRACTION))")
 
 
 def kit_figure(row: dict, est, gpu: dict | None, replay: bool) -> dict:
@@ -141,7 +138,7 @@ def kit_figure(row: dict, est, gpu: dict | None, replay: bool) -> dict:
             return out
         rep = replayed(events)
         out.update(figure=rep[ALLOCATOR]["max_reserved"],
-                   basis=f"allocator replay ({ALLOCATOR} setting) of simulate's step at full depth",
+                   basis=f"reserved of the allocator replay ({ALLOCATOR} setting) of simulate's step at full depth",
                    estimate_reserved=fallback, estimate_reserved_basis=label,
                    simulate={"peak_allocated": sim.peak_allocated_bytes, "events_replayed": len(events),
                              "seconds": round(time.perf_counter() - t0, 1)},
@@ -161,8 +158,8 @@ def verdict(row: dict, est, gpu: dict | None) -> dict:
     cap = int(gpu["cuda_capacity_bytes"])
     fits = est.device_total_bytes <= cap
     return {"judged": True, "gpu": gpu["name"], "capacity": cap, "capacity_basis": gpu["cuda_capacity_basis"],
-            "device_total": est.device_total_bytes, "predicted": "fits" if fits else "oom", "happened": happened,
-            "right": (happened == "oom") != fits}
+            "device_total": est.device_total_bytes, "device_total_over_capacity": est.device_total_bytes / cap,
+            "predicted": "fits" if fits else "oom", "happened": happened, "right": (happened == "oom") != fits}
 
 
 def compare(rows: list[dict], replay: bool = True) -> list[dict]:
@@ -176,7 +173,7 @@ def compare(rows: list[dict], replay: bool = True) -> list[dict]:
             out.append({**base, "reason": row["reason"]})
             continue
         est = lk.estimate(model=row["model"], **row["plan"])
-        gpu = catalog_gpu(row.get("gpu"))
+        gpu = get_gpu(row["gpu"]) if row.get("gpu") else None
         kit = kit_figure(row, est, gpu, replay)
         measured = int(row["value_bytes"])
         out.append({**base, "model": row["model"], "plan": row["plan"], "gpu": row.get("gpu"),
@@ -186,7 +183,8 @@ def compare(rows: list[dict], replay: bool = True) -> list[dict]:
 
 
 def summary(results: list[dict]) -> dict:
-    """Ratios per metric and the verdict count, with issue 34's targets said met or not."""
+    """Ratios per metric and the verdict count, with issue 34's targets (stated for the device total) said met or
+    not on the figure each row is compared with."""
     inscope = [r for r in results if r["in_scope"]]
     per_metric = {}
     for m in METRICS:
@@ -201,7 +199,7 @@ def summary(results: list[dict]) -> dict:
             "replayed": sum("replay" in r["kit"] for r in inscope),
             "verdicts_judged": len(judged), "verdicts_right": sum(v["right"] for v in judged),
             "verdicts_not_judged": len(inscope) - len(judged),
-            "targets": {"never_more_than_3pct_short": bool(ratios) and min(ratios) >= SHORT,
+            "targets_on_compared_figure": {"never_more_than_3pct_short": bool(ratios) and min(ratios) >= SHORT,
                         "median_at_most_15pct_over": bool(ratios) and statistics.median(ratios) <= OVER_MEDIAN,
                         "every_judged_verdict_right": all(v["right"] for v in judged)}}
 
@@ -213,7 +211,9 @@ def table(results: list[dict]) -> str:
         if not r["in_scope"]:
             continue
         v = r["verdict"]
-        said = f"{v['predicted']} / {v['happened']} {'ok' if v['right'] else 'WRONG'}" if v["judged"] else "no catalog GPU"
+        said = "no catalog GPU"
+        if v["judged"]:
+            said = f"{v['predicted']} / {v['happened']} {'ok' if v['right'] else 'WRONG'}"
         k = r["kit"]
         lines.append(f"{r['id']:<26}{r['metric']:<11}{r['model']:<14}{str(r['gpu']):<10}{r['measured'] / GIB:>13.2f}"
                      f"{k['figure'] / GIB:>9.2f}{r['ratio']:>9.3f}{k['estimate_allocated'] / r['measured']:>15.3f}  "
