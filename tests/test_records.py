@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from lora_kit.memory.estimate import estimate
+from lora_kit.plan import time_constants
 from lora_kit.plan.planner import compare_methods
 from lora_kit.plan.records import PLAN_BATCH, plan_record, sweeps_record
+from lora_kit.plan.timing import TimeModel
 
 
 def test_plan_record_states_every_assumption_and_is_json():
@@ -44,3 +48,17 @@ def test_sweeps_record_keeps_the_longest_seq_len_per_setting():
     best = {"lora, checkpointing on": 32768, "qlora, checkpointing off": 8192}
     rec = sweeps_record("llama-3.1-8b", "A100-80GB", best, {"n": 3}, est)
     assert rec["max_seq_len_batch1"] == best and json.loads(json.dumps(rec))["max_seq_len_batch1"] == best
+
+
+def test_plan_record_keeps_the_time_error_the_intervals_used():
+    """The run card reads the interval's factor from plan.json: the fitted model's, or a calibrated model's."""
+    table = compare_methods("llama-3.1-8b", gpus=["A100-80GB"], seq_len=1024, methods=("lora",))
+    rec = json.loads(json.dumps(plan_record(table, "llama-3.1-8b", seq_len=1024)))
+    assert rec["time_error_factor"] == table.attrs["time_error_factor"] == time_constants.ERROR_FACTOR_UNCALIBRATED
+    row = rec["rows"][0]
+    assert row["epoch_hours_high"] / row["epoch_hours"] == pytest.approx(rec["time_error_factor"])
+    narrow = compare_methods("llama-3.1-8b", gpus=["A100-80GB"], seq_len=1024, methods=("lora",),
+                             time_model=TimeModel(error_factor=1.05))
+    rec = plan_record(narrow, "llama-3.1-8b", seq_len=1024)
+    assert rec["time_error_factor"] == 1.05
+    assert rec["rows"][0]["epoch_hours"] / rec["rows"][0]["epoch_hours_low"] == pytest.approx(1.05)

@@ -119,3 +119,19 @@ def test_card_of_a_smoke_run_folder_of_its_own(tmp_path):
             "settings": {**s.to_dict(), "run_dir": "runs/x/"}}
     line = next(x for x in next_checks(card) if x.startswith("Several GPUs"))
     assert "--nproc_per_node 2 -m lora_kit.run.smoke --params run.yaml -p run_dir runs/x-2ranks`" in line
+
+
+def test_epoch_interval_is_the_one_the_plan_used():
+    """A plan made with a calibrated time model (a narrower error) keeps that interval on the card; a plan.json
+    written before it carried the factor falls back to the model's measured error before calibration."""
+    from lora_kit.plan import time_constants
+    from lora_kit.plan.timing import TimeModel
+    from lora_kit.ui.run_card import epoch_time
+    table = compare_methods("llama-3.1-8b", gpus=["A100-80GB"], methods=("lora",), margin=0.1,
+                            time_model=TimeModel(error_factor=1.05), **STEP)
+    plan = json.loads(json.dumps(plan_record(table, "llama-3.1-8b", margin=0.1, **STEP)))
+    card = {"plan": plan, "smoke": {}, "settings": {"method": "lora", "gpu": "A100-80GB"}}
+    et = epoch_time(card)
+    assert et["error_factor"] == 1.05 and et["hours_high"] == pytest.approx(1.05 * et["hours"])
+    del plan["time_error_factor"]
+    assert epoch_time(card)["error_factor"] == time_constants.ERROR_FACTOR_UNCALIBRATED

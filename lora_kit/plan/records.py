@@ -34,7 +34,8 @@ def plan_record(table: pd.DataFrame, model: str, step: Step | None = None, num_e
     ``compare_methods``); the record lists every step value, the planning defaults included, except ``method`` and
     ``batch_size`` which vary per row. What an epoch is comes from the table (``compare_methods``
     records it); ``num_examples`` only serves tables that do not say. ``margin``: the safety margin
-    the table's "fits" used.
+    the table's "fits" used. ``time_error_factor``: the time model's measured error the table's ``*_low`` /
+    ``*_high`` intervals used (``[t / f, t * f]``; smaller after a smoke run calibrated the model).
 
     With ``num_gpus > 1`` the record also holds ``multi_gpu`` (:func:`lora_kit.plan.multi_gpu.multi_gpu_plan`)
     for one row of the table: ``method`` on ``gpu`` when given (the run's settings) and in the table, else
@@ -50,7 +51,7 @@ def plan_record(table: pd.DataFrame, model: str, step: Step | None = None, num_e
     out = {"model": model, "seq_len": int(seq_len), "batch_size": PLAN_BATCH, "assumptions": assumptions,
            "margin": margin, "epoch": dict(epoch),
            "recommendation": table.attrs.get("recommendation", ""), "time_model": table.attrs.get("time_model", ""),
-           "rows": rows}
+           "time_error_factor": _clean(table.attrs.get("time_error_factor")), "rows": rows}
     if assumed.num_gpus > 1:
         out["multi_gpu"] = _multi_gpu(rows, model, margin, gpu, method, output_dir, time_model, assumed)
     return out

@@ -285,7 +285,8 @@ def epoch_time(card: dict) -> dict | None:
     steps = steps_per_epoch(ep, row["batch_size"], plan.get("seq_len") or a.get("seq_len"), n_gpus,
                             int(s.get("grad_accum") or 1))
     cal = _smoke_calibration(smoke, plan, row)
-    factor = cal["error_factor"] if cal else time_constants.ERROR_FACTOR_UNCALIBRATED
+    planned = plan.get("time_error_factor") or time_constants.ERROR_FACTOR_UNCALIBRATED  # older plan.json: none
+    factor = min(cal["error_factor"], planned) if cal else planned
     step_s = row["step_seconds"] * (cal["scale"] if cal else 1.0)
     hours = steps * step_s / 3600
     price = row.get("price_per_hour")
