@@ -26,8 +26,9 @@ a DeepSpeed / FSDP config on one GPU shards nothing and is planned unsharded, an
 Precision, as the tools run it: ``bf16`` / ``fp16`` turn on autocast over the loaded weights. For full
 fine-tuning, autocast on weights already in 16 bits changes nothing, so it is planned as pure 16-bit training
 (the Step's ``autocast=True`` means fp32 master weights); LLaMA-Factory up-casts trainable weights to fp32 unless
-``pure_bf16``, which is fp32 master weights with autocast. ``tf32`` off with fp32 compute is not modelled
-(the time model assumes TF32 tensor cores for fp32 matmuls, ``lora_kit/plan/timing.py``).
+``pure_bf16``, which is fp32 master weights with autocast. The time model (``lora_kit/plan/timing.py``) runs
+fp32 matmuls on CUDA cores (``time_constants.FP32_TFLOPS``), as PyTorch does with TF32 off, its default for
+matmuls; ``tf32`` on with fp32 compute (TF32 tensor cores, faster than that) is not modelled.
 """
 from __future__ import annotations
 

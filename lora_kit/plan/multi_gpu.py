@@ -38,7 +38,7 @@ from lora_kit.settings import Step, as_step
 GiB = 2 ** 30
 OUTPUT_DIR = "<your trainer's output_dir>"  # where the real run writes; the plan does not know it
 ADAPTER_BYTES = 4  # peft keeps (and saves) LoRA weights in fp32 unless told otherwise
-ASSUMPTION = ("the FLOP model's compute step (timing.step_time) plus each rank's collective traffic at "
+ASSUMPTION = ("the kernel time model's compute step (timing.step_time) plus each rank's collective traffic at "
               "the catalog's interconnect bandwidth per direction (no efficiency factor, so communication is a lower "
               "bound); 'not overlapped' adds them, 'overlapped' takes the larger; CPU-offload traffic is not counted")
 
