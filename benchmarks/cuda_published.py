@@ -26,6 +26,7 @@ listed with their reason. ``simulate`` follows CPU kernels (pitfalls: "A CPU ste
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -46,7 +47,9 @@ from lora_kit.memory.tracker import LiveBytesTracker  # noqa: E402
 from lora_kit.plan.gpus import get_gpu  # noqa: E402
 from lora_kit.results import write_json_atomic  # noqa: E402
 
+from calibrate_accuracy import machine  # noqa: E402
 from cuda_h200 import EventTracker, replayed, steady_state  # noqa: E402
+from lora_kit.memory.fits import versions  # noqa: E402
 
 REFERENCE = ROOT / "benchmarks" / "reference" / "published_cuda_rows.json"
 OUT = ROOT / "benchmarks" / "results" / "cuda_published.json"
@@ -243,12 +246,12 @@ def main(argv=None) -> int:
     print(table(results))
     s = summary(results)
     print(json.dumps(s, indent=1))
-    write_json_atomic(a.out, {"_about": __doc__.split("\n\n")[0] + " Kit figures computed on " + os.uname().machine
-                              + " CPU; measured figures: the reference file.",
-                              "reference": str(REFERENCE.relative_to(ROOT)), "command": "python benchmarks/"
-                              "cuda_published.py" + (" --no-replay" if a.no_replay else "")
-                              + (f" --rows '{a.rows}'" if a.rows else ""),
-                              "seconds": round(time.perf_counter() - t0, 1), "summary": s, "rows": results})
+    command = " ".join(["python benchmarks/cuda_published.py", *(argv if argv is not None else sys.argv[1:])])
+    meta = {"date": datetime.date.today().isoformat(), "command": command,
+            "machine": "kit's figures: " + machine() + "; measured: the sources of the reference file",
+            "versions": versions(), "seconds": round(time.perf_counter() - t0, 1)}
+    write_json_atomic(a.out, {"_about": __doc__.split("\n\n")[0], "_meta": meta,
+                              "reference": str(REFERENCE.relative_to(ROOT)), "summary": s, "rows": results})
     print(f"wrote {a.out}")
     return 0
 
