@@ -321,15 +321,16 @@ def _math_events(c: SdpaCall, tv: tuple, block: int) -> dict:
     fwd_peak = m.peak - start
     # on return: the locals die unless autograd saved them (bmm saved the copies qc / kc when it made them)
     m.free(*[n for n, gone in (("qs", strided), ("ks", k_strided), ("krep", repeat), ("mask", c.is_causal)) if gone])
-    # transformers: o.transpose(1, 2).contiguous(); o is not saved by anything; its q/k/v locals die on return
+    # transformers: o.transpose(1, 2).contiguous() copies (o is (B, H, S, D) here), o_proj saves the copy and o,
+    # saved by nothing, dies; so do transformers' q/k/v locals on return
     m.alloc("o2", z["out"]); m.free("o")
     for n in ("q", "k", "v"):
         if n != v_saved:
             m.free(n)
-    saved_math = m.now - start  # + o2 (same in both paths)
-    # backward: grad of o2 arrives (B, S, H, Dv) contiguous
+    saved_math = m.now - start
+    # backward: o_proj's backward has released o2 and hands back its gradient, (B, S, H, Dv) contiguous
     m.free("o2"); m.alloc("g_o2", z["out"])
-    bwd_start = m.mark()
+    m.mark()
     if strided:
         m.alloc("G", z["out"])  # reshape copy of the transposed gradient
     m.alloc("g_probs", z["scores"]); m.alloc("g_vrep", z["vrep"] if repeat else z["v"])
@@ -340,20 +341,20 @@ def _math_events(c: SdpaCall, tv: tuple, block: int) -> dict:
     m.free("g_probs", "probs")
     m.alloc("g_qs", z["q"]); m.alloc("g_ks", z["krep"] if repeat else z["k"])
     m.free("g_scores", "qc" if strided else "qs", "kc" if k_strided else "ks")
-    bwd_peak = m.peak - bwd_start
+    bwd_peak = m.peak - start
 
     f = _Live(block)  # flash / efficient / cuDNN as the kit counts them
     for n in ("q", "k", "v"):
         f.alloc(n, z[n])
     fstart = f.mark()
+    # the fused kernels write the output in (B, S, H, D) memory, so transformers' transpose(1, 2).contiguous() is
+    # a view: the output is o_proj's saved input too
     f.alloc("o", z["out"]); f.alloc("lse", z["lse"])
     f_fwd_peak = f.peak - fstart
-    f.alloc("o2", z["out"])
     saved_flash = f.now - fstart
-    f.free("o2"); f.alloc("g_o2", z["out"])
-    fb = f.mark()
+    f.alloc("g_o2", z["out"])
     f.alloc("g_q", z["q"]); f.alloc("g_k", z["k"]); f.alloc("g_v", z["v"])
-    f_bwd_peak = f.peak - fb
+    f_bwd_peak = f.now - fstart  # just after the backward kernel, as a trace records it
     return dict(fwd_peak=fwd_peak, saved=saved_math, bwd_peak=bwd_peak, flash_fwd_peak=f_fwd_peak,
                 flash_saved=saved_flash, flash_bwd_peak=f_bwd_peak)
 
@@ -387,7 +388,7 @@ def math_fallback_bytes(spec, step=None, *, block: int = 512, torch_version_: st
     ev = _math_events(c, torch_version(torch_version_), block)
     saved = ev["saved"] - ev["flash_saved"]
     fwd = ev["fwd_peak"] - ev["flash_fwd_peak"]
-    bwd = ev["saved"] + ev["bwd_peak"] - (ev["flash_saved"] + ev["flash_bwd_peak"])
+    bwd = ev["bwd_peak"] - ev["flash_bwd_peak"]
     L = spec.num_layers
     own = max(fwd, bwd)
     peak = own if st.gradient_checkpointing else (L - 1) * saved + own

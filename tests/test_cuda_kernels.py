@@ -1,0 +1,209 @@
+"""The SDPA kernel CUDA picks (lora_kit.memory.cuda_kernels): every dispatch rule on hand-built calls; what SDPA
+really receives on real CPU steps of a tiny GQA model (recorded by wrapping the function); and the math kernel's
+bytes against torch's profiler memory timeline of real CPU steps (the math kernel is composite: the same ops run
+on every device)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lora_kit.memory import cuda_kernels as ck
+from lora_kit.memory.cuda_kernels import (SdpaCall, cuda_attention_note, math_fallback_bytes, peak_with_math,
+                                          sdpa_backend, sdpa_call)
+
+GQA_FP32 = SdpaCall(batch=1, q_heads=32, kv_heads=8, seq_q=2048, seq_kv=2048, head_dim_qk=128, head_dim_v=128,
+                    dtype="float32", enable_gqa=True, has_mask=False, is_causal=True)
+
+
+def call(**changes) -> SdpaCall:
+    return dataclasses.replace(GQA_FP32, **changes)
+
+
+def tiny(layers=1, **kw):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096, **kw)
+
+
+# -- the rules, one by one --------------------------------------------------------------------------------------------
+def test_fp32_grouped_kv_falls_to_math_before_torch_2_14():
+    choice = sdpa_backend(GQA_FP32, "2.11.0+cu130", 9.0)
+    assert choice.backend == "math"
+    assert set(choice.rejected) == {"flash", "efficient", "cudnn"}
+    assert "check_dtypes_flash_attention" in choice.rejected["flash"][0]
+    assert "check_dtypes_low_precision" in choice.rejected["cudnn"][0]
+    eff = " ".join(choice.rejected["efficient"])
+    assert "check_batch_size_and_num_heads_dense" in eff and "PR 191085" in eff
+    assert sdpa_backend(GQA_FP32, "2.13", 9.0).backend == "math"
+    assert sdpa_backend(GQA_FP32, (2, 14), 9.0).backend == "efficient"  # GQA in the memory-efficient kernel
+
+
+def test_fp32_with_repeated_kv_takes_the_memory_efficient_kernel():
+    assert sdpa_backend(call(enable_gqa=False, kv_heads=32), "2.11", 9.0).backend == "efficient"
+    # enable_gqa=False with unequal heads is an error for every fused kernel (and for SDPA itself)
+    assert sdpa_backend(call(enable_gqa=False), "2.11", 8.0).backend == "math"
+
+
+def test_bf16_takes_flash_or_cudnn_by_priority():
+    bf16 = call(dtype="bfloat16")
+    assert sdpa_backend(bf16, "2.11", 8.0).backend == "flash"
+    assert sdpa_backend(bf16, "2.11", 9.0).backend == "cudnn"  # check_prefer_cudnn_attention on sm90
+    assert sdpa_backend(bf16, "2.11", 9.0, prefer_cudnn=False).backend == "flash"
+
+
+def test_a_mask_rules_out_flash():
+    masked = call(dtype="bfloat16", has_mask=True, is_causal=False, enable_gqa=False, kv_heads=32)
+    choice = sdpa_backend(masked, "2.11", 8.0)
+    assert choice.backend == "efficient" and "check_for_attn_mask" in choice.rejected["flash"][0]
+    assert sdpa_backend(masked, "2.11", 9.0).backend == "cudnn"  # check_attn_mask_shape accepts (B, 1, S, S)
+
+
+def test_head_dim_limits():
+    big = call(dtype="bfloat16", head_dim_qk=320, head_dim_v=320, enable_gqa=False, kv_heads=32)
+    choice = sdpa_backend(big, "2.11", 9.0)
+    assert choice.backend == "efficient"
+    assert "check_head_dim_size_flash" in " ".join(choice.rejected["flash"])
+    assert "check_cudnn_tensor_shapes" in " ".join(choice.rejected["cudnn"])
+    odd = call(head_dim_qk=126, head_dim_v=126, enable_gqa=False, kv_heads=32)  # fp32 needs multiples of 4
+    assert "check_head_dim_size_mem_efficient" in " ".join(sdpa_backend(odd, "2.11", 9.0).rejected["efficient"])
+    # flash trains head dims in (192, 224] nowhere on sm86/89; on sm80 it does
+    wide = call(dtype="bfloat16", head_dim_qk=208, head_dim_v=208)
+    assert "sm86_89_or_120" in " ".join(sdpa_backend(wide, "2.11", 8.6).rejected["flash"])
+    assert sdpa_backend(wide, "2.11", 8.0).backend == "flash"
+
+
+def test_compute_capability_and_dtype_limits_on_older_cards():
+    t4 = 7.5
+    assert sdpa_backend(call(dtype="bfloat16"), "2.11", t4).backend == "math"  # no bf16 kernel before sm80
+    assert sdpa_backend(call(dtype="float16", enable_gqa=False, kv_heads=32), "2.11", t4).backend == "efficient"
+    assert "hardware_support" in " ".join(sdpa_backend(call(dtype="float16"), "2.11", t4).rejected["flash"])
+
+
+def test_dropout_and_causal_shape_rules():
+    drop = call(dtype="bfloat16", dropout=0.1)
+    assert "check_cudnn_dropout" in " ".join(sdpa_backend(drop, "2.11", 9.0).rejected["cudnn"])
+    assert sdpa_backend(drop, "2.11", 9.0).backend == "flash"  # flash takes dropout
+    rect = call(dtype="bfloat16", seq_kv=4096)
+    assert "check_flash_causal_non_square_seqlens" in " ".join(
+        sdpa_backend(rect, "2.11", 8.0).rejected["flash"])
+
+
+def test_versions_and_bad_input():
+    assert ck.torch_version("2.11.0+cu130") == (2, 11)
+    with pytest.raises(ValueError, match="not a version"):
+        ck.torch_version("latest")
+    with pytest.raises(ValueError, match="enable_gqa needs torch >= 2.5"):
+        sdpa_backend(GQA_FP32, "2.4")
+    with pytest.raises(ValueError, match="fp32"):
+        math_fallback_bytes(tiny(), method="lora", dtype="bfloat16", seq_len=64)
+
+
+# -- what the kit's step hands SDPA, from the step, and as recorded on real CPU steps -------------------------------------
+def test_call_from_the_step():
+    c = sdpa_call(tiny(), method="qlora", seq_len=32)
+    assert (c.dtype, c.enable_gqa, c.kv_heads, c.has_mask, c.is_causal) == ("float32", True, 2, False, True)
+    assert sdpa_call(tiny(), method="lora", dtype="bfloat16").dtype == "bfloat16"
+    assert sdpa_call(tiny(), method="qlora", autocast=True).dtype == "bfloat16"
+    padded = sdpa_call(tiny(), method="qlora", padding="longest", batch_size=2)
+    assert (padded.has_mask, padded.enable_gqa, padded.kv_heads) == (True, False, 8)
+    slid = sdpa_call(tiny(sliding_window=16), method="lora", seq_len=32)
+    assert slid.has_mask and not slid.enable_gqa
+
+
+@pytest.mark.parametrize("kw", [dict(method="qlora", dtype="bfloat16"), dict(method="lora", dtype="bfloat16"),
+                                dict(method="full", dtype="float32"),
+                                dict(method="qlora", dtype="bfloat16", padding="longest", batch_size=2)])
+def test_sdpa_receives_what_the_module_assumes(kw, monkeypatch):
+    from lora_kit.memory.measure import build_real_model
+    from lora_kit.settings import as_step
+    st = as_step(None, seq_len=16, gradient_checkpointing=False, **kw)
+    net, _, batch = build_real_model(tiny(), st)
+    seen, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def record(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        seen.append((q.dtype, k.dtype, v.dtype, tuple(q.shape), tuple(k.shape), enable_gqa, attn_mask is not None,
+                     is_causal, q.requires_grad))
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", record)
+    net(**batch).loss.backward()
+    c = sdpa_call(tiny(), st)
+    dt = getattr(torch, c.dtype)
+    assert seen == [(dt, dt, dt, (c.batch, c.q_heads, c.seq_q, c.head_dim_qk),
+                     (c.batch, c.kv_heads, c.seq_kv, c.head_dim_qk), c.enable_gqa, c.has_mask, c.is_causal, True)]
+
+
+# -- the math kernel's bytes against real CPU steps ------------------------------------------------------------------------
+def _profiled_peak(net, batch, backend) -> int:
+    from torch.nn.attention import sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+    with sdpa_kernel([backend]), profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                                         record_shapes=True, with_stack=True) as prof:
+        net(**batch).loss.backward()
+    net.zero_grad(set_to_none=True)
+    cur = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:
+        cur += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
+        peak = max(peak, cur)
+    return peak
+
+
+@pytest.mark.parametrize("layers,batch,gc", [(1, 2, False), (2, 2, True), (2, 1, False)])
+def test_math_bytes_match_a_real_cpu_step(layers, batch, gc):
+    """The flash step's trace plus the math kernel's arithmetic gives the math step's peak to the byte (the
+    profiler and the tracker disagree by a constant both runs share: compared through the flash run)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lora_kit.memory.measure import build_real_model
+    from lora_kit.memory.tracker import LiveBytesTracker
+    from lora_kit.settings import as_step
+    st = as_step(None, method="full", dtype="float32", seq_len=128, batch_size=batch, gradient_checkpointing=gc)
+    net, _, batch_ = build_real_model(tiny(layers), st)
+    tr = LiveBytesTracker(block=1, trace=True)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), tr:
+        tr.phase = "forward"
+        loss = net(**batch_).loss
+        tr.phase = "backward"
+        loss.backward()
+        del loss
+    net.zero_grad(set_to_none=True)
+    flash = _profiled_peak(net, batch_, SDPBackend.FLASH_ATTENTION)
+    math_ = _profiled_peak(net, batch_, SDPBackend.MATH)
+    fb = math_fallback_bytes(tiny(layers), st, block=1)
+    assert math_ - flash > 2 * fb.scores_bytes  # the math kernel's S x S tensors dominate these steps
+    assert peak_with_math(tr.trace, fb) - math_ == tr.peak_bytes - flash
+
+
+def test_peak_extra_counts_every_kept_layer_without_checkpointing():
+    kw = dict(method="qlora", seq_len=1024, batch_size=1)
+    one = math_fallback_bytes(tiny(1), gradient_checkpointing=False, **kw)
+    four = math_fallback_bytes(tiny(4), gradient_checkpointing=False, **kw)
+    assert four.peak_extra - one.peak_extra == 3 * one.saved_per_layer > 0
+    assert math_fallback_bytes(tiny(4), gradient_checkpointing=True, **kw).peak_extra == one.peak_extra
+    assert one.backward_extra > 2 * one.scores_bytes  # probabilities, their gradient and the softmax gradient
+
+
+# -- the sentence for the plan / run card ------------------------------------------------------------------------------------
+def test_note_names_the_kernel_the_cost_and_the_fix():
+    note = cuda_attention_note(tiny(), method="qlora", seq_len=2048, torch_version_="2.11", peak_bytes=10 * 2**30)
+    assert note.startswith("On CUDA with torch 2.11, this step's attention runs in the math kernel "
+                           "(fp32 q/k/v with grouped K/V): +")
+    assert "GiB per GPU (peak" in note and "instead of 10.0 GiB" in note
+    assert "bf16" in note and "autocast=True" in note and "torch >= 2.14" in note
+    assert cuda_attention_note(tiny(), method="qlora", seq_len=2048, torch_version_="2.14") is None
+    assert cuda_attention_note(tiny(), method="lora", dtype="bfloat16", torch_version_="2.11") is None
+    assert cuda_attention_note(tiny(), method="qlora", attn_implementation="eager", torch_version_="2.11") is None
+
+
+def test_note_places_the_cost_on_a_simulated_step():
+    from lora_kit.memory.simulate import simulate
+    kw = dict(method="qlora", seq_len=256, batch_size=1, gradient_checkpointing=True)
+    sim = simulate(tiny(2), trace=True, **kw)
+    fb = math_fallback_bytes(tiny(2), **kw)
+    placed = peak_with_math(sim.trace, fb)
+    assert sim.peak_allocated_bytes < placed <= sim.peak_allocated_bytes + fb.peak_extra
+    note = cuda_attention_note(tiny(2), torch_version_="2.12", sim=sim, **kw)
+    assert f"+{(placed - sim.peak_allocated_bytes) / 2**30:.1f} GiB" in note
