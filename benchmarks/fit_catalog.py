@@ -30,8 +30,9 @@ EXTRA = {"llama-3.1-8b": [dict(method="qlora", optimizer="paged_adamw_8bit")],  
          "llama-3.1-70b": [PAPER, {**PAPER, "lora_rank": 16},
                            {**PAPER, "lora_rank": 16, "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}],
          "llama-65b": [PAPER],
-         # the validation set's autocast rows (benchmarks/grid.py)
-         **{m: [dict(method="lora", autocast=True)] for m in ("llama-3.2-1b", "qwen3-0.6b", "pythia-1b")}}
+         # the validation set's autocast and SFT rows (benchmarks/grid.py)
+         **{m: [dict(method="lora", autocast=True), dict(method="lora", loop="sft")]
+            for m in ("llama-3.2-1b", "qwen3-0.6b", "pythia-1b")}}
 
 
 def steps_for(name: str, extra_only: bool = False) -> list:
@@ -53,7 +54,7 @@ def steps_for(name: str, extra_only: bool = False) -> list:
 def grid_steps(name: str) -> list:
     """One step per fit the golden estimate grid's rows of ``name`` need (``benchmarks/grid.py``): the tutorial's
     model is estimated at every setting a user can click, so all of them ship fitted. Rows another fit serves (an
-    optimizer composed from AdamW's: ``lora_kit.memory.compose``) and ``loop="sft"`` (not fitted) are left out."""
+    optimizer composed from AdamW's: ``lora_kit.memory.compose``) are left out."""
     import grid
 
     from lora_kit.memory import fits
@@ -63,7 +64,7 @@ def grid_steps(name: str) -> list:
     config, out, seen = model_spec(name).config, [], set()
     for model, kw in grid.grid():
         step = as_step(None, **kw)
-        if model != name or step.loop == "sft":
+        if model != name:
             continue
         if step.optimizer in SWAPPABLE:
             step = step.replace(optimizer="adamw")

@@ -38,6 +38,8 @@ from math import lcm
 
 import numpy as np
 
+from lora_kit.memory.loops import SFT_TOKEN_TILE
+
 RANKS = (8, 16)  # the LoRA ranks of the design
 # optimizers whose state is polynomial in the rank; the 8-bit and paged ones switch a tensor's state kind at a size
 # (bitsandbytes: 32-bit states under 4,096 elements; paged buffers from 100,000), so with them the rank is fixed
@@ -50,6 +52,7 @@ B_REGIMES = {
             (3, 3, 1)),
 }
 SPAN = 512  # tokens between design shapes without a window
+TILED_SLACK = 64 * 1024  # bytes a tiled fit's held-out shape may differ by (the rounding of a few storages)
 PARTS = 5  # weights, quant_constants, adapters, gradients, optimizer_states (the rest is activations)
 
 
@@ -132,13 +135,17 @@ def stack_weights(types, layers: int) -> dict:
     return w
 
 
-def basis(b_reg: str, lora: bool) -> tuple:
+def basis(b_reg: str, lora: bool, tiled: bool = False) -> tuple:
+    """The basis terms of a B regime; ``tiled`` (a loop scoring ``B * (S - 1)`` positions in token tiles) adds ``B``
+    and ``R·B`` above ``B == 1`` (a per-position storage of ``B * (S - 1) * width`` bytes)."""
     plain, rank = B_REGIMES[b_reg][:2]
-    return plain + (rank if lora else ())
+    more = tiled and b_reg != "B=1"
+    return plain + (("B",) if more else ()) + ((rank + (("RB",) if more else ())) if lora else ())
 
 
 def _row(terms, B: int, S: int, R: int) -> list[int]:
-    x = {"1": S ** 0, "S": S, "S2": S * S, "BS": B * S, "BS2": B * S * S, "R": R, "RS": R * S, "RBS": R * B * S}
+    x = {"1": S ** 0, "S": S, "S2": S * S, "B": B, "BS": B * S, "BS2": B * S * S, "R": R, "RS": R * S,
+         "RB": R * B, "RBS": R * B * S}
     return [x[k] for k in terms]
 
 
@@ -198,18 +205,31 @@ class Fit:
     types: tuple | None
     lora: bool
     unfitted: dict
+    tile: int | None = None  # a tiled loop's positions per tile: regimes are then on B * (S - 1), not S
 
     def size(self) -> int:
         return sum(len(t) for phases in self.tables.values() for t in phases.values())
 
     def covers(self, seq_lens) -> bool:
         """Whether every length of ``seq_lens`` lies in a fitted regime."""
+        if self.tile:
+            return True
         try:
             for S in np.unique(seq_lens):
                 self._regime(int(S))
         except ValueError:
             return False
         return True
+
+    def _regimes(self, B, S) -> np.ndarray:
+        """Each row's regime: by the positions ``B * (S - 1)`` a tiled loop scores, else by ``S``."""
+        if self.tile:
+            return np.where(B * (S - 1) < self.tile, "N<tile", "N>=tile").astype(object)
+        uniq = np.unique(S)
+        return np.asarray([self._regime(int(v)) for v in uniq], dtype=object)[np.searchsorted(uniq, S)]
+
+    def _basis(self, b_reg: str) -> tuple:
+        return basis(b_reg, self.lora, bool(self.tile))
 
     def _regime(self, S: int) -> str:
         for name, (lo, hi) in self.s_regimes.items():
@@ -258,8 +278,7 @@ class Fit:
         n = len(B)
         if B.dtype != object and int(S.max()) ** 2 * int(B.max()) * max(int(R.max()), 1) >= 1 << 62:
             B, S, R = (a.astype(object) for a in (B, S, R))  # S²·B would wrap in int64: Python ints
-        regimes = np.asarray([self._regime(int(s)) for s in np.unique(S)], dtype=object)
-        s_reg = regimes[np.searchsorted(np.unique(S), S)]
+        s_reg = self._regimes(B, S)
         weights = self.weights(layers, types)
         if weights is None:
             raise ValueError(f"this fit does not describe {layers} blocks of layer types {types}: refit")
@@ -268,7 +287,7 @@ class Fit:
             for reg in dict.fromkeys(s_reg.tolist()):
                 rows = np.flatnonzero(((B == 1) if b_reg == "B=1" else (B > 1)) & (s_reg == reg))
                 if rows.size:
-                    x = np.stack(_row(basis(b_reg, self.lora), B[rows], S[rows], R[rows]), axis=1)
+                    x = np.stack(_row(self._basis(b_reg), B[rows], S[rows], R[rows]), axis=1)
                     if x.dtype != object and self._bound(b_reg, reg, weights, x) >= 1 << 62:
                         x = x.astype(object)  # past int64's room: Python ints
                     share = None if grad_share is None else np.asarray(grad_share)[rows].astype(x.dtype)
@@ -292,7 +311,7 @@ class Fit:
         k = (b_reg, s_reg, stack)
         if k not in memo:
             memo[k] = [max(int(np.abs(t[..., j]).max()) for t in self.tables[k].values())
-                       for j in range(len(basis(b_reg, self.lora)))]
+                       for j in range(len(self._basis(b_reg)))]
         return memo[k]
 
     def _combine(self, b_reg: str, s_reg: str, weights: dict, x, share=None) -> dict:
@@ -316,7 +335,7 @@ class Fit:
         return out
 
     def to_json(self) -> dict:
-        return {"denominator": self.denominator, "s_regimes": self.s_regimes,
+        return {"denominator": self.denominator, "s_regimes": self.s_regimes, "tile": self.tile,
                 "types": list(self.types) if self.types else None, "lora": self.lora, "unfitted": self.unfitted,
                 "tables": {"|".join(k): {ph: t.tolist() for ph, t in v.items()} for k, v in self.tables.items()}}
 
@@ -324,7 +343,7 @@ class Fit:
     def from_json(cls, d: dict) -> "Fit":
         tables = {tuple(k.split("|")): {ph: _table(t) for ph, t in v.items()} for k, v in d["tables"].items()}
         return cls(tables, int(d["denominator"]), {k: tuple(v) for k, v in d["s_regimes"].items()},
-                   tuple(d["types"]) if d["types"] else None, bool(d["lora"]), dict(d["unfitted"]))
+                   tuple(d["types"]) if d["types"] else None, bool(d["lora"]), dict(d["unfitted"]), d.get("tile"))
 
 
 def _table(rows) -> np.ndarray:
@@ -339,13 +358,16 @@ def fit(cfg, step, progress=None) -> Fit:
     variables). ``progress(done, total)`` is
     called after each simulated step. Raises ValueError naming what cannot be aligned."""
     from lora_kit.memory.simulate import simulate
-    if step.sharding not in ("none", "ddp") or step.loop == "sft":
-        raise ValueError("calibrate fits one GPU's step with loop 'kit' or 'trainer' (sft's tiles follow the tokens).")
+    if step.sharding not in ("none", "ddp"):
+        raise ValueError("calibrate fits one GPU's step (sharding is composed: lora_kit.memory.compose).")
+    tile = SFT_TOKEN_TILE if step.loop == "sft" else None
+    if tile and _window(cfg) is not None:
+        raise ValueError("loop 'sft' is not fitted for a model with a sliding window (two kinds of regime).")
     step = step.replace(sharding="none", num_gpus=1)
     lora = rank_is_variable(step)
-    s_regimes, stacks, raw, unfitted = _s_regimes(cfg), _stacks(cfg), {}, {}
+    s_regimes, stacks, raw, unfitted = _t_regimes(tile) if tile else _s_regimes(cfg), _stacks(cfg), {}, {}
     plan = [(s, b, st) for s in s_regimes for b in B_REGIMES for st in stacks]
-    total = sum(len(_design(b, lora)) + 1 for _, b, _ in plan)
+    total = sum(len(_design(b, lora, bool(tile))) + 1 for _, b, _ in plan)
     done = [0]
 
     def run(c, B, S, R):
@@ -358,8 +380,9 @@ def fit(cfg, step, progress=None) -> Fit:
         try:
             for b_reg in B_REGIMES:
                 for stack, layers in stacks.items():
-                    raw[(b_reg, s_reg, stack)] = _fit_stack(run, _shallow(cfg, stack, layers), b_reg, lora, start,
-                                                            span, f"stack {stack!r}, {b_reg}, {s_reg}")
+                    first, step_ = (v[b_reg] if isinstance(v, dict) else v for v in (start, span))
+                    raw[(b_reg, s_reg, stack)] = _fit_stack(run, _shallow(cfg, stack, layers), b_reg, lora, first,
+                                                            step_, f"stack {stack!r}, {b_reg}, {s_reg}", tile)
         except ValueError as e:
             if s_reg != "S<w":  # below a short window, storages under 512 bytes may not grow linearly
                 raise
@@ -371,7 +394,7 @@ def fit(cfg, step, progress=None) -> Fit:
               for k, v in raw.items()}
     types = getattr(cfg, "layer_types", None)
     return Fit(tables, d, {k: v[2:] for k, v in s_regimes.items()}, tuple(types) if isinstance(types, list) and types
-               else None, lora, unfitted)
+               else None, lora, unfitted, tile)
 
 
 def rank_is_variable(step) -> bool:
@@ -379,23 +402,82 @@ def rank_is_variable(step) -> bool:
     return step.method != "full" and step.optimizer in RANK_FREE
 
 
-def _design(b_reg: str, lora: bool) -> tuple:
+def _design(b_reg: str, lora: bool, tiled: bool = False) -> tuple:
+    """The design shapes (B, k, rank index): S = start + k * span. A tiled loop adds, above ``B == 1``, a shape for
+    its ``B`` term and one for ``R·B``."""
     _, _, plain, rank, _ = B_REGIMES[b_reg]
-    return plain + (rank if lora else ())
+    more = tiled and b_reg != "B=1"
+    return plain + (((6, 1, 0),) if more else ()) + ((rank + (((6, 1, 1),) if more else ())) if lora else ())
 
 
-def _fit_stack(run, cfg, b_reg: str, lora: bool, start: int, span: int, where: str) -> dict:
+def _held(b_reg: str, tiled: bool = False) -> tuple:
+    """The held-out shape (B, k, rank index); a tiled loop's keeps its positions ``B * (S - 1)`` under the tile in
+    the one-tile regime."""
+    return (4, 1, 1) if tiled and b_reg != "B=1" else B_REGIMES[b_reg][4]
+
+
+def _t_regimes(tile: int) -> dict:
+    """A tiled loop's regimes, on the positions it scores ``N = B * (S - 1)``: one tile holding all of them (``N <
+    tile``: the tile's temporaries grow with N; every design shape's N under the tile), and whole tiles (``N >=
+    tile``: ``S - 1`` a multiple of the tile, every design shape whole tiles; a trace's extra tiles are folded onto
+    one, :func:`_fold_tiles`). Per-token storages (``B * S``) and per-position ones (``B * (S - 1)``) cannot both be
+    multiples of the allocator's 512 bytes at every design shape, so a tiled fit interpolates its design shapes and
+    accepts the held-out shape within :data:`TILED_SLACK` (a few storages' rounding). Same form as
+    :func:`_s_regimes` (name -> (start, span, lowest N, first N above)), start and span per B regime."""
+    return {"N<tile": ({"B=1": 512, "B>1": 256}, {"B=1": 512, "B>1": 256}, 0, tile),
+            "N>=tile": (tile + 1, tile, tile, None)}
+
+
+def _fold_tiles(traces: list, tiles: list, where: str) -> list:
+    """Traces of a loop that runs the same operators once per token tile, folded onto the trace with the fewest
+    tiles: per phase, the operators of the extra tiles (inserted after the reference's, repeating the tile before
+    them) are mapped onto that tile's, and each operator keeps its largest live bytes. Whole tiles hold the same
+    bytes whichever they are, so the folded trace is the step's at any number of tiles; a partial last tile holds
+    fewer."""
+    ref = min(range(len(traces)), key=lambda i: tiles[i])
+    out = []
+    for t, k in zip(traces, tiles):
+        folded = []
+        for ph in dict.fromkeys(op[0] for op in traces[ref]):
+            x, y = [op for op in traces[ref] if op[0] == ph], [op for op in t if op[0] == ph]
+            folded += _fold_phase(x, y, k - tiles[ref], where)
+        out.append(folded)
+    return out
+
+
+def _fold_phase(x: list, y: list, extra: int, where: str) -> list:
+    """``y``'s operators aligned onto ``x``'s, ``y`` having ``extra`` more tiles (see :func:`_fold_tiles`)."""
+    m = len(y) - len(x)
+    if m == 0 or extra == 0:
+        return y
+    xn, yn = [op[1] for op in x], [op[1] for op in y]
+    L = m // extra
+    p = next((i for i, (a, b) in enumerate(zip(xn, yn)) if a != b), len(xn))
+    q = next((q for q in range(p, L - 1, -1) if xn[q:] == yn[q + m:]), None)
+    if m % extra or q is None or any(yn[q + i] != yn[q - L + i % L] for i in range(m)):
+        raise ValueError(f"the token tiles of {where} do not repeat one operator sequence: not fitted")
+    out = y[:q] + y[q + m:]
+    for i in range(m):
+        j = q - L + i % L
+        if y[q + i][2] > out[j][2]:
+            out[j] = y[q + i]
+    return out
+
+
+def _fit_stack(run, cfg, b_reg: str, lora: bool, start: int, span: int, where: str, tile: int | None = None) -> dict:
     """One stack in one regime: its traces at the design shapes, each operator fitted and checked; per phase the
     envelope's operators as [total, *parts] coefficient lists."""
-    held = B_REGIMES[b_reg][4]
-    shapes = [(B, start + k * span, RANKS[i] if lora else RANKS[0]) for B, k, i in _design(b_reg, lora) + (held,)]
-    terms = basis(b_reg, lora)
+    shapes = [(B, start + k * span, RANKS[i] if lora else RANKS[0])
+              for B, k, i in _design(b_reg, lora, bool(tile)) + (_held(b_reg, bool(tile)),)]
+    terms = basis(b_reg, lora, bool(tile))
     rows = [_row(terms, *sh) for sh in shapes[:-1]]
     held_row = _row(terms, *shapes[-1])
     solve = _solver(rows)
     den = lcm(*(m.denominator for mrow in solve for m in mrow))
     solve = [[int(m * den) for m in mrow] for mrow in solve]  # integers over one denominator: fast and exact
     traces = [run(cfg, *sh) for sh in shapes]
+    if tile and start > tile:  # whole tiles: fold the extra ones
+        traces = _fold_tiles(traces, [B * (S - 1) // tile for B, S, _ in shapes], where)
     if len({tuple(op[:2] for op in t) for t in traces}) != 1:
         raise ValueError(f"the operator sequence of {where} changes with the shape "
                          f"({sorted(len(t) for t in traces)} operators): not fitted")
@@ -405,7 +487,8 @@ def _fit_stack(run, cfg, b_reg: str, lora: bool, start: int, span: int, where: s
         ys = tuple(ys)
         if ys not in memo:
             c = [sum(m * y for m, y in zip(mrow, ys)) for mrow in solve]  # den x the coefficients
-            if any(sum(a * x for a, x in zip(c, r)) != y * den for r, y in zip(rows + [held_row], ys)):
+            if any(sum(a * x for a, x in zip(c, r)) != y * den for r, y in zip(rows, ys)) or \
+                    abs(sum(a * x for a, x in zip(c, held_row)) - ys[-1] * den) > (TILED_SLACK * den if tile else 0):
                 raise ValueError(f"operator {name} ({ph}) of {where} is not polynomial in {terms}: not fitted")
             memo[ys] = tuple(Fraction(v, den) for v in c)
         return memo[ys]

@@ -649,7 +649,7 @@ def _fit_for(spec: ModelSpec, s: Step):
     """(fit, what it was fitted with, the optimizer it was fitted with) for this model and step: the step's own fit,
     else the same step's fit with AdamW (another optimizer is composed: :mod:`lora_kit.memory.compose`), else one
     fitted now when ``lora_kit.memory.fits.should_fit`` says so; None: the arithmetic below."""
-    if s.loop == "sft" or not spec.config:
+    if not spec.config:
         return None
     from lora_kit.memory import fits
     for opt in dict.fromkeys((s.optimizer, "adamw") if s.optimizer in SWAPPABLE else (s.optimizer,)):
