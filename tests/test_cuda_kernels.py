@@ -135,6 +135,33 @@ def test_sdpa_receives_what_the_module_assumes(kw, monkeypatch):
                      (c.batch, c.kv_heads, c.seq_kv, c.head_dim_qk), c.enable_gqa, c.has_mask, c.is_causal, True)]
 
 
+def test_the_bf16_fix_needs_the_embeddings_too(monkeypatch):
+    """The note's first fix, on a real QLoRA step: norms and LoRA layers in bf16 leave q/k/v fp32 (the fp32
+    embedding output keeps the residual stream fp32); with the embeddings and lm_head too they are bf16, and
+    CUDA's flash kernel takes them."""
+    from lora_kit.memory.measure import build_real_model
+    from lora_kit.settings import as_step
+    net, _, batch = build_real_model(tiny(), as_step(None, method="qlora", seq_len=16, gradient_checkpointing=False))
+    seen, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def record(q, k, v, **kw):
+        seen.append(q.dtype)
+        return real(q, k, v, **kw)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", record)
+
+    def to_bf16(names):
+        for name, p in net.named_parameters():
+            if p.dtype == torch.float32 and any(n in name for n in names):
+                p.data = p.data.to(torch.bfloat16)
+        with torch.no_grad():
+            net(**batch)
+    to_bf16(("norm", "lora_"))
+    to_bf16(("embed_tokens", "lm_head"))
+    assert seen == [torch.float32, torch.bfloat16]
+    fixed = call(dtype="bfloat16")
+    assert sdpa_backend(fixed, "2.11", 8.0).backend == "flash"
+
+
 # -- the math kernel's bytes against real CPU steps ------------------------------------------------------------------------
 def _profiled_peak(net, batch, backend) -> int:
     from torch.nn.attention import sdpa_kernel
@@ -190,9 +217,10 @@ def test_peak_extra_counts_every_kept_layer_without_checkpointing():
 def test_note_names_the_kernel_the_cost_and_the_fix():
     note = cuda_attention_note(tiny(), method="qlora", seq_len=2048, torch_version_="2.11", peak_bytes=10 * 2**30)
     assert note.startswith("On CUDA with torch 2.11, this step's attention runs in the math kernel "
-                           "(fp32 q/k/v with grouped K/V): +")
+                           "(fp32 q/k/v with grouped K/V): up to +")
     assert "GiB per GPU (peak" in note and "instead of 10.0 GiB" in note
-    assert "bf16" in note and "autocast=True" in note and "torch >= 2.14" in note
+    assert "embeddings, norms and LoRA layers in bf16" in note and "autocast=True" in note
+    assert "torch >= 2.14" in note
     assert cuda_attention_note(tiny(), method="qlora", seq_len=2048, torch_version_="2.14") is None
     assert cuda_attention_note(tiny(), method="lora", dtype="bfloat16", torch_version_="2.11") is None
     assert cuda_attention_note(tiny(), method="qlora", attn_implementation="eager", torch_version_="2.11") is None
@@ -206,4 +234,4 @@ def test_note_places_the_cost_on_a_simulated_step():
     placed = peak_with_math(sim.trace, fb)
     assert sim.peak_allocated_bytes < placed <= sim.peak_allocated_bytes + fb.peak_extra
     note = cuda_attention_note(tiny(2), torch_version_="2.12", sim=sim, **kw)
-    assert f"+{(placed - sim.peak_allocated_bytes) / 2**30:.1f} GiB" in note
+    assert f": +{(placed - sim.peak_allocated_bytes) / 2**30:.1f} GiB per GPU" in note

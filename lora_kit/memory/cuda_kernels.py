@@ -427,8 +427,10 @@ def cuda_attention_note(model, step=None, *, torch_version_: str | tuple | None 
                         compute_capability: float = 9.0, peak_bytes: int | None = None, sim=None,
                         **overrides) -> str | None:
     """None, or one plain sentence for the plan / run card when CUDA would run this step's attention in the math
-    kernel: the cost per GPU and the fix, with the peak both ways when ``peak_bytes`` (the kit's peak, which
-    counts the fused kernel) or ``sim`` (``simulate(..., trace=True)``, for the exact placement) is given."""
+    kernel: what it adds per GPU and the fix. With ``sim`` (``simulate(..., trace=True)`` of the step) the extra
+    is placed on the step (exact; it can be nothing when the peak lies elsewhere, e.g. at the loss); without, it
+    is the extra at attention ("up to"). ``peak_bytes`` (the kit's peak, which counts the fused kernel) or
+    ``sim`` adds the peak both ways."""
     spec, st = model_spec(model), as_step(step, **overrides)
     if st.attn_implementation != "sdpa":
         return None
@@ -436,26 +438,26 @@ def cuda_attention_note(model, step=None, *, torch_version_: str | tuple | None 
     choice = sdpa_backend(c, torch_version_, compute_capability)
     if choice.backend != "math":
         return None
-    why = (f"{SHORT[c.dtype]} q/k/v" + (" with grouped K/V" if c.enable_gqa else "")
-           + (" and a mask" if c.has_mask else ""))
-    try:
-        fb = math_fallback_bytes(spec, st, torch_version_=torch_version_)
-    except ValueError:
-        return (f"On CUDA with torch {choice.torch}, this step's attention runs in the math kernel ({why}): it "
-                "materialises seq_len x seq_len scores per head. Fix: autocast or attn_implementation='eager'.")
+    head = (f"On CUDA with torch {choice.torch}, this step's attention runs in the math kernel "
+            f"({SHORT[c.dtype]} q/k/v{' with grouped K/V' if c.enable_gqa else ''}{' and a mask' if c.has_mask else ''})")
+    if c.dtype != "float32":
+        return f"{head}, which keeps seq_len x seq_len scores per head. What rules out the others: {choice.why()}."
+    fb = math_fallback_bytes(spec, st, torch_version_=torch_version_)
     if sim is not None and getattr(sim, "trace", None):
-        base, extra = sim.peak_allocated_bytes, peak_with_math(sim.trace, fb) - sim.peak_allocated_bytes
-        extra = max(0, extra)
+        base, extra, bound = sim.peak_allocated_bytes, max(0, peak_with_math(sim.trace, fb) - sim.peak_allocated_bytes), ""
     else:
-        base, extra = peak_bytes, fb.peak_extra
+        base, extra, bound = peak_bytes, fb.peak_extra, "up to "
     fixes = []
-    if c.dtype == "float32" and st.method == "qlora":
-        fixes.append("cast the LoRA layers and norms to bf16 after prepare_model_for_kbit_training")
-    if c.dtype == "float32":
-        fixes.append("autocast=True")
+    if st.method == "qlora":  # checked on a real CPU step: the embeddings too, or the residual stream stays fp32
+        fixes.append("keep the embeddings, norms and LoRA layers in bf16 (undo prepare_model_for_kbit_training's "
+                     "fp32 up-cast)")
+    fixes.append("autocast=True")
     if c.enable_gqa:
         fixes.append("repeat K/V to every query head before SDPA (the memory-efficient kernel then takes fp32)")
         fixes.append(f"torch >= {FIXED_TORCH}")
-    both = (f" (peak {_gib(base + extra)} instead of {_gib(base)})" if base is not None else "")
-    return (f"On CUDA with torch {choice.torch}, this step's attention runs in the math kernel ({why}): "
-            f"+{_gib(extra)} per GPU{both}. Fix: {'; or '.join(fixes)}.")
+    if extra == 0:
+        cost = f"its seq_len x seq_len scores stay below this step's peak ({_gib(base)}), but it runs slower"
+    else:
+        both = f" (peak {_gib(base + extra)} instead of {_gib(base)})" if base is not None else ""
+        cost = f"{bound}+{_gib(extra)} per GPU{both}"
+    return f"{head}: {cost}. Fix: {'; or '.join(fixes)}."
