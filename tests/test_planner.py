@@ -5,6 +5,7 @@ import random
 import pytest
 
 from lora_kit.memory.estimate import estimate
+from lora_kit.plan.gpus import get_gpu
 from lora_kit.plan.planner import check_plan, compare_methods, fit_verdict, fixes, max_fit, sweep, verdict_text
 from lora_kit.settings import LORA_FIELDS, METHODS
 
@@ -38,13 +39,15 @@ def test_sweep_agrees_with_estimate_on_random_rows():
         assert row["phase"] == e.phase
         v = fit_verdict(e.device_total_bytes, row["gpu"], 0.10)
         assert row["fits"] == v["fits"] and row["headroom_gib"] == pytest.approx(v["headroom_bytes"] / 2 ** 30)
-        assert row["headroom_pct"] == pytest.approx(100 * v["headroom_bytes"] / v["capacity_bytes"])
+        assert row["headroom_pct"] == pytest.approx(100 * v["headroom_bytes"] / v["cuda_capacity_bytes"])
 
 
 def test_sweep_multi_gpu_sharding_and_margin():
     df = sweep(M, method="full", num_gpus=[2, 4], sharding=["ddp", "zero3"], gpu="A100-80GB", margin=0.2)
     assert len(df) == 4
-    assert df["usable_gib"].tolist() == pytest.approx([0.8 * 80] * 4)
+    cuda_gib = get_gpu("A100-80GB")["cuda_capacity_bytes"] / 2 ** 30  # judged on CUDA's total, not nvidia-smi's 80
+    assert df["usable_gib"].tolist() == pytest.approx([0.8 * cuda_gib] * 4) and cuda_gib < 80
+    assert df["capacity_gib"].tolist() == pytest.approx([80] * 4)  # shown as the catalog has it
     ddp = df[df["sharding"] == "ddp"]["device_total_bytes"].to_numpy()
     z3 = df[df["sharding"] == "zero3"]["device_total_bytes"].to_numpy()
     assert ddp[0] == ddp[1] and (z3 < ddp).all() and z3[1] < z3[0]  # memory pools only when sharded
@@ -197,3 +200,20 @@ def test_longest_seq_len_stops_at_the_models_context_length(tmp_path):
     assert max_fit("seq_len", str(tmp_path), gpu="H100-SXM") == 512
     assert json.loads((tmp_path / "config.json").read_text())["max_position_embeddings"] == 512
     assert max_fit("seq_len", "qwen2.5-0.5b", gpu="T4") < load_config("qwen2.5-0.5b").max_position_embeddings
+
+
+def test_fits_is_judged_on_the_cuda_visible_capacity():
+    """nvidia-smi's total includes the driver's share, which no process can use: a plan between CUDA's total and
+    nvidia-smi's does not fit. A GPU without a CUDA reading falls back to the vendor's GB, and says so."""
+    h200 = get_gpu("H200")
+    between = (h200["cuda_capacity_bytes"] + h200["capacity_bytes"]) // 2
+    assert h200["cuda_capacity_bytes"] < between < h200["capacity_bytes"]
+    v = fit_verdict(between, "H200", 0.0)
+    assert not v["fits"] and v["cuda_capacity_bytes"] == h200["cuda_capacity_bytes"]
+    assert v["capacity_bytes"] == h200["capacity_bytes"]  # kept for display
+    assert fit_verdict(h200["cuda_capacity_bytes"], "H200", 0.0)["fits"]
+    l4 = get_gpu("L4")
+    assert l4["cuda_capacity_basis"].startswith("fallback") and fit_verdict(0, "L4", 0.0)["usable_bytes"] == 24e9
+    plan = check_plan(M, "L4", seq_len=512)
+    assert plan["fits"] and "from the vendor's GB (no CUDA reading in the catalog)" in verdict_text(plan)
+    assert "CUDA-visible" in verdict_text(check_plan(M, "H200", seq_len=512))

@@ -58,7 +58,8 @@ def test_every_fitting_row_cheapest_first_with_currency(card):
     request = card["md"].split("## The request")[1].split("## Settings")[0]
     rows = [line for line in request.splitlines() if line.startswith("| ") and "✓" in line]
     fits = card["table"][card["table"]["fits"]]
-    assert len(rows) == len(fits) == 10  # QLoRA on L4 and A10G included
+    # QLoRA on L4 and A10G included; LoRA on RTX-4090 fits CUDA's 23.52 GiB (not the vendor's 24 GB = 22.35 GiB)
+    assert len(rows) == len(fits) == 11
     assert {r.split("|")[1].strip() for r in rows} == {"LoRA", "QLoRA"}
     assert "cost per epoch (USD, example)" in request and "★ cheapest" in rows[0]
     assert not re.search(r"\bL?Q?LORA\b|\blora\b", request.replace("lora_kit", ""))  # one spelling
@@ -135,3 +136,40 @@ def test_epoch_interval_is_the_one_the_plan_used():
     assert et["error_factor"] == 1.05 and et["hours_high"] == pytest.approx(1.05 * et["hours"])
     del plan["time_error_factor"]
     assert epoch_time(card)["error_factor"] == time_constants.ERROR_FACTOR_UNCALIBRATED
+
+
+def _card_dir(d, gpu, smoke):
+    s = Settings(method="lora", gpu=gpu, dtype="bfloat16", run_dir=str(d))
+    (d / "settings.json").write_text(json.dumps(s.to_dict()))
+    table = compare_methods("llama-3.1-8b", gpus=[gpu], methods=("lora",), batch_size=2, margin=0.1, **STEP)
+    (d / "plan.json").write_text(json.dumps(plan_record(table, "llama-3.1-8b", margin=0.1, **STEP)))
+    (d / "smoke").mkdir()
+    (d / "smoke" / "smoke.json").write_text(json.dumps(smoke))
+    build_report(d)
+    return json.loads((d / "report.json").read_text()), (d / "report.md").read_text(), table
+
+
+def test_card_says_what_nvidia_smi_will_show_and_the_allocator_to_keep(tmp_path):
+    """nvidia-smi shows the device total plus the driver's share (its total minus CUDA's): added once, labelled,
+    never in the verdict; the smoke run's allocator setting is named with who set it, and the user told to keep it."""
+    from lora_kit.plan.gpus import get_gpu
+    alloc = {"variable": "PYTORCH_ALLOC_CONF", "value": "expandable_segments:True", "expandable_segments": True,
+             "set_by": "lora_kit", "cuda_started_before": False}
+    rep, md, table = _card_dir(tmp_path, "H200", {"status": "complete", "allocator": alloc})
+    v, g = rep["nvidia_smi"], get_gpu("H200")
+    assert v["driver_share_bytes"] == g["capacity_bytes"] - g["cuda_capacity_bytes"] > 0
+    assert v["device_total_bytes"] == int(table["device_total_gib"].iloc[0] * 2 ** 30)
+    assert v["nvidia_smi_used_bytes"] == v["device_total_bytes"] + v["driver_share_bytes"]  # the share once
+    assert v["cuda_capacity_bytes"] == g["cuda_capacity_bytes"] and v["nvidia_smi_total_bytes"] == g["capacity_bytes"]
+    section = md.split("### What nvidia-smi will show")[1].split("##")[0]
+    assert "CUDA's total (the catalog's reading)" in section and "driver's share" in section
+    assert "not counted in *fits*" in section
+    smoke = md.split("## Smoke run")[1].split("## ")[0]
+    assert "expandable segments **on** (`PYTORCH_ALLOC_CONF=expandable_segments:True`, set by lora_kit)" in smoke
+    assert "Keep this setting on the rented GPU" in smoke
+    off = dict(alloc, value="", variable="PYTORCH_CUDA_ALLOC_CONF", expandable_segments=False, set_by="environment")
+    (tmp_path / "l4").mkdir()
+    rep, md, _ = _card_dir(tmp_path / "l4", "L4", {"status": "complete", "allocator": off})
+    assert rep["nvidia_smi"]["driver_share_bytes"] is None and rep["nvidia_smi"]["nvidia_smi_used_bytes"] is None
+    assert "a fallback: the catalog has no CUDA reading" in md and "catalog cannot give for this GPU" in md
+    assert "expandable segments **off**" in md and "set in your environment" in md

@@ -233,8 +233,8 @@ def memory_vs_seq_len(sweep_df: pd.DataFrame, gpus=None, margin: float = 0.10, t
     need = {"seq_len", "method", y}
     if not need <= set(sweep_df.columns):
         raise ValueError(f"memory_vs_seq_len needs a sweep DataFrame with columns {sorted(need)}.")
-    df = sweep_df.drop_duplicates([c for c in sweep_df.columns if c not in ("gpu", "capacity_gib", "usable_gib",
-                                   "fits", "headroom_gib", "headroom_pct")])
+    df = sweep_df.drop_duplicates([c for c in sweep_df.columns if c not in ("gpu", "capacity_gib", "cuda_capacity_gib",
+                                   "usable_gib", "fits", "headroom_gib", "headroom_pct")])
     varying = [c for c in ("batch_size", "gradient_checkpointing", "lora_rank", "optimizer", "model")
                if c in df.columns and df[c].astype(str).nunique() > 1]
     fig = go.Figure()

@@ -16,8 +16,11 @@ their memory unless the states are sharded (``sharding``), so every number here 
 - :func:`compare_methods` builds the full / LoRA / QLoRA x GPU table with memory, step time,
   tokens/s, time and cost per epoch and a plain-language recommendation.
 
-"Fits" means ``device_total_bytes <= (1 - margin) * capacity_bytes`` of the GPU (see
-:mod:`lora_kit.plan.gpus` for capacity); headroom is ``usable - device_total`` (negative: short by).
+"Fits" means ``device_total_bytes <= (1 - margin) * cuda_capacity_bytes`` of the GPU: the CUDA-visible total
+(what ``torch.cuda.mem_get_info()`` reports and a process can fill, its context included; the vendor figure as a
+labelled fallback, see :mod:`lora_kit.plan.gpus`), never nvidia-smi's total, part of which the driver keeps.
+``capacity_bytes`` (the catalog's, nvidia-smi's total where a reading is named) is shown, not judged on.
+Headroom is ``usable - device_total`` (negative: short by).
 That is the kit's one fit rule (:func:`fit_verdict`), and :func:`fixes` its one ranked fix ladder:
 the OOM advice after a failed smoke run (``lora_kit.run.oom.fit_suggestions``) and the dataset
 check (``lora_kit.plan.dataset_fit``) call them. A "GPU" is a catalog name or any device described
@@ -56,33 +59,43 @@ def check_margin(margin) -> float:
     return float(margin)
 
 
+GIVEN_CAPACITY = "the capacity given for this device (on a GPU: mem_get_info's total)"
+
+
 def device_of(gpu) -> dict:
     """The device a plan must fit: a catalog GPU name (:func:`lora_kit.plan.gpus.get_gpu`), or a dict
-    ``{"name", "capacity_bytes"}`` for any other device. ``"cuda": False`` in the dict marks a device
-    with no CUDA context and no caching allocator (the CPU device a smoke run emulates with
-    ``memory_limit_bytes``): its "device total" is the peak allocated bytes. Returns ``name``,
-    ``capacity_bytes`` and ``total`` (the estimate field that is this device's total)."""
+    ``{"name", "capacity_bytes"}`` for any other device (on CUDA, ``torch.cuda.mem_get_info()``'s total: CUDA's
+    own capacity). ``"cuda": False`` in the dict marks a device with no CUDA context and no caching allocator
+    (the CPU device a smoke run emulates with ``memory_limit_bytes``): its "device total" is the peak allocated
+    bytes. Returns ``name``, ``cuda_capacity_bytes`` (what fits is judged on) with ``capacity_basis``,
+    ``capacity_bytes`` (for display: the catalog's, nvidia-smi's total where a reading is named) and ``total``
+    (the estimate field that is this device's total)."""
     if isinstance(gpu, dict):
         cap = gpu.get("capacity_bytes")
         if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap <= 0:
             raise ValueError(f"a device needs capacity_bytes, a positive number of bytes; got {cap!r}.")
-        return {"name": str(gpu.get("name", "device")), "capacity_bytes": int(cap),
+        return {"name": str(gpu.get("name", "device")), "capacity_bytes": int(cap), "cuda_capacity_bytes": int(cap),
+                "capacity_basis": GIVEN_CAPACITY,
                 "total": "device_total_bytes" if gpu.get("cuda", True) else "peak_allocated_bytes"}
     g = get_gpu(gpu)
-    return {"name": g["name"], "capacity_bytes": int(g["capacity_bytes"]), "total": "device_total_bytes"}
+    return {"name": g["name"], "capacity_bytes": int(g["capacity_bytes"]),
+            "cuda_capacity_bytes": int(g["cuda_capacity_bytes"]), "capacity_basis": g["cuda_capacity_basis"],
+            "total": "device_total_bytes"}
 
 
 def fit_verdict(device_total_bytes, gpu, margin: float = 0.10) -> dict:
     """Does ``device_total_bytes`` (int or array) fit ``gpu`` (see :func:`device_of`) with ``margin``?
-    Headroom in bytes and %. The kit's one fit rule."""
+    Judged on the CUDA-visible capacity (``cuda_capacity_bytes``, with ``capacity_basis``); headroom in bytes
+    and % of it; ``capacity_bytes`` is the catalog's, for display. The kit's one fit rule."""
     g = device_of(gpu)
-    cap = g["capacity_bytes"]
+    cap = g["cuda_capacity_bytes"]
     usable = cap * (1 - check_margin(margin))
     head = usable - np.asarray(device_total_bytes)
     fits = head >= 0
     if head.ndim == 0:  # a scalar in, plain Python numbers out
         head, fits = float(head), bool(fits)
-    return {"gpu": g["name"], "capacity_bytes": cap, "usable_bytes": usable, "fits": fits,
+    return {"gpu": g["name"], "capacity_bytes": g["capacity_bytes"], "cuda_capacity_bytes": cap,
+            "capacity_basis": g["capacity_basis"], "usable_bytes": usable, "fits": fits,
             "headroom_bytes": head, "headroom_pct": 100 * head / cap}
 
 
@@ -106,7 +119,8 @@ def sweep(model, gpu=None, margin: float = 0.10, step: Step | None = None, **gri
 
     Per row: the settings, the breakdown (bytes), ``peak_allocated_bytes``, ``device_total_bytes``
     (per GPU), ``peak_gib`` / ``device_total_gib`` and, when ``gpu`` is given (a name or a list),
-    ``capacity_gib``, ``usable_gib``, ``fits``, ``headroom_gib``, ``headroom_pct``. ``model`` may
+    ``capacity_gib`` (the catalog's, shown), ``cuda_capacity_gib`` (judged on), ``usable_gib``, ``fits``,
+    ``headroom_gib``, ``headroom_pct`` (of the CUDA capacity). ``model`` may
     be a list too. Example: ``sweep("llama-3.1-8b", method=["lora", "qlora"], seq_len=[512, 1024,
     2048], batch_size=[1, 2, 4, 8], gpu=["L4", "A100-80GB"])``. Rows with ``method="full"`` ignore the
     LoRA fields of a grid that also has LoRA rows.
@@ -153,11 +167,12 @@ def sweep(model, gpu=None, margin: float = 0.10, step: Step | None = None, **gri
     cols["device_total_gib"] = total / GIB
     if gpu is not None:
         per = len(groups) * n
-        cap = np.repeat([v["capacity_bytes"] for v in gpus], per).astype(np.float64)
+        shown = np.repeat([v["capacity_bytes"] for v in gpus], per).astype(np.float64)
+        cap = np.repeat([v["cuda_capacity_bytes"] for v in gpus], per).astype(np.float64)
         usable = np.repeat([v["usable_bytes"] for v in gpus], per)
         head = usable - total
-        cols.update(capacity_gib=cap / GIB, usable_gib=usable / GIB, fits=head >= 0, headroom_gib=head / GIB,
-                    headroom_pct=100 * head / cap)
+        cols.update(capacity_gib=shown / GIB, cuda_capacity_gib=cap / GIB, usable_gib=usable / GIB, fits=head >= 0,
+                    headroom_gib=head / GIB, headroom_pct=100 * head / cap)
     return pd.DataFrame(cols, copy=False)
 
 
@@ -333,11 +348,12 @@ def fixes(gpu, margin: float = 0.10, model=None, first_only: bool = False, step:
     if ladder:
         attempt(dict(ladder), shrink="seq_len")
     if not done() and key == "device_total_bytes":
-        table = gpu_table().sort_values("capacity_bytes")
-        ok = table[table["capacity_bytes"] * (1 - margin) >= total]
+        table = gpu_table().sort_values("cuda_capacity_bytes")
+        ok = table[table["cuda_capacity_bytes"] * (1 - margin) >= total]
         if len(ok):
             g = ok.iloc[0]
-            out.append({"change": f"GPU {dev['name']} -> {g['name']} ({g['capacity_gib']:.0f} GiB)",
+            out.append({"change": f"GPU {dev['name']} -> {g['name']} ({g['cuda_capacity_bytes'] / GIB:.0f} GiB "
+                                  "CUDA-visible)",
                         "settings": {"gpu": g["name"]}, "device_total_bytes": int(total), "why": WHY["gpu"]})
     return out[:1] if first_only else out
 
@@ -362,12 +378,21 @@ def check_plan(model, gpu: str, margin: float = 0.10, step: Step | None = None, 
             "headroom_pct": float(v["headroom_pct"]), "margin": margin, "estimate": est, "fix": fix, "note": note}
 
 
+def _capacity_label(v: dict) -> str:
+    """How a verdict's capacity was read, in a few words."""
+    basis = v.get("capacity_basis", "")
+    if basis.startswith("fallback"):
+        return "from the vendor's GB (no CUDA reading in the catalog)"
+    return "CUDA-visible" if basis != GIVEN_CAPACITY else "of the device"
+
+
 def verdict_text(plan: dict) -> str:
     """Plain-language verdict of :func:`check_plan`: fits or not, headroom in GiB and %, the fix."""
     est = plan["estimate"]
     head = f"{abs(plan['headroom_bytes']) / GIB:.2f} GiB ({abs(plan['headroom_pct']):.1f} % of the GPU)"
     need = (f"needs {est.device_total_bytes / GIB:.2f} GiB per GPU of {plan['usable_bytes'] / GIB:.2f} GiB "
-            f"usable ({plan['capacity_bytes'] / GIB:.1f} GiB minus the {plan['margin']:.0%} margin)")
+            f"usable ({plan['cuda_capacity_bytes'] / GIB:.1f} GiB {_capacity_label(plan)} minus the "
+            f"{plan['margin']:.0%} margin)")
     note = f" {plan['note']}" if plan.get("note") else ""
     if plan["fits"]:
         return f"Fits on {plan['gpu']}: {need}; headroom {head}.{note}"
@@ -476,7 +501,8 @@ def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_0
             v = fit_verdict(e.device_total_bytes, gname, margin)
             row = {"method": method, "gpu": gname, "fits": bool(v["fits"]) and b > 0, "batch_size": st.batch_size,
                    "peak_gib": e.peak_allocated_bytes / GIB, "device_total_gib": e.device_total_bytes / GIB,
-                   "capacity_gib": v["capacity_bytes"] / GIB, "headroom_gib": float(v["headroom_bytes"]) / GIB}
+                   "capacity_gib": v["capacity_bytes"] / GIB, "cuda_capacity_gib": v["cuda_capacity_bytes"] / GIB,
+                   "headroom_gib": float(v["headroom_bytes"]) / GIB}
             t = step_time(model, get_gpu(gname), st, time_model=tm)
             steps = steps_per_epoch(ep, st.batch_size, st.seq_len, num_gpus, st.grad_accum)
             hours = steps * epochs * t["step_seconds"] / 3600

@@ -328,6 +328,71 @@ def _hardware_line(hw: dict) -> str:
     return f"CPU {hw.get('cpu_architecture', '?')} ({hw.get('cpu_count', '?')} cores), {hw.get('os', '?')}; {gpu}"
 
 
+def nvidia_smi_view(card: dict) -> dict | None:
+    """What nvidia-smi will show for the planned row (``method`` on ``gpu`` of the settings, else the recommended
+    row): the plan's device total (what the training process adds to the card, the figure "fits" compares with
+    CUDA's total) plus the driver's share (nvidia-smi's total minus CUDA's, from the catalog's two readings), which
+    nvidia-smi counts as used before any process starts. The share is added once, here, and never enters the
+    verdict: device total <= CUDA's total exactly when device total + share <= nvidia-smi's total."""
+    plan, s = card.get("plan") or {}, card.get("settings") or {}
+    row = plan_row(plan.get("rows") or [], s.get("gpu"), s.get("method"))
+    if not row or row.get("device_total_gib") is None:
+        return None
+    try:
+        g = get_gpu(row["gpu"])
+    except ValueError:  # a GPU added with add_gpu in the planning session is not in this process's catalog
+        return None
+    total = int(row["device_total_gib"] * GiB)
+    share = g.get("driver_share_bytes")
+    share = int(share) if isinstance(share, (int, float)) and share == share else None
+    return {"method": row["method"], "gpu": g["name"], "device_total_bytes": total,
+            "cuda_capacity_bytes": int(g["cuda_capacity_bytes"]), "capacity_basis": g["cuda_capacity_basis"],
+            "driver_share_bytes": share, "nvidia_smi_total_bytes": int(g["capacity_bytes"]) if share else None,
+            "nvidia_smi_used_bytes": total + share if share is not None else None}
+
+
+def nvidia_smi_lines(view: dict | None) -> list[str]:
+    """:func:`nvidia_smi_view` in words, each figure labelled with what it is."""
+    if not view:
+        return []
+    basis = ("CUDA's total (the catalog's reading)" if not str(view["capacity_basis"]).startswith("fallback")
+             else "the vendor's GB x 1e9, a fallback: the catalog has no CUDA reading for this GPU")
+    out = ["### What nvidia-smi will show", "",
+           f"{method_label(view['method'])} on {view['gpu']}: the plan's device total is "
+           f"**{_gib(view['device_total_bytes'])}** per GPU (what the training process adds to the card: CUDA "
+           f"context, torch's reserved memory, memory outside its allocator); *fits* compares it with "
+           f"{_gib(view['cuda_capacity_bytes'])} less the safety margin, {basis}.", ""]
+    if view.get("driver_share_bytes") is not None:
+        out.append(f"nvidia-smi counts the driver's share as used before any process starts, so it will show about "
+                   f"**{_gib(view['nvidia_smi_used_bytes'])}** used of its {_gib(view['nvidia_smi_total_bytes'])} "
+                   f"total: the device total + the driver's share of {_gib(view['driver_share_bytes'])} (nvidia-smi's "
+                   "total minus CUDA's). The share is not part of the device total and is not counted in *fits*.")
+    else:
+        out.append("nvidia-smi will show the device total plus the driver's share, which the catalog cannot give for "
+                   "this GPU (it needs both nvidia-smi's and CUDA's total); on the machine, nvidia-smi's total minus "
+                   "the total of `torch.cuda.mem_get_info()` is that share.")
+    return out + [""]
+
+
+def allocator_lines(smoke: dict | None) -> list[str]:
+    """The CUDA caching allocator setting the smoke run started with (smoke.json's ``allocator``), who set it,
+    and the one thing to do about it."""
+    a = (smoke or {}).get("allocator")
+    if not isinstance(a, dict):
+        return []
+    on = a.get("expandable_segments")
+    who = {"lora_kit": "set by lora_kit", "environment": "set in your environment"}.get(a.get("set_by"),
+                                                                                       "set by an unknown source")
+    var = f"`{a['variable']}={a.get('value', '')}`" if a.get("variable") else "no allocator variable set"
+    out = [f"- CUDA allocator: expandable segments **{'on' if on else 'off'}** ({var}, {who}). Keep this setting "
+           "on the rented GPU, set before CUDA starts: the smoke run's memory was measured with it"
+           + ("." if on else "; the kit's own GPU path turns expandable segments on unless the variable is set, "
+                             "which keeps reserved memory closer to allocated.")]
+    if a.get("cuda_started_before"):
+        out.append("- CUDA had started before the setting was made, so its allocator may not have read it.")
+    return out
+
+
 def smoke_lines(smoke: dict) -> list[str]:
     """The smoke run's step time, throughput, checkpoint and verification, rounded and in words."""
     lines = [f"Status: **{smoke.get('status')}**"]
@@ -567,6 +632,7 @@ def render_markdown(card: dict) -> str:
     else:
         lines.append("_No measured peak (the smoke run did not run or did not reach training)._")
     lines.append("")
+    lines += nvidia_smi_lines(card.get("nvidia_smi"))
     lines += multi_gpu_lines(card)
     # --- stack -------------------------------------------------------------------------------
     lines += ["## Software stack", ""]
@@ -587,7 +653,7 @@ def render_markdown(card: dict) -> str:
     # --- smoke -------------------------------------------------------------------------------
     lines += ["## Smoke run", ""]
     if smoke:
-        lines += smoke_lines(smoke)
+        lines += smoke_lines(smoke) + allocator_lines(smoke)
         sugg = ((smoke.get("oom") or {}).get("suggestions") or {})
         if isinstance(sugg, dict) and sugg.get("ranked"):
             lines += ["", f"Out of memory in {smoke['oom'].get('phase')}. Changes that would fit "
@@ -646,6 +712,7 @@ def build_report(run_dir: str | Path) -> dict:
     card = portable(card, d)  # the card is sent when renting a GPU: no absolute local path (relative to run_dir)
     card["next_checks"] = next_checks(card)
     card["epoch_time"] = epoch_time(card)
+    card["nvidia_smi"] = nvidia_smi_view(card)
     write_json_atomic(d / "report.json", card)
     write_text_atomic(d / "report.md", portable_text(render_markdown(card), d))
     return {"md": str(d / "report.md"), "json": str(d / "report.json")}
