@@ -31,9 +31,10 @@ def tiny(layers=1, **kw):
 def test_fp32_grouped_kv_falls_to_math_before_torch_2_14():
     choice = sdpa_backend(GQA_FP32, "2.11.0+cu130", 9.0)
     assert choice.backend == "math"
-    assert set(choice.rejected) == {"flash", "efficient", "cudnn"}
+    assert set(choice.rejected) == {"flash", "efficient"}  # default order: math before cuDNN
     assert "check_dtypes_flash_attention" in choice.rejected["flash"][0]
-    assert "check_dtypes_low_precision" in choice.rejected["cudnn"][0]
+    first = sdpa_backend(GQA_FP32, "2.11", 9.0, prefer_cudnn=True)
+    assert first.backend == "math" and "check_dtypes_low_precision" in first.rejected["cudnn"][0]
     eff = " ".join(choice.rejected["efficient"])
     assert "check_batch_size_and_num_heads_dense" in eff and "PR 191085" in eff
     assert sdpa_backend(GQA_FP32, "2.13", 9.0).backend == "math"
@@ -49,20 +50,21 @@ def test_fp32_with_repeated_kv_takes_the_memory_efficient_kernel():
 def test_bf16_takes_flash_or_cudnn_by_priority():
     bf16 = call(dtype="bfloat16")
     assert sdpa_backend(bf16, "2.11", 8.0).backend == "flash"
-    assert sdpa_backend(bf16, "2.11", 9.0).backend == "cudnn"  # check_prefer_cudnn_attention on sm90
-    assert sdpa_backend(bf16, "2.11", 9.0, prefer_cudnn=False).backend == "flash"
+    assert sdpa_backend(bf16, "2.11", 9.0).backend == "flash"
+    assert sdpa_backend(bf16, "2.11", 9.0, prefer_cudnn=True).backend == "cudnn"  # check_prefer_cudnn_attention
 
 
 def test_a_mask_rules_out_flash():
     masked = call(dtype="bfloat16", has_mask=True, is_causal=False, enable_gqa=False, kv_heads=32)
     choice = sdpa_backend(masked, "2.11", 8.0)
     assert choice.backend == "efficient" and "check_for_attn_mask" in choice.rejected["flash"][0]
-    assert sdpa_backend(masked, "2.11", 9.0).backend == "cudnn"  # check_attn_mask_shape accepts (B, 1, S, S)
+    # check_attn_mask_shape accepts (B, 1, S, S)
+    assert sdpa_backend(masked, "2.11", 9.0, prefer_cudnn=True).backend == "cudnn"
 
 
 def test_head_dim_limits():
     big = call(dtype="bfloat16", head_dim_qk=320, head_dim_v=320, enable_gqa=False, kv_heads=32)
-    choice = sdpa_backend(big, "2.11", 9.0)
+    choice = sdpa_backend(big, "2.11", 9.0, prefer_cudnn=True)
     assert choice.backend == "efficient"
     assert "check_head_dim_size_flash" in " ".join(choice.rejected["flash"])
     assert "check_cudnn_tensor_shapes" in " ".join(choice.rejected["cudnn"])
@@ -83,8 +85,8 @@ def test_compute_capability_and_dtype_limits_on_older_cards():
 
 def test_dropout_and_causal_shape_rules():
     drop = call(dtype="bfloat16", dropout=0.1)
-    assert "check_cudnn_dropout" in " ".join(sdpa_backend(drop, "2.11", 9.0).rejected["cudnn"])
-    assert sdpa_backend(drop, "2.11", 9.0).backend == "flash"  # flash takes dropout
+    assert "check_cudnn_dropout" in " ".join(sdpa_backend(drop, "2.11", 9.0, prefer_cudnn=True).rejected["cudnn"])
+    assert sdpa_backend(drop, "2.11", 9.0, prefer_cudnn=True).backend == "flash"  # flash takes dropout
     rect = call(dtype="bfloat16", seq_kv=4096)
     assert "check_flash_causal_non_square_seqlens" in " ".join(
         sdpa_backend(rect, "2.11", 8.0).rejected["flash"])

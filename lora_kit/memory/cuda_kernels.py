@@ -21,7 +21,7 @@ by a lot: the **math** kernel, which materialises ``B x heads x S x S`` fp32 sco
 
 **Which backend** (:func:`sdpa_backend`): ``select_sdp_backend`` in
 ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` tries the backends in ``priority_order`` (flash,
-memory-efficient, math, cuDNN; cuDNN first on sm90 / sm100 where ``check_prefer_cudnn_attention`` holds) and
+memory-efficient, math, cuDNN; cuDNN first on sm90 / sm100 with a cuDNN newer than 9.15.0) and
 takes the first whose ``can_use_*`` filters all pass. Each rule below names its filter; ``sdp_utils_cpp.h``
 holds the shared ones. Version changes: ``enable_gqa`` exists from torch 2.5 (PR 132689); the memory-efficient
 kernel instantiates ``check_batch_size_and_num_heads_dense<supports_gqa=false>`` until torch 2.13 and accepts
@@ -227,18 +227,18 @@ class BackendChoice:
 
 
 def sdpa_backend(call: SdpaCall, torch_version_: str | tuple | None = None, compute_capability: float = 9.0,
-                 prefer_cudnn: bool | None = None) -> BackendChoice:
+                 prefer_cudnn: bool = False) -> BackendChoice:
     """The backend CUDA's ``select_sdp_backend`` picks for ``call`` with torch ``torch_version_`` (default: the
-    installed one) on a GPU of ``compute_capability``. ``prefer_cudnn`` (default: sm90 / sm100, as
-    ``check_prefer_cudnn_attention`` with a recent cuDNN) puts cuDNN first; it never changes whether the math
-    kernel runs (cuDNN, like flash, takes only fp16/bf16)."""
+    installed one) on a GPU of ``compute_capability``. ``prefer_cudnn=True`` puts cuDNN first, as
+    ``check_prefer_cudnn_attention`` does on sm90 / sm100 when the wheel's cuDNN is newer than 9.15.0 (which
+    depends on the wheel, not on torch's version: hence off by default). It never changes whether the math kernel
+    runs (cuDNN, like flash, takes only fp16/bf16) nor what the kernel keeps (output and logsumexp)."""
     tv = torch_version(torch_version_)
     cc = float(compute_capability)
     if call.enable_gqa and tv < ENABLE_GQA_FROM:
         raise ValueError(f"enable_gqa needs torch >= 2.5 (got {tv[0]}.{tv[1]}); transformers repeats K/V there: "
                          "build the call with enable_gqa=False and kv_heads=q_heads.")
-    cudnn_first = (int(cc) in (9, 10)) if prefer_cudnn is None else prefer_cudnn
-    order = ("cudnn", "flash", "efficient", "math") if cudnn_first else ("flash", "efficient", "math", "cudnn")
+    order = ("cudnn", "flash", "efficient", "math") if prefer_cudnn else ("flash", "efficient", "math", "cudnn")
     rules = {"flash": _flash_reasons, "efficient": _efficient_reasons, "cudnn": _cudnn_reasons}
     rejected = {}
     for b in order:
