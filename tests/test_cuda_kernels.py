@@ -220,7 +220,7 @@ def test_note_names_the_kernel_the_cost_and_the_fix():
     note = cuda_attention_note(tiny(), method="qlora", seq_len=2048, torch_version_="2.11", peak_bytes=10 * 2**30)
     assert note.startswith("On CUDA with torch 2.11, this step's attention runs in the math kernel "
                            "(fp32 q/k/v with grouped K/V): up to +")
-    assert "GiB per GPU (peak" in note and "instead of 10.0 GiB" in note
+    assert "MiB per GPU (peak 10.4 GiB instead of 10.0 GiB)" in note
     assert "embeddings, norms and LoRA layers in bf16" in note and "autocast=True" in note
     assert "torch >= 2.14" in note
     assert cuda_attention_note(tiny(), method="qlora", seq_len=2048, torch_version_="2.14") is None
@@ -236,4 +236,5 @@ def test_note_places_the_cost_on_a_simulated_step():
     placed = peak_with_math(sim.trace, fb)
     assert sim.peak_allocated_bytes < placed <= sim.peak_allocated_bytes + fb.peak_extra
     note = cuda_attention_note(tiny(2), torch_version_="2.12", sim=sim, **kw)
-    assert f": +{(placed - sim.peak_allocated_bytes) / 2**30:.1f} GiB per GPU" in note
+    assert f": +{ck._gib(placed - sim.peak_allocated_bytes)} per GPU (peak {ck._gib(placed)} instead of" in note
+    assert note == cuda_attention_note(tiny(2), torch_version_="2.12", exact=True, **kw)  # simulates the same step

@@ -420,17 +420,17 @@ def peak_with_math(trace, fb: MathFallback) -> int:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def cuda_attention_note(model, step=None, *, torch_version_: str | tuple | None = None,
                         compute_capability: float = 9.0, peak_bytes: int | None = None, sim=None,
-                        **overrides) -> str | None:
+                        exact: bool = False, **overrides) -> str | None:
     """None, or one plain sentence for the plan / run card when CUDA would run this step's attention in the math
     kernel: what it adds per GPU and the fix. With ``sim`` (``simulate(..., trace=True)`` of the step) the extra
     is placed on the step (exact; it can be nothing when the peak lies elsewhere, e.g. at the loss); without, it
-    is the extra at attention ("up to"). ``peak_bytes`` (the kit's peak, which counts the fused kernel) or
-    ``sim`` adds the peak both ways."""
+    is the extra at attention ("up to"); ``exact=True`` runs that simulation here (seconds to a minute for a 7-8B
+    model). ``peak_bytes`` (the kit's peak, which counts the fused kernel) or ``sim`` adds the peak both ways."""
     spec, st = model_spec(model), as_step(step, **overrides)
     if st.attn_implementation != "sdpa":
         return None
@@ -443,6 +443,9 @@ def cuda_attention_note(model, step=None, *, torch_version_: str | tuple | None 
     if c.dtype != "float32":
         return f"{head}, which keeps seq_len x seq_len scores per head. What rules out the others: {choice.why()}."
     fb = math_fallback_bytes(spec, st, torch_version_=torch_version_)
+    if sim is None and exact:
+        from lora_kit.memory.simulate import simulate
+        sim = simulate(model, st, trace=True)
     if sim is not None and getattr(sim, "trace", None):
         base, extra, bound = sim.peak_allocated_bytes, max(0, peak_with_math(sim.trace, fb) - sim.peak_allocated_bytes), ""
     else:
