@@ -497,14 +497,15 @@ def _planned_lines(mg: dict) -> list[str]:
     m, c, i, t, ck = (mg.get(k) or {} for k in ("memory", "communication", "interconnect", "time", "checkpoint"))
     sh, n = mg.get("planned_as") or mg.get("sharding"), mg.get("num_gpus")
     as_ddp = " (sharding 'none' runs as DDP)" if mg.get("sharding") == "none" else ""
+    cap = (f"{_gib(m['cuda_capacity_bytes'])} CUDA-visible" if m.get("cuda_capacity_bytes")  # what fits is judged on,
+           else _gib(m.get("capacity_bytes")))                                               # where the plan records it
     lines = [f"Planned: **{n} x {mg.get('gpu')}**, {method_label(mg.get('method', '?'))}, sharding **{sh}**{as_ddp}, "
              f"{mg.get('model')}, seq_len {mg.get('seq_len', 0):,}, micro-batch {mg.get('batch_size')} per GPU"
              + (", CPU offload on" if mg.get("cpu_offload") else "") + ".", "",
              f"- {m.get('not_pooled', 'Memory is not pooled: each GPU must hold its own per-GPU peak.')}",
              f"- Per GPU ({sh}): peak allocated **{_gib(m.get('per_gpu_peak_bytes'))}**, device total "
              f"**{_gib(m.get('per_gpu_device_total_bytes'))}** (with CUDA context and allocator reserve), of "
-             f"{_gib(m.get('capacity_bytes'))}: {'fits' if m.get('fits') else 'does NOT fit'} with the "
-             f"{mg.get('margin', 0):.0%} margin."]
+             f"{cap}: {'fits' if m.get('fits') else 'does NOT fit'} with the {mg.get('margin', 0):.0%} margin."]
     saved, pct = m.get("saving_vs_ddp_bytes") or 0, m.get("saving_vs_ddp_pct") or 0.0
     if sh != "ddp":
         lines.append(f"- DDP would need {_gib(m.get('ddp_per_gpu_peak_bytes'))} per GPU (device total "
