@@ -180,16 +180,20 @@ def _profiled_peak(net, batch, backend) -> int:
     return peak
 
 
-@pytest.mark.parametrize("layers,batch,gc", [(1, 2, False), (2, 2, True), (2, 1, False)])
-def test_math_bytes_match_a_real_cpu_step(layers, batch, gc):
-    """The flash step's trace plus the math kernel's arithmetic gives the math step's peak to the byte (the
-    profiler and the tracker disagree by a constant both runs share: compared through the flash run)."""
+@pytest.mark.parametrize("method,layers,batch,gc", [("full", 2, 2, True),
+                                                    ("full", 2, 1, False), ("qlora", 1, 2, False)])
+def test_math_bytes_match_a_real_cpu_step(method, layers, batch, gc):
+    """The flash step's trace plus the math kernel's arithmetic gives the math step's peak (profiler and tracker
+    differ by what only one of them sees, the same in both runs: compared through the flash run). fp32 q/k/v as
+    QLoRA's recipe gives them: full fine-tuning in fp32, and QLoRA itself (its bitsandbytes kernels add a few
+    scalar tensors the profiler sees: 64 bytes, as in test_tracker)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from lora_kit.memory.measure import build_real_model
     from lora_kit.memory.tracker import LiveBytesTracker
     from lora_kit.settings import as_step
-    st = as_step(None, method="full", dtype="float32", seq_len=128, batch_size=batch, gradient_checkpointing=gc)
+    st = as_step(None, method=method, dtype="float32" if method == "full" else "bfloat16", seq_len=128,
+                 batch_size=batch, gradient_checkpointing=gc)
     net, _, batch_ = build_real_model(tiny(layers), st)
     tr = LiveBytesTracker(block=1, trace=True)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), tr:
@@ -203,7 +207,7 @@ def test_math_bytes_match_a_real_cpu_step(layers, batch, gc):
     math_ = _profiled_peak(net, batch_, SDPBackend.MATH)
     fb = math_fallback_bytes(tiny(layers), st, block=1)
     assert math_ - flash > 2 * fb.scores_bytes  # the math kernel's S x S tensors dominate these steps
-    assert peak_with_math(tr.trace, fb) - math_ == tr.peak_bytes - flash
+    assert abs((peak_with_math(tr.trace, fb) - math_) - (tr.peak_bytes - flash)) <= (0 if method == "full" else 64)
 
 
 def test_peak_extra_counts_every_kept_layer_without_checkpointing():
