@@ -18,6 +18,7 @@ import argparse
 import datetime as dt
 import hashlib
 import json
+import math
 import os
 import re
 import statistics
@@ -517,6 +518,53 @@ def sec_cuda_kit(prov):
     return sec.head() + body + "\n" + "\n".join(lines) + "\n", {}
 
 
+PUBLISHED_CUDA_TITLE = "Published GPU runs beside the kit's figure of the same metric"
+
+
+def _ref_link(r: dict) -> str:
+    return f"[{r['id']}]({r['url']})" if str(r.get("url", "")).startswith("http") else str(r.get("id", ""))
+
+
+def sec_cuda_published(prov):
+    """benchmarks/results/cuda_published.json (benchmarks/cuda_published.py): each in-scope published row beside the
+    kit's figure of the metric it reports, the fits verdict at margin 0 beside what happened; the others with
+    their reason."""
+    src = RESULTS / "cuda_published.json"
+    data = json.loads(src.read_text())
+    sec = Section(PUBLISHED_CUDA_TITLE, src, "python benchmarks/cuda_published.py", prov)
+    rows = data.get("rows", [])
+    scoped = sorted((r for r in rows if r.get("in_scope")), key=lambda r: -abs(math.log(r["ratio"])))
+    body = ("Ratio = the kit's figure / the published one, for the metric the row reports (*basis* says which figure "
+            "of the kit's was compared). *Verdict*: `estimate`'s device total against the GPU's CUDA-visible "
+            "capacity at margin 0, beside what happened; a GPU outside the catalog is not judged.\n\n")
+    out = []
+    for r in scoped:
+        v, k = r.get("verdict") or {}, r.get("kit") or {}
+        verdict = (f"{v.get('predicted')} / {v.get('happened')}: {'right' if v.get('right') else '**wrong**'}"
+                   if v.get("judged") else f"not judged ({v.get('why_not', 'no reason given')})")
+        out.append([_ref_link(r), describe({"model": r.get("model", ""), **(r.get("plan") or {})}), r.get("gpu") or "",
+                    r.get("metric", ""), gib(r["measured"]), gib(k["figure"]), f"{r['ratio']:.3f}",
+                    k.get("basis", ""), verdict])
+    body += table(["row", "setting", "GPU", "metric", "published GiB", "kit GiB", "ratio", "basis", "verdict"], out)
+    lines = []
+    for metric, m in (data.get("summary", {}).get("per_metric") or {}).items():
+        lines.append(f"- {metric}: {m['rows']} rows, median ratio {m['median']:.3f}, from {m['min']:.3f} to "
+                     f"{m['max']:.3f}")
+    summ = data.get("summary", {})
+    if "verdicts_judged" in summ:
+        lines.append(f"- verdicts: {summ['verdicts_right']} of {summ['verdicts_judged']} judged right; "
+                     f"{summ.get('verdicts_not_judged', 0)} not judged")
+    reasons: dict = {}
+    for r in rows:
+        if not r.get("in_scope"):
+            reasons.setdefault(r.get("reason", "no reason given"), []).append(_ref_link(r))
+    body += "\n" + "\n".join(lines) + "\n"
+    if reasons:
+        body += (f"\nOut of scope ({sum(len(v) for v in reasons.values())} rows, with the reason):\n\n"
+                 + table(["reason", "rows"], [[why, ", ".join(ids)] for why, ids in reasons.items()]))
+    return sec.head() + body, {}
+
+
 # ---- the documents ----------------------------------------------------------------------------------------
 def accuracy_md(prov: dict) -> tuple[str, dict]:
     parts, heads = [], {}
@@ -540,6 +588,8 @@ def accuracy_md(prov: dict) -> tuple[str, dict]:
     add(sec_cuda(prov))
     if (RESULTS / "cuda_h200.json").is_file():
         add(sec_cuda_kit(prov))
+    if (RESULTS / "cuda_published.json").is_file():
+        add(sec_cuda_published(prov))
     for name in sorted(p.name for p in RESULTS.glob("time_model_accuracy*.json")):
         add(sec_time(prov, name))
     add(sec_planner_speed(prov))
@@ -549,7 +599,7 @@ def accuracy_md(prov: dict) -> tuple[str, dict]:
     known = {"calibrate_accuracy.json", "validation.json", "fit_catalog.json", "memory_accuracy.json", "memory_accuracy_moe.json", "memory_accuracy_sharded_estimate.json",
              "memory_accuracy_sharded_real.json", "loop_accuracy.json", "deepspeed_accuracy.json",
              "planner_speed.cpu.json", "time_published.json",
-             "cuda_h200.json"}
+             "cuda_h200.json", "cuda_published.json"}
     unknown = [p for p in sorted(RESULTS.glob("*.json"))
                if p.name not in known and not p.name.startswith("time_model_accuracy")]
     for p in unknown:  # a results file nobody wrote a table for yet still shows up, raw
@@ -645,7 +695,7 @@ def time_model_md(prov: dict) -> str:
                + _ratio_stats(d["calibrated"]["same_model_and_method"]) + "\n\n")
     out.append("### Per source\n\n" + table(["source", "in-scope rows and error"],
                                              [[k, _ratio_stats(v)] for k, v in d["by_source"].items()]) + "\n")
-    rows = [[f"[{r['id']}]({r['url']})" if r["url"].startswith("http") else r["id"], r["role"], r["gpu"],
+    rows = [[_ref_link(r), r["role"], r["gpu"],
              r["method"], r["seq_len"], r["batch_size"], "on" if r["checkpointing"] else "off", r["attention_kernel"],
              f"{r['measured_seconds']:.4g}", f"{r['predicted_seconds']:.4g}", f"{r['ratio']:.2f}",
              "**miss**" if r["miss"] else ""] for r in d["rows"]]
