@@ -100,6 +100,8 @@ def test_versions_and_bad_input():
         sdpa_backend(GQA_FP32, "2.4")
     with pytest.raises(ValueError, match="fp32"):
         math_fallback_bytes(tiny(), method="lora", dtype="bfloat16", seq_len=64)
+    with pytest.raises(ValueError, match="padding='none'"):
+        math_fallback_bytes(tiny(), method="qlora", padding="longest", batch_size=2, seq_len=64)
 
 
 # -- what the kit's step hands SDPA, from the step, and as recorded on real CPU steps -------------------------------------

@@ -39,8 +39,9 @@ as the kit counts them. Every storage is rounded to 512 bytes like the CUDA cach
 CPU steps (the math kernel runs the same composite there) with torch's profiler memory timeline:
 ``tests/test_cuda_kernels.py``.
 
-fp16/bf16 inputs reach the math kernel only in corner cases (masks on pre-sm80 cards, odd head sizes); its
-fp32 up-casts are not priced here (:func:`math_fallback_bytes` raises).
+fp16/bf16 inputs reach the math kernel only in corner cases (bf16 on pre-sm80 cards, odd head sizes), masked
+fp32 attention never on sm50+ (the memory-efficient kernel takes it): neither is priced here
+(:func:`math_fallback_bytes` raises; the note then names the kernel and what rules out the others).
 """
 from __future__ import annotations
 
@@ -54,13 +55,11 @@ from lora_kit.settings import as_step
 
 SDP_UTILS = "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp"
 SDP_UTILS_CPP = "aten/src/ATen/native/transformers/sdp_utils_cpp.h"
-ATTENTION_CPP = "aten/src/ATen/native/transformers/attention.cpp"
 ENABLE_GQA_FROM = (2, 5)  # scaled_dot_product_attention(enable_gqa=...) (PR 132689)
 EFFICIENT_GQA_FROM = (2, 14)  # memory-efficient kernel: check_batch_size_and_num_heads_dense<true, ...> (PR 191085)
 SAFE_SOFTMAX_REUSE_FROM = (2, 6)  # _safe_softmax writes its where() into the softmax output (PR 139613)
 FIXED_TORCH = "2.14"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-BACKENDS = ("flash", "efficient", "cudnn", "math")
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -288,12 +287,15 @@ def _math_events(c: SdpaCall, tv: tuple, block: int) -> dict:
     if c.dtype != "float32":
         raise ValueError(f"math_fallback_bytes prices fp32 q/k/v (QLoRA's recipe); got {c.dtype}, whose fp32 "
                          "up-casts inside the math kernel are not modelled.")
+    if c.has_mask:  # transformers then repeats K/V and CUDA's memory-efficient kernel takes fp32 with a mask
+        raise ValueError("math_fallback_bytes prices unmasked (causal) attention; with padding='none' and no "
+                         "sliding window shorter than seq_len the step has no mask.")
     z = _shapes(c)
     repeat = c.enable_gqa and c.kv_heads != c.q_heads  # pre_process_group_query_attention_input
     # matmul reshapes (B, H, ...) to (B*H, ...): a view when B == 1 or the tensor is contiguous, else a copy.
     # transformers' q/k/v are transposed (B, S, H, D) tensors; repeat_interleave / repeat_kv outputs are contiguous.
     strided = c.layout == "bshd" and c.batch > 1 and c.q_heads > 1
-    k_strided = strided and not repeat and c.kv_heads == c.q_heads and c.model_kv_heads in (0, c.kv_heads)
+    k_strided = strided and not repeat and c.model_kv_heads in (0, c.kv_heads)  # K/V as the model made them
     m = _Live(block)
     for n in ("q", "k", "v"):
         m.alloc(n, z[n])
@@ -315,7 +317,7 @@ def _math_events(c: SdpaCall, tv: tuple, block: int) -> dict:
         m.alloc("where", z["scores"]); m.free("probs"); m.sizes["probs"] = m.sizes.pop("where")
     m.free("rows", "masked", "scores")
     v_saved = "vrep" if repeat else "v"
-    if strided and not repeat:
+    if k_strided:
         m.alloc("vc", z["v"]); v_saved = "vc"
     m.alloc("o", z["out"])  # probs @ v
     fwd_peak = m.peak - start
@@ -440,7 +442,7 @@ def cuda_attention_note(model, step=None, *, torch_version_: str | tuple | None 
         return None
     head = (f"On CUDA with torch {choice.torch}, this step's attention runs in the math kernel "
             f"({SHORT[c.dtype]} q/k/v{' with grouped K/V' if c.enable_gqa else ''}{' and a mask' if c.has_mask else ''})")
-    if c.dtype != "float32":
+    if c.dtype != "float32" or c.has_mask:
         return f"{head}, which keeps seq_len x seq_len scores per head. What rules out the others: {choice.why()}."
     fb = math_fallback_bytes(spec, st, torch_version_=torch_version_)
     if sim is None and exact:
