@@ -565,6 +565,32 @@ def sec_cuda_published(prov):
     return sec.head() + body, {}
 
 
+def sec_cuda_kernels(prov):
+    """benchmarks/results/cuda_kernels.json (benchmarks/cuda_kernels.py): the SDPA kernel CUDA picks on each H200
+    row and why, the estimate beside the measured allocated peak; the held-back settings' predictions."""
+    src = RESULTS / "cuda_kernels.json"
+    data = json.loads(src.read_text())
+    sec = Section("The attention kernel CUDA picks, on the H200 rows", src, "python benchmarks/cuda_kernels.py", prov)
+
+    def row(r):
+        st = r.get("settings") or {}
+        measured = r.get("measured_max_allocated")
+        return [r.get("case", ""), describe({"model": r.get("model", ""), **st}), r.get("torch", ""),
+                r.get("backend", ""), r.get("why", ""), gib(measured) if measured else "held back",
+                gib(r["estimate"]) if r.get("estimate") else "",
+                f"{r['ratio_estimate']:.3f}" if isinstance(r.get("ratio_estimate"), (int, float)) else ""]
+
+    head = ["case", "setting", "torch", "SDPA kernel", "why", "allocated GiB", "estimate GiB", "ratio"]
+    body = ("The kernel SDPA's dispatch rules pick for each row's dtype, mask, head size and GQA on the row's torch "
+            "and GPU (`lora_kit.memory.cuda_kernels`), beside the measured peak allocated and `estimate`'s; ratio = "
+            "estimate / measured.\n\n" + table(head, [row(r) for r in data.get("rows", [])]))
+    held = data.get("held_back_predictions") or []
+    if held:
+        body += ("\nHeld-back settings: the kernel and the estimate the kit predicts; their measurements are kept "
+                 "apart to score it.\n\n" + table(head, [row(r) for r in held]))
+    return sec.head() + body, {}
+
+
 # ---- the documents ----------------------------------------------------------------------------------------
 def accuracy_md(prov: dict) -> tuple[str, dict]:
     parts, heads = [], {}
@@ -590,6 +616,8 @@ def accuracy_md(prov: dict) -> tuple[str, dict]:
         add(sec_cuda_kit(prov))
     if (RESULTS / "cuda_published.json").is_file():
         add(sec_cuda_published(prov))
+    if (RESULTS / "cuda_kernels.json").is_file():
+        add(sec_cuda_kernels(prov))
     for name in sorted(p.name for p in RESULTS.glob("time_model_accuracy*.json")):
         add(sec_time(prov, name))
     add(sec_planner_speed(prov))
@@ -599,7 +627,7 @@ def accuracy_md(prov: dict) -> tuple[str, dict]:
     known = {"calibrate_accuracy.json", "validation.json", "fit_catalog.json", "memory_accuracy.json", "memory_accuracy_moe.json", "memory_accuracy_sharded_estimate.json",
              "memory_accuracy_sharded_real.json", "loop_accuracy.json", "deepspeed_accuracy.json",
              "planner_speed.cpu.json", "time_published.json",
-             "cuda_h200.json", "cuda_published.json"}
+             "cuda_h200.json", "cuda_published.json", "cuda_kernels.json"}
     unknown = [p for p in sorted(RESULTS.glob("*.json"))
                if p.name not in known and not p.name.startswith("time_model_accuracy")]
     for p in unknown:  # a results file nobody wrote a table for yet still shows up, raw
