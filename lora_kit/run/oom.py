@@ -45,7 +45,8 @@ def free_memory() -> None:
 
 
 def oom_device(limit_bytes: int, cuda: bool, name: str | None = None) -> dict:
-    """The device that ran out of memory, for :func:`lora_kit.plan.planner.fixes`."""
+    """The device that ran out of memory, for :func:`lora_kit.plan.planner.fixes`; ``limit_bytes`` is its
+    CUDA-visible capacity on a GPU (see :func:`fit_suggestions`)."""
     return {"name": name or (f"CUDA device ({limit_bytes / 2**30:.1f} GiB)" if cuda else
                              f"emulated device ({limit_bytes:,} bytes)"),
             "capacity_bytes": int(limit_bytes), "cuda": cuda}
@@ -56,7 +57,9 @@ def fit_suggestions(settings, limit_bytes: int | None, cuda: bool = False, name:
     and optionally ``margin``) on a device of ``limit_bytes``: ``ranked`` is exactly
     ``planner.fixes(device, margin, model=..., step=...)``, cheapest in quality first. ``cuda``: the
     device is a CUDA GPU (its total includes the CUDA context and allocator reserve) rather than
-    the device a CPU run emulates. Without a known device size there is nothing to rank."""
+    the device a CPU run emulates; then ``limit_bytes`` is CUDA's own total (``torch.cuda.mem_get_info()``'s,
+    as the smoke run reads it, or a catalog GPU's ``cuda_capacity_bytes``), the capacity fits is judged on,
+    never nvidia-smi's larger total. Without a known device size there is nothing to rank."""
     d = settings.to_dict() if hasattr(settings, "to_dict") else dict(settings)
     margin = d.get("margin", 0.10)
     step = as_step(d)
