@@ -8,7 +8,8 @@ kernel's extra as if the step's peak were at attention, an upper bound) and ``es
 kernel's extra placed on ``simulate``'s trace of the step: its forward / backward peaks at each SDPA call, its
 saved tensors from a kept forward to its backward).
 
-Then the same figures, without a measurement, for the held-back QLoRA settings issue 34 describes (their measured
+On a machine with a GPU each row also records the backend that GPU's torch picks (``observed_backend``) beside
+the prediction for that torch and card. Then the same figures, without a measurement, for the held-back QLoRA settings issue 34 describes (their measured
 figures are not shared; whoever holds them scores these predictions): the LLaMA-65B config cut to 4 and 8 layers,
 Qwen2.5-7B at 4096 x 2, Gemma-2-9B (eager) at 2048 x 1, Llama-3.1-8B at 4096 x 4.
 
@@ -32,8 +33,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import lora_kit as lk  # noqa: E402
+import torch  # noqa: E402
 from cuda_h200 import REFERENCE, step_kwargs  # noqa: E402
-from lora_kit.memory.cuda_kernels import math_fallback_bytes, peak_with_math, sdpa_backend, sdpa_call  # noqa: E402
+from lora_kit.memory.cuda_kernels import (math_fallback_bytes, observed_backend, peak_with_math,  # noqa: E402
+                                          sdpa_backend, sdpa_call)
 from lora_kit.plan.gpus import get_gpu  # noqa: E402
 from lora_kit.results import write_json_atomic  # noqa: E402
 
@@ -67,12 +70,17 @@ def measured_allocated(row: dict) -> int:
 
 def figures(model, kw: dict, torch_version: str, cc: float, meas: int | None) -> dict:
     """Backend, estimate and, where CUDA runs the math kernel, estimate plus its extra (upper bound, placed)."""
-    choice = sdpa_backend(sdpa_call(model, **kw), torch_version, cc)
+    call = sdpa_call(model, **kw)
+    choice = sdpa_backend(call, torch_version, cc)
     est = lk.estimate(model=model, **kw).peak_allocated_bytes
     eager = kw.get("attn_implementation", "sdpa") == "eager"  # transformers' own matmul-softmax: no SDPA call
     res = {"settings": kw, "torch": torch_version, "compute_capability": cc,
            "backend": "eager" if eager else choice.backend, "why": "" if eager else choice.why(),
            "measured_max_allocated": meas, "estimate": est}
+    if torch.cuda.is_available() and not eager:  # on a GPU: what this machine's torch picks, beside the prediction
+        here = sdpa_backend(call, torch.__version__, float(".".join(map(str, torch.cuda.get_device_capability()))))
+        res["this_gpu"] = {"torch": torch.__version__, "name": torch.cuda.get_device_name(),
+                           "predicted": here.backend, "observed": observed_backend(call)}
     if res["backend"] == "math":
         fb = math_fallback_bytes(model, torch_version_=torch_version, **kw)
         t0 = time.perf_counter()

@@ -92,6 +92,14 @@ def test_dropout_and_causal_shape_rules():
         sdpa_backend(rect, "2.11", 8.0).rejected["flash"])
 
 
+def test_observed_backend_asks_the_installed_torch():
+    """On a GPU it checks sdpa_backend's prediction; here the installed CPU build answers with its own rules
+    (sdp_utils_cpp.cpp: the CPU flash kernel takes fp32 and GQA but no dropout)."""
+    small = call(seq_q=64, seq_kv=64)
+    assert ck.observed_backend(small, "cpu") == "flash"
+    assert ck.observed_backend(call(seq_q=64, seq_kv=64, dropout=0.1), "cpu") == "math"
+
+
 def test_versions_and_bad_input():
     assert ck.torch_version("2.11.0+cu130") == (2, 11)
     with pytest.raises(ValueError, match="not a version"):

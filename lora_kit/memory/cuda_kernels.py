@@ -250,6 +250,25 @@ def sdpa_backend(call: SdpaCall, torch_version_: str | tuple | None = None, comp
     raise AssertionError("math is always in the order")
 
 
+def observed_backend(call: SdpaCall, device: str = "cuda") -> str:
+    """The backend the installed torch picks for ``call`` on ``device`` (``torch._fused_sdp_choice`` on empty
+    tensors of the call's shapes and layout): on a GPU, the check of :func:`sdpa_backend`'s prediction (on the
+    CPU it answers with the CPU's own rules)."""
+    import torch
+    dt = getattr(torch, call.dtype)
+
+    def t(heads, seq, dim):  # transformers' layout: (B, S, H, D) memory seen as (B, H, S, D)
+        return torch.empty(call.batch, seq, heads, dim, dtype=dt, device=device).transpose(1, 2).requires_grad_(
+            call.requires_grad)
+    q, k, v = (t(call.q_heads, call.seq_q, call.head_dim_qk), t(call.kv_heads, call.seq_kv, call.head_dim_qk),
+               t(call.kv_heads, call.seq_kv, call.head_dim_v))
+    mask = (torch.zeros(call.batch, 1, call.seq_q, call.seq_kv, dtype=torch.bool, device=device)
+            if call.has_mask else None)
+    choice = torch._fused_sdp_choice(q, k, v, mask, call.dropout, call.is_causal, scale=None,
+                                     enable_gqa=call.enable_gqa)
+    return {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}.get(int(choice), f"backend {int(choice)}")
+
+
 # -- the math kernel's tensors, allocation by allocation -------------------------------------------------------------
 class _Live:
     """Live bytes of named storages (each rounded to ``block``) and the peak since :meth:`mark`."""
