@@ -31,7 +31,8 @@ def test_method_rows_cells(plan):
     assert {"memory / GPU (GiB)", "headroom (GiB)", "step (s)", "time per epoch (h)", "price (USD/h, example)",
             cost_col} <= set(rows.columns)
     for (i, r), (_, p) in zip(rows.iterrows(), plan.iterrows()):
-        assert r["memory / GPU (GiB)"] == f"{p['device_total_gib']:.1f} / {p['capacity_gib']:.1f}"
+        # the CUDA-visible capacity that fits is judged on, not nvidia-smi's total
+        assert r["memory / GPU (GiB)"] == f"{p['device_total_gib']:.1f} / {p['cuda_capacity_gib']:.1f}"
         assert r["price (USD/h, example)"] == f"{p['price_per_hour']:.2f}"
         if p["fits"]:
             assert r["time per epoch (h)"] == f"{p['epoch_hours']:,.2f}" and r[cost_col] == f"{p['epoch_cost']:,.2f}"
@@ -57,6 +58,12 @@ def test_plan_json_rows_render_like_the_dataframe(plan):
     assert any(r["epoch_cost"] is None for r in records)
     assert T.method_markdown(records) == T.method_markdown(plan)
     assert T.method_markdown({"rows": records}, fits_only=True) == T.method_markdown(plan, fits_only=True)
+    # the two capacities differ on these cards, so the cell shows which one it is
+    assert (plan["cuda_capacity_gib"].round(1) != plan["capacity_gib"].round(1)).any()
+    # rows written before the CUDA capacity was stored show the catalog's total
+    old = [{k: v for k, v in r.items() if k != "cuda_capacity_gib"} for r in records]
+    assert T.method_rows(old)["memory / GPU (GiB)"].tolist() == [
+        f"{r['device_total_gib']:.1f} / {r['capacity_gib']:.1f}" for r in records]
 
 
 def test_fitting_rows_cheapest_first_in_markdown(plan):

@@ -4,7 +4,8 @@
   ``plan.json``) into display strings: one spelling per method (full, LoRA, QLoRA), units in the
   headers (GiB, s, h, tokens/s), the currency in the price and cost headers (the catalog's example
   prices are USD per GPU-hour, and are labelled as examples), ✓ / ✗ for fits, rounded numbers, and
-  never NaN: a row that does not fit reads ✗ and "—" where a time or a cost would be.
+  never NaN: a row that does not fit reads ✗ and "—" where a time or a cost would be. "memory / GPU"
+  is the plan's device total over the CUDA-visible capacity that fits is judged on (not nvidia-smi's total).
   The planner's recommendation (the cheapest fitting row per epoch) and the fastest row are named in
   the last column.
 - :func:`method_table` is the same as a pandas ``Styler`` for notebooks (the recommendation
@@ -117,12 +118,13 @@ def method_rows(table, currency: str = EXAMPLE_CURRENCY, fits_only: bool = False
     for i, r in df.iterrows():
         fits = bool(r["fits"]) if not _missing(r["fits"]) else False
         head = r["headroom_gib"]
+        cap = r.get("cuda_capacity_gib", r["capacity_gib"])  # what fits is judged on (older plan.json: catalog's)
         price = _num(r["price_per_hour"])
         if len(sources) > 1 and r["price_source"] == "example" and price != NONE:
             price += " (example)"
         row = {"method": method_label(r["method"]), "GPU": r["gpu"], "fits": "✓" if fits else "✗",
                "micro-batch": f"{int(r['batch_size'])}",
-               "memory / GPU (GiB)": f"{_num(r['device_total_gib'], 1)} / {_num(r['capacity_gib'], 1)}",
+               "memory / GPU (GiB)": f"{_num(r['device_total_gib'], 1)} / {_num(cap, 1)}",
                "headroom (GiB)": _headroom(head),
                "step (s)": _num(r["step_seconds"]) if fits else NONE,
                "tokens/s": _num(r["tokens_per_second"], 0) if fits else NONE,
