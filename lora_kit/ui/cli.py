@@ -210,8 +210,9 @@ def cmd_estimate(args) -> int:
                                                                 "; `lora-kit fit` with the same flags fits it"),
                         width=110, initial_indent="  ", subsequent_indent="    "))
     verdict = "fits" if fit["fits"] else "does NOT fit"
+    basis = "from the vendor's GB" if fit["capacity_basis"].startswith("fallback") else "CUDA-visible"  # judged on
     print(f"  {fit['gpu']}: {verdict} with a {plan['margin']:.0%} margin "
-          f"(headroom {fit['headroom_bytes'] / GiB:+.2f} GiB of {fit['capacity_bytes'] / GiB:.1f} GiB)")
+          f"(headroom {fit['headroom_bytes'] / GiB:+.2f} GiB of {fit['cuda_capacity_bytes'] / GiB:.1f} GiB {basis})")
     if note:
         print(textwrap.fill(f"note: {note}", width=110, initial_indent="  ", subsequent_indent="    "))
     return 0

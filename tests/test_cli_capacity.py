@@ -1,0 +1,27 @@
+"""``lora-kit estimate`` prints the capacity the verdict is judged on: the CUDA-visible total from the catalog, or
+the vendor's GB where the catalog names no CUDA reading, labelled as such (never nvidia-smi's total)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lora_kit.plan.gpus import get_gpu
+from lora_kit.ui.cli import main
+
+GIB = 2 ** 30
+
+
+@pytest.mark.parametrize("gpu", ["H100-SXM", "L4"])
+def test_estimate_prints_the_capacity_it_judges_on(gpu, capsys):
+    args = ["estimate", "--model", "llama-3.1-8b", "--method", "lora", "--gpu", gpu]
+    assert main([*args, "--json"]) == 0
+    fit = json.loads(capsys.readouterr().out)["fit"]
+    g = get_gpu(gpu)
+    assert fit["cuda_capacity_bytes"] == g["cuda_capacity_bytes"] != fit["capacity_bytes"] == g["capacity_bytes"]
+    assert main(args) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith(f"{g['name']}:")]
+    label = "from the vendor's GB" if g["cuda_capacity_basis"].startswith("fallback") else "CUDA-visible"
+    assert len(line) == 1
+    assert line[0].endswith(f"of {fit['cuda_capacity_bytes'] / GIB:.1f} GiB {label})")
+    assert f"{fit['headroom_bytes'] / GIB:+.2f} GiB" in line[0]
