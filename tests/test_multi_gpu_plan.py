@@ -63,7 +63,11 @@ def test_per_gpu_memory_and_saving_vs_ddp(fsdp_toy, random_llama_dir):
     # and simulate's real FSDP2 step agrees on the sign
     assert (sim.peak_allocated_bytes > m["ddp_per_gpu_peak_bytes"]) == (m["saving_vs_ddp_bytes"] < 0)
     assert "not pooled" in m["not_pooled"] and "2 x L40S" in m["not_pooled"]
-    assert m["capacity_bytes"] == get_gpu("L40S")["capacity_bytes"]
+    l40s = get_gpu("L40S")
+    assert m["capacity_bytes"] == l40s["capacity_bytes"] != m["cuda_capacity_bytes"] == l40s["cuda_capacity_bytes"]
+    # each GPU's own capacity in the text is the CUDA-visible one that fits is judged on
+    assert f"within its own {l40s['cuda_capacity_bytes'] / 2**30:.1f} GiB (CUDA-visible)" in m["not_pooled"]
+    assert m["fits"] == (m["per_gpu_device_total_bytes"] <= (1 - plan["margin"]) * m["cuda_capacity_bytes"])
 
 
 def test_time_adds_communication_at_the_catalog_bandwidth(fsdp_toy, random_llama_dir):

@@ -141,17 +141,18 @@ def multi_gpu_plan(model, gpu: str, step: Step | None = None, margin: float = 0.
     one = estimate(spec, s.replace(num_gpus=1, cpu_offload=False, sharding="none"))
     ddp = mine if planned == "ddp" else estimate(spec, s.replace(cpu_offload=False, sharding="ddp"))
     fit = fit_verdict(mine.device_total_bytes, row["name"], margin)
-    N, cap = s.num_gpus, fit["capacity_bytes"]
+    N, cap = s.num_gpus, fit["cuda_capacity_bytes"]  # what fits is judged on
     saved = ddp.peak_allocated_bytes - mine.peak_allocated_bytes
     memory = {
         "per_gpu_peak_bytes": mine.peak_allocated_bytes, "per_gpu_device_total_bytes": mine.device_total_bytes,
         "ddp_per_gpu_peak_bytes": ddp.peak_allocated_bytes, "ddp_per_gpu_device_total_bytes": ddp.device_total_bytes,
         "saving_vs_ddp_bytes": saved, "saving_vs_ddp_pct": 100.0 * saved / ddp.peak_allocated_bytes,
-        "capacity_bytes": cap, "fits": fit["fits"], "headroom_bytes": int(fit["headroom_bytes"]),
+        "capacity_bytes": fit["capacity_bytes"], "cuda_capacity_bytes": cap, "fits": fit["fits"],
+        "headroom_bytes": int(fit["headroom_bytes"]),
         "not_pooled": (f"Memory is not pooled: {N} x {row['name']} is not {N * cap / GiB:.0f} GiB for one model. "
                        f"Each GPU must hold its own per-GPU peak ({mine.device_total_bytes / GiB:.1f} GiB with the "
-                       f"CUDA context) within its own {cap / GiB:.1f} GiB; sharding ({planned}) only divides what it "
-                       "shards across the GPUs.")}
+                       f"CUDA context) within its own {cap / GiB:.1f} GiB (CUDA-visible); sharding ({planned}) only "
+                       "divides what it shards across the GPUs.")}
     comm = communication(spec, s, planned, one)
     bw = row.get("interconnect_gbs")
     bw = float(bw) if isinstance(bw, (int, float)) and math.isfinite(bw) and bw > 0 else None
