@@ -6,7 +6,8 @@ Per row: the backend ``sdpa_backend`` reads from PyTorch's dispatch rules for th
 ``estimate`` (CPU semantics: the fused kernel's output and logsumexp), ``estimate + peak_extra`` (the math
 kernel's extra as if the step's peak were at attention, an upper bound) and ``estimate + placed`` (the math
 kernel's extra placed on ``simulate``'s trace of the step: its forward / backward peaks at each SDPA call, its
-saved tensors from a kept forward to its backward).
+saved tensors from a kept forward to its backward; ``math_attention_peak`` is the largest of those moments at the
+SDPA calls alone, beside ``simulate``'s peak).
 
 On a machine with a GPU each row also records the backend that GPU's torch picks (``observed_backend``) beside
 the prediction for that torch and card. Then the same figures, without a measurement, for the held-back QLoRA settings issue 34 describes (their measured
@@ -89,6 +90,7 @@ def figures(model, kw: dict, torch_version: str, cc: float, meas: int | None) ->
         res.update({"math": {k: v for k, v in fb.to_dict().items() if k != "call"},
                     "simulate": sim.peak_allocated_bytes, "simulate_phase": sim.phase,
                     "simulate_seconds": round(time.perf_counter() - t0, 1), "placed_extra": placed,
+                    "math_attention_peak": peak_with_math(sim.trace, fb, attention_only=True),
                     "estimate_plus_peak_extra": est + fb.peak_extra, "estimate_plus_placed": est + placed})
     if meas:
         res["ratio_estimate"] = est / meas

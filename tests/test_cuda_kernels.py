@@ -249,6 +249,7 @@ def test_note_places_the_cost_on_a_simulated_step():
     fb = math_fallback_bytes(tiny(2), **kw)
     placed = peak_with_math(sim.trace, fb)
     assert sim.peak_allocated_bytes < placed <= sim.peak_allocated_bytes + fb.peak_extra
+    assert peak_with_math(sim.trace, fb, attention_only=True) == placed  # here the math kernel holds the peak
     note = cuda_attention_note(tiny(2), torch_version_="2.12", sim=sim, **kw)
     assert f": +{ck._gib(placed - sim.peak_allocated_bytes)} per GPU (peak {ck._gib(placed)} instead of" in note
     assert note == cuda_attention_note(tiny(2), torch_version_="2.12", exact=True, **kw)  # simulates the same step

@@ -421,11 +421,12 @@ SDPA_FORWARD_OPS = ("_scaled_dot_product_flash_attention_for_cpu.default",)
 SDPA_BACKWARD_OPS = ("_scaled_dot_product_flash_attention_for_cpu_backward.default",)
 
 
-def peak_with_math(trace, fb: MathFallback) -> int:
+def peak_with_math(trace, fb: MathFallback, attention_only: bool = False) -> int:
     """The step's peak if every attention call ran the math kernel: ``simulate(..., trace=True)``'s trace (live
     bytes after each operator of the CPU step, whose SDPA is the flash path) with the math kernel's extra placed
     at each SDPA call -- its forward / backward peak at the kernel, its saved tensors from a kept forward (not the
-    first pass of a checkpointed block) to its backward."""
+    first pass of a checkpointed block) to its backward. ``attention_only``: the largest of those moments at the
+    SDPA calls alone (where the math kernel peaks; below the step's peak when that lies elsewhere)."""
     extra = best = 0
     for phase, op, live, *_ in trace:
         here = live + extra
@@ -436,6 +437,8 @@ def peak_with_math(trace, fb: MathFallback) -> int:
         elif op in SDPA_BACKWARD_OPS:  # its forward was a kept one (the recompute, under checkpointing)
             extra -= fb.saved_per_layer
             here = live + extra + fb.backward_extra
+        elif attention_only:
+            continue
         best = max(best, here)
     return int(best)
 
