@@ -168,3 +168,23 @@ def test_cli_table_names_what_is_not_modelled(capsys):
     out = capsys.readouterr().out
     assert "NOT MODELLED sample_packing" in out and "NOT MODELLED flash_attention" in out
     assert "does NOT fit" in out or "fits" in out
+
+
+@pytest.mark.parametrize("tool,lines,flagged", [
+    ("trl", "dtype: float32\nbf16: false\ntf32: true\n", True),   # fp32 compute on TF32 tensor cores
+    ("trl", "dtype: float32\nbf16: false\ntf32: false\n", False),  # fp32 on CUDA cores: what the time model runs
+    ("trl", "dtype: float32\nbf16: false\n", False),               # unset: PyTorch's default for matmuls (off)
+    ("trl", "bf16: true\ntf32: true\n", False),                    # bf16 autocast: TF32 does not touch the matmuls
+    ("axolotl", "adapter: lora\nlora_target_linear: true\ntf32: true\n", True),  # no bf16/fp16: fp32 weights
+])
+def test_tf32_on_with_fp32_compute_is_not_modelled(tmp_path, tool, lines, flagged):
+    head = ("model_name_or_path: Qwen/Qwen2.5-0.5B\nmax_length: 512\n" if tool == "trl" else
+            "base_model: Qwen/Qwen2.5-0.5B\nsequence_len: 512\n")
+    cfg = tmp_path / f"{tool}.yml"
+    cfg.write_text(head + lines)
+    step, rep = settings_from_config(cfg)
+    tf32 = [n for n in rep.not_modelled if n["key"] == "tf32"]
+    assert bool(tf32) == flagged, rep.not_modelled
+    if flagged:
+        assert (step.dtype, step.autocast) == ("float32", False)
+        assert tf32[0]["value"] is True and "CUDA cores as PyTorch does by default" in tf32[0]["why"]

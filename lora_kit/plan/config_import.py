@@ -332,13 +332,13 @@ def _precision(r: _Reader, method: str, dtype: str, bf16: bool, fp16: bool, keys
 
 
 def _tf32(r: _Reader, key: str, value, step_dtype: str, autocast: bool) -> None:
-    if value is None or value:
-        if value is not None:
-            r.used.add(key)
+    """``tf32: true`` with fp32 compute and no autocast is not modelled; ``false`` or unset (PyTorch's default for
+    matmuls) is, and with bf16/fp16 compute TF32 does not touch the matmuls."""
+    if value is None:
         return
-    if step_dtype == "float32" and not autocast:
-        r.not_modelled(key, False, "fp32 matmuls without TF32 run at a fraction of the modelled speed (the time "
-                       "model assumes TF32 tensor cores for float32)")
+    if value and step_dtype == "float32" and not autocast:
+        r.not_modelled(key, value, "TF32 tensor cores run fp32 matmuls faster than the time model, which runs them "
+                       "on CUDA cores as PyTorch does by default")
     else:
         r.used.add(key)
 
