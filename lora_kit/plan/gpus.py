@@ -6,10 +6,9 @@ The data lives in ``lora_kit/catalog/gpus.csv`` (one row per GPU, the vendor dat
 (:func:`add_gpu`); a user row with a known name replaces the shipped one.
 
 Capacity, honestly: vendors write "80 GB" but CUDA sees a different number (an A100 80GB reports
-81,920 MiB = 80 GiB; an H100 80GB 81,559 MiB; an L4 "24 GB" 23,034 MiB). ``capacity_bytes`` is the
-CUDA-reported total (``cuda_total_mib`` * 2**20) where a public report is named in the row, else
-``memory_gb`` * 1e9 (the smaller reading of the vendor's GB). The planner compares a plan's
-``device_total_bytes`` (allocator peak plus CUDA context) with ``(1 - margin) * capacity_bytes``.
+81,920 MiB = 80 GiB; an H100 80GB 81,559 MiB; an L4 "24 GB" 23,034 MiB). ``capacity_bytes`` is nvidia-smi's
+total, shown; the planner compares with ``(1 - margin) * cuda_capacity_bytes``. It is ``cuda_total_mib`` * 2**20
+where a public report is named in the row, else ``memory_gb`` * 1e9 (the smaller reading of the vendor's GB).
 
 What CUDA can hand out is less than nvidia-smi's total: the driver keeps a share no process can use (H200:
 nvidia-smi 143,771 MiB, CUDA 143,156 MiB, measured in ``benchmarks/reference/cuda_h200.json``), and the CUDA context
@@ -18,6 +17,10 @@ named in ``cuda_visible_source``; ``memory_gb`` * 1e9 where none is named, and `
 ``context_bytes`` the CUDA context (``cuda_context_bytes``, else the ``CUDA_CONTEXT_BYTES`` assumption, said in
 ``context_basis``); ``driver_share_bytes`` nvidia-smi's total minus CUDA's where both are known. On the machine,
 ``lora_kit.check.stack.cuda_memory`` reads the CUDA total itself.
+
+Speed: ``bf16_tflops`` / ``fp16_tflops`` are dense tensor-core peaks; ``fp32_tflops`` (FP32 on CUDA cores, where
+fp32 matmuls run with TF32 off) and ``l2_mb`` (the L2 cache), sourced in ``fp32_l2_source``, are what the time
+model (:mod:`lora_kit.plan.timing`) reads, before its own tables; ``add_gpu(..., fp32_tflops=, l2_mb=)`` sets them.
 
 Prices: ``example_price_per_hour`` is an example to show how cost is computed, never a quote; the
 planner takes the user's own ``prices={"H100-SXM": ...}``.
@@ -34,11 +37,12 @@ from lora_kit.memory.device import CUDA_CONTEXT_BYTES
 CATALOG_CSV = Path(__file__).parents[1] / "catalog" / "gpus.csv"
 COLUMNS = ("name", "memory_gb", "memory_type", "cuda_total_mib", "cuda_total_source", "cuda_visible_bytes",
            "cuda_visible_source", "cuda_context_bytes", "cuda_context_source", "memory_bandwidth_gbs",
-           "bf16_tflops", "fp16_tflops", "architecture", "compute_capability", "cpu_arch", "interconnect",
-           "interconnect_gbs", "source", "example_price_per_hour", "notes")
+           "bf16_tflops", "fp16_tflops", "fp32_tflops", "l2_mb", "fp32_l2_source", "architecture",
+           "compute_capability", "cpu_arch", "interconnect", "interconnect_gbs", "source", "example_price_per_hour",
+           "notes")
 REQUIRED = ("name", "memory_gb", "memory_bandwidth_gbs")
-NUMERIC = ("memory_gb", "cuda_total_mib", "cuda_visible_bytes", "cuda_context_bytes", "memory_bandwidth_gbs", "bf16_tflops", "fp16_tflops",
-           "interconnect_gbs", "example_price_per_hour")
+NUMERIC = ("memory_gb", "cuda_total_mib", "cuda_visible_bytes", "cuda_context_bytes", "memory_bandwidth_gbs",
+           "bf16_tflops", "fp16_tflops", "fp32_tflops", "l2_mb", "interconnect_gbs", "example_price_per_hour")
 FALLBACK_CAPACITY = "fallback: vendor GB x 1e9 (no CUDA reading named)"
 FALLBACK_CONTEXT = "fallback: lora_kit.memory.device.CUDA_CONTEXT_BYTES (an assumption, no reading named)"
 _USER_ROWS: dict[str, dict] = {}  # key -> row added with add_gpu (this Python session only)
@@ -73,6 +77,10 @@ def _finish(df: pd.DataFrame) -> pd.DataFrame:
         bad = df.loc[~(df[c] > 0), "name"].tolist()
         if bad:
             raise ValueError(f"GPU(s) {bad}: {c} must be a positive number.")
+    for c in ("fp32_tflops", "l2_mb"):  # optional: empty is unknown, a number must be positive
+        bad = df.loc[df[c] <= 0, "name"].tolist()
+        if bad:
+            raise ValueError(f"GPU(s) {bad}: {c} must be a positive number (leave it empty if unknown).")
     neg = df.loc[df["example_price_per_hour"] < 0, "name"].tolist()
     if neg:
         raise ValueError(f"GPU(s) {neg}: example_price_per_hour must be >= 0 (leave it empty if unknown).")
@@ -93,7 +101,8 @@ def _finish(df: pd.DataFrame) -> pd.DataFrame:
 def gpu_table(extra_csv: str | Path | None = None) -> pd.DataFrame:
     """The catalog as a DataFrame indexed by GPU name (shipped rows, then ``extra_csv``, then add_gpu rows).
 
-    Adds ``capacity_bytes`` / ``capacity_gib`` (what the planner compares against, see module doc).
+    Adds ``capacity_bytes`` / ``capacity_gib`` (nvidia-smi's total, shown) and ``cuda_capacity_bytes`` (what the
+    planner compares against), see the module doc.
     """
     ck = str(extra_csv)
     if ck not in _CACHE:
