@@ -17,6 +17,8 @@ Public API (imported lazily so ``import lora_kit`` stays fast)::
 
     estimate, simulate, measure_step        memory: analytic, simulated, measured
     sweep, max_fit, compare_methods         planning over GPUs and settings
+    epoch_from_data                         one epoch of the user's own data (the smoke run's statistics),
+                                            for compare_methods(epoch=...)
     settings_from_config, write_job         the step of a TRL / axolotl / LLaMA-Factory / torchtune / Trainer
                                             config; the config, accelerate file and launch script of a plan
     smoke_run, stack                        a short real run; the software/hardware check
@@ -49,6 +51,7 @@ _LAZY = {
     "max_fit": "lora_kit.plan.planner",
     "compare_methods": "lora_kit.plan.planner",
     "qlora_vs_lora": "lora_kit.plan.planner",
+    "epoch_from_data": "lora_kit.plan.planner",
     "gpu_table": "lora_kit.plan.gpus",
     "dataset_lengths": "lora_kit.plan.dataset_fit",
     "settings_from_config": "lora_kit.plan.config_import",
