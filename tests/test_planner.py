@@ -217,3 +217,19 @@ def test_fits_is_judged_on_the_cuda_visible_capacity():
     plan = check_plan(M, "L4", seq_len=512)
     assert plan["fits"] and "from the vendor's GB (no CUDA reading in the catalog)" in verdict_text(plan)
     assert "CUDA-visible" in verdict_text(check_plan(M, "H200", seq_len=512))
+
+
+def test_a_plan_says_when_cuda_runs_attention_in_the_math_kernel():
+    """QLoRA's fp32 q/k/v with grouped K/V have no fused CUDA kernel before torch 2.14: the plan on an H100 says
+    the math kernel, what it adds and the fix (cuda_kernels.cuda_attention_note). LoRA in bf16 takes flash: no note."""
+    import torch
+    from lora_kit.memory.cuda_kernels import EFFICIENT_GQA_FROM, torch_version
+    qlora = check_plan("llama-3.1-8b", "H100-SXM", method="qlora", seq_len=2048)
+    if torch_version(torch.__version__) < EFFICIENT_GQA_FROM:
+        note = qlora["note"]
+        assert "math kernel (fp32 q/k/v with grouped K/V)" in note and "up to +" in note
+        assert "Fix:" in note and "autocast=True" in note and "torch >= 2.14" in note
+        assert note in verdict_text(qlora)
+    else:
+        assert qlora["note"] == ""
+    assert check_plan("llama-3.1-8b", "H100-SXM", method="lora", seq_len=2048)["note"] == ""

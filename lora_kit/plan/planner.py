@@ -374,6 +374,12 @@ def check_plan(model, gpu: str, margin: float = 0.10, step: Step | None = None, 
     fits = bool(v["fits"])
     fix = None if fits else next(iter(fixes(gpu, margin, model=model, first_only=True, step=st)), None)
     note = model_note(model, st)
+    if isinstance(gpu, str):  # a catalog GPU: say when CUDA would run this step's attention in the math kernel
+        from lora_kit.memory.cuda_kernels import cuda_attention_note
+        cc = get_gpu(gpu).get("compute_capability")
+        attn = cuda_attention_note(model, st, compute_capability=float(cc) if cc and cc == cc else 8.0,
+                                   peak_bytes=est.peak_allocated_bytes)
+        note = " ".join(n for n in (note, attn) if n)
     return {**v, "fits": fits, "headroom_bytes": float(v["headroom_bytes"]),
             "headroom_pct": float(v["headroom_pct"]), "margin": margin, "estimate": est, "fix": fix, "note": note}
 
