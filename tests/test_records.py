@@ -62,3 +62,25 @@ def test_plan_record_keeps_the_time_error_the_intervals_used():
     rec = plan_record(narrow, "llama-3.1-8b", seq_len=1024)
     assert rec["time_error_factor"] == 1.05
     assert rec["rows"][0]["epoch_hours"] / rec["rows"][0]["epoch_hours_low"] == pytest.approx(1.05)
+
+
+def test_plan_record_keeps_the_cuda_attention_note_of_the_runs_row():
+    """With the run's GPU and method the plan records whether CUDA runs that row's attention in the math kernel
+    (QLoRA's fp32 q/k/v with grouped K/V before torch 2.14), at the row's micro-batch; LoRA in bf16 records None."""
+    import torch
+    from lora_kit.memory.cuda_kernels import EFFICIENT_GQA_FROM, cuda_attention_note, torch_version
+    from lora_kit.settings import as_step
+    table = compare_methods("llama-3.1-8b", gpus=["H100-SXM"], seq_len=2048)
+    rec = json.loads(json.dumps(plan_record(table, "llama-3.1-8b", seq_len=2048, gpu="H100-SXM", method="qlora")))
+    row = next(r for r in rec["rows"] if r["method"] == "qlora")
+    assert row["batch_size"] > 1  # the note is for the row's micro-batch, not the planning default
+    note = rec["attention_note"]
+    if torch_version(torch.__version__) < EFFICIENT_GQA_FROM:
+        assert "math kernel (fp32 q/k/v with grouped K/V): up to +" in note and "Fix:" in note
+        one = cuda_attention_note("llama-3.1-8b", as_step(None, method="qlora", seq_len=2048), compute_capability=9.0)
+        assert note != one  # B x heads x S x S scores: the row's batch costs more than batch 1
+    else:
+        assert note is None
+    lora = plan_record(table, "llama-3.1-8b", seq_len=2048, gpu="H100-SXM", method="lora")
+    assert lora["attention_note"] is None
+    assert "attention_note" not in plan_record(table, "llama-3.1-8b", seq_len=2048)

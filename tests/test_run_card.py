@@ -173,3 +173,28 @@ def test_card_says_what_nvidia_smi_will_show_and_the_allocator_to_keep(tmp_path)
     assert rep["nvidia_smi"]["driver_share_bytes"] is None and rep["nvidia_smi"]["nvidia_smi_used_bytes"] is None
     assert "a fallback: the catalog has no CUDA reading" in md and "catalog cannot give for this GPU" in md
     assert "expandable segments **off**" in md and "set in your environment" in md
+
+
+def test_request_says_when_cuda_runs_attention_in_the_math_kernel(tmp_path):
+    """plan.json's attention_note (the run's method on the run's GPU) is one line of what the request assumes;
+    a plan without one (LoRA in bf16: flash) adds no line."""
+    import torch
+    from lora_kit.memory.cuda_kernels import EFFICIENT_GQA_FROM, torch_version
+    table = compare_methods("llama-3.1-8b", gpus=["H100-SXM"], margin=0.1, **STEP)
+    mds = {}
+    for method in ("qlora", "lora"):
+        d = tmp_path / method
+        d.mkdir()
+        s = Settings(method=method, gpu="H100-SXM", dtype="bfloat16", run_dir=str(d))
+        (d / "settings.json").write_text(json.dumps(s.to_dict()))
+        plan = plan_record(table, "llama-3.1-8b", margin=0.1, gpu="H100-SXM", method=method, **STEP)
+        (d / "plan.json").write_text(json.dumps(plan))
+        build_report(d)
+        mds[method] = (d / "report.md").read_text().split("## The request")[1].split("## Settings")[0], plan
+    request, plan = mds["qlora"]
+    if torch_version(torch.__version__) < EFFICIENT_GQA_FROM:
+        assert f"- attention on CUDA: {plan['attention_note']}" in request
+        assert "math kernel (fp32 q/k/v with grouped K/V)" in request and "torch >= 2.14" in request
+    else:
+        assert "attention on CUDA" not in request
+    assert mds["lora"][1]["attention_note"] is None and "attention on CUDA" not in mds["lora"][0]

@@ -40,7 +40,8 @@ def plan_record(table: pd.DataFrame, model: str, step: Step | None = None, num_e
     With ``num_gpus > 1`` the record also holds ``multi_gpu`` (:func:`lora_kit.plan.multi_gpu.multi_gpu_plan`)
     for one row of the table: ``method`` on ``gpu`` when given (the run's settings) and in the table, else
     the recommended row (cheapest fitting, else fastest fitting), at that row's micro-batch; a plan that
-    cannot be made holds ``{"error": ...}``. One-GPU records are unchanged."""
+    cannot be made holds ``{"error": ...}``. With ``gpu`` and ``method`` (the run's) it holds ``attention_note``:
+    what the math kernel adds when CUDA would run that row's attention in it, else None."""
     assumed = as_step(step, **overrides)
     seq_len = assumed.seq_len
     assumptions = {k: v for k, v in assumed.to_dict().items()
@@ -52,6 +53,8 @@ def plan_record(table: pd.DataFrame, model: str, step: Step | None = None, num_e
            "margin": margin, "epoch": dict(epoch),
            "recommendation": table.attrs.get("recommendation", ""), "time_model": table.attrs.get("time_model", ""),
            "time_error_factor": _clean(table.attrs.get("time_error_factor")), "rows": rows}
+    if gpu is not None and method is not None:
+        out["attention_note"] = _attention_note(rows, model, gpu, method, assumed)
     if assumed.num_gpus > 1:
         out["multi_gpu"] = _multi_gpu(rows, model, margin, gpu, method, output_dir, time_model, assumed)
     return out
@@ -72,6 +75,22 @@ def plan_row(rows: list[dict], gpu: str | None, method: str | None) -> dict | No
         if want:
             return want[0]
     return None
+
+
+def _attention_note(rows, model, gpu, method, step: Step) -> str | None:
+    """:func:`lora_kit.memory.cuda_kernels.cuda_attention_note` for ``method`` on ``gpu`` at the plan row's
+    micro-batch (and the row's peak): None unless CUDA would run the step's attention in the math kernel. Not
+    ``exact``: that simulates the step (about 23 s for an 8B model on 2 CPU cores), so the figure is the extra at
+    attention ("up to")."""
+    from lora_kit.memory.cuda_kernels import cuda_attention_note
+    st, peak = step.for_method(method), None
+    row = plan_row(rows, gpu, method)
+    b = row.get("batch_size") if row and row["method"] == method else None
+    if isinstance(b, (int, float)) and b >= 1:
+        st = st.replace(batch_size=int(b))
+        peak = int(row["peak_gib"] * 2**30) if isinstance(row.get("peak_gib"), (int, float)) else None
+    cc = get_gpu(gpu).get("compute_capability")
+    return cuda_attention_note(model, st, compute_capability=float(cc) if cc and cc == cc else 8.0, peak_bytes=peak)
 
 
 def _multi_gpu(rows, model, margin, gpu, method, output_dir, time_model, step: Step) -> dict:

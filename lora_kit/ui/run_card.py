@@ -192,7 +192,7 @@ def _on(v) -> str:
 
 
 def assumption_lines(plan: dict) -> list[str]:
-    """What the plan's numbers assume, in words: plan.json's ``assumptions`` and ``epoch``."""
+    """What the plan's numbers assume, in words: plan.json's ``assumptions``, ``epoch`` and ``attention_note``."""
     a, ep = plan.get("assumptions") or {}, plan.get("epoch") or {}
     out = [f"- model: **{plan.get('model')}**; sequence length: {plan.get('seq_len', a.get('seq_len')):,} tokens per "
            f"example; micro-batch per GPU: {plan.get('batch_size')}"]
@@ -214,6 +214,8 @@ def assumption_lines(plan: dict) -> list[str]:
         out.append(f"- one epoch: {size} ({ep.get('note', '')})")
     if plan.get("time_model"):
         out.append(f"- time: {plan['time_model']}")
+    if plan.get("attention_note"):
+        out.append(f"- attention on CUDA: {plan['attention_note']}")
     return out
 
 
