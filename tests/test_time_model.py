@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from lora_kit.memory.cuda_kernels import EFFICIENT_GQA_FROM
 from lora_kit.plan import time_constants as C
 from lora_kit.plan.gpus import get_gpu
 from lora_kit.plan.timing import TimeModel, attention_kernel, calibrate, step_time
@@ -21,6 +22,22 @@ def test_attention_kernel_follows_sdpa_dispatch():
     assert attention_kernel("llama-3.1-8b", dict(method="lora"), H200) == "flash"
     assert attention_kernel("llama-3.1-8b", dict(method="lora"), get_gpu("T4"), torch_version=(2, 13)) == "math"  # sm75
     assert attention_kernel("llama-3.1-8b", dict(method="lora", attn_implementation="eager"), H200) == "eager"
+    assert C.MEM_EFFICIENT_GQA_FROM_TORCH == EFFICIENT_GQA_FROM  # the rule cuda_kernels reads
+
+
+def test_attention_kernel_sees_autocast_and_the_mask():
+    """CUDA's autocast casts SDPA's inputs to bf16 (flash, even under QLoRA's fp32 residual stream); with a mask
+    transformers repeats K/V itself and the memory-efficient kernel takes fp32 before torch 2.14; before torch 2.5
+    (no enable_gqa) transformers always repeats them. Attention time follows the kernel's dtype."""
+    kw = dict(method="qlora", seq_len=4096, batch_size=1)
+    assert attention_kernel("llama-3.1-8b", dict(kw, autocast=True), H200, torch_version=(2, 13)) == "flash"
+    padded = dict(kw, padding="max_length")
+    assert attention_kernel("llama-3.1-8b", padded, H200, torch_version=(2, 13)) == "mem_efficient"
+    assert attention_kernel("llama-3.1-8b", kw, H200, torch_version=(2, 4)) == "mem_efficient"
+    fp32 = step_time("llama-3.1-8b", H200, **kw)["parts_seconds"]["attention"]
+    bf16 = step_time("llama-3.1-8b", H200, autocast=True, **kw)["parts_seconds"]["attention"]
+    lora = step_time("llama-3.1-8b", H200, **dict(kw, method="lora"))["parts_seconds"]["attention"]
+    assert bf16 == pytest.approx(lora) and fp32 > 3 * bf16  # fp32 (math or memory-efficient) on CUDA cores
 
 
 def test_qlora_recipe_runs_head_and_adapters_in_fp32_and_costs_more_than_dequant():

@@ -54,9 +54,9 @@ FP32_OF_BF16_FALLBACK = 1 / 8  # GPU without an FP32 figure: assumed 1/8 of its 
 L2_MB = {"T4": 4, "L4": 48, "A10G": 6, "RTX-4090": 72, "RTX-6000-Ada": 96, "L40S": 96, "A100-40GB": 40,
          "A100-80GB": 40, "H100-PCIe": 50, "H100-SXM": 50, "H200": 50, "B200": 126}
 
-# --- attention kernel CUDA's SDPA picks (torch/nn/attention dispatch rules, sdp_utils.cpp) ------------------
-FLASH_MIN_CAPABILITY = 8.0  # FlashAttention-2 kernels in PyTorch need sm80+; fp16/bf16 only; GQA supported
-MEM_EFFICIENT_GQA_FROM_TORCH = (2, 14)  # memory-efficient kernel accepts enable_gqa from torch 2.14 (PR 181528)
+# --- attention kernel CUDA's SDPA picks: lora_kit.memory.cuda_kernels.sdpa_backend reads PyTorch's dispatch rules
+# (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp select_sdp_backend), e.g. this one:
+MEM_EFFICIENT_GQA_FROM_TORCH = (2, 14)  # memory-efficient kernel accepts enable_gqa from torch 2.14 (PR 191085)
 CAUSAL_FRACTION = 0.5  # flash / memory-efficient kernels skip the masked half of a causal score matrix
 FLASH_BACKWARD_FLOPS = 2.5  # FlashAttention-2 backward = 2.5x its forward FLOPs (5 matmuls vs 2; Dao 2023 §3)
 MATH_SCORE_PASSES_FWD = 6  # math kernel, per S x S element: write QK^T, read+write mask add, read+write softmax, read for AV

@@ -12,10 +12,12 @@ dispatches kernels one by one, so small ones are launch-bound; a kernel's device
   matmuls run on CUDA cores (``allow_tf32`` is off by default): ``FP32_TFLOPS`` of
   :mod:`lora_kit.plan.time_constants`. Backward: input gradients for every linear, weight gradients for trained
   ones (full fine-tuning; LoRA's A and B).
-- **Attention** at the kernel CUDA's SDPA picks: FlashAttention for fp16/bf16 on sm80+ (causal half skipped,
-  backward 2.5x forward) at ``attention_efficiency`` of the tensor peak; in fp32 (QLoRA's recipe) the
-  memory-efficient kernel for MHA, and for GQA the **math** kernel before torch 2.14: full S x S scores in fp32
-  on CUDA cores plus their traffic. ``attn_implementation="eager"`` is the math path in the activation dtype.
+- **Attention** at the kernel CUDA's SDPA picks (:func:`lora_kit.memory.cuda_kernels.sdpa_backend`):
+  FlashAttention for fp16/bf16 on sm80+ (causal half skipped, backward 2.5x forward) at
+  ``attention_efficiency`` of the tensor peak; in fp32 (QLoRA's recipe without autocast; CUDA's autocast casts
+  SDPA's inputs to bf16) the memory-efficient kernel for MHA and for masked GQA (transformers repeats K/V), and
+  for unmasked GQA (``enable_gqa``) the **math** kernel before torch 2.14: full S x S scores in fp32 on CUDA
+  cores plus their traffic. ``attn_implementation="eager"`` is the math path in the activation dtype.
 - **Element-wise and norm traffic** (RMSNorm in fp32 internally, rotary, residual adds, SiLU x up, LoRA's casts
   and adds, the loss's fp32 logits) at bandwidth; activations are fp32 under QLoRA's recipe.
 - **QLoRA dequantisation**: every pass through a 4-bit linear (forward, backward, the recomputed forward)
@@ -44,6 +46,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 
+from lora_kit.memory.cuda_kernels import ENABLE_GQA_FROM, sdpa_backend, sdpa_call
 from lora_kit.memory.specs import check_targets, model_spec
 from lora_kit.plan import time_constants as C
 from lora_kit.settings import Step, as_step
@@ -181,21 +184,25 @@ def _torch_version() -> tuple:
         return (0, 0)
 
 
+KERNEL_OF_BACKEND = {"flash": "flash", "cudnn": "flash", "efficient": "mem_efficient", "math": "math"}  # cuDNN:
+# a fused 16-bit kernel that keeps what flash keeps, timed as flash
+
+
 def attention_kernel(spec, step: Step, gpu: dict, torch_version: tuple | None = None) -> str:
     """The kernel CUDA's SDPA runs for this step: "flash", "mem_efficient", "math", or "eager" (transformers'
-    own matmul-softmax-matmul), from PyTorch's dispatch rules (see ``time_constants``)."""
+    own matmul-softmax-matmul). What SDPA receives (dtype: fp32 under QLoRA's recipe, 16-bit under autocast;
+    ``enable_gqa`` or K/V repeated by transformers; a mask) and the backend PyTorch's dispatch picks for it are
+    :func:`lora_kit.memory.cuda_kernels.sdpa_call` and :func:`~lora_kit.memory.cuda_kernels.sdpa_backend`."""
     spec, st = model_spec(spec), as_step(step)
     if st.attn_implementation == "eager":
         return "eager"
-    act = _dtypes(st)["activations"]
-    gqa = spec.num_kv_heads != spec.num_heads
-    tv = _torch_version() if torch_version is None else torch_version
-    mem_eff_ok = not gqa or tv >= C.MEM_EFFICIENT_GQA_FROM_TORCH
+    tv = _torch_version() if torch_version is None else tuple(torch_version)
+    call = sdpa_call(spec, st)
+    if call.enable_gqa and tv < ENABLE_GQA_FROM:  # transformers' use_gqa_in_sdpa needs torch 2.5: it repeats K/V
+        call = replace(call, enable_gqa=False, kv_heads=call.q_heads)
     cc = gpu.get("compute_capability")
     cc = float(cc) if isinstance(cc, (int, float, str)) and str(cc).replace(".", "", 1).isdigit() else 8.0
-    if act != "float32" and cc >= C.FLASH_MIN_CAPABILITY and spec.head_dim <= 256:
-        return "flash"
-    return "mem_efficient" if mem_eff_ok else "math"
+    return KERNEL_OF_BACKEND[sdpa_backend(call, tv, cc).backend]
 
 
 def _dtypes(st: Step) -> dict:
@@ -282,16 +289,15 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
 def _attention(c: _Clock, spec, st: Step, gpu: dict, kernel: str, bwd: bool, times: float):
     B, s = st.batch_size, st.seq_len
     width = spec.num_heads * spec.head_dim
-    dt = _dtypes(st)
+    # the dtype of SDPA's q/k/v (QLoRA's recipe: fp32; CUDA's autocast casts SDPA's inputs to 16-bit)
+    act = _dtypes(st)["activations"] if kernel == "eager" else sdpa_call(spec, st).dtype
     if kernel in ("flash", "mem_efficient"):
         flops = 4.0 * B * s * s * width * C.CAUSAL_FRACTION * (C.FLASH_BACKWARD_FLOPS if bwd else 1.0)
-        peak = (peak_flops(gpu, dt["activations"], False) if kernel == "flash" or dt["activations"] != "float32"
-                else fp32_flops(gpu)[0])
+        peak = peak_flops(gpu, act, False)  # fp32: CUDA cores
         c.add("attention", flops, peak, eff=c.tm.attention_efficiency,
-              bytes_=4 * B * s * width * DTYPE_BYTES[dt["activations"]], kernels=3 if bwd else 1, times=times)
+              bytes_=4 * B * s * width * DTYPE_BYTES[act], kernels=3 if bwd else 1, times=times)
         return
     # math / eager: full S x S scores materialised (the causal half is masked, not skipped)
-    act = dt["activations"]
     peak = peak_flops(gpu, act, False)
     score_b = 4 if kernel == "eager" or act == "float32" else DTYPE_BYTES[act]
     passes = C.MATH_SCORE_PASSES_BWD if bwd else C.MATH_SCORE_PASSES_FWD
