@@ -186,8 +186,9 @@ def main(argv=None) -> None:
     """torchrun entry point: every rank measures each case; rank 0 writes all ranks' results to ``--out``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", required=True,
-                    help="JSON object (model and step settings, as for simulate), or a list of them (one launch)")
-    ap.add_argument("--policy", default="accelerate", choices=POLICIES)
+                    help="JSON object (model and step settings, as for simulate; \"policy\" overrides --policy), "
+                    "or a list of them (one launch)")
+    ap.add_argument("--policy", default="accelerate", choices=POLICIES, help="FSDP2 wrapping (lora_kit.fsdp)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     settings = json.loads(a.settings)
@@ -196,10 +197,12 @@ def main(argv=None) -> None:
     try:
         results = []
         for case in cases:
-            res = measure_sharded(policy=a.policy, **case)
+            kw = {k: v for k, v in case.items() if k != "policy"}
+            policy = case.get("policy", a.policy)
+            res = measure_sharded(policy=policy, **kw)
             out = [None] * dist.get_world_size()
             dist.all_gather_object(out, res)
-            results.append({"settings": case, "policy": a.policy, "world_size": dist.get_world_size(), "ranks": out})
+            results.append({"settings": kw, "policy": policy, "world_size": dist.get_world_size(), "ranks": out})
         if dist.get_rank() == 0:
             from lora_kit.results import write_text_atomic
             write_text_atomic(a.out, json.dumps(results if isinstance(settings, list) else results[0], indent=1))
