@@ -1,0 +1,46 @@
+"""simulate equals a real CPU step on every kernel path ATen can take on this CPU.
+
+ATen picks its CPU kernels by the CPU's capability (``torch.backends.cpu.get_cpu_capability()``: DEFAULT, AVX2,
+AVX512 ...); ``ATEN_CPU_CAPABILITY`` forces a lower one, which is how a machine without AVX-512 (or without its
+BF16 instructions) runs. Issue 32's Pythia-1B case (LoRA on ``query_key_value``, bf16, sdpa, no checkpointing,
+peak in ``_log_softmax_backward_data``) was reported 128 MiB above ``simulate`` on another machine; here the same
+architecture at a small size runs in a subprocess per forced path, and the real step must peak at simulate's byte
+and allocate the same storages in the same order (``benchmarks/trace_diff.py`` does this at full size).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import json, sys, torch
+from lora_kit.memory.measure import measure_config
+from lora_kit.memory.simulate import simulate
+from lora_kit.memory.specs import load_config
+from lora_kit.memory.tracker import first_divergence
+cfg = load_config(dict(model_type="gpt_neox", vocab_size=1000, hidden_size=256, intermediate_size=1024,
+                       num_hidden_layers=2, num_attention_heads=4, rotary_pct=0.25, use_parallel_residual=True,
+                       tie_word_embeddings=False, hidden_act="gelu", pad_token_id=0, bos_token_id=0, eos_token_id=0))
+kw = dict(method="lora", lora_targets=["query_key_value"], lora_rank=8, seq_len=128, batch_size=1,
+          gradient_checkpointing=False, attn_implementation="sdpa", dtype="bfloat16")
+real = measure_config(cfg, trace=True, **kw)
+sim = simulate(cfg, trace=True, **kw)
+print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "real": real.peak_allocated_bytes,
+                  "simulate": sim.peak_allocated_bytes, "phases": [real.phase, sim.phase],
+                  "divergence": first_divergence(real.allocations, sim.allocations)}))
+"""
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_simulate_equals_real_step_on_a_forced_cpu_path(capability):
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["capability"] == capability.upper()  # the forced path is the one that ran
+    assert out["real"] == out["simulate"] and out["phases"] == ["backward", "backward"], out
+    assert out["divergence"] is None, out
