@@ -10,6 +10,7 @@ Usage (CPU, offline)::
     python benchmarks/memory_accuracy.py --published-only            # only the published-figures table
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --sharded  # several GPUs: estimate vs simulate (FSDP2)
     HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --sharded --real  # simulate vs torchrun, 2 and 4 CPU ranks
+    HF_HUB_OFFLINE=1 python benchmarks/memory_accuracy.py --real     # simulate vs real CPU steps, every family
 
 Three tables are printed:
 
@@ -522,16 +523,31 @@ MOE_REDUCED = dict(vocab_size=1000, hidden_size=256, intermediate_size=384, num_
 
 
 def moe_reduced(name: str):
-    """Catalog MoE entry ``name`` at CPU-affordable size: 2 layers, hidden 256, 8 experts of width 192 (Mixtral:
-    384), top-2, vocab 1000; the family's block, router and shared experts as published (DeepSeek: dense block 0)."""
+    """Catalog MoE entry ``name`` at CPU-affordable size (:func:`reduced`)."""
+    return reduced(name)
+
+
+def reduced(name: str):
+    """Catalog entry ``name`` at CPU-affordable size: 2 layers, hidden 256, 4 heads (2 K/V heads where the family
+    has the field), head_dim 64, vocab 1000; mixtures keep 8 experts of width 192 (Mixtral: 384), top-2, and their
+    shared experts; the family's own block otherwise as published (DeepSeek: dense block 0 and MLA; Gemma: soft-caps,
+    a sliding layer then a global one, window 128; GPT-NeoX: partial rotary, parallel residual; Granite: its
+    multipliers)."""
     from transformers import AutoConfig
     from lora_kit.memory.specs import catalog_config
     c = catalog_config(name)
     c.update({k: v for k, v in MOE_REDUCED.items() if k in c or k == "head_dim"}, num_hidden_layers=2)
     if c["model_type"] == "deepseek_v2":
         c.update(num_key_value_heads=4, head_dim=48)
-    c.pop("layer_types", None)
+    if c.get("sliding_window"):
+        c["sliding_window"] = 128
+    if c["model_type"] in ("gemma2", "gemma3_text"):
+        c.update(layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=64)
+        c.pop("sliding_window_pattern", None)
+    else:
+        c.pop("layer_types", None)
     c.pop("mlp_only_layers", None)
+    c.update(pad_token_id=0, bos_token_id=0, eos_token_id=0)  # inside the reduced vocabulary
     cfg = AutoConfig.for_model(c.pop("model_type"), **c)
     cfg.name_or_path = f"{name}[reduced]"
     return cfg
@@ -603,6 +619,93 @@ def run_moe(real: bool, fresh: bool, limit: int | None) -> None:
         print(f"simulate == real CPU step byte for byte: {sum(r['simulate'] == r['real'] for r in ok)} of {len(ok)}")
 
 
+# ---- simulate vs real CPU steps: every catalog family and families outside it ----------------------------
+REAL_OUT = Path(__file__).parent / "results" / "memory_accuracy_real.json"
+REAL_STEPS = [dict(method="lora", gradient_checkpointing=False), dict(method="lora", gradient_checkpointing=True,
+              padding="max_length"), dict(method="full", gradient_checkpointing=False),
+              dict(method="lora", gradient_checkpointing=False, seq_len=1024, batch_size=1),
+              dict(method="qlora", gradient_checkpointing=True)]
+REAL_OUTSIDE = ("smollm3", "olmo3", "glm4", "cohere2", "stablelm", "starcoder2", "gemma", "exaone4", "helium",
+                "seed_oss", "olmoe", "gpt_oss")
+
+
+def real_cases() -> list[dict]:
+    """simulate vs a real CPU step: one catalog model per family (``grid.FAMILY_MODELS``) at :func:`reduced` size,
+    and small configs of families outside the catalog (``grid.small_config``, 4 blocks); bf16, seq 256, batch 2:
+    LoRA (all-linear) without checkpointing, LoRA with checkpointing on a padded batch, full fine-tuning; LoRA at
+    seq 1024, batch 1 (the shape of issue 32's Pythia case); QLoRA with checkpointing (catalog families only)."""
+    from grid import FAMILY_MODELS, OUTSIDE_STEP
+    shape = dict(seq_len=256, batch_size=2, dtype="bfloat16")
+    cases = [dict(model=m, reduced=True, **{**shape, **st}, **({"attn_implementation": "eager"}
+                                                               if m.startswith("gemma-2") else {}))
+             for m in FAMILY_MODELS for st in REAL_STEPS]
+    cases += [dict(model=f"small-{mt}", **OUTSIDE_STEP.get(mt, {}), **{**shape, **st})
+              for mt in REAL_OUTSIDE for st in REAL_STEPS[:4]]
+    return cases
+
+
+def _real_model(case: dict):
+    if case["model"].startswith("small-"):
+        from grid import validation_model
+        return validation_model(case["model"])
+    return reduced(case["model"])
+
+
+def run_real(fresh: bool, limit: int | None) -> None:
+    """Each :func:`real_cases` row: simulate and a real CPU step (both traced: where their allocations part is
+    kept); saved in ``benchmarks/results/memory_accuracy_real.json`` with the machine."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from trace_diff import machine
+    from lora_kit.memory.measure import measure_config
+    from lora_kit.memory.simulate import simulate as sim
+    from lora_kit.memory.tracker import first_divergence
+    data = read_json(REAL_OUT) if REAL_OUT.is_file() and not fresh else {}
+    done = data.setdefault("real", {})
+    data["machine"] = machine()
+    cases = real_cases()[:limit]
+    print(f"{len(cases)} cases; simulate vs a real CPU step (peak_allocated_bytes); {data['machine']}")
+    for case in cases:
+        k, row = key(case), done.get(key(case), {"case": case})
+        kw = {c: v for c, v in est_kwargs(case).items() if c != "reduced"}
+        if "real" not in row:
+            t = time.perf_counter()
+            try:
+                m = _real_model(case)
+                s = sim(m, trace=True, **kw)
+                r = measure_config(m, trace=True, **kw)
+                row.update(simulate=s.peak_allocated_bytes, simulate_phase=s.phase, real=r.peak_allocated_bytes,
+                           real_phase=r.phase, first_divergence=first_divergence(r.allocations, s.allocations))
+                row.pop("error", None)
+            except Exception as exc:  # noqa: BLE001 - print and keep going: one case must not hide the rest
+                row["error"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+            row["seconds"] = round(time.perf_counter() - t, 1)
+        done[k] = row
+        c = case
+        desc = (f"{c['model']} {c['method']} {'gc' if c['gradient_checkpointing'] else '--'}"
+                f"{' pad' if c.get('padding', 'none') != 'none' else ''}")
+        if "error" in row:
+            print(f"{desc:40s} failed: {row['error']}", flush=True)
+        else:
+            print(f"{desc:40s} sim {row['simulate']:>12d} real {row['real']:>12d} B  {_pct(row, 'simulate'):+7.3f}% "
+                  f"({row['simulate'] - row['real']:+d} B) {row['seconds']:.0f}s"
+                  f"{'' if row['first_divergence'] is None else '  allocations part'}", flush=True)
+        write_json_atomic(REAL_OUT, data)
+    ok = [done[key(c)] for c in cases if "real" in done[key(c)]]
+    print("\n" + summary(ok, lambda r: _pct(r, "simulate"), "simulate"))
+    print(f"simulate == real CPU step byte for byte: {sum(r['simulate'] == r['real'] for r in ok)} of {len(ok)}; "
+          f"allocation sequences equal: {sum(r['first_divergence'] is None for r in ok)} of {len(ok)}")
+    for r in sorted(ok, key=lambda r: -abs(r["simulate"] - r["real"]))[:5]:
+        print(f"worst: {key(r['case'])}: {r['simulate'] - r['real']:+d} B ({_pct(r, 'simulate'):+.4f}%)")
+    parted = [r for r in ok if r["first_divergence"] is not None]
+    if parted:  # storages one side allocates and the other does not, whether or not they reach the peak
+        most = max(parted, key=lambda r: sum(r["first_divergence"]["only_a"].values()) +
+                   sum(r["first_divergence"]["only_b"].values()))
+        d = most["first_divergence"]
+        print(f"largest allocation difference: {key(most['case'])}: only in real {d['only_a']}, only in simulate "
+              f"{d['only_b']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--limit", type=int, default=None, help="run only the first N matrix cases")
@@ -611,7 +714,8 @@ def main() -> None:
     ap.add_argument("--families", action="store_true",
                     help="every architecture family of the catalog (2 layers), checkpointing on/off, padded/unpadded")
     ap.add_argument("--sharded", action="store_true", help="several GPUs: estimate vs simulate under FSDP2")
-    ap.add_argument("--real", action="store_true", help="with --sharded: simulate vs real torchrun ranks (CPU, gloo)")
+    ap.add_argument("--real", action="store_true", help="simulate vs real CPU steps: every catalog family (reduced) "
+                    "and families outside it; with --sharded: real torchrun ranks (CPU, gloo); with --moe: MoE rows")
     ap.add_argument("--loops", action="store_true", help="the loop users run next: real Trainer / SFTTrainer CPU "
                     "steps vs estimate and simulate (benchmarks/loop_accuracy.py)")
     ap.add_argument("--autocast", action="store_true", help="autocast=True: estimate, simulate, real CPU steps")
@@ -630,6 +734,9 @@ def main() -> None:
         return
     if args.sharded:
         run_sharded(args.real, args.fresh, args.limit)
+        return
+    if args.real:
+        run_real(args.fresh, args.limit)
         return
     if not args.published_only:
         cases = (family_cases() if args.families else matrix())[: args.limit]
