@@ -86,7 +86,7 @@ def validation() -> list[tuple[str, dict]]:
                 (model, {**base, "method": "lora", "sharding": "fsdp", "num_gpus": 2}),
                 # another optimizer, composed from the AdamW fit (lora_kit.memory.compose)
                 (model, {**base, "method": "lora", "optimizer": "paged_adamw_8bit"}),
-                (model, {**base, "method": "full", "optimizer": "adamw_8bit"})]
+                (model, {**base, "method": "qlora", "optimizer": "adamw_8bit"})]
     for mt in OUTSIDE:
         base = {**OUTSIDE_STEP.get(mt, {}), **VALIDATION_SHAPE, "dtype": "float32"}
         out += [(f"small-{mt}", {**base, "method": m, "gradient_checkpointing": gc}) for m in ("lora", "full")

@@ -335,7 +335,8 @@ class Fit:
         return out
 
     def to_json(self) -> dict:
-        return {"denominator": self.denominator, "s_regimes": self.s_regimes, "tile": self.tile,
+        tile = {"tile": self.tile} if self.tile else {}
+        return {"denominator": self.denominator, "s_regimes": self.s_regimes, **tile,
                 "types": list(self.types) if self.types else None, "lora": self.lora, "unfitted": self.unfitted,
                 "tables": {"|".join(k): {ph: t.tolist() for ph, t in v.items()} for k, v in self.tables.items()}}
 
