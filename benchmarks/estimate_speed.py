@@ -27,7 +27,8 @@ def timed(fn, repeat: int):
 def main() -> None:
     cases = [dict(model="llama-3.1-8b", method="qlora", gradient_checkpointing=True, optimizer="paged_adamw_8bit"),
              dict(model="qwen2.5-7b", method="lora", seq_len=4096, batch_size=2),
-             dict(model="llama-3.1-70b", method="full", num_gpus=8, sharding="zero3", cpu_offload=True)]
+             dict(model="llama-3.1-70b", method="full", num_gpus=8, sharding="zero3", cpu_offload=True),
+             dict(model="qwen2.5-7b", method="lora", optimizer="adamw_8bit", num_gpus=4, sharding="zero2")]
     for kw in cases:
         wall, cpu = timed(lambda: estimate(**kw), 500)
         print(f"estimate({', '.join(f'{k}={v}' for k, v in kw.items())}): {wall * 1e3:.3f} ms wall, "
