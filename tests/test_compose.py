@@ -9,7 +9,7 @@ import torch
 from lora_kit.memory import estimate as est
 from lora_kit.memory import fits
 from lora_kit.memory.breakdown import PAGED_MIN_NUMEL
-from lora_kit.memory.compose import SWAPPABLE, compose
+from lora_kit.memory.compose import SWAPPABLE, compose, static_terms
 from lora_kit.memory.moe import expert_lora
 from lora_kit.memory.simulate import simulate
 from lora_kit.memory.specs import check_targets, model_spec
@@ -79,7 +79,7 @@ def test_another_optimizer_composed_from_the_adamw_fit_is_simulate_phase_by_phas
         targets = check_targets(spec, method, step.lora_rank, step.lora_targets, step.attn_implementation)
         B, S, r, N = (np.asarray([x]) for x in (1, 512, step.lora_rank, 1))
         tensors, _ = est._trainable_tensors(spec, step, targets, expert_lora(spec, targets), r)
-        phases = compose(spec, step, "adamw", fit.phase_arrays(spec.num_layers, B, S, r), tensors, N)
+        phases = compose(step, fit.phase_arrays(spec.num_layers, B, S, r), static_terms(spec, step, "adamw", tensors, N))
         real = {}
         for phase, _, live, _ in simulate("tiny", step, trace=True).trace:
             real[phase] = max(real.get(phase, 0), live)

@@ -250,6 +250,12 @@ class Fit:
         """The stacks' weights for a model of ``layers`` blocks with layer types ``types`` (default: the fitted
         model's), or None when the fit does not describe that depth and pattern (then it must not be used)."""
         types = self.types if types is None else tuple(types)
+        memo = self.__dict__.setdefault("_weights_memo", {})
+        if (layers, types) not in memo:
+            memo[(layers, types)] = self._weights(layers, types)
+        return memo[(layers, types)]
+
+    def _weights(self, layers: int, types) -> dict | None:
         if (types is None) != (self.types is None) or (types and periodic(list(types)) != periodic(list(self.types))):
             return None
         try:

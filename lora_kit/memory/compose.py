@@ -58,46 +58,54 @@ def _step_extra(loop: str, optimizer: str, tensors) -> object:
     return t["foreach_temp"] * optimizer_temp_bytes(optimizer, tensors), t["clip"]
 
 
-def compose(spec, step, fitted_optimizer: str, phases: dict, tensors: list, N) -> dict:
-    """Per-GPU figures of ``step`` from a fit of the same step with ``fitted_optimizer`` on one GPU.
+def static_terms(spec, step, fitted_optimizer: str, tensors: list, N) -> dict:
+    """What :func:`compose` changes, computed once per step: ``tensors``: the trainable tensors (rows, cols, count,
+    element bytes) at each row's rank (:func:`lora_kit.memory.static.trainable_tensors`); ``N``: GPUs per row."""
+    sh, offload = step.sharding, step.cpu_offload
+    out = {"N": N, "keep": 0 if offload else 1, "states": None, "extra": 0, "bucket": 0,
+           "gathered": 2 * block_weight_bytes(spec, step.method, step.dtype, step.autocast)}
+    if step.optimizer != fitted_optimizer or sh in STATES_SHARDED:
+        tmp_f, clip_f = _step_extra(step.loop, fitted_optimizer, tensors)
+        tmp, clip = _step_extra(step.loop, step.optimizer, tensors)
+        if sh in STATES_SHARDED:
+            tmp = 0 * tmp if offload else -(-tmp // N)
+        out["extra"] = np.maximum(tmp, clip) - np.maximum(tmp_f, clip_f)  # the optimizer step's, new minus fitted
+    if step.optimizer != fitted_optimizer:
+        out["states"] = optimizer_states(step.optimizer, tensors)
+    if sh == "ddp":  # DDP's gradient buckets: a second copy of the gradients
+        out["bucket"] = sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
+    if sh in DEEPSPEED:
+        out["bucket"] = out["bucket"] + DEEPSPEED_REDUCE_BUCKET * DTYPE_BYTES[step.dtype]
+    return out
+
+
+def compose(step, phases: dict, terms: dict) -> dict:
+    """Per-GPU figures of ``step`` from a fit of the same step with another optimizer or on one GPU.
 
     ``phases``: phase -> (peaks, parts (rows x 5)) of :meth:`lora_kit.memory.calibrate.Fit.phase_arrays`;
-    ``tensors``: the trainable tensors (rows, cols, count, element bytes) at each row's rank
-    (:func:`lora_kit.memory.static.trainable_tensors`); ``N``: GPUs per row. Returns phase -> (peaks, parts) in the
-    same form, exact integers of the same kind."""
-    sh, offload = step.sharding, step.cpu_offload
+    ``terms``: :func:`static_terms`. Returns phase -> (peaks, parts) in the same form, exact integers of the same
+    kind."""
+    sh, N, keep = step.sharding, terms["N"], terms["keep"]
 
     def shard(x):  # rank 0's share
         return -(-x // N)
-    same_states = step.optimizer == fitted_optimizer
-    states = None if same_states else optimizer_states(step.optimizer, tensors)
-    tmp_f, clip_f = _step_extra(step.loop, fitted_optimizer, tensors)
-    tmp, clip = _step_extra(step.loop, step.optimizer, tensors)
-    if sh in STATES_SHARDED:
-        tmp = 0 * tmp if offload else shard(tmp)
-    trained = sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
-    bucket = trained if sh == "ddp" else 0  # DDP's gradient buckets: a second copy of the gradients
-    if sh in DEEPSPEED:
-        bucket = bucket + DEEPSPEED_REDUCE_BUCKET * DTYPE_BYTES[step.dtype]
-    gathered = 2 * block_weight_bytes(spec, step.method, step.dtype, step.autocast)
-    keep = 0 if offload else 1
     out = {}
     for ph, (peak, parts) in phases.items():
         w, q, a, g, st = (parts[:, i] for i in range(len(PARTS)))
         act = peak - parts.sum(axis=1)
         if ph == "optimizer":
-            act = act - np.maximum(tmp_f, clip_f) + np.maximum(tmp, clip)
-        if states is not None:
-            st = 0 * st + states
+            act = act + terms["extra"]
+        if terms["states"] is not None:
+            st = 0 * st + terms["states"]
         if sh in STATES_SHARDED:
-            st = 0 * st if offload else shard(st)
+            st = shard(st) * keep
         if sh in GRADIENTS_SHARDED:
             g = shard(g)
         if sh in WEIGHTS_SHARDED:
-            w, q = shard(w) * keep + gathered, shard(q) * keep
+            w, q = shard(w) * keep + terms["gathered"], shard(q) * keep
             if step.method != "full":
                 a = shard(a)
-        g = g + bucket
+        g = g + terms["bucket"]
         new = np.stack([w, q, a, g, st], axis=1).astype(parts.dtype)
         out[ph] = ((act + new.sum(axis=1)).astype(parts.dtype), new)
     return out

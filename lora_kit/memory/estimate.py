@@ -102,7 +102,7 @@ from functools import lru_cache
 import numpy as np
 
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
-from lora_kit.memory.compose import GRADIENTS_SHARDED, SWAPPABLE, compose, label
+from lora_kit.memory.compose import GRADIENTS_SHARDED, SWAPPABLE, compose, label, static_terms
 from lora_kit.memory.device import DEEPSPEED_REDUCE_BUCKET, device_total
 from lora_kit.memory.device import alloc_bytes as _r
 from lora_kit.memory.fsdp_math import fsdp_totals
@@ -683,6 +683,15 @@ def _filled_layer_types(spec: ModelSpec):
     return fits.layer_types(spec.config)
 
 
+@lru_cache(maxsize=256)
+def _one_row_terms(spec: ModelSpec, s: Step, targets: tuple, experts: tuple, fitted_optimizer: str, r: int, N: int,
+                   kind) -> dict:
+    """:func:`lora_kit.memory.compose.static_terms` of one row (a single estimate), cached; ``experts``: the
+    ``expert_lora`` flags as sorted items."""
+    tensors, _ = _trainable_tensors(spec, s, targets, dict(experts), np.asarray([r], dtype=kind))
+    return static_terms(spec, s, fitted_optimizer, tensors, np.asarray([N], dtype=kind))
+
+
 def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitted, S, B, r, N) -> dict:
     """:func:`estimate_arrays` from a fit, composed with the static arithmetic where the step differs from it
     (:mod:`lora_kit.memory.compose`): exact integers (int64 arrays, or Python ints where a figure passes int64's
@@ -692,10 +701,16 @@ def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitt
     args = (spec.num_layers, B.ravel(), S.ravel(), r.ravel(), _filled_layer_types(spec))
     phases = f.phase_arrays(*args)
     kind = next(iter(phases.values()))[1].dtype
-    tensors, _ = _trainable_tensors(spec, s, targets, experts, r.ravel().astype(kind))
-    phases = compose(spec, s, fitted_optimizer, phases, tensors, N.ravel().astype(kind))
+    if s.optimizer != fitted_optimizer or s.sharding != "none":
+        if r.size == 1:  # one figure: the static terms of this step, rank and GPU count, computed once
+            terms = _one_row_terms(spec, s, targets, tuple(sorted(experts.items())), fitted_optimizer,
+                                   int(r.ravel()[0]), int(N.ravel()[0]), kind)
+        else:
+            tensors, _ = _trainable_tensors(spec, s, targets, experts, r.ravel().astype(kind))
+            terms = static_terms(spec, s, fitted_optimizer, tensors, N.ravel().astype(kind))
+        phases = compose(s, phases, terms)
     if s.sharding in GRADIENTS_SHARDED:  # the one-GPU peak's operator, or the one largest with 1/N of its gradients
-        other = compose(spec, s, fitted_optimizer, f.phase_arrays(*args, N.ravel()), tensors, N.ravel().astype(kind))
+        other = compose(s, f.phase_arrays(*args, N.ravel()), terms)
         phases = {ph: (np.maximum(p, other[ph][0]), np.where((other[ph][0] > p)[:, None], other[ph][1], q))
                   for ph, (p, q) in phases.items()}
     names = [ph for ph in PHASES if ph in phases]
