@@ -10,6 +10,11 @@ the CPU shows up here, and only on the machine that makes it.
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/trace_diff.py     # issue 32's Pythia-1B case (~4 GB RAM, minutes)
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/trace_diff.py --model smollm2-135m \
         --step '{"method": "lora", "seq_len": 256}' --out /tmp/diff.json
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/trace_diff.py --paths   # each ATen CPU path in turn (~4 min)
+
+``--paths`` runs the comparison once per kernel path ATen can take on this CPU (its own, then
+``ATEN_CPU_CAPABILITY=avx2`` and ``=default``, how CPUs without AVX-512 run), each in a fresh process, and writes
+``benchmarks/results/memory_accuracy_cpu_paths.json``.
 """
 from __future__ import annotations
 
@@ -54,12 +59,46 @@ def compare(model: str, step: dict) -> dict:
             "first_divergence": first_divergence(real.allocations, sim.allocations)}
 
 
+PATHS_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "memory_accuracy_cpu_paths.json")
+
+
+def forced_paths(model: str, step: str | None) -> list[dict]:
+    """:func:`compare` in a subprocess per ATen CPU path (this CPU's own, avx2, default)."""
+    import subprocess
+    import sys
+    import tempfile
+    rows = []
+    for cap in (None, "avx2", "default"):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if cap:
+            env["ATEN_CPU_CAPABILITY"] = cap
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "diff.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--model", model, "--out", out] + \
+                (["--step", step] if step else [])
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"ATEN_CPU_CAPABILITY={cap}: {r.stderr[-2000:]}")
+            with open(out) as f:
+                rows.append({"forced": cap, **json.load(f)})
+        line = next(x for x in r.stdout.splitlines() if x.startswith("real "))
+        print(f"ATEN_CPU_CAPABILITY={cap or '(unset)'} ({rows[-1]['machine']['cpu_capability']}): {line}", flush=True)
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="pythia-1b", help="catalog name or model folder (default: pythia-1b)")
     ap.add_argument("--step", default=None, help="step fields as JSON (default: issue 32's Pythia case)")
     ap.add_argument("--out", default=None, help="also write the result as JSON here")
+    ap.add_argument("--paths", action="store_true", help="once per ATen CPU path (own, avx2, default); writes "
+                    "benchmarks/results/memory_accuracy_cpu_paths.json")
     a = ap.parse_args(argv)
+    if a.paths:
+        from lora_kit.results import write_json_atomic
+        rows = forced_paths(a.model, a.step)
+        write_json_atomic(PATHS_OUT, {"paths": rows})
+        return {"paths": rows}
     out = compare(a.model, json.loads(a.step) if a.step else PYTHIA)
     print(json.dumps(out["machine"]))
     d = out["real"]["peak"] - out["simulate"]["peak"]
