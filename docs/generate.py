@@ -421,6 +421,37 @@ def sec_planner_speed(prov):
                                for name, v in data.items()]), {}
 
 
+def sec_simulate_real(prov):
+    """benchmarks/results/memory_accuracy_real.json (``memory_accuracy.py --real``) and, when present,
+    memory_accuracy_cpu_paths.json (``trace_diff.py --paths``): simulate against real CPU steps."""
+    src = RESULTS / "memory_accuracy_real.json"
+    data = json.loads(src.read_text())
+    m = data.get("machine", {})
+    machine = (f"{m.get('cpu', '?')}, CPU capability {m.get('cpu_capability', '?')}, {m.get('threads', '?')} threads, "
+               f"torch {m.get('torch', '?')}")
+    sec = Section("simulate vs real CPU steps: every catalog family and families outside it", src,
+                  "python benchmarks/memory_accuracy.py --real --fresh", prov, machine=machine)
+    rows = list(data["real"].values())
+    errs = [pct(r["simulate"], r["real"]) for r in rows if "real" in r and "simulate" in r]
+    exact = sum(1 for r in rows if r.get("real") is not None and r.get("real") == r.get("simulate"))
+    body = (f"Each family's real blocks at a reduced size (LoRA, LoRA with checkpointing on a padded batch, full, "
+            f"LoRA at 1,024 tokens, QLoRA with checkpointing), and the grid's outside families: {exact} of "
+            f"{len(rows)} rows byte-exact. " + stats_line(stats(errs), "`simulate` vs the real step") + "\n\n")
+    body += table(["case", "real GiB", "simulate GiB", "error", "phase (real / simulate)"],
+                  [[describe(r["case"]), gib(r["real"]), gib(r["simulate"]), spct(pct(r["simulate"], r["real"])),
+                    f"{r.get('real_phase', '')} / {r.get('simulate_phase', '')}"] for r in rows if "real" in r])
+    paths = RESULTS / "memory_accuracy_cpu_paths.json"
+    if paths.is_file():
+        ps = json.loads(paths.read_text())["paths"]
+        body += ("\nThe issue's Pythia-1B case on forced CPU kernel paths (`python benchmarks/trace_diff.py --paths`; "
+                 "each path in a fresh process):\n\n")
+        body += table(["forced path", "CPU capability", "real B", "simulate B", "allocations (real / simulate)"],
+                      [[p["forced"] or "own", p["machine"]["cpu_capability"], f"{p['real']['peak']:,}",
+                        f"{p['simulate']['peak']:,}", f"{p['real']['allocations']} / {p['simulate']['allocations']}"]
+                       for p in ps])
+    return sec.head() + body + "\n", {}
+
+
 def sec_cuda(prov):
     src = CUDA_REFERENCE
     data = json.loads(src.read_text())
@@ -613,6 +644,8 @@ def accuracy_md(prov: dict) -> tuple[str, dict]:
     add(sec_sharded(prov, real=True))
     add(sec_deepspeed(prov))
     add(sec_published(prov))
+    if (RESULTS / "memory_accuracy_real.json").is_file():
+        add(sec_simulate_real(prov))
     add(sec_cuda(prov))
     if (RESULTS / "cuda_h200.json").is_file():
         add(sec_cuda_kit(prov))
@@ -629,7 +662,8 @@ def accuracy_md(prov: dict) -> tuple[str, dict]:
     known = {"calibrate_accuracy.json", "validation.json", "fit_catalog.json", "memory_accuracy.json", "memory_accuracy_moe.json", "memory_accuracy_sharded_estimate.json",
              "memory_accuracy_sharded_real.json", "loop_accuracy.json", "deepspeed_accuracy.json",
              "planner_speed.cpu.json", "time_published.json",
-             "cuda_h200.json", "cuda_published.json", "cuda_kernels.json"}
+             "cuda_h200.json", "cuda_published.json", "cuda_kernels.json", "memory_accuracy_real.json",
+             "memory_accuracy_cpu_paths.json"}
     unknown = [p for p in sorted(RESULTS.glob("*.json"))
                if p.name not in known and not p.name.startswith("time_model_accuracy")]
     for p in unknown:  # a results file nobody wrote a table for yet still shows up, raw
