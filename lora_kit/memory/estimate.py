@@ -70,9 +70,7 @@ How it is built (exact by construction where the arithmetic allows it):
   of the measured rank-0 peak with DeepSpeed's default buckets). ``simulate``'s zero2 / zero3 are FSDP2's
   modes and have no such bucket.
 
-``device_total_bytes`` = peak + CUDA context + allocator reserve (+ a paged optimizer's states of tensors of
-100,000 elements or more: CUDA managed memory, outside the allocator's count, on the card). Context and reserve are
-**assumptions from
+``device_total_bytes`` = peak + CUDA context + allocator reserve. Both are **assumptions from
 public measurements until ``benchmarks/gpu_validate.py`` measures them on a GPU**: the context of a
 PyTorch process with CUDA 12 lazy loading and cuBLAS initialised is ~0.5 GiB on A100/H100 (PyTorch
 forum and issue reports, e.g. pytorch/pytorch#98998 "CUDA context ~ 300-600 MB"); the caching
@@ -112,7 +110,7 @@ from lora_kit.memory.mla import is_mla, mla_attention, mla_rope_bytes
 from lora_kit.memory.moe import expert_lora, expert_lora_tensors, moe_block
 from lora_kit.memory.loops import loop_terms, sft_head
 from lora_kit.memory.specs import ModelSpec, check_targets, model_spec
-from lora_kit.memory.static import DTYPE_BYTES, paged_outside_bytes
+from lora_kit.memory.static import DTYPE_BYTES
 from lora_kit.memory.static import block_weight_bytes as _block_weight_bytes
 from lora_kit.memory.static import optimizer_state_bytes as _opt_state
 from lora_kit.memory.static import optimizer_temp_bytes as _opt_temp
@@ -610,20 +608,6 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
     (computed in Python ints first) bound every row, and every term sums into a phase's total.
     """
     spec = model_spec(spec)
-    out, s, targets, experts, r, N = _estimate_arrays(spec, step, **fields)
-    if s.optimizer.startswith("paged_"):  # paged states: on the card, outside the allocator's count
-        total = np.asarray(out["device_total_bytes"])
-        tensors, _ = _trainable_tensors(spec, s, targets, experts, np.asarray(r, dtype=total.dtype))
-        paged = paged_outside_bytes(s.optimizer, tensors)
-        if s.sharding in ("zero1", "zero2", "zero3", "fsdp"):
-            paged = 0 * paged if s.cpu_offload else -(-paged // np.asarray(N, dtype=total.dtype))
-        out["device_total_bytes"] = np.asarray(total + paged, dtype=total.dtype).reshape(total.shape)
-    return out
-
-
-def _estimate_arrays(spec, step: Step | None, **fields) -> tuple:
-    """:func:`estimate_arrays`' figures, with the resolved step, targets, MoE flags, ranks and GPU counts."""
-    spec = model_spec(spec)
     axes = {k: v for k, v in fields.items() if np.ndim(v) > 0}
     s = as_step(step, **{k: v for k, v in fields.items() if k not in axes})
     ax = check_axes(s, **axes)
@@ -638,7 +622,7 @@ def _estimate_arrays(spec, step: Step | None, **fields) -> tuple:
     if fitted is not None and fitted[0].covers(S) and \
             fitted[0].weights(spec.num_layers, _filled_layer_types(spec)) is not None:
         # (else lengths of an unfitted regime, or a depth / layer pattern the fit does not describe: the arithmetic)
-        return _fitted_arrays(spec, s, targets, experts, fitted, S, B, r, N), s, targets, experts, r, N
+        return _fitted_arrays(spec, s, targets, experts, fitted, S, B, r, N)
     corners = [np.unique([a.min(), a.max()]).astype(object) for a in (S, B, r, N)]
     wide = _estimate_core(spec, s, targets, experts, *np.meshgrid(*corners, indexing="ij"))
     big = wide.pop("_bound") >= INT64_SAFE  # a figure beyond int64's range: every row in Python ints
@@ -648,11 +632,11 @@ def _estimate_arrays(spec, step: Step | None, **fields) -> tuple:
             out = {k: v if k == "phase" else v.astype(np.int64) for k, v in out.items()}
             out["device_total_bytes"] = device_total(out["peak_allocated_bytes"])  # int64's rounding, as in a sweep
         out["memory_model"] = np.full(S.shape, ARITHMETIC, dtype=object)
-        return out, s, targets, experts, r, N
+        return out
     out = _estimate_core(spec, s, targets, experts, *(a.astype(object) if big else a for a in (S, B, r, N)))
     out.pop("_bound")
     out["memory_model"] = np.full(S.shape, ARITHMETIC, dtype=object)
-    return out, s, targets, experts, r, N
+    return out
 
 
 @lru_cache(maxsize=1)

@@ -294,7 +294,6 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
     if trace:
         parts = tracker.trace_parts(BREAKDOWN_KEYS[:5] + ("paged_optimizer_states",))
         steps = [(ph, op, live - p[-1], p[:-1]) for (ph, op, live), p in zip(tracker.trace, parts)]
-    paged = int(tracker.peak_breakdown().get("paged_optimizer_states", 0))  # on the card, outside the allocator
-    return SimResult(int(peak), device_total(peak) + paged, bd, tracker.peak_phase, time.perf_counter() - t0,
+    return SimResult(int(peak), device_total(peak), bd, tracker.peak_phase, time.perf_counter() - t0,
                      {"model": name, **s.to_dict()}, notes,
                      getattr(tracker, "collectives", {}), steps, tracker.allocations() if tracker.trace is not None else None)

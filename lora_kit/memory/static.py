@@ -88,17 +88,6 @@ def optimizer_shared_bytes(optimizer: str, tensors) -> object:
     return np.where(big > 0, 2 * _r(256 * 4), 0)
 
 
-def paged_outside_bytes(optimizer: str, tensors) -> object:
-    """The states a paged optimizer keeps in CUDA managed memory, outside the allocator's count (``state1`` /
-    ``state2`` of tensors of 100,000 elements or more): not in the peak allocated bytes, but on the card (nvidia-smi
-    shows them)."""
-    if not optimizer.startswith("paged_"):
-        return 0
-    width = 1 if optimizer == "paged_adamw_8bit" else 4
-    return sum(c * np.where(rows * cols >= PAGED_MIN_NUMEL, 2 * _r(rows * cols * width), 0)
-               for rows, cols, c, eb in tensors)
-
-
 def optimizer_states(optimizer: str, tensors) -> object:
     """All optimizer state bytes of the trainable ``tensors`` (rows, cols, count, element bytes)."""
     return sum(c * optimizer_state_bytes(optimizer, rows, cols, eb) for rows, cols, c, eb in tensors) + \
