@@ -40,5 +40,5 @@ def test_trace_ends_where_the_peak_is():
 
 
 def test_what_cannot_be_aligned_is_refused_by_name():
-    with pytest.raises(ValueError, match="sft"):
-        fit(_cfg(), Step(loop="sft"))
+    with pytest.raises(ValueError, match="one GPU"):  # sharding is composed, not fitted
+        fit(_cfg(), Step(sharding="fsdp", num_gpus=2))

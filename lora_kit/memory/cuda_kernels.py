@@ -50,8 +50,14 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 
 from lora_kit.memory.specs import model_spec
-from lora_kit.memory.tracker import round_bytes
 from lora_kit.settings import as_step
+
+
+def round_bytes(nbytes: int, block: int = 512) -> int:
+    """``nbytes`` rounded up to ``block`` (the tracker's rule, here without importing torch: planning imports this
+    module)."""
+    return -(-int(nbytes) // block) * block
+
 
 SDP_UTILS = "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp"
 SDP_UTILS_CPP = "aten/src/ATen/native/transformers/sdp_utils_cpp.h"
