@@ -193,6 +193,17 @@ def _envelope(ops: list) -> list[int]:
     return [first[c] for c in keep]
 
 
+def largest_phase(phases: dict) -> tuple:
+    """Per row, the largest of ``phases`` (phase -> (peaks, parts (rows x 5)), in step order): (peaks, parts,
+    phase names); on a tie the first phase, as ``simulate`` names it."""
+    names = list(phases)
+    peaks = np.stack([phases[ph][0] for ph in names])
+    idx = np.argmax(peaks, axis=0)
+    rows = np.arange(len(idx))
+    parts = np.stack([phases[ph][1] for ph in names])[idx, rows]
+    return peaks[idx, rows], parts, np.asarray(names, dtype=object)[idx]
+
+
 @dataclass(frozen=True)
 class Fit:
     """A fitted step. ``tables[(b_reg, s_reg, stack)][phase]``: an int array (operators x (1 + 5 parts) x basis
@@ -268,13 +279,7 @@ class Fit:
     def peak_arrays(self, layers: int, B, S, R, types=None) -> tuple:
         """:meth:`peak` over 1-D arrays of one integer kind (int64, or object: Python ints): (peaks, parts
         (rows x 5), phases); ``types``: the model's layer types when they are not the fitted model's."""
-        phases = self.phase_arrays(layers, B, S, R, types)
-        names = list(phases)
-        peaks = np.stack([phases[ph][0] for ph in names])
-        idx = np.argmax(peaks, axis=0)  # the first phase reaching the largest value, as simulate names it
-        rows = np.arange(len(idx))
-        parts = np.stack([phases[ph][1] for ph in names])[idx, rows]
-        return peaks[idx, rows], parts, np.asarray(names, dtype=object)[idx]
+        return largest_phase(self.phase_arrays(layers, B, S, R, types))
 
     def phase_arrays(self, layers: int, B, S, R, types=None, grad_share=None) -> dict:
         """Each phase's peak over 1-D arrays ``B, S, R`` (as :meth:`peak_arrays`): phase -> (peaks, parts (rows x

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from lora_kit.memory.breakdown import BREAKDOWN_KEYS
 from lora_kit.memory.device import DEEPSPEED_REDUCE_BUCKET
-from lora_kit.memory.device import alloc_bytes as _r
 from lora_kit.memory.loops import loop_terms
-from lora_kit.memory.static import DTYPE_BYTES, block_weight_bytes, optimizer_states, optimizer_temp_bytes
+from lora_kit.memory.static import (DTYPE_BYTES, block_weight_bytes, optimizer_states, optimizer_temp_bytes,
+                                   tensor_bytes)
 
-PARTS = ("weights", "quant_constants", "adapters", "gradients", "optimizer_states")
 STATES_SHARDED = ("zero1", "zero2", "zero3", "fsdp")
 GRADIENTS_SHARDED = ("zero2", "zero3", "fsdp")
 WEIGHTS_SHARDED = ("zero3", "fsdp")
@@ -73,7 +73,7 @@ def static_terms(spec, step, fitted_optimizer: str, tensors: list, N) -> dict:
     if step.optimizer != fitted_optimizer:
         out["states"] = optimizer_states(step.optimizer, tensors)
     if sh == "ddp":  # DDP's gradient buckets: a second copy of the gradients
-        out["bucket"] = sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
+        out["bucket"] = tensor_bytes(tensors)
     if sh in DEEPSPEED:
         out["bucket"] = out["bucket"] + DEEPSPEED_REDUCE_BUCKET * DTYPE_BYTES[step.dtype]
     return out
@@ -91,7 +91,7 @@ def compose(step, phases: dict, terms: dict) -> dict:
         return -(-x // N)
     out = {}
     for ph, (peak, parts) in phases.items():
-        w, q, a, g, st = (parts[:, i] for i in range(len(PARTS)))
+        w, q, a, g, st = (parts[:, i] for i in range(len(BREAKDOWN_KEYS) - 1))  # the five static parts
         act = peak - parts.sum(axis=1)
         if ph == "optimizer":
             act = act + terms["extra"]

@@ -102,7 +102,9 @@ from functools import lru_cache
 import numpy as np
 
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
-from lora_kit.memory.compose import GRADIENTS_SHARDED, SWAPPABLE, compose, label, static_terms
+from lora_kit.memory.calibrate import largest_phase
+from lora_kit.memory.compose import (DEEPSPEED, GRADIENTS_SHARDED, STATES_SHARDED, SWAPPABLE, WEIGHTS_SHARDED, compose,
+                                    label, static_terms)
 from lora_kit.memory.device import DEEPSPEED_REDUCE_BUCKET, device_total
 from lora_kit.memory.device import alloc_bytes as _r
 from lora_kit.memory.fsdp_math import fsdp_totals
@@ -110,7 +112,7 @@ from lora_kit.memory.mla import is_mla, mla_attention, mla_rope_bytes
 from lora_kit.memory.moe import expert_lora, expert_lora_tensors, moe_block
 from lora_kit.memory.loops import loop_terms, sft_head
 from lora_kit.memory.specs import ModelSpec, check_targets, model_spec
-from lora_kit.memory.static import DTYPE_BYTES
+from lora_kit.memory.static import DTYPE_BYTES, tensor_bytes
 from lora_kit.memory.static import block_weight_bytes as _block_weight_bytes
 from lora_kit.memory.static import optimizer_state_bytes as _opt_state
 from lora_kit.memory.static import optimizer_temp_bytes as _opt_temp
@@ -713,17 +715,13 @@ def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitt
         other = compose(s, f.phase_arrays(*args, N.ravel()), terms)
         phases = {ph: (np.maximum(p, other[ph][0]), np.where((other[ph][0] > p)[:, None], other[ph][1], q))
                   for ph, (p, q) in phases.items()}
-    names = [ph for ph in PHASES if ph in phases]
-    peaks = np.stack([phases[ph][0] for ph in names])
-    idx = np.argmax(peaks, axis=0)
-    rows = np.arange(idx.size)
-    peak, parts = peaks[idx, rows], np.stack([phases[ph][1] for ph in names])[idx, rows]
+    peak, parts, phase = largest_phase({ph: phases[ph] for ph in PHASES if ph in phases})
     out = {k: parts[:, i] for i, k in enumerate(BREAKDOWN_KEYS[:5])}
     out["activations"] = peak - sum(out[k] for k in BREAKDOWN_KEYS[:5])
     out = {k: np.asarray(v, dtype=kind).reshape(S.shape) for k, v in out.items()}
     out["peak_allocated_bytes"] = np.asarray(peak, dtype=kind).reshape(S.shape)
     out["device_total_bytes"] = np.asarray(device_total(out["peak_allocated_bytes"]), dtype=kind)
-    out["phase"] = np.asarray(names, dtype=object)[idx].astype(str).reshape(S.shape)
+    out["phase"] = phase.astype(str).reshape(S.shape)
     note = fits.version_note(info)
     out["memory_model"] = np.full(S.shape, label(s, fitted_optimizer) + (f" ({note})" if note else ""), dtype=object)
     return out
@@ -744,7 +742,7 @@ def _estimate_core(spec: ModelSpec, s: Step, targets: tuple, experts: dict, S, B
     weights, quant = _static(spec, method, dtype, autocast, double_quant)
     wb = 4 if (method == "full" and autocast) else DTYPE_BYTES[dtype]
     tensors, expert_tensors = _trainable_tensors(spec, s, targets, experts, r)
-    trainable = zero + sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
+    trainable = zero + tensor_bytes(tensors)
     states = zero + sum(c * _opt_state(optimizer, rows, cols, eb) for rows, cols, c, eb in tensors)
     loop_t = loop_terms(s.loop, optimizer, sum(c for _, _, c, _ in tensors))  # the Trainer's optimizer phase
     opt_tmp = zero + loop_t["foreach_temp"] * _opt_temp(optimizer, tensors)
@@ -757,12 +755,12 @@ def _estimate_core(spec: ModelSpec, s: Step, targets: tuple, experts: dict, S, B
 
     def shard(x):  # rank 0's share: ceil(x / N)
         return -(-x // N)
-    if sharding in ("zero1", "zero2", "zero3", "fsdp"):
+    if sharding in STATES_SHARDED:
         states = zero if cpu_offload else shard(states)
         opt_tmp = zero if cpu_offload else shard(opt_tmp)
-    if sharding in ("zero2", "zero3", "fsdp"):
+    if sharding in GRADIENTS_SHARDED:
         grads = shard(grads)
-    if sharding in ("zero3", "fsdp"):
+    if sharding in WEIGHTS_SHARDED:
         keep = 0 if cpu_offload else 1
         w_gpu = shard(zero + weights) * keep + 2 * _block_weight_bytes(spec, method, dtype, autocast)
         q_gpu = shard(zero + quant) * keep
@@ -841,7 +839,7 @@ def _estimate_core(spec: ModelSpec, s: Step, targets: tuple, experts: dict, S, B
                 # block above it made; or the lowest MoE block (block K), with those of the K+1 .. L-1 blocks above
                 L, bs = spec.num_layers, act["block_saved"]
                 K = L - len(spec.moe["moe_layers"])
-                exp_all = zero + sum(c * _r(rows * cols * eb) for rows, cols, c, eb in expert_tensors)
+                exp_all = zero + tensor_bytes(expert_tensors)
                 g_attn = (grads - exp_all) // L  # one block's attention adapters
                 g0, gk = grads - g_attn, (L - 1 - K) * (g_attn + exp_all // (L - K))
                 b0 = act["backward_bottom"] - (L - 1) * bs + g0
@@ -884,7 +882,7 @@ def _estimate_core(spec: ModelSpec, s: Step, targets: tuple, experts: dict, S, B
         idx, peak = np.argmax(totals, axis=0), np.max(totals, axis=0)
         bound = max(bound, np.max(peak))
         out = {k: np.choose(idx, [np.broadcast_to(x, peak.shape) for x in v]) for k, v in parts.items()}
-    if sharding in ("zero2", "zero3"):  # the engine the accelerate config launches: DeepSpeed's reduce bucket
+    if sharding in DEEPSPEED:  # the engine the accelerate config launches: DeepSpeed's reduce bucket
         ds_bucket = zero + DEEPSPEED_REDUCE_BUCKET * DTYPE_BYTES[dtype]  # allocated whole at the first backward, kept
         peak = peak + ds_bucket
         out["gradients"] = out["gradients"] + ds_bucket

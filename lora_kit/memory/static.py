@@ -94,12 +94,18 @@ def optimizer_states(optimizer: str, tensors) -> object:
         optimizer_shared_bytes(optimizer, tensors)
 
 
+def tensor_bytes(tensors) -> object:
+    """Bytes of ``tensors`` (rows, cols, count, element bytes), each storage rounded as the allocator hands it out:
+    the trainable tensors' own bytes, their gradients', DDP's buckets, foreach AdamW's ``sqrt(v)`` copies."""
+    return sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
+
+
 def optimizer_temp_bytes(optimizer: str, tensors: list):
     """Temporaries of ``optimizer.step()`` at its largest moment: foreach AdamW's ``sqrt(v)`` copy of every state;
     Adafactor, one tensor at a time, the largest tensor's fp32 update and squared gradient (with a 16-bit tensor
     also its fp32 copies of the gradient and the weight) and, for a matrix, its row and column factors."""
     if optimizer == "adamw":
-        return sum(c * _r(rows * cols * eb) for rows, cols, c, eb in tensors)
+        return tensor_bytes(tensors)
     if optimizer == "adafactor":
         return np.max(np.stack([(2 if eb == 4 else 4) * _r(rows * cols * 4) +
                                 np.where((rows > 1) & (cols > 1), _r(rows * 4) + _r(cols * 4), 0)
