@@ -6,7 +6,7 @@ batch, tokens, LoRA rank, depth) need no more fits, every other step field does.
 the total, and writes ``benchmarks/results/fit_catalog.json`` (what was built, with which libraries, in how long).
 A fit already in the folder for the installed libraries is kept (``--refit`` makes it again).
 
-    HF_HUB_OFFLINE=1 python benchmarks/fit_catalog.py [--models llama-3.1-8b,tiny] [--refit]
+    HF_HUB_OFFLINE=1 python benchmarks/fit_catalog.py [--models llama-3.1-8b,tiny] [--methods full] [--refit]
 """
 from __future__ import annotations
 
@@ -85,6 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="", help="comma-separated names (default: tiny and every catalog model)")
     ap.add_argument("--refit", action="store_true", help="fit again what is already there")
+    ap.add_argument("--methods", default="", help="comma-separated methods to (re)fit (default: all)")
     ap.add_argument("--extra-only", action="store_true", help="only the params files' and the headline's steps")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fit_catalog.json"))
     a = ap.parse_args()
@@ -97,6 +98,8 @@ def main() -> None:
     for name in names:
         config = model_spec(name).config
         for step in steps_for(name, a.extra_only):
+            if a.methods and step.method not in a.methods.split(","):
+                continue
             p = fits.stored_path(config, step, fits.SHIPPED)
             if p.is_file() and not a.refit:
                 print(f"{name:22s} {step.method:5s} kept {p.name}", flush=True)

@@ -54,6 +54,7 @@ B_REGIMES = {
 SPAN = 512  # tokens between design shapes without a window
 TILED_SLACK = 64 * 1024  # bytes a tiled fit's held-out shape may differ by (the rounding of a few storages)
 PARTS = 5  # weights, quant_constants, adapters, gradients, optimizer_states (the rest is activations)
+ALIGNED = "aligned:"  # a stack's operators matched one by one with the other stacks' (:func:`_aligned`)
 
 
 def _window(cfg) -> int | None:
@@ -109,6 +110,13 @@ def _stacks(cfg) -> dict:
     if z != a:
         out["top"] = [a, a, z]
     return out
+
+
+def _uniform_more(stacks: dict) -> str | None:
+    """The other stack when there are two (one layer type, or a repeating pattern): its operators are matched with
+    ``base``'s (:func:`_aligned`); None for a mix of layer types fitted per type."""
+    more = [k for k in stacks if k != "base"]
+    return more[0] if len(more) == 1 else None
 
 
 def stack_weights(types, layers: int) -> dict:
@@ -218,6 +226,12 @@ class Fit:
     unfitted: dict
     tile: int | None = None  # a tiled loop's positions per tile: regimes are then on B * (S - 1), not S
 
+    @property
+    def aligned(self) -> bool:
+        """Whether its operators are also extrapolated one by one in depth (:func:`_aligned`): then a phase's peak at
+        full depth is exact whichever operator holds it, and another optimizer or sharding composes from it."""
+        return any(k[2].startswith(ALIGNED) for k in self.tables)
+
     def size(self) -> int:
         return sum(len(t) for phases in self.tables.values() for t in phases.values())
 
@@ -321,8 +335,8 @@ class Fit:
         memo = self.__dict__.setdefault("_memo", {})
         k = (b_reg, s_reg, stack)
         if k not in memo:
-            memo[k] = [max(int(np.abs(t[..., j]).max()) for t in self.tables[k].values())
-                       for j in range(len(self._basis(b_reg)))]
+            tables = [*self.tables[k].values(), *self.tables.get((b_reg, s_reg, ALIGNED + stack), {}).values()]
+            memo[k] = [max(int(np.abs(t[..., j]).max()) for t in tables) for j in range(len(self._basis(b_reg)))]
         return memo[k]
 
     def _combine(self, b_reg: str, s_reg: str, weights: dict, x, share=None) -> dict:
@@ -331,17 +345,26 @@ class Fit:
         ``share * total - (share - 1) * gradients`` (their value with ``1/share`` of the gradients)."""
         out = {}
         d = self.denominator
+
+        def largest(t):  # rows x (1 + parts): per row, the operator of t (ops x (1 + parts) x terms) ranked largest
+            vals = x @ t[:, 0, :].T  # rows x ops
+            if share is not None:
+                vals = share[:, None] * vals - (share - 1)[:, None] * (x @ t[:, 4, :].T)
+            return (t[np.argmax(vals, axis=1)] * x[:, None, :]).sum(axis=2)
+
+        def cast(t):
+            return t if t.dtype == x.dtype else t.astype(x.dtype)
         for ph in self.tables[(b_reg, s_reg, "base")]:
-            tot = 0
-            for stack, w in weights.items():
-                t = self.tables[(b_reg, s_reg, stack)][ph]  # ops x (1 + parts) x terms
-                if t.dtype != x.dtype:
-                    t = t.astype(x.dtype)
-                vals = x @ t[:, 0, :].T  # rows x ops
-                if share is not None:
-                    vals = share[:, None] * vals - (share - 1)[:, None] * (x @ t[:, 4, :].T)
-                i = np.argmax(vals, axis=1)
-                tot = tot + w * (t[i] * x[:, None, :]).sum(axis=2)  # rows x (1 + parts): the largest operator's
+            # per stack its largest operator, extrapolated in depth with the stacks' weights
+            tot = sum(w * largest(cast(self.tables[(b_reg, s_reg, st)][ph])) for st, w in weights.items())
+            if all(ph in self.tables.get((b_reg, s_reg, ALIGNED + st), {}) for st in weights):
+                # and each matched operator extrapolated on its own: the larger
+                one = largest(sum(w * cast(self.tables[(b_reg, s_reg, ALIGNED + st)][ph]) for st, w in weights.items()))
+                if share is None:
+                    pick = one[:, 0] > tot[:, 0]
+                else:
+                    pick = share * one[:, 0] - (share - 1) * one[:, 4] > share * tot[:, 0] - (share - 1) * tot[:, 4]
+                tot = np.where(pick[:, None], one, tot)
             out[ph] = (-(-tot[:, 0] // d), -(-tot[:, 1:] // d))
         return out
 
@@ -391,10 +414,17 @@ def fit(cfg, step, progress=None) -> Fit:
     for s_reg, (start, span, _, _) in s_regimes.items():
         try:
             for b_reg in B_REGIMES:
+                detail = {}
                 for stack, layers in stacks.items():
                     first, step_ = (v[b_reg] if isinstance(v, dict) else v for v in (start, span))
-                    raw[(b_reg, s_reg, stack)] = _fit_stack(run, _shallow(cfg, stack, layers), b_reg, lora, first,
-                                                            step_, f"stack {stack!r}, {b_reg}, {s_reg}", tile)
+                    raw[(b_reg, s_reg, stack)], detail[stack] = _fit_stack(
+                        run, _shallow(cfg, stack, layers), b_reg, lora, first, step_,
+                        f"stack {stack!r}, {b_reg}, {s_reg}", tile)
+                more = _uniform_more(stacks)
+                if more:
+                    for ph, (xs, ys) in _aligned(detail["base"], detail[more]).items():
+                        raw.setdefault((b_reg, s_reg, ALIGNED + "base"), {})[ph] = xs
+                        raw.setdefault((b_reg, s_reg, ALIGNED + more), {})[ph] = ys
         except ValueError as e:
             if s_reg != "S<w":  # below a short window, storages under 512 bytes may not grow linearly
                 raise
@@ -506,10 +536,36 @@ def _fit_stack(run, cfg, b_reg: str, lora: bool, start: int, span: int, where: s
         return memo[ys]
     by_phase: dict = {}
     for j, (ph, name, _, _) in enumerate(traces[0]):
-        by_phase.setdefault(ph, []).append((j, coef([t[j][2] for t in traces], name, ph)))
+        by_phase.setdefault(ph, []).append((j, name, coef([t[j][2] for t in traces], name, ph)))
+
+    def full(ph: str, i: int) -> list:  # operator i of phase ph: [total, *parts] coefficients
+        j, _, c = by_phase[ph][i]
+        return [c] + [coef([t[j][3][p] for t in traces], "parts", ph) for p in range(PARTS)]
+    out = {ph: [full(ph, i) for i in _envelope([c for _, _, c in ops])] for ph, ops in by_phase.items()}
+    return out, {ph: ([n for _, n, _ in ops], [c for _, _, c in ops], full) for ph, ops in by_phase.items()}
+
+
+def _aligned(base: dict, more: dict) -> dict:
+    """Per phase, the operators of the shallower stack (``base``) matched with their counterparts in the stack of
+    one block (or one period of blocks) more (``more``), both as [total, *parts] coefficient lists. Extrapolated one
+    by one in depth (:meth:`Fit._combine`), they give these operators' bytes at full depth, where the largest of a
+    shallow stack may no longer be the largest (Phi-4-mini, full fine-tuning with SGD: its large vocabulary's logits
+    hold the backward peak of two and three blocks, the bottom block's backward with every gradient made that of 32).
+
+    The extra blocks' operators are found by name: ``more`` is ``base`` with ``m`` operators inserted at a split
+    ``q``, and every ``q`` in ``[lo, hi]`` (where the common head and tail of the two sequences overlap) aligns them.
+    Each split maps ``base``'s operator ``j`` to ``j`` below it and ``j + m`` above it, both the same operator of the
+    deeper model (blocks inserted at ``q`` again and again), so every operator gets both mappings the splits allow."""
     out = {}
-    for ph, ops in by_phase.items():
-        keep = _envelope([c for _, c in ops])
-        out[ph] = [[ops[i][1]] + [coef([t[ops[i][0]][3][p] for t in traces], "parts", ph) for p in range(PARTS)]
-                   for i in keep]
+    for ph, (xn, xc, xf) in base.items():
+        yn, yc, yf = more[ph]
+        m = len(yn) - len(xn)
+        head = next((i for i, (a, b) in enumerate(zip(xn, yn)) if a != b), len(xn))
+        tail = next((i for i, (a, b) in enumerate(zip(xn[::-1], yn[::-1])) if a != b), len(xn))
+        lo, hi = len(xn) - tail, head
+        if m < 0 or lo > hi or (m == 0 and xn != yn):
+            continue
+        pairs = [(j, j) for j in range(hi)] + [(j, j + m) for j in range(lo, len(xn)) if m or j >= hi]
+        keep = _envelope([tuple(xc[i]) + tuple(b - a for a, b in zip(xc[i], yc[k])) for i, k in pairs])
+        out[ph] = ([xf(ph, pairs[i][0]) for i in keep], [yf(ph, pairs[i][1]) for i in keep])
     return out

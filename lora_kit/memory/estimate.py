@@ -652,21 +652,24 @@ def _fit_for(spec: ModelSpec, s: Step):
     else the same step's fit with AdamW (another optimizer is composed: :mod:`lora_kit.memory.compose`), else one
     fitted now when ``lora_kit.memory.fits.should_fit`` says so; None: the arithmetic below.
 
-    Full fine-tuning is not composed: a fit's phase peak is the shallow stacks' largest operator extrapolated in
-    depth, and the end of backward (every gradient made) is outgrown at two or three blocks but can hold the peak at
-    full depth once the states are small (Phi-4-mini, full, SGD, 2,048 tokens: the AdamW fit composed is 13.8 % below
-    ``simulate``); with AdamW's states the optimizer step holds the peak and the fit is exact."""
-    if not spec.config or (s.method == "full" and s.sharding not in ("none", "ddp")):
+    Full fine-tuning is composed only from a fit whose operators are extrapolated one by one in depth
+    (``Fit.aligned``): an older fit extrapolates each shallow stack's largest operator, and the end of backward
+    (every gradient made) is outgrown at two or three blocks but can hold the peak at full depth once the states are
+    small (Phi-4-mini, full, SGD, 2,048 tokens: the stacks' largest operators extrapolated were 26.7 % below
+    ``simulate``)."""
+    if not spec.config:
         return None
     from lora_kit.memory import fits
-    swap = s.optimizer in SWAPPABLE and s.method != "full"
+    swap = s.optimizer in SWAPPABLE
     for opt in dict.fromkeys((s.optimizer, "adamw") if swap else (s.optimizer,)):
         found = fits.lookup(spec.config, s.replace(optimizer=opt))
-        if found is not None:
+        composed = opt != s.optimizer or s.sharding not in ("none", "ddp")
+        if found is not None and (s.method != "full" or not composed or found[0].aligned):
             return (*found, opt)
     if fits.should_fit(spec.config, _catalog_types()):
         import sys
-        return (*fits.make(spec.config, s, show=f"fitting the memory model of {spec.name}" if sys.stderr.isatty()
+        one = s.replace(sharding="none", num_gpus=1, cpu_offload=False)  # one GPU's step: sharding is composed
+        return (*fits.make(spec.config, one, show=f"fitting the memory model of {spec.name}" if sys.stderr.isatty()
                            else None), s.optimizer)
     return None
 
