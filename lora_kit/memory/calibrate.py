@@ -92,8 +92,15 @@ def periodic(types) -> tuple[int, int] | None:
     return (p, p + L % p) if 2 <= p and 2 * p <= L else None
 
 
-def _stacks(cfg) -> dict:
-    """The shallow stacks fitted. Without layer types: two and three blocks. With a periodic pattern (period
+def _start(per: tuple, depth0: int) -> int:
+    """The first periodic stack's depth: ``d0`` blocks, plus a period when that is under ``depth0``."""
+    p, d0 = per
+    return d0 + p if d0 < depth0 else d0
+
+
+def _stacks(cfg, depth0: int = 2) -> dict:
+    """The shallow stacks fitted. Without layer types: ``depth0`` (two; three for FSDP2, whose two-block step keeps
+    its embedding's and top block's gathered groups at once) and one more block. With a periodic pattern (period
     ``p``, :func:`periodic`): its first ``d0`` blocks and ``d0 + p`` (one more period: whatever moment of a step
     holds the peak, each whole period adds the same bytes to it, as one block does in a uniform stack). Otherwise
     (first type ``a``, last ``z``): ``[a, a]``; per type ``t``, ``[a, t, a]`` (what one more block of ``t`` keeps,
@@ -103,9 +110,13 @@ def _stacks(cfg) -> dict:
         return {"base": None, "block": None}
     per = periodic(types)
     if per:
-        p, d0 = per
-        return {"base": list(types[:d0]), "block": list(types[:d0 + p])}
+        d0 = _start(per, depth0)
+        return {"base": list(types[:d0]), "block": list(types[:d0 + per[0]])}
     a, z = types[0], types[-1]
+    if len(set(types)) == 1:
+        return {"base": [a] * depth0, f"mid:{a}": [a] * (depth0 + 1)}
+    if depth0 != 2:
+        raise ValueError("a mix of layer types is fitted from two-block stacks only (FSDP2 needs three): not fitted")
     out = {"base": [a, a], **{f"mid:{t}": [a, t, a] for t in dict.fromkeys(types)}}
     if z != a:
         out["top"] = [a, a, z]
@@ -119,21 +130,21 @@ def _uniform_more(stacks: dict) -> str | None:
     return more[0] if len(more) == 1 else None
 
 
-def stack_weights(types, layers: int) -> dict:
-    """The full depth as a combination of the shallow stacks: stack -> weight (the phase peak at ``layers``
-    blocks is the weighted sum of the stacks' phase peaks)."""
+def stack_weights(types, layers: int, depth0: int = 2) -> dict:
+    """The full depth as a combination of the shallow stacks (:func:`_stacks`): stack -> weight (the phase peak at
+    ``layers`` blocks is the weighted sum of the stacks' phase peaks)."""
     if types is None:
-        return {"base": 3 - layers, "block": layers - 2}
+        return {"base": depth0 + 1 - layers, "block": layers - depth0}
     per = periodic(list(types))
     if per:
-        p, d0 = per
+        p, d0 = per[0], _start(per, depth0)
         k, rest = divmod(layers - d0, p)
         if rest or k < 0:
             raise ValueError(f"{layers} blocks is not {d0} plus whole periods of {p} of the fitted layer pattern")
         return {"base": 1 - k, "block": k}
     types = list(types[:layers])
     a, z = types[0], types[-1]
-    counts = {t: types.count(t) - (2 if t == a else 0) for t in dict.fromkeys(types)}
+    counts = {t: types.count(t) - (depth0 if t == a else 0) for t in dict.fromkeys(types)}
     w = {"base": 1 - sum(counts.values())}
     for t, n in counts.items():
         w[f"mid:{t}"] = w.get(f"mid:{t}", 0) + n
@@ -175,9 +186,9 @@ def _solver(rows: list[list[int]]) -> list[list[Fraction]]:
     return [[sum(inv[i][k] * rows[j][k] for k in range(n)) for j in range(m)] for i in range(n)]
 
 
-def _shallow(cfg, stack: str, layers):
+def _shallow(cfg, stack: str, layers, depth0: int = 2):
     c = copy.deepcopy(cfg)
-    c.num_hidden_layers = len(layers) if layers is not None else (2 if stack == "base" else 3)
+    c.num_hidden_layers = len(layers) if layers is not None else depth0 + (stack != "base")
     if layers is not None:
         c.layer_types = list(layers)
     v = getattr(c, "mlp_only_layers", None)
@@ -225,6 +236,7 @@ class Fit:
     lora: bool
     unfitted: dict
     tile: int | None = None  # a tiled loop's positions per tile: regimes are then on B * (S - 1), not S
+    depth0: int = 2  # the shallowest stack's blocks (:func:`_stacks`)
 
     @property
     def aligned(self) -> bool:
@@ -281,10 +293,10 @@ class Fit:
         return memo[(layers, types)]
 
     def _weights(self, layers: int, types) -> dict | None:
-        if (types is None) != (self.types is None) or (types and periodic(list(types)) != periodic(list(self.types))):
+        if layers < self.depth0 or (types is None) != (self.types is None) or (types and periodic(list(types)) != periodic(list(self.types))):
             return None
         try:
-            w = stack_weights(types, layers)
+            w = stack_weights(types, layers, self.depth0)
         except ValueError:
             return None
         some = next(iter(self.tables))
@@ -370,7 +382,8 @@ class Fit:
 
     def to_json(self) -> dict:
         tile = {"tile": self.tile} if self.tile else {}
-        return {"denominator": self.denominator, "s_regimes": self.s_regimes, **tile,
+        depth0 = {"depth0": self.depth0} if self.depth0 != 2 else {}
+        return {"denominator": self.denominator, "s_regimes": self.s_regimes, **tile, **depth0,
                 "types": list(self.types) if self.types else None, "lora": self.lora, "unfitted": self.unfitted,
                 "tables": {"|".join(k): {ph: t.tolist() for ph, t in v.items()} for k, v in self.tables.items()}}
 
@@ -378,7 +391,8 @@ class Fit:
     def from_json(cls, d: dict) -> "Fit":
         tables = {tuple(k.split("|")): {ph: _table(t) for ph, t in v.items()} for k, v in d["tables"].items()}
         return cls(tables, int(d["denominator"]), {k: tuple(v) for k, v in d["s_regimes"].items()},
-                   tuple(d["types"]) if d["types"] else None, bool(d["lora"]), dict(d["unfitted"]), d.get("tile"))
+                   tuple(d["types"]) if d["types"] else None, bool(d["lora"]), dict(d["unfitted"]), d.get("tile"),
+                   int(d.get("depth0", 2)))
 
 
 def _table(rows) -> np.ndarray:
@@ -393,14 +407,16 @@ def fit(cfg, step, progress=None) -> Fit:
     variables). ``progress(done, total)`` is
     called after each simulated step. Raises ValueError naming what cannot be aligned."""
     from lora_kit.memory.simulate import simulate
-    if step.sharding not in ("none", "ddp"):
-        raise ValueError("calibrate fits one GPU's step (sharding is composed: lora_kit.memory.compose).")
+    if step.sharding not in ("none", "ddp") and not fsdp_step(step):
+        raise ValueError(f"calibrate fits one GPU's step or FSDP2's (fsdp / zero3: LoRA or full, AdamW or SGD, no "
+                         f"offload); sharding={step.sharding!r} here is composed (lora_kit.memory.compose).")
     tile = SFT_TOKEN_TILE if step.loop == "sft" else None
     if tile and _window(cfg) is not None:
         raise ValueError("loop 'sft' is not fitted for a model with a sliding window (two kinds of regime).")
-    step = step.replace(sharding="none", num_gpus=1)
+    step = step.replace(sharding="fsdp") if fsdp_step(step) else step.replace(sharding="none", num_gpus=1)
     lora = rank_is_variable(step)
-    s_regimes, stacks, raw, unfitted = _t_regimes(tile) if tile else _s_regimes(cfg), _stacks(cfg), {}, {}
+    depth0 = 3 if step.sharding == "fsdp" else 2
+    s_regimes, stacks, raw, unfitted = _t_regimes(tile) if tile else _s_regimes(cfg), _stacks(cfg, depth0), {}, {}
     plan = [(s, b, st) for s in s_regimes for b in B_REGIMES for st in stacks]
     total = sum(len(_design(b, lora, bool(tile))) + 1 for _, b, _ in plan)
     done = [0]
@@ -418,9 +434,10 @@ def fit(cfg, step, progress=None) -> Fit:
                 for stack, layers in stacks.items():
                     first, step_ = (v[b_reg] if isinstance(v, dict) else v for v in (start, span))
                     raw[(b_reg, s_reg, stack)], detail[stack] = _fit_stack(
-                        run, _shallow(cfg, stack, layers), b_reg, lora, first, step_,
+                        run, _shallow(cfg, stack, layers, depth0), b_reg, lora, first, step_,
                         f"stack {stack!r}, {b_reg}, {s_reg}", tile)
-                more = _uniform_more(stacks)
+                more = _uniform_more(stacks) if depth0 == 2 else None  # FSDP2: next to the ends an operator's
+                # bytes are not affine in depth (which groups are gathered changes); each stack's largest are
                 if more:
                     for ph, (xs, ys) in _aligned(detail["base"], detail[more]).items():
                         raw.setdefault((b_reg, s_reg, ALIGNED + "base"), {})[ph] = xs
@@ -436,7 +453,14 @@ def fit(cfg, step, progress=None) -> Fit:
               for k, v in raw.items()}
     types = getattr(cfg, "layer_types", None)
     return Fit(tables, d, {k: v[2:] for k, v in s_regimes.items()}, tuple(types) if isinstance(types, list) and types
-               else None, lora, unfitted, tile)
+               else None, lora, unfitted, tile, depth0)
+
+
+def fsdp_step(step) -> bool:
+    """Whether the step is fitted as FSDP2 runs it, at its GPU count (``fsdp``; ``zero3`` is the same FSDP2 step):
+    what ``simulate`` can shard (LoRA or full fine-tuning, AdamW or SGD, no CPU offload)."""
+    return step.sharding in ("fsdp", "zero3") and step.method != "qlora" and not step.cpu_offload and \
+        step.optimizer in ("adamw", "sgd")
 
 
 def rank_is_variable(step) -> bool:

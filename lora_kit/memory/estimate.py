@@ -620,7 +620,11 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
     targets = tuple(t for t in targets if t not in experts["dropped"])
     S, B, r, N = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (seq_len, batch_size, lora_rank,
                                                                                num_gpus)))
-    fitted = None if _fsdp_groups(spec, s) else _fit_for(spec, s)
+    if _fsdp_groups(spec, s):  # fitted per GPU count: one count per call here
+        gpus = np.unique(N)
+        fitted = _fit_for(spec, s.replace(num_gpus=int(gpus[0]))) if gpus.size == 1 else None
+    else:
+        fitted = _fit_for(spec, s)
     if fitted is not None and fitted[0].covers(S) and \
             fitted[0].weights(spec.num_layers, _filled_layer_types(spec)) is not None:
         # (else lengths of an unfitted regime, or a depth / layer pattern the fit does not describe: the arithmetic)
@@ -660,26 +664,34 @@ def _fit_for(spec: ModelSpec, s: Step):
     if not spec.config:
         return None
     from lora_kit.memory import fits
-    swap = s.optimizer in SWAPPABLE
-    for opt in dict.fromkeys((s.optimizer, "adamw") if swap else (s.optimizer,)):
-        found = fits.lookup(spec.config, s.replace(optimizer=opt))
+    if _fsdp_groups(spec, s):  # FSDP2's own step at this GPU count, fitted as simulate runs it
+        found = fits.lookup(spec.config, s)
+        return (*found, s.optimizer) if found else _fit_now(spec, s)
+    one = s.replace(sharding="none", num_gpus=1, cpu_offload=False)  # one GPU's step: sharding is composed
+    for opt in dict.fromkeys((s.optimizer, "adamw") if s.optimizer in SWAPPABLE else (s.optimizer,)):
+        found = fits.lookup(spec.config, one.replace(optimizer=opt))
         composed = opt != s.optimizer or s.sharding not in ("none", "ddp")
         if found is not None and (s.method != "full" or not composed or found[0].aligned):
             return (*found, opt)
-    if fits.should_fit(spec.config, _catalog_types()):
-        import sys
-        one = s.replace(sharding="none", num_gpus=1, cpu_offload=False)  # one GPU's step: sharding is composed
-        return (*fits.make(spec.config, one, show=f"fitting the memory model of {spec.name}" if sys.stderr.isatty()
-                           else None), s.optimizer)
-    return None
+    return _fit_now(spec, one)
+
+
+def _fit_now(spec: ModelSpec, s: Step):
+    """A fit of ``s`` made now, when ``lora_kit.memory.fits.should_fit`` says so (None: the arithmetic)."""
+    import sys
+
+    from lora_kit.memory import fits
+    if not fits.should_fit(spec.config, _catalog_types()):
+        return None
+    return (*fits.make(spec.config, s, show=f"fitting the memory model of {spec.name}" if sys.stderr.isatty()
+                       else None), s.optimizer)
 
 
 def _fsdp_groups(spec: ModelSpec, s: Step) -> bool:
-    """Whether FSDP2's per-rank figure is taken group by group (:mod:`lora_kit.memory.fsdp_math`, as ``simulate``
-    runs it) rather than composed from a one-GPU fit: ``simulate`` keeps no operator trace of a sharded step yet, and
-    the composition's sharded gradients at the one-GPU peak missed its validation rows by up to 1.9 %."""
-    return s.sharding in ("fsdp", "zero3") and s.method != "qlora" and not s.cpu_offload and \
-        s.optimizer in ("adamw", "sgd") and not spec.moe
+    """Whether FSDP2's per-rank figure is FSDP2's own step (fitted per GPU count: ``simulate`` runs it, and a
+    one-GPU fit composed with sharded gradients missed its validation rows by up to 1.9 %), not composed."""
+    from lora_kit.memory.calibrate import fsdp_step
+    return fsdp_step(s) and not spec.moe
 
 
 def _filled_layer_types(spec: ModelSpec):
@@ -706,7 +718,8 @@ def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitt
     args = (spec.num_layers, B.ravel(), S.ravel(), r.ravel(), _filled_layer_types(spec))
     phases = f.phase_arrays(*args)
     kind = next(iter(phases.values()))[1].dtype
-    if s.optimizer != fitted_optimizer or s.sharding != "none":
+    sharded = _fsdp_groups(spec, s)  # FSDP2's own step: nothing to compose (zero3: DeepSpeed's bucket, below)
+    if not sharded and (s.optimizer != fitted_optimizer or s.sharding != "none"):
         if r.size == 1:  # one figure: the static terms of this step, rank and GPU count, computed once
             terms = _one_row_terms(spec, s, targets, tuple(sorted(experts.items())), fitted_optimizer,
                                    int(r.ravel()[0]), int(N.ravel()[0]), kind)
@@ -714,19 +727,24 @@ def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitt
             tensors, _ = _trainable_tensors(spec, s, targets, experts, r.ravel().astype(kind))
             terms = static_terms(spec, s, fitted_optimizer, tensors, N.ravel().astype(kind))
         phases = compose(s, phases, terms)
-    if s.sharding in GRADIENTS_SHARDED:  # the one-GPU peak's operator, or the one largest with 1/N of its gradients
+    if s.sharding in GRADIENTS_SHARDED and not sharded:  # the one-GPU peak's operator, or the one largest with 1/N
         other = compose(s, f.phase_arrays(*args, N.ravel()), terms)
         phases = {ph: (np.maximum(p, other[ph][0]), np.where((other[ph][0] > p)[:, None], other[ph][1], q))
                   for ph, (p, q) in phases.items()}
     peak, parts, phase = largest_phase({ph: phases[ph] for ph in PHASES if ph in phases})
     out = {k: parts[:, i] for i, k in enumerate(BREAKDOWN_KEYS[:5])}
+    if sharded and s.sharding in DEEPSPEED:  # the engine ZeRO-3 launches: its reduce bucket, kept from backward on
+        bucket = DEEPSPEED_REDUCE_BUCKET * DTYPE_BYTES[s.dtype]
+        peak, out["gradients"] = peak + bucket, out["gradients"] + bucket
     out["activations"] = peak - sum(out[k] for k in BREAKDOWN_KEYS[:5])
     out = {k: np.asarray(v, dtype=kind).reshape(S.shape) for k, v in out.items()}
     out["peak_allocated_bytes"] = np.asarray(peak, dtype=kind).reshape(S.shape)
     out["device_total_bytes"] = np.asarray(device_total(out["peak_allocated_bytes"]), dtype=kind)
     out["phase"] = phase.astype(str).reshape(S.shape)
     note = fits.version_note(info)
-    out["memory_model"] = np.full(S.shape, label(s, fitted_optimizer) + (f" ({note})" if note else ""), dtype=object)
+    how = label(s, fitted_optimizer) if not sharded else \
+        "fitted" if s.sharding == "fsdp" else "composed (DeepSpeed's reduce bucket by arithmetic on FSDP2's fitted step)"
+    out["memory_model"] = np.full(S.shape, how + (f" ({note})" if note else ""), dtype=object)
     return out
 
 

@@ -51,11 +51,13 @@ def versions() -> dict:
 
 
 def categorical(step) -> dict:
-    """The step fields a fit holds fixed (the others are its variables, or arithmetic: sharding, GPUs)."""
-    from lora_kit.memory.calibrate import rank_is_variable
+    """The step fields a fit holds fixed (the others are its variables, or composed: sharding and GPUs, but for
+    FSDP2's own step, fitted per GPU count)."""
+    from lora_kit.memory.calibrate import fsdp_step, rank_is_variable
     lora = step.method != "full"
     fixed_rank = {"lora_rank": step.lora_rank} if lora and not rank_is_variable(step) else {}
-    return {**fixed_rank, "method": step.method, "dtype": step.dtype, "autocast": step.autocast,
+    sharded = {"sharding": "fsdp", "num_gpus": step.num_gpus} if fsdp_step(step) else {}  # FSDP2's step, per count
+    return {**fixed_rank, **sharded, "method": step.method, "dtype": step.dtype, "autocast": step.autocast,
             "double_quant": step.double_quant if step.method == "qlora" else None,
             "lora_targets": list(step.lora_targets) if lora and not isinstance(step.lora_targets, str)
             else (step.lora_targets if lora else None),

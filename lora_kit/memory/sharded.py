@@ -98,12 +98,13 @@ def counted_collectives():
         dist.all_gather_single, dist.reduce_scatter_single = ag, rs
 
 
-def tracked_sharded_step(net, optimizer, batch: dict, steps: int = 2, autocast_ctx=None):
+def tracked_sharded_step(net, optimizer, batch: dict, steps: int = 2, autocast_ctx=None, trace: bool = False):
     """Run ``steps`` training steps; track the last (everything already live counted). Returns the tracker;
-    its ``collectives`` attribute holds the last step's all-gathered and reduce-scattered buffer bytes."""
+    its ``collectives`` attribute holds the last step's all-gathered and reduce-scattered buffer bytes.
+    ``trace``: keep the live bytes after each operator (``LiveBytesTracker(trace=True)``)."""
     for _ in range(steps - 1):
         train_step(net, batch, optimizer, autocast_ctx=autocast_ctx)
-    tracker = LiveBytesTracker()
+    tracker = LiveBytesTracker(trace=trace)
     label_fsdp(tracker, net, optimizer)
     tracker.track(v for v in batch.values() if isinstance(v, torch.Tensor))
     tracker.reset_peak()
@@ -143,15 +144,16 @@ def check_simulable(s) -> None:
                          "lora_kit.memory.estimate.")
 
 
-def simulate_sharded(net, batch: dict, s, fake_mode, ctx, policy: str = "accelerate"):
+def simulate_sharded(net, batch: dict, s, fake_mode, ctx, policy: str = "accelerate", trace: bool = False):
     """Rank 0's tracker for the steady-state step of the fake, adapted model ``net`` under FSDP2 over a
-    fake world of ``s.num_gpus`` ranks (``batch``: fake tensors, per GPU)."""
+    fake world of ``s.num_gpus`` ranks (``batch``: fake tensors, per GPU); ``trace``: per operator, as
+    ``simulate(trace=True)``."""
     from lora_kit.training import optimizer_for
     check_simulable(s)
     with fake_world(s.num_gpus) as mesh, fake_mode:
         shard_for_training(net, mesh, s, policy)
         opt = optimizer_for(net.parameters(), s.optimizer, device_type="cpu")
-        return tracked_sharded_step(net, opt, batch, steps=2, autocast_ctx=ctx)
+        return tracked_sharded_step(net, opt, batch, steps=2, autocast_ctx=ctx, trace=trace)
 
 
 # -- the real side: one process per rank under torchrun -----------------------------------------

@@ -263,7 +263,7 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
     ctx = autocast_context(autocast, dtype, "cpu")
     if sharding in SIMULATED:  # the real FSDP2 on a fake world of num_gpus ranks: lora_kit.memory.sharded
         with _real_mask_decisions(has_padding):
-            tracker = simulate_sharded(net, batch, s, fake_mode, ctx, fsdp_policy)
+            tracker = simulate_sharded(net, batch, s, fake_mode, ctx, fsdp_policy, trace)
     else:
         tracker = _tracked_step(net, opt, loop_batch(batch, s.loop), fake_mode, ctx, has_padding, paged,
                                 loop_kw, loop_live, trace)
