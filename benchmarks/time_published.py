@@ -38,8 +38,20 @@ NAMES = tuple(C.FITTED)
 TARGET_MEDIAN, TARGET_FACTOR = 0.15, 1.5
 # the fit's fixed starting point (so that a rerun reproduces the shipped constants): typical figures, not fitted
 START = {"matmul_efficiency": 0.6, "attention_efficiency": 0.5, "bandwidth_efficiency": 0.7,
-         "host_seconds_per_kernel": 1e-5, "dequant_factor": 3.0, "recompute_host_seconds_per_kernel": 3e-5,
+         "host_seconds_per_kernel": 2e-5, "dequant_factor": 3.0, "recompute_host_seconds_per_kernel": 2e-5,
          "l2_speedup": 2.0}  # issue 35: within 15 % median and 1.5x on every judged row
+
+
+# What the rows that miss by more than the median target have in common, from their parts (printed per row)
+CAUSES = {
+    "h200:l8b-lora-ckpt-s2048": "checkpointing at 2k tokens on the H200 takes 0.2 s more than its kernels and the "
+    "fitted host time explain (the same settings without checkpointing and twice the tokens take less): a host "
+    "cost of this run's Python stack (about 60 us per kernel would make it host-bound) that the one host constant "
+    "fitted on all sources (the Qwen rows' floor is about 10-20 us per kernel) cannot carry",
+    "qwen:": "Qwen's modelling code calls flash-attn's fused rotary and RMSNorm kernels when installed (less "
+    "element-wise traffic than the HF Llama code the kit counts) and its rows near 512 tokens sit where host- "
+    "and device-bound meet",
+}
 
 
 def load_rows(path=ROWS) -> tuple[list, list]:
@@ -47,25 +59,32 @@ def load_rows(path=ROWS) -> tuple[list, list]:
     return [r for r in rows if not r["out_of_scope"]], [r for r in rows if r["out_of_scope"]]
 
 
+def split_rule(path=ROWS) -> str:
+    return json.loads(Path(path).read_text()).get("split_rule", "")
+
+
 def predict(row: dict, tm: TimeModel) -> dict:
     model = LlamaConfig(**row["model_config"]) if row.get("model_config") else row["model"]
     return step_time(model, get_gpu(row["gpu"]), time_model=tm, **row["settings"])
 
 
-BOUNDED = ("matmul_efficiency", "attention_efficiency", "bandwidth_efficiency")  # fractions of a peak: (0, 1)
+# fractions of a peak, each at most what the kernel is published to reach: cuBLAS large bf16 GEMMs 80-87 % of the
+# datasheet peak (stas00/ml-engineering "Maximum Achievable Matmul FLOPS": A100 SXM 86.9 %, H100 SXM 80.3 %);
+# FlashAttention-2 up to 73 % forward, 63 % backward on an A100 (Dao 2023, arXiv 2307.08691, section 4.1)
+BOUNDED = {"matmul_efficiency": 0.87, "attention_efficiency": 0.73, "bandwidth_efficiency": 1.0}
 AT_LEAST_ONE = ("dequant_factor", "l2_speedup")  # slower / faster than a bound by construction: >= 1
 
 
 def _value(name: str, x: float) -> float:
     """A fitted constant from its unconstrained parameter (physical ranges kept)."""
     if name in BOUNDED:
-        return 1 / (1 + math.exp(-x))
+        return BOUNDED[name] / (1 + math.exp(-x))
     return 1 + math.exp(x) if name in AT_LEAST_ONE else math.exp(x)
 
 
 def _param(name: str, v: float) -> float:
     if name in BOUNDED:
-        return math.log(v / (1 - v))
+        return math.log(v / (BOUNDED[name] - v))
     return math.log(max(v - 1, 1e-3)) if name in AT_LEAST_ONE else math.log(v)
 
 
@@ -153,12 +172,16 @@ def run(tm: TimeModel, rows, out_rows) -> dict:
                         "checkpointing": r["settings"]["gradient_checkpointing"],
                         "measured_seconds": r["measured"]["step_seconds"], "predicted_seconds": p["step_seconds"],
                         "ratio": q, "miss": max(q, 1 / q) > TARGET_FACTOR, "attention_kernel": p["attention_kernel"],
-                        "parts_seconds": p["parts_seconds"], "mfu": p["mfu"]})
+                        "parts_seconds": p["parts_seconds"], "mfu": p["mfu"],
+                        "largest_part": max(p["parts_seconds"], key=p["parts_seconds"].get),
+                        "cause": next((v for k, v in CAUSES.items() if r["id"].startswith(k)), "")
+                        if abs(q - 1) > TARGET_MEDIAN else ""})
     sources = {}
     for x in results:
         sources.setdefault(x["source"], []).append(x["ratio"])
     judged = [x["ratio"] for x in results if x["role"] == "judged"]
     return {"about": __doc__.split("\n\n")[0], "command": "python benchmarks/time_published.py",
+            "split_rule": split_rule(),
             "constants": {k: getattr(tm, k) for k in NAMES},
             "targets": {"median_abs_error": TARGET_MEDIAN, "max_factor": TARGET_FACTOR},
             "rows": results, "by_source": {k: _stats(v) for k, v in sources.items()},

@@ -2,9 +2,12 @@
 element-wise traffic at memory bandwidth, QLoRA's dequantisation per pass, the optimizer by bytes moved.
 
 One training step on one GPU (``T = batch_size * seq_len`` tokens per micro-step; ``grad_accum`` micro-steps,
-then one optimizer step). Every kernel costs ``max(device time, host_seconds_per_kernel)``: eager PyTorch
-dispatches kernels one by one, so small ones are launch-bound; a kernel's device time is its roofline,
-``max(FLOPs / (peak * matmul_efficiency), bytes / (bandwidth * bandwidth_efficiency))``.
+then one optimizer step). A kernel's device time is its roofline,
+``max(FLOPs / (peak * matmul_efficiency), bytes / (bandwidth * bandwidth_efficiency))`` (at least
+``KERNEL_MIN_SECONDS``). Eager PyTorch dispatches kernels from Python one by one while the device runs the ones
+already queued: each pass (forward; backward with its recompute) takes ``max(device seconds, kernels *
+host_seconds_per_kernel)``, so short sequences are host-bound (the flat floor of the Qwen README's rows at 256-1024
+tokens) and long ones device-bound; the host-bound excess is the part ``host_wait``.
 
 - **Matmuls** by shape ``T x in x out`` and the dtype they really run in: base linears in the compute dtype
   (tensor-core ``bf16_tflops`` / ``fp16_tflops``); LoRA's A and B in the adapter dtype (fp32: peft keeps adapters
@@ -20,11 +23,14 @@ dispatches kernels one by one, so small ones are launch-bound; a kernel's device
   cores plus their traffic. ``attn_implementation="eager"`` is the math path in the activation dtype.
 - **Element-wise and norm traffic** (RMSNorm in fp32 internally, rotary, residual adds, SiLU x up, LoRA's casts
   and adds, the loss's fp32 logits) at bandwidth; activations are fp32 under QLoRA's recipe.
+- **QLoRA under autocast** (HF Trainer ``bf16=True``): every linear, ``lm_head`` included, runs in 16-bit (the
+  fp32 ``lm_head`` weight cast per use); without autocast ``lm_head`` and the adapters run in fp32.
 - **QLoRA dequantisation**: every pass through a 4-bit linear (forward, backward, the recomputed forward)
   expands its NF4 weights to bf16: ``(0.5 + 2) bytes`` per weight at bandwidth, times ``dequant_factor``
   (bitsandbytes' measured cost over that bound).
-- **Checkpointing**: the decoder blocks' forward runs again in backward, and its Python (non-reentrant
-  checkpointing re-runs each block's module code inside backward) adds host time the device waits for.
+- **Checkpointing**: the decoder blocks' forward runs again in backward, and its Python (checkpointing re-runs
+  each block's module code inside backward, with its saved-tensor hooks) adds
+  ``recompute_host_seconds_per_kernel`` per recomputed kernel that the device waits for (in ``host_wait``).
 - **L2 cache**: element-wise traffic whose working set fits in the GPU's L2 (``time_constants.L2_MB``) moves at
   ``l2_speedup`` x DRAM bandwidth (Ada's large L2 matters at short sequences).
 - **Optimizer**: ``torch.optim.AdamW(foreach=True)`` moves 20 state-sized passes per trainable element (in the
@@ -52,7 +58,7 @@ from lora_kit.plan import time_constants as C
 from lora_kit.settings import Step, as_step
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PARTS = ("matmul", "adapters", "attention", "elementwise", "dequant", "lm_head_loss", "recompute_host", "optimizer")
+PARTS = ("matmul", "adapters", "attention", "elementwise", "dequant", "lm_head_loss", "host_wait", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,7 @@ class TimeModel:
         fixed = f", {self.overhead_seconds:.3g} s fixed per step" if self.overhead_seconds else ""
         return (f"step-time model: matmuls at {self.matmul_efficiency:.0%} of their dtype's peak, attention at "
                 f"{self.attention_efficiency:.0%}, memory traffic at {self.bandwidth_efficiency:.0%} of datasheet "
-                f"bandwidth, {self.host_seconds_per_kernel * 1e6:.3g} us per kernel launch, bitsandbytes "
+                f"bandwidth, {self.host_seconds_per_kernel * 1e6:.3g} us of host dispatch per kernel, bitsandbytes "
                 f"dequantisation {self.dequant_factor:.3g}x its bandwidth bound, L2-resident traffic at "
                 f"{self.l2_speedup:.3g}x DRAM bandwidth, checkpointing's recompute "
                 f"{self.recompute_host_seconds_per_kernel * 1e6:.3g} us of Python per kernel{cal}{fixed}; measured error within "
@@ -210,15 +216,17 @@ def _dtypes(st: Step) -> dict:
     non-quantised tensor to fp32: activations, norms, lm_head; its 4-bit matmuls compute in ``dtype``."""
     half = st.dtype if st.dtype != "float32" else "bfloat16"
     if st.method == "qlora":
-        return {"base": half, "activations": "float32", "head": "float32", "adapters": half if st.autocast else
-                "float32", "weights": half}
+        return {"base": half, "activations": "float32", "head": half if st.autocast else "float32",
+                "adapters": half if st.autocast else "float32", "weights": half}
     base = half if st.autocast else st.dtype
     return {"base": base, "activations": base, "head": base, "adapters": base if st.autocast else "float32",
             "weights": st.dtype}
 
 
 class _Clock:
-    """Sums kernels by part: each costs max(roofline device time, host dispatch time)."""
+    """Sums kernels by part. A kernel's device time is its roofline (at least ``C.KERNEL_MIN_SECONDS``); the host
+    dispatches a pass's kernels while the device runs the ones already queued, so a pass takes
+    ``max(device seconds, host seconds)`` and the host-bound excess is the part ``host_wait``."""
 
     def __init__(self, gpu: dict, tm: TimeModel):
         self.tm, self.gpu = tm, gpu
@@ -226,6 +234,7 @@ class _Clock:
         self.seconds = dict.fromkeys(PARTS, 0.0)
         self.kernels = 0.0
         self.l2 = l2_bytes(gpu)
+        self._mark = (0.0, 0.0)
 
     def _bw(self, working_set):
         """Element-wise kernels read what the previous kernel just wrote: the share of a working set that fits
@@ -237,11 +246,25 @@ class _Clock:
 
     def add(self, part, flops=0.0, peak=1.0, eff=None, bytes_=0.0, kernels=1.0, times=1.0, working_set=None):
         dev = max(flops / (peak * (eff or self.tm.matmul_efficiency)), bytes_ / self._bw(working_set))
-        self.seconds[part] += times * max(dev, kernels * self.tm.host_seconds_per_kernel)
+        self.seconds[part] += times * max(dev, kernels * C.KERNEL_MIN_SECONDS)
         self.kernels += times * kernels
 
     def matmul(self, part, T, k, n, peak, act_bytes, weight_bytes, times=1.0):
         self.add(part, 2.0 * T * k * n, peak, bytes_=T * (k + n) * act_bytes + k * n * weight_bytes, times=times)
+
+    def device_seconds(self) -> float:
+        return sum(v for k, v in self.seconds.items() if k != "host_wait")
+
+    def begin_pass(self):
+        self._mark = (self.device_seconds(), self.kernels)
+
+    def end_pass(self, extra_host_per_kernel: float = 0.0, extra_kernels: float = 0.0):
+        """Close a pass: the host spends ``host_seconds_per_kernel`` on each kernel it dispatched (Python and
+        dispatcher); the device waits for it where the pass's kernels finish sooner. ``extra_host_per_kernel`` on
+        ``extra_kernels`` (checkpointing's recompute) is host time the device always waits for."""
+        dev = self.device_seconds() - self._mark[0]
+        host = (self.kernels - self._mark[1]) * self.tm.host_seconds_per_kernel
+        self.seconds["host_wait"] += max(0.0, host - dev) + extra_kernels * extra_host_per_kernel
 
 
 def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: float, adapted: set, kernel: str):
@@ -317,20 +340,27 @@ def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeMode
     T = int(st.batch_size) * int(st.seq_len)
     adapted = set() if st.method == "full" else {lin.name for lin in _targets(spec, st)}
     kernel = attention_kernel(spec, st, gpu)
-    for kind in ("forward", "backward"):
-        _block_pass(c, spec, st, gpu, kind, T, 1.0, adapted, kernel)
-    if st.gradient_checkpointing:  # the blocks' forward again, inside backward; its Python does not overlap
-        before = c.kernels
-        _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
-        c.seconds["recompute_host"] += (c.kernels - before) * tm.recompute_host_seconds_per_kernel
     dt = _dtypes(st)
     hb = DTYPE_BYTES[dt["head"]]
     hp = peak_flops(gpu, dt["head"], False)
     H, V = spec.hidden_size, spec.vocab_size
-    head_mms = 1 + (2 if st.method == "full" else 1)  # forward; input (and weight) gradient
-    c.matmul("lm_head_loss", T, H, V, hp, hb, hb, times=head_mms)
     a = DTYPE_BYTES[dt["activations"]]
+    c.begin_pass()  # forward: the blocks, lm_head and the loss (logits in fp32), its backward's traffic
+    _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
+    head_cast = V * H * 6 if st.method == "qlora" and st.autocast else 0  # autocast casts the fp32 lm_head per use
+    c.matmul("lm_head_loss", T, H, V, hp, hb, hb)
+    c.add("lm_head_loss", bytes_=head_cast, kernels=1 if head_cast else 0)
     c.add("lm_head_loss", bytes_=T * V * 4 * C.LOSS_PASSES + 2 * T * H * C.NORM_BYTES(a), kernels=12 + 2 * C.NORM_KERNELS)
+    c.end_pass()
+    c.begin_pass()  # backward: lm_head's gradients, then the blocks' (after each block's recompute when checkpointing)
+    c.matmul("lm_head_loss", T, H, V, hp, hb, hb, times=2 if st.method == "full" else 1)
+    c.add("lm_head_loss", bytes_=head_cast, kernels=1 if head_cast else 0)
+    before = c.kernels
+    if st.gradient_checkpointing:  # the blocks' forward again, inside backward (its Python re-runs too)
+        _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
+    recomputed = c.kernels - before
+    _block_pass(c, spec, st, gpu, "backward", T, 1.0, adapted, kernel)
+    c.end_pass(tm.recompute_host_seconds_per_kernel, recomputed)
     micro = sum(c.seconds.values())
     opt_s, opt_k = _optimizer_seconds(spec, st, c)
     parts = {k: v * st.grad_accum for k, v in c.seconds.items()}
