@@ -44,13 +44,12 @@ START = {"matmul_efficiency": 0.6, "attention_efficiency": 0.5, "bandwidth_effic
 
 # What the rows that miss by more than the median target have in common, from their parts (printed per row)
 CAUSES = {
-    "h200:l8b-lora-ckpt-s2048": "checkpointing at 2k tokens on the H200 takes 0.2 s more than its kernels and the "
-    "fitted host time explain (the same settings without checkpointing and twice the tokens take less): a host "
-    "cost of this run's Python stack (about 60 us per kernel would make it host-bound) that the one host constant "
-    "fitted on all sources (the Qwen rows' floor is about 10-20 us per kernel) cannot carry",
     "qwen:": "Qwen's modelling code calls flash-attn's fused rotary and RMSNorm kernels when installed (less "
-    "element-wise traffic than the HF Llama code the kit counts) and its rows near 512 tokens sit where host- "
-    "and device-bound meet",
+    "element-wise traffic than the HF Llama code the kit counts: long sequences predicted slow), and at 1-2k tokens "
+    "a pass is neither host- nor device-bound: the model's max(host, device) per pass leaves out the part of the "
+    "host's time the queue does not hide (predicted fast)",
+    "h200:": "checkpointing's host time: non-reentrant checkpointing's hooks cost one fitted figure per recomputed "
+    "kernel, the same for every CPU; the H200 machine's host is the only one measured with them",
 }
 
 
@@ -65,7 +64,7 @@ def split_rule(path=ROWS) -> str:
 
 def predict(row: dict, tm: TimeModel) -> dict:
     model = LlamaConfig(**row["model_config"]) if row.get("model_config") else row["model"]
-    return step_time(model, get_gpu(row["gpu"]), time_model=tm, **row["settings"])
+    return step_time(model, get_gpu(row["gpu"]), time_model=tm, **row.get("timing", {}), **row["settings"])
 
 
 # fractions of a peak, each at most what the kernel is published to reach: cuBLAS large bf16 GEMMs 80-87 % of the

@@ -140,10 +140,11 @@ def qwen_rows(table: Path = QWEN_TABLE) -> list:
                                       lora_targets="all-linear", gradient_checkpointing=True, grad_accum=8,
                                       autocast=True, loop="trainer"),
                 "measured": {"step_seconds": secs, "tokens_per_step": 8 * seq},
-                "out_of_scope": why,
+                "timing": {"reentrant_checkpointing": True}, "out_of_scope": why,
                 "notes": ("HF Trainer --bf16 (autocast over bf16 weights: Qwen's remote code casts the model to bf16; "
                           "peft of 2023 created adapters in the base dtype), FlashAttention 2, PyTorch 2.0, CUDA 11.8, "
-                          "lora_dropout 0.05, logging every step; Qwen's modelling code calls flash-attn's fused "
+                          "lora_dropout 0.05, logging every step; checkpointing reentrant (modeling_qwen.py's QWenModel.forward calls "
+                          "torch.utils.checkpoint.checkpoint without use_reentrant: PyTorch 2.0's default); Qwen's modelling code calls flash-attn's fused "
                           "rotary and rms_norm kernels when they are installed (not stated); 1 iteration = 8 "
                           "micro-steps of batch 1 + one optimizer step (adamw_torch)")})
     return rows

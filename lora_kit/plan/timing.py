@@ -28,9 +28,11 @@ tokens) and long ones device-bound; the host-bound excess is the part ``host_wai
 - **QLoRA dequantisation**: every pass through a 4-bit linear (forward, backward, the recomputed forward)
   expands its NF4 weights to bf16: ``(0.5 + 2) bytes`` per weight at bandwidth, times ``dequant_factor``
   (bitsandbytes' measured cost over that bound).
-- **Checkpointing**: the decoder blocks' forward runs again in backward, and its Python (checkpointing re-runs
-  each block's module code inside backward, with its saved-tensor hooks) adds
-  ``recompute_host_seconds_per_kernel`` per recomputed kernel that the device waits for (in ``host_wait``).
+- **Checkpointing**: the decoder blocks' forward runs again in backward. Non-reentrant checkpointing (the kit's
+  loop; ``use_reentrant=False``) runs a Python saved-tensor hook for every tensor the blocks save, in the forward
+  and again from the autograd engine in backward, where the device waits for it:
+  ``recompute_host_seconds_per_kernel`` per recomputed kernel (in ``host_wait``). Reentrant checkpointing
+  (``reentrant_checkpointing=True``) recomputes with a plain forward.
 - **L2 cache**: element-wise traffic whose working set fits in the GPU's L2 (``time_constants.L2_MB``) moves at
   ``l2_speedup`` x DRAM bandwidth (Ada's large L2 matters at short sequences).
 - **Optimizer**: ``torch.optim.AdamW(foreach=True)`` moves 20 state-sized passes per trainable element (in the
@@ -332,8 +334,12 @@ def _attention(c: _Clock, spec, st: Step, gpu: dict, kernel: str, bwd: bool, tim
 
 
 def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeModel | None = None,
-                 **overrides) -> dict:
-    """Seconds of one optimizer step by part (before calibration), kernels launched, the attention kernel."""
+                 reentrant_checkpointing: bool = False, **overrides) -> dict:
+    """Seconds of one optimizer step by part (before calibration), kernels launched, the attention kernel.
+    ``reentrant_checkpointing``: the checkpointing flavour of code that calls ``torch.utils.checkpoint`` itself
+    with ``use_reentrant=True`` (PyTorch's default before 2.4, e.g. Qwen-1's modelling code): its recompute is a
+    plain forward, without the non-reentrant flavour's saved-tensor hooks (the kit's loop and the HF Trainer's
+    ``gradient_checkpointing_kwargs={"use_reentrant": False}`` are non-reentrant)."""
     tm = time_model or TimeModel()
     spec, st = model_spec(spec), as_step(step, **overrides)
     c = _Clock(gpu, tm)
@@ -360,7 +366,7 @@ def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeMode
         _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
     recomputed = c.kernels - before
     _block_pass(c, spec, st, gpu, "backward", T, 1.0, adapted, kernel)
-    c.end_pass(tm.recompute_host_seconds_per_kernel, recomputed)
+    c.end_pass(0.0 if reentrant_checkpointing else tm.recompute_host_seconds_per_kernel, recomputed)
     micro = sum(c.seconds.values())
     opt_s, opt_k = _optimizer_seconds(spec, st, c)
     parts = {k: v * st.grad_accum for k, v in c.seconds.items()}
@@ -383,7 +389,7 @@ def _optimizer_seconds(spec, st: Step, c: _Clock) -> tuple:
 
 
 def step_time(spec, gpu: dict, step: Step | None = None, time_model: TimeModel | None = None,
-              **overrides) -> dict:
+              reentrant_checkpointing: bool = False, **overrides) -> dict:
     """Predicted seconds per optimizer step on each GPU (``grad_accum`` micro-steps of ``batch_size`` rows, then
     the optimizer) and tokens/s over all GPUs, for ``step`` (default ``PLANNING``) with ``overrides``.
 
@@ -393,7 +399,7 @@ def step_time(spec, gpu: dict, step: Step | None = None, time_model: TimeModel |
     """
     tm = time_model or TimeModel()
     spec, st = model_spec(spec), as_step(step, **overrides)
-    d = device_parts(spec, gpu, st, tm)
+    d = device_parts(spec, gpu, st, tm, reentrant_checkpointing)
     p = d["parts"]
     modelled = sum(p.values())
     total = tm.scale * modelled + tm.overhead_seconds
