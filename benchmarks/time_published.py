@@ -168,7 +168,8 @@ def run(tm: TimeModel, rows, out_rows) -> dict:
         results.append({"id": r["id"], "source": r["source"], "url": r["url"], "role": r["role"], "gpu": r["gpu"],
                         "model": r["model"], "method": r["settings"]["method"], "seq_len": r["settings"]["seq_len"],
                         "batch_size": r["settings"]["batch_size"],
-                        "checkpointing": r["settings"]["gradient_checkpointing"],
+                        "checkpointing": ("reentrant" if r.get("timing", {}).get("reentrant_checkpointing") else True)
+                        if r["settings"]["gradient_checkpointing"] else False,
                         "measured_seconds": r["measured"]["step_seconds"], "predicted_seconds": p["step_seconds"],
                         "ratio": q, "miss": max(q, 1 / q) > TARGET_FACTOR, "attention_kernel": p["attention_kernel"],
                         "parts_seconds": p["parts_seconds"], "mfu": p["mfu"],

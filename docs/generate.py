@@ -766,7 +766,8 @@ def time_model_md(prov: dict) -> str:
     out.append("### Per source\n\n" + table(["source", "in-scope rows and error"],
                                              [[k, _ratio_stats(v)] for k, v in d["by_source"].items()]) + "\n")
     rows = [[_ref_link(r), r["role"], r["gpu"],
-             r["method"], r["seq_len"], r["batch_size"], "on" if r["checkpointing"] else "off", r["attention_kernel"],
+             r["method"], r["seq_len"], r["batch_size"],
+             {True: "on", False: "off"}.get(r["checkpointing"], r["checkpointing"]), r["attention_kernel"],
              f"{r['measured_seconds']:.4g}", f"{r['predicted_seconds']:.4g}", f"{r['ratio']:.2f}",
              r.get("largest_part", ""), "**miss**" if r["miss"] else ""] for r in d["rows"]]
     out.append("### Every in-scope row\n\n" + table(
