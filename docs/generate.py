@@ -765,6 +765,18 @@ def time_model_md(prov: dict) -> str:
                + _ratio_stats(d["calibrated"]["same_model_and_method"]) + "\n\n")
     out.append("### Per source\n\n" + table(["source", "in-scope rows and error"],
                                              [[k, _ratio_stats(v)] for k, v in d["by_source"].items()]) + "\n")
+    loso = d.get("leave_one_source_out")
+    if loso:
+        shipped = d["constants"]
+        out.append("### A harder judge: leave one source out\n\nEach source predicted by the constants fitted on "
+                   "every row of the other sources (a new software stack and machine). The constants that move most "
+                   "are the ones only that source pins down; the smoke run's calibration on the rented GPU is what "
+                   "measures them for a new stack.\n\n" + table(
+                       ["source left out", "its rows and error", "constants furthest from the shipped fit"],
+                       [[k, _ratio_stats(v), ", ".join(
+                           f"`{n}` {v['constants'][n]:.3g} (shipped {shipped[n]:.3g})" for n in sorted(
+                               shipped, key=lambda n: -abs(math.log(v["constants"][n] / shipped[n])))[:2])]
+                        for k, v in loso.items()]) + "\n")
     rows = [[_ref_link(r), r["role"], r["gpu"],
              r["method"], r["seq_len"], r["batch_size"],
              {True: "on", False: "off"}.get(r["checkpointing"], r["checkpointing"]), r["attention_kernel"],
