@@ -81,6 +81,13 @@ def _value(name: str, x: float) -> float:
     return 1 + math.exp(x) if name in AT_LEAST_ONE else math.exp(x)
 
 
+def _at_bound(name: str, v: float) -> bool:
+    """The fit pushed ``name`` to the edge of its physical range: the rows do not pin it down."""
+    if name in BOUNDED:
+        return v >= 0.995 * BOUNDED[name]
+    return name in AT_LEAST_ONE and v <= 1.005
+
+
 def _param(name: str, v: float) -> float:
     if name in BOUNDED:
         return math.log(v / (BOUNDED[name] - v))
@@ -197,6 +204,7 @@ def run(tm: TimeModel, rows, out_rows) -> dict:
     return {"about": __doc__.split("\n\n")[0], "command": "python benchmarks/time_published.py",
             "split_rule": split_rule(),
             "constants": {k: getattr(tm, k) for k in NAMES},
+            "at_a_bound": [k for k in NAMES if _at_bound(k, getattr(tm, k))],
             "targets": {"median_abs_error": TARGET_MEDIAN, "max_factor": TARGET_FACTOR},
             "rows": results, "by_source": {k: _stats(v) for k, v in sources.items()},
             "fitted": _stats([x["ratio"] for x in results if x["role"] == "fit"]), "judged": _stats(judged),

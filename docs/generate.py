@@ -755,7 +755,11 @@ def time_model_md(prov: dict) -> str:
     if d.get("split_rule"):
         out.append(f"Which rows are fitted, by one rule fixed before any error was seen: {d['split_rule']}.\n\n")
     c = d["constants"]
-    out.append("Fitted constants: " + ", ".join(f"`{k}` = {v:.3g}" for k, v in c.items()) + ".\n\n")
+    out.append("Fitted constants: " + ", ".join(f"`{k}` = {v:.3g}" for k, v in c.items()) + ".")
+    if d.get("at_a_bound"):
+        out.append(" At the edge of their physical range (the rows do not pin them down): "
+                   + ", ".join(f"`{k}`" for k in d["at_a_bound"]) + ".")
+    out.append("\n\n")
     out.append(f"Targets (issue 35): median |error| under {apct(100 * t['median_abs_error'])} and within "
                f"x{t['max_factor']:.2f} on "
                "every judged row.\n\n")

@@ -337,7 +337,8 @@ def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeMode
                  reentrant_checkpointing: bool = False, **overrides) -> dict:
     """Seconds of one optimizer step by part (before calibration), kernels launched, the attention kernel.
     ``reentrant_checkpointing``: the checkpointing flavour of code that calls ``torch.utils.checkpoint`` itself
-    with ``use_reentrant=True`` (PyTorch's default before 2.4, e.g. Qwen-1's modelling code): its recompute is a
+    with ``use_reentrant=True`` (PyTorch's choice when the caller passes none, in 2023 code such as Qwen-1's
+    ``modeling_qwen.py``; transformers 5 passes ``use_reentrant=False``): its recompute is a
     plain forward, without the non-reentrant flavour's saved-tensor hooks (the kit's loop and the HF Trainer's
     ``gradient_checkpointing_kwargs={"use_reentrant": False}`` are non-reentrant)."""
     tm = time_model or TimeModel()
