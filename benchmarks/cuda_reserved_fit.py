@@ -9,10 +9,11 @@ caching allocator replayed (:mod:`lora_kit.memory.allocator`, both settings) ove
 too: ``prepare_model_for_kbit_training`` up-casts the 16-bit embedding and ``lm_head`` to fp32, so their 16-bit
 blocks are freed into the cache before the first step (the blocks the H200 run shows after load).
 
-Then the fit: :func:`lora_kit.memory.device.reserved_bytes` against every replay (ratio closed form / replay, per
-setting), printed and saved.
+Then the fit: the least-squares coefficients of the replays' reserved - peak on (largest allocation, peak), and
+:func:`lora_kit.memory.device.reserved_bytes` against every replay (ratio closed form / replay, per setting),
+printed and saved (``--score`` re-scores the saved replays without simulating again).
 
-    python benchmarks/cuda_reserved_fit.py [--quick] [--out benchmarks/results/cuda_reserved_fit.json]
+    python benchmarks/cuda_reserved_fit.py [--quick] [--score] [--out benchmarks/results/cuda_reserved_fit.json]
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +40,7 @@ from lora_kit.memory.specs import model_spec  # noqa: E402
 from lora_kit.results import write_json_atomic  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "cuda_reserved_fit.json"
-RESIDENT = ("weights", "quant_constants", "adapters", "optimizer_states")
+RESIDENT = ("weights", "quant_constants", "adapters", "optimizer_states")  # allocated all step
 GIB = 2 ** 30
 
 # (model, method, seq_len, batch_size, gradient checkpointing): small catalog models of five families, the three
@@ -86,28 +89,40 @@ def one(case) -> dict:
 
 
 def scored(rows: list[dict]) -> dict:
-    """The closed form against each replay: ratio per row and setting, and min / median / max."""
-    from lora_kit.memory.device import reserved_bytes
+    """The closed form (:func:`lora_kit.memory.device.reserved_bytes` with :func:`~lora_kit.memory.device.device_kwargs`,
+    from ``simulate``'s peak) against each replay: the ratio per row and setting, and min / median / max. The
+    closed form is for PyTorch's default setting; the expandable column shows how far the replays of
+    ``expandable_segments:True`` sit below it. Also the least-squares fit of the replays' reserved - peak on
+    (largest allocation, peak), the data the constants were rounded from."""
+    from lora_kit.memory.device import device_kwargs, reserved_bytes
     out = {}
+    for r in rows:
+        kw = device_kwargs(model_spec(r["model"]), r["settings"]["method"],
+                           r["settings"]["seq_len"] * r["settings"]["batch_size"])
+        kw.pop("num_gpus")
+        r["closed_form_reserved"] = int(reserved_bytes(r["peak_allocated"], **kw))
     for name in ("default", "expandable"):
-        q = []
-        for r in rows:
-            est = reserved_bytes(r["peak_allocated"], transient=r["transient"], largest=r["largest"],
-                                 method=r["settings"]["method"], expandable=name == "expandable")
-            r.setdefault("closed_form", {})[name] = int(est)
-            q.append(est / r["replayed_reserved"][name])
-        out[name] = {"min": min(q), "median": statistics.median(q), "max": max(q), "rows": len(q)}
+        q = [r["closed_form_reserved"] / r["replayed_reserved"][name] for r in rows]
+        x = np.array([[r["largest"], r["peak_allocated"]] for r in rows], dtype=float)
+        y = np.array([r["replayed_reserved"][name] - r["peak_allocated"] for r in rows], dtype=float)
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+        out[name] = {"min": min(q), "median": statistics.median(q), "max": max(q), "rows": len(q),
+                     "least_squares": {"largest": float(coef[0]), "peak": float(coef[1])}}
     return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="two models only")
+    p.add_argument("--score", action="store_true", help="score the closed form on the saved replays (--out) only")
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     rows = []
-    for c in QUICK if a.quick else CASES:
+    if a.score:
+        import json
+        rows = json.loads(Path(a.out).read_text())["rows"]
+    for c in [] if a.score else QUICK if a.quick else CASES:
         r = one(c)
         rows.append(r)
         d, e = r["replayed_reserved"]["default"], r["replayed_reserved"]["expandable"]
@@ -115,10 +130,11 @@ def main(argv=None) -> int:
               f"  transient {r['transient'] / GIB:7.3f}  largest {r['largest'] / GIB:6.3f}  reserved default "
               f"{d / GIB:7.3f} ({d / r['peak_allocated'] - 1:+.3f})  expandable {e / GIB:7.3f}"
               f" ({e / r['peak_allocated'] - 1:+.3f})", flush=True)
-    write_json_atomic(a.out, {"rows": rows})
     s = scored(rows)
     for name, v in s.items():
-        print(f"closed form / replay ({name}): min {v['min']:.3f} median {v['median']:.3f} max {v['max']:.3f}")
+        print(f"closed form / replay ({name}): min {v['min']:.3f} median {v['median']:.3f} max {v['max']:.3f}; "
+              f"least squares of the replays: {v['least_squares']['largest']:.3f} x largest + "
+              f"{v['least_squares']['peak']:.4f} x peak")
     command = " ".join(["python benchmarks/cuda_reserved_fit.py", *(argv if argv is not None else sys.argv[1:])])
     meta = {"date": datetime.date.today().isoformat(), "command": command, "machine": machine(),
             "versions": versions(), "seconds": round(time.perf_counter() - t0, 1)}
