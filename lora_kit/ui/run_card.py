@@ -330,21 +330,20 @@ def _hardware_line(hw: dict) -> str:
     return f"CPU {hw.get('cpu_architecture', '?')} ({hw.get('cpu_count', '?')} cores), {hw.get('os', '?')}; {gpu}"
 
 
-def _paged_resident(settings: dict) -> int:
-    """Bytes a paged optimizer keeps in CUDA managed memory for the planned step (0 for other optimizers): the
-    estimate with the optimizer's unpaged twin less its own states; 0 where the step cannot be estimated here."""
-    opt = str(settings.get("optimizer") or "")
-    if not opt.startswith("paged_") or not settings.get("model"):
+def _paged_resident(plan: dict, row: dict) -> int:
+    """Bytes a paged optimizer keeps in CUDA managed memory for the plan's ``row`` (0 for other optimizers): the
+    estimate of the plan's step with the optimizer's unpaged twin less its own states; 0 where it cannot be
+    estimated here."""
+    step = dict(plan.get("assumptions") or {})
+    opt = str(step.get("optimizer") or "")
+    if not opt.startswith("paged_") or not plan.get("model"):
         return 0
-    from dataclasses import fields
-
     from lora_kit.memory.estimate import estimate
-    from lora_kit.settings import Step
-    step = {f.name: settings[f.name] for f in fields(Step) if f.name in settings}
+    step.update(method=row["method"], batch_size=int(row.get("batch_size") or plan.get("batch_size") or 1))
     try:
-        own = estimate(settings["model"], **step)
-        twin = estimate(settings["model"], **{**step, "optimizer": opt.removeprefix("paged_")})
-    except (ValueError, OSError):
+        own = estimate(plan["model"], **step)
+        twin = estimate(plan["model"], **{**step, "optimizer": opt.removeprefix("paged_")})
+    except (ValueError, OSError, TypeError):  # a model or setting this process cannot plan
         return 0
     return max(0, twin.breakdown["optimizer_states"] - own.breakdown["optimizer_states"])
 
@@ -369,8 +368,9 @@ def nvidia_smi_view(card: dict) -> dict | None:
     total = int(row["device_total_gib"] * GiB)
     share = g.get("driver_share_bytes")
     share = int(share) if isinstance(share, (int, float)) and share == share else None
-    context, outside = int(g["context_bytes"]), int(outside_bytes(row["method"], int(s.get("num_gpus") or 1)))
-    paged = _paged_resident({**s, "method": row["method"]})
+    gpus = int((plan.get("assumptions") or {}).get("num_gpus") or 1)
+    context, outside = int(g["context_bytes"]), int(outside_bytes(row["method"], gpus))
+    paged = _paged_resident(plan, row)
     process = total + paged
     return {"method": row["method"], "gpu": g["name"], "device_total_bytes": total,
             "context_bytes": context, "context_basis": g["context_basis"], "outside_bytes": outside,
