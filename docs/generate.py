@@ -749,9 +749,10 @@ def time_model_md(prov: dict) -> str:
            "peaks, and the efficiencies are fitted no higher than what the kernels are published to reach (cuBLAS "
            "bf16 GEMMs: stas00/ml-engineering's Maximum Achievable Matmul FLOPS; FlashAttention-2: Dao 2023). "
            "They are fitted on the rows marked *fit* and judged on the rows marked *judged*; ratio = predicted "
-           "/ measured seconds per optimizer step. The planner's interval is the worst ratio below (before "
-           "calibration) or the worst after a one-row calibration of the same model and method on the same GPU "
-           "(after the smoke run).\n\n", sec.head()]
+           "/ measured seconds per optimizer step. The planner's interval before calibration is the worst ratio "
+           "below, judged, fitted or with the row's whole source left out of the fit (a plan is made for a machine "
+           "and software stack no row measured); after the smoke run, the worst after a one-row calibration of the "
+           "same model and method on the same GPU.\n\n", sec.head()]
     if d.get("split_rule"):
         out.append(f"Which rows are fitted, by one rule fixed before any error was seen: {d['split_rule']}.\n\n")
     c = d["constants"]

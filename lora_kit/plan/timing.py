@@ -9,7 +9,9 @@ already queued: each pass (forward; backward with its recompute) takes ``max(dev
 host_seconds_per_kernel)``, so short sequences are host-bound (the flat floor of the Qwen README's rows at 256-1024
 tokens) and long ones device-bound; the host-bound excess is the part ``host_wait``.
 
-- **Matmuls** by shape ``T x in x out`` and the dtype they really run in: base linears in the compute dtype
+- **Matmuls** by shape ``T x in x out`` and the dtype they really run in, their output computed in
+  ``GEMM_TILE``-square tiles in waves over the GPU's SMs (``SM_COUNT``; the last wave partly idle: short sequences
+  and narrow layers reach less of the peak): base linears in the compute dtype
   (tensor-core ``bf16_tflops`` / ``fp16_tflops``); LoRA's A and B in the adapter dtype (fp32: peft keeps adapters
   in fp32; 16-bit under autocast); with QLoRA's usual recipe (``prepare_model_for_kbit_training``) also ``lm_head`` in fp32. fp32
   matmuls run on CUDA cores (``allow_tf32`` is off by default): ``FP32_TFLOPS`` of
@@ -34,7 +36,7 @@ tokens) and long ones device-bound; the host-bound excess is the part ``host_wai
   ``recompute_host_seconds_per_kernel`` per recomputed kernel (in ``host_wait``). Reentrant checkpointing
   (``reentrant_checkpointing=True``) recomputes with a plain forward.
 - **L2 cache**: element-wise traffic whose working set fits in the GPU's L2 (``time_constants.L2_MB``) moves at
-  ``l2_speedup`` x DRAM bandwidth (Ada's large L2 matters at short sequences).
+  ``l2_speedup`` x DRAM bandwidth (Ada's large L2 matters at short sequences); a larger one streams at DRAM's.
 - **Optimizer**: ``torch.optim.AdamW(foreach=True)`` moves 20 state-sized passes per trainable element (in the
   trained parameters' dtype); bitsandbytes' 8-bit optimizers are fused (10 bytes per parameter).
 - **Several GPUs**: this is each GPU's step; :mod:`lora_kit.plan.multi_gpu` adds the communication.
@@ -239,12 +241,12 @@ class _Clock:
         self._mark = (0.0, 0.0)
 
     def _bw(self, working_set):
-        """Element-wise kernels read what the previous kernel just wrote: the share of a working set that fits
-        in L2 moves at ``l2_speedup`` times DRAM bandwidth."""
-        if not working_set or not self.l2:
+        """Element-wise kernels read what the previous kernel just wrote: a working set that fits in L2 moves at
+        ``l2_speedup`` times DRAM bandwidth; a larger one streams through it (LRU evicts a tensor's start before
+        the next kernel reads it back), at DRAM bandwidth."""
+        if not working_set or not self.l2 or working_set > self.l2:
             return self.bw
-        inside = min(1.0, self.l2 / working_set)
-        return self.bw / ((1 - inside) + inside / self.tm.l2_speedup)
+        return self.bw * self.tm.l2_speedup
 
     def add(self, part, flops=0.0, peak=1.0, eff=None, bytes_=0.0, kernels=1.0, times=1.0, working_set=None):
         dev = max(flops / (peak * (eff or self.tm.matmul_efficiency)), bytes_ / self._bw(working_set))
@@ -252,7 +254,12 @@ class _Clock:
         self.kernels += times * kernels
 
     def matmul(self, part, T, k, n, peak, act_bytes, weight_bytes, times=1.0):
-        self.add(part, 2.0 * T * k * n, peak, bytes_=T * (k + n) * act_bytes + k * n * weight_bytes, times=times)
+        """A ``T x k`` by ``k x n`` matmul; its output tiles run in waves over the SMs, the last one partly idle."""
+        sms = C.SM_COUNT.get(self.gpu.get("name"))
+        waves = math.ceil(T / C.GEMM_TILE) * math.ceil(n / C.GEMM_TILE) / sms if sms else 0
+        filled = waves / math.ceil(waves) if waves else 1.0
+        self.add(part, 2.0 * T * k * n, peak * filled, bytes_=T * (k + n) * act_bytes + k * n * weight_bytes,
+                 times=times)
 
     def device_seconds(self) -> float:
         return sum(v for k, v in self.seconds.items() if k != "host_wait")
