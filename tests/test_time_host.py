@@ -67,3 +67,18 @@ def test_fitted_efficiencies_stay_within_what_the_kernels_reach():
     judged = [r for r in res["rows"] if r["role"] == "judged"]
     assert res["judged"]["n"] == len(judged) >= 10
     assert {r["source"] for r in judged} == set(res["by_source"])  # every source has judged rows
+
+
+def test_matmul_tiles_run_in_waves_over_the_sms():
+    """A matmul whose output tiles overflow the last full wave by a little pays for a whole extra wave."""
+    from lora_kit.plan.timing import _Clock
+
+    def seconds(n):
+        c = _Clock(H200, TimeModel())
+        c.matmul("matmul", 4096, 4096, n, 989e12, 2, 2)
+        return c.seconds["matmul"]
+
+    tiles = (4096 // C.GEMM_TILE) * (4224 // C.GEMM_TILE)
+    assert tiles == 8 * C.SM_COUNT["H200"]  # exactly eight waves
+    assert seconds(4352) / seconds(4224) == pytest.approx(9 / 8, rel=1e-6)  # 34 tile columns: a ninth wave
+    assert seconds(8448) / seconds(4224) == pytest.approx(2.0, rel=1e-6)  # sixteen full waves: no loss
