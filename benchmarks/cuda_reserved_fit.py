@@ -118,10 +118,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    rows = []
+    rows, saved = [], {}
     if a.score:
         import json
-        rows = json.loads(Path(a.out).read_text())["rows"]
+        saved = json.loads(Path(a.out).read_text())
+        rows = saved["rows"]
     for c in [] if a.score else QUICK if a.quick else CASES:
         r = one(c)
         rows.append(r)
@@ -138,6 +139,8 @@ def main(argv=None) -> int:
     command = " ".join(["python benchmarks/cuda_reserved_fit.py", *(argv if argv is not None else sys.argv[1:])])
     meta = {"date": datetime.date.today().isoformat(), "command": command, "machine": machine(),
             "versions": versions(), "seconds": round(time.perf_counter() - t0, 1)}
+    if saved.get("_meta"):  # re-scored: the replays are the saved run's
+        meta = {**saved["_meta"], "scored": {"date": meta["date"], "command": command}}
     write_json_atomic(a.out, {"_about": __doc__.split("\n\n")[0], "_meta": meta, "summary": s, "rows": rows})
     print(f"wrote {a.out}")
     return 0

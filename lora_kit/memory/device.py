@@ -10,7 +10,7 @@
 - *reserved*: what torch's caching allocator holds at the peak (``max_memory_reserved``), in closed form
   (:func:`reserved_bytes`): the peak allocated bytes plus a fragmentation term fitted on replays of PyTorch's
   caching allocator (:mod:`lora_kit.memory.allocator`) over ``simulate``'s allocation sequences of 38 steps (six
-  model families, LoRA / QLoRA / full, 512-4,096 tokens, with and without checkpointing;
+  models of five architectures, LoRA / QLoRA / full, 512-4,096 tokens, with and without checkpointing;
   ``benchmarks/cuda_reserved_fit.py``): a share of the largest single allocation of the step (in a causal LM, the
   fp32 logits) and a share of the peak, under PyTorch's default setting. QLoRA adds the 16-bit embedding block
   that ``prepare_model_for_kbit_training`` frees into the cache when it up-casts it to fp32 (fitted on the shared
