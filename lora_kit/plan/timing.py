@@ -290,8 +290,12 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
     for lin in spec.linears:
         n_l = times * (lin.layers or L)
         k, n = lin.in_features, lin.out_features
-        mms = (2 if trained_base else 1) if bwd else 1
-        c.matmul("matmul", T, k, n, base_peak, mm_b, mm_b, times=n_l * mms)
+        if not bwd:
+            c.matmul("matmul", T, k, n, base_peak, mm_b, mm_b, times=n_l)
+        else:  # the input gradient (T x k out); with full fine-tuning the weight gradient (k x n out)
+            c.matmul("matmul", T, n, k, base_peak, mm_b, mm_b, times=n_l)
+            if trained_base:
+                c.matmul("matmul", k, T, n, base_peak, mm_b, mm_b, times=n_l)
         if st.autocast and dt["weights"] == "float32":  # fp32 master weight cast to 16-bit per use
             c.add("elementwise", bytes_=k * n * 6, times=n_l)
         if st.method == "qlora":
@@ -367,7 +371,9 @@ def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeMode
     c.add("lm_head_loss", bytes_=T * V * 4 * C.LOSS_PASSES + 2 * T * H * C.NORM_BYTES(a), kernels=12 + 2 * C.NORM_KERNELS)
     c.end_pass()
     c.begin_pass()  # backward: lm_head's gradients, then the blocks' (after each block's recompute when checkpointing)
-    c.matmul("lm_head_loss", T, H, V, hp, hb, hb, times=2 if st.method == "full" else 1)
+    c.matmul("lm_head_loss", T, V, H, hp, hb, hb)  # the input gradient (T x H out)
+    if st.method == "full":
+        c.matmul("lm_head_loss", H, T, V, hp, hb, hb)  # the weight gradient (H x V out)
     c.add("lm_head_loss", bytes_=head_cast, kernels=1 if head_cast else 0)
     before = c.kernels
     if st.gradient_checkpointing:  # the blocks' forward again, inside backward (its Python re-runs too)
