@@ -48,8 +48,6 @@ CAUSES = {
     "element-wise traffic than the HF Llama code the kit counts: long sequences predicted slow), and at 1-2k tokens "
     "a pass is neither host- nor device-bound: the model's max(host, device) per pass leaves out the part of the "
     "host's time the queue does not hide (predicted fast)",
-    "h200:": "checkpointing's host time: non-reentrant checkpointing's hooks cost one fitted figure per recomputed "
-    "kernel, the same for every CPU; the H200 machine's host is the only one measured with them",
 }
 
 
