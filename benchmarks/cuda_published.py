@@ -221,9 +221,9 @@ def summary(results: list[dict]) -> dict:
     ratios = [r["ratio"] for r in inscope]
     judged = [r["verdict"] for r in inscope if r["verdict"]["judged"]]
     closed = sorted(r["kit"]["device_basis"]["reserved"] / r["measured"] for r in inscope if r["metric"] == "reserved")
-    basis = {"closed_form_reserved_vs_measured": {"rows": len(closed), "min": closed[0], "median":
-                                                   statistics.median(closed), "max": closed[-1],
-                                                   "short_over_3pct": sum(x < SHORT for x in closed)} if closed else None,
+    spread = {"rows": len(closed), "min": closed[0], "median": statistics.median(closed), "max": closed[-1],
+              "short_over_3pct": sum(x < SHORT for x in closed)} if closed else None
+    basis = {"closed_form_reserved_vs_measured": spread,
              "verdicts_right": sum(v["basis_right"] for v in judged), "verdicts_judged": len(judged),
              "wrong": [r["id"] for r in inscope if r["verdict"]["judged"] and not r["verdict"]["basis_right"]]}
     return {"rows": len(results), "in_scope": len(inscope), "out_of_scope": len(results) - len(inscope),

@@ -89,11 +89,11 @@ def one(case) -> dict:
 
 
 def scored(rows: list[dict]) -> dict:
-    """The closed form (:func:`lora_kit.memory.device.reserved_bytes` with :func:`~lora_kit.memory.device.device_kwargs`,
-    from ``simulate``'s peak) against each replay: the ratio per row and setting, and min / median / max. The
-    closed form is for PyTorch's default setting; the expandable column shows how far the replays of
-    ``expandable_segments:True`` sit below it. Also the least-squares fit of the replays' reserved - peak on
-    (largest allocation, peak), the data the constants were rounded from."""
+    """The closed form (``lora_kit.memory.device.reserved_bytes`` with ``device_kwargs``, from ``simulate``'s peak)
+    against each replay: the ratio per row and setting, and min / median / max. The closed form is for PyTorch's
+    default setting; the expandable column shows how far the replays of ``expandable_segments:True`` sit below it.
+    Also the least-squares fit of the replays' reserved - peak on (largest allocation, peak), the data the constants
+    were rounded from."""
     from lora_kit.memory.device import device_kwargs, reserved_bytes
     out = {}
     for r in rows:

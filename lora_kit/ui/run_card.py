@@ -393,8 +393,9 @@ def nvidia_smi_lines(view: dict | None) -> list[str]:
            f"context, torch's reserved memory, memory outside its allocator); *fits* compares it with "
            f"{_gib(view['cuda_capacity_bytes'])} less the safety margin, {basis}.", "",
            "| part | GiB | what it is |", "|---|---:|---|",
-           f"| CUDA context | {view['context_bytes'] / GiB:.2f} | "
-           f"{'measured on this GPU' if str(view['context_basis']).startswith('measured') else 'a stated default (no reading for this GPU)'} |",
+           f"| CUDA context | {view['context_bytes'] / GiB:.2f} | " + (
+               "measured on this GPU |" if str(view["context_basis"]).startswith("measured")
+               else "a stated default (no reading for this GPU) |"),
            f"| torch's reserved | {view['reserved_bytes'] / GiB:.2f} | the peak allocated plus the caching allocator's "
            "fragmentation (closed form fitted on allocator replays, PyTorch's default setting) |",
            f"| outside the allocator | {view['outside_bytes'] / GiB:.2f} | kernel workspaces (and NCCL on a "
@@ -549,7 +550,8 @@ def _planned_lines(mg: dict) -> list[str]:
              + (", CPU offload on" if mg.get("cpu_offload") else "") + ".", "",
              f"- {m.get('not_pooled', 'Memory is not pooled: each GPU must hold its own per-GPU peak.')}",
              f"- Per GPU ({sh}): peak allocated **{_gib(m.get('per_gpu_peak_bytes'))}**, device total "
-             f"**{_gib(m.get('per_gpu_device_total_bytes'))}** (with CUDA context and allocator reserve), of "
+             f"**{_gib(m.get('per_gpu_device_total_bytes'))}** (CUDA context + torch's reserved + outside the "
+             f"allocator, NCCL included), of "
              f"{cap}: {'fits' if m.get('fits') else 'does NOT fit'} with the {mg.get('margin', 0):.0%} margin."]
     saved, pct = m.get("saving_vs_ddp_bytes") or 0, m.get("saving_vs_ddp_pct") or 0.0
     if sh != "ddp":
