@@ -9,13 +9,17 @@ its source reports, never another:
   default, with ``expandable_segments:True`` shown beside) over ``simulate``'s allocation sequence of the step at
   the row's full depth (the weights and optimizer states, then the step twice, as ``benchmarks/cuda_h200.py``
   replays it). A published row is never simulated at reduced depth: where ``simulate`` cannot run the step (it
-  says why) or ``--no-replay`` is given, the figure is the estimate's reserved bytes (``reserved_bytes`` where the
-  estimate has one, else its ``device_total_bytes`` minus the CUDA context it adds), labelled as such. The
+  says why) or ``--no-replay`` is given, the figure is the closed-form reserved bytes of
+  :mod:`lora_kit.memory.device` from the estimate's peak, labelled as such. The
   estimate's ``peak_allocated_bytes`` is shown beside (reserved is never below allocated).
-- ``nvidia-smi`` (the device's used memory): ``estimate``'s ``device_total_bytes`` (what the process adds) plus the
+- ``nvidia-smi`` (the device's used memory): the device total on the basis of :mod:`lora_kit.memory.device`
+  (context + reserved + outside the allocator, what the process adds), the paged optimizer states resident, plus the
   GPU's driver share (``lora_kit.plan.gpus``: nvidia-smi's total minus CUDA's), labelled where the share is unknown.
 
-Per row also the ratio kit / measured and the verdict at margin 0: ``device_total_bytes`` against the GPU's
+Per row also the ratio kit / measured, the closed-form reserved of :mod:`lora_kit.memory.device` / measured, and the
+verdict at margin 0 twice: ``estimate``'s ``device_total_bytes`` as the tree computes it, and the device total on the
+stated basis (``device_kwargs`` passed: what ``estimate`` gives once it passes them), never the paged states,
+against the GPU's
 CUDA-visible capacity (``cuda_capacity_bytes``), beside what happened (a row with a published peak ran; a row may
 say ``"outcome": "oom"``). Rows whose GPU is not in the catalog get no verdict, said so. Out-of-scope rows are
 listed with their reason. ``simulate`` follows CPU kernels (pitfalls: "A CPU step is not a CUDA step").
@@ -42,7 +46,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import lora_kit as lk  # noqa: E402
 from lora_kit.memory import sharded as sharded_mod  # noqa: E402
 from lora_kit.memory import simulate as sim_mod  # noqa: E402
-from lora_kit.memory.device import CUDA_CONTEXT_BYTES  # noqa: E402
+from lora_kit.memory.device import device_kwargs, device_parts  # noqa: E402
+from lora_kit.memory.specs import model_spec  # noqa: E402
 from lora_kit.memory.tracker import LiveBytesTracker  # noqa: E402
 from lora_kit.plan.gpus import get_gpu  # noqa: E402
 from lora_kit.results import write_json_atomic  # noqa: E402
@@ -103,33 +108,48 @@ def simulate_events(model, plan: dict):
     return sim, steady_state(tr.events, tr.mark)
 
 
-def estimate_reserved(est) -> tuple[int, str]:
-    """The estimate's reserved bytes and the label saying where they come from."""
-    term = getattr(est, "reserved_bytes", None)
-    if term is not None:
-        return int(term), "estimate.reserved_bytes"
-    return (est.device_total_bytes - CUDA_CONTEXT_BYTES,
-            "estimate's reserved: device_total_bytes minus the CUDA context it adds (allocated x (1 + "
-            "RESERVE_FRACTION))")
+def basis(row: dict, est, gpu: dict | None) -> dict:
+    """The device total on the stated basis (:func:`lora_kit.memory.device.device_parts`) for the row's plan: the
+    GPU's context (catalog; the default where the GPU is not in it), torch's reserved in closed form from the
+    estimate's peak, memory outside the allocator (NCCL per rank when ``num_gpus`` > 1), and the paged optimizer
+    states resident beside them (the estimate with the unpaged twin less its own states)."""
+    plan = row["plan"]
+    tokens = plan.get("seq_len", 2048) * plan.get("batch_size", 1)
+    parts = device_parts(est.peak_allocated_bytes, context=int(gpu["context_bytes"]) if gpu else None,
+                         **device_kwargs(model_spec(row["model"]), plan["method"], tokens, plan.get("loop", "kit"),
+                                         plan.get("num_gpus", 1)))
+    opt, paged = plan.get("optimizer", "adamw"), 0
+    if opt.startswith("paged_"):
+        twin = lk.estimate(model=row["model"], **{**plan, "optimizer": opt.removeprefix("paged_")})
+        paged = twin.breakdown["optimizer_states"] - est.breakdown["optimizer_states"]
+    return {**parts, "paged_resident": int(paged)}
+
+
+def estimate_reserved(row: dict, est, gpu: dict | None) -> tuple[int, str]:
+    """The estimate's reserved bytes (the closed form of :mod:`lora_kit.memory.device`) and its label."""
+    return basis(row, est, gpu)["reserved"], "closed-form reserved (lora_kit.memory.device.reserved_bytes)"
 
 
 def kit_figure(row: dict, est, gpu: dict | None, replay: bool) -> dict:
     """The kit's figure for the metric ``row`` reports, with its basis and what else was computed for it."""
     metric = row["metric"]
-    out: dict = {"estimate_allocated": est.peak_allocated_bytes, "estimate_device_total": est.device_total_bytes}
+    b = basis(row, est, gpu)
+    out: dict = {"estimate_allocated": est.peak_allocated_bytes, "estimate_device_total": est.device_total_bytes,
+                 "device_basis": b}
     if metric == "allocated":
         out.update(figure=est.peak_allocated_bytes, basis="estimate.peak_allocated_bytes")
     elif metric == "nvidia-smi":
         share = gpu.get("driver_share_bytes") if gpu else None
+        seen = est.device_total_bytes + b["paged_resident"]  # what the process adds to nvidia-smi, paged resident
         if share is None or share != share:  # NaN: the catalog lacks nvidia-smi's total or CUDA's for this GPU
-            out.update(figure=est.device_total_bytes,
-                       basis="estimate.device_total_bytes alone: the driver share of this GPU is not in the catalog "
+            out.update(figure=seen,
+                       basis="device total + paged resident alone: the driver share of this GPU is not in the catalog "
                              "(the figure is short by it)")
         else:
-            out.update(figure=est.device_total_bytes + int(share), driver_share=int(share),
-                       basis=f"estimate.device_total_bytes + driver share of {gpu['name']} (lora_kit.plan.gpus)")
+            out.update(figure=seen + int(share), driver_share=int(share),
+                       basis=f"device total + paged resident + driver share of {gpu['name']} (lora_kit.plan.gpus)")
     elif metric == "reserved":
-        fallback, label = estimate_reserved(est)
+        fallback, label = estimate_reserved(row, est, gpu)
         if not replay:
             out.update(figure=fallback, basis=label + "; replay not run (--no-replay)")
             return out
@@ -159,9 +179,12 @@ def verdict(row: dict, est, gpu: dict | None) -> dict:
         return {"judged": False, "happened": happened,
                 "why_not": f"GPU {row.get('gpu_as_published')!r} is not in the catalog (no CUDA-visible capacity)"}
     cap = int(gpu["cuda_capacity_bytes"])
-    fits = est.device_total_bytes <= cap
+    total = est.device_total_bytes  # paged states resident when room: never in the verdict
+    b = basis(row, est, gpu)["total"]  # the same with device_kwargs passed (what estimate gives once it passes them)
+    fits = total <= cap
     return {"judged": True, "gpu": gpu["name"], "capacity": cap, "capacity_basis": gpu["cuda_capacity_basis"],
-            "device_total": est.device_total_bytes, "device_total_over_capacity": est.device_total_bytes / cap,
+            "device_total": total, "device_total_over_capacity": total / cap, "basis_device_total": b,
+            "basis_predicted": "fits" if b <= cap else "oom", "basis_right": (happened == "oom") != (b <= cap),
             "predicted": "fits" if fits else "oom", "happened": happened, "right": (happened == "oom") != fits}
 
 
@@ -197,7 +220,14 @@ def summary(results: list[dict]) -> dict:
                              "short_over_3pct": sum(x < SHORT for x in q)}
     ratios = [r["ratio"] for r in inscope]
     judged = [r["verdict"] for r in inscope if r["verdict"]["judged"]]
+    closed = sorted(r["kit"]["device_basis"]["reserved"] / r["measured"] for r in inscope if r["metric"] == "reserved")
+    spread = {"rows": len(closed), "min": closed[0], "median": statistics.median(closed), "max": closed[-1],
+              "short_over_3pct": sum(x < SHORT for x in closed)} if closed else None
+    basis = {"closed_form_reserved_vs_measured": spread,
+             "verdicts_right": sum(v["basis_right"] for v in judged), "verdicts_judged": len(judged),
+             "wrong": [r["id"] for r in inscope if r["verdict"]["judged"] and not r["verdict"]["basis_right"]]}
     return {"rows": len(results), "in_scope": len(inscope), "out_of_scope": len(results) - len(inscope),
+            "device_basis": basis,
             "per_metric": per_metric,
             "replayed": sum("replay" in r["kit"] for r in inscope),
             "verdicts_judged": len(judged), "verdicts_right": sum(v["right"] for v in judged),
@@ -209,18 +239,19 @@ def summary(results: list[dict]) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = [f"{'row':<26}{'metric':<11}{'model':<14}{'gpu':<10}{'measured GiB':>13}{'kit GiB':>9}{'kit/meas':>9}"
-             f"{'est.alloc/meas':>15}  {'verdict':<22}kit figure"]
+             f"{'est.alloc/meas':>15}{'basis res/meas':>15}  {'verdict':<22}{'basis verdict':<22}kit figure"]
     for r in results:
         if not r["in_scope"]:
             continue
         v = r["verdict"]
-        said = "no catalog GPU"
+        said = bsaid = "no catalog GPU"
         if v["judged"]:
             said = f"{v['predicted']} / {v['happened']} {'ok' if v['right'] else 'WRONG'}"
+            bsaid = f"{v['basis_predicted']} / {v['happened']} {'ok' if v['basis_right'] else 'WRONG'}"
         k = r["kit"]
         lines.append(f"{r['id']:<26}{r['metric']:<11}{r['model']:<14}{str(r['gpu']):<10}{r['measured'] / GIB:>13.2f}"
-                     f"{k['figure'] / GIB:>9.2f}{r['ratio']:>9.3f}{k['estimate_allocated'] / r['measured']:>15.3f}  "
-                     f"{said:<22}{k['basis']}")
+                     f"{k['figure'] / GIB:>9.2f}{r['ratio']:>9.3f}{k['estimate_allocated'] / r['measured']:>15.3f}"
+                     f"{k['device_basis']['reserved'] / r['measured']:>15.3f}  {said:<22}{bsaid:<22}{k['basis']}")
     lines.append("out of scope:")
     lines += [f"  {r['id']:<26}{r['metric']:<11}{r['reason']}" for r in results if not r["in_scope"]]
     return "\n".join(lines)

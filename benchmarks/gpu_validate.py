@@ -6,7 +6,9 @@ five architecture families) it runs two real steps on the GPU (lora_kit.memory.m
 
 - ``estimate`` and ``simulate`` peak_allocated_bytes vs ``max_memory_allocated``;
 - their ``device_total_bytes`` vs the device level: CUDA context (``mem_get_info`` used bytes after
-  CUDA init, before any model) + ``max_memory_reserved`` -- what nvidia-smi shows at the peak.
+  CUDA init, before any model) + ``max_memory_reserved`` (nvidia-smi adds the memory outside torch's allocator,
+  which the device total counts: :mod:`lora_kit.memory.device`);
+- the closed-form reserved of :mod:`lora_kit.memory.device` from the estimate's peak vs ``max_memory_reserved``.
 
 Per config it also replays ``simulate``'s allocation sequence through PyTorch's caching allocator
 (:mod:`lora_kit.memory.allocator`, via ``benchmarks/cuda_h200.py``) for both allocator settings and compares the one
@@ -156,6 +158,18 @@ def _estimate(model, kw):
         return None, f"estimate failed: {type(e).__name__}: {e}"
 
 
+def _closed_form_reserved(model, kw, est) -> int:
+    """torch's reserved as ``lora_kit.memory.device`` puts it in closed form from the estimate's peak (the reserved
+    term of the device total), beside ``max_memory_reserved``."""
+    from lora_kit.memory.device import device_kwargs, reserved_bytes
+    from lora_kit.memory.specs import model_spec
+    from lora_kit.settings import as_step
+    st = as_step(None, **kw)
+    d = device_kwargs(model_spec(model), st.method, st.seq_len * st.batch_size, st.loop)
+    return int(reserved_bytes(est.peak_allocated_bytes, largest=d["largest"], method=d["method"],
+                              embedding_bytes=d["embedding_bytes"]))
+
+
 def in_effect():
     from lora_kit.run.alloc_conf import in_effect as allocator_in_effect
     return allocator_in_effect()
@@ -183,6 +197,7 @@ def run_one(label, model, kw, device, ctx_bytes):
     est, why = _estimate(model, kw)
     row["estimate_peak"] = est.peak_allocated_bytes if est else None
     row["estimate_total"] = est.device_total_bytes if est else None
+    row["closed_form_reserved"] = _closed_form_reserved(model, kw, est) if est else None
     row["notes"] = [why] if why else []
     t0 = time.perf_counter()
     try:
@@ -209,6 +224,7 @@ def run_one(label, model, kw, device, ctx_bytes):
     row["estimate_err_pct"] = _pct(row["estimate_peak"], row["measured_peak"])
     row["simulate_err_pct"] = _pct(row.get("simulate_peak"), row["measured_peak"])
     row["estimate_total_err_pct"] = _pct(row["estimate_total"], row.get("measured_total"))
+    row["closed_form_reserved_err_pct"] = _pct(row.get("closed_form_reserved"), row.get("measured_reserved"))
     row["simulate_total_err_pct"] = _pct(row.get("simulate_total"), row.get("measured_total"))
     if row.get("replay") and row.get("measured_reserved") is not None:  # on the setting this process runs with
         setting = "expandable" if in_effect()["expandable_segments"] else "default"

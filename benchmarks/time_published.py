@@ -38,8 +38,17 @@ NAMES = tuple(C.FITTED)
 TARGET_MEDIAN, TARGET_FACTOR = 0.15, 1.5
 # the fit's fixed starting point (so that a rerun reproduces the shipped constants): typical figures, not fitted
 START = {"matmul_efficiency": 0.6, "attention_efficiency": 0.5, "bandwidth_efficiency": 0.7,
-         "host_seconds_per_kernel": 1e-5, "dequant_factor": 3.0, "recompute_host_seconds_per_kernel": 3e-5,
+         "host_seconds_per_kernel": 2e-5, "dequant_factor": 3.0, "recompute_host_seconds_per_kernel": 2e-5,
          "l2_speedup": 2.0}  # issue 35: within 15 % median and 1.5x on every judged row
+
+
+# What the rows that miss by more than the median target have in common, from their parts (printed per row)
+CAUSES = {
+    "qwen:": "Qwen's modelling code calls flash-attn's fused rotary and RMSNorm kernels when installed (less "
+    "element-wise traffic than the HF Llama code the kit counts: long sequences predicted slow), and at 1-2k tokens "
+    "a pass is neither host- nor device-bound: the model's max(host, device) per pass leaves out the part of the "
+    "host's time the queue does not hide (predicted fast)",
+}
 
 
 def load_rows(path=ROWS) -> tuple[list, list]:
@@ -47,25 +56,39 @@ def load_rows(path=ROWS) -> tuple[list, list]:
     return [r for r in rows if not r["out_of_scope"]], [r for r in rows if r["out_of_scope"]]
 
 
+def split_rule(path=ROWS) -> str:
+    return json.loads(Path(path).read_text()).get("split_rule", "")
+
+
 def predict(row: dict, tm: TimeModel) -> dict:
     model = LlamaConfig(**row["model_config"]) if row.get("model_config") else row["model"]
-    return step_time(model, get_gpu(row["gpu"]), time_model=tm, **row["settings"])
+    return step_time(model, get_gpu(row["gpu"]), time_model=tm, **row.get("timing", {}), **row["settings"])
 
 
-BOUNDED = ("matmul_efficiency", "attention_efficiency", "bandwidth_efficiency")  # fractions of a peak: (0, 1)
+# fractions of a peak, each at most what the kernel is published to reach: cuBLAS large bf16 GEMMs 80-87 % of the
+# datasheet peak (stas00/ml-engineering "Maximum Achievable Matmul FLOPS": A100 SXM 86.9 %, H100 SXM 80.3 %);
+# FlashAttention-2 up to 73 % forward, 63 % backward on an A100 (Dao 2023, arXiv 2307.08691, section 4.1)
+BOUNDED = {"matmul_efficiency": 0.87, "attention_efficiency": 0.73, "bandwidth_efficiency": 1.0}
 AT_LEAST_ONE = ("dequant_factor", "l2_speedup")  # slower / faster than a bound by construction: >= 1
 
 
 def _value(name: str, x: float) -> float:
     """A fitted constant from its unconstrained parameter (physical ranges kept)."""
     if name in BOUNDED:
-        return 1 / (1 + math.exp(-x))
+        return BOUNDED[name] / (1 + math.exp(-x))
     return 1 + math.exp(x) if name in AT_LEAST_ONE else math.exp(x)
+
+
+def _at_bound(name: str, v: float) -> bool:
+    """The fit pushed ``name`` to the edge of its physical range: the rows do not pin it down."""
+    if name in BOUNDED:
+        return v >= 0.995 * BOUNDED[name]
+    return name in AT_LEAST_ONE and v <= 1.005
 
 
 def _param(name: str, v: float) -> float:
     if name in BOUNDED:
-        return math.log(v / (1 - v))
+        return math.log(v / (BOUNDED[name] - v))
     return math.log(max(v - 1, 1e-3)) if name in AT_LEAST_ONE else math.log(v)
 
 
@@ -105,10 +128,24 @@ def nelder_mead(f, x0, step=0.3, iters=400, tol=1e-7):
     return pts[i], vals[i]
 
 
-def fit(rows) -> TimeModel:
-    fit_rows = [r for r in rows if r["role"] == "fit"]
+def fit(rows, roles=("fit",)) -> TimeModel:
+    fit_rows = [r for r in rows if r["role"] in roles]
     x, _ = nelder_mead(lambda v: _loss(v, fit_rows), [_param(k, START[k]) for k in NAMES], iters=1500)
     return TimeModel(**{k: float(f"{_value(k, v):.3g}") for k, v in zip(NAMES, x)})
+
+
+def leave_one_source_out(rows) -> dict:
+    """A harder judge than the fixed split: for each source, the constants fitted on every row of the other
+    sources (fit and judged) predict that source's rows. A constant only one source pins down (e.g.
+    checkpointing's hooks, only in the H200 rows) keeps its fixed START value there."""
+    out = {}
+    for src in sorted({r["source"] for r in rows}):
+        tm = fit([r for r in rows if r["source"] != src], roles=("fit", "judged"))
+        ratios = {r["id"]: predict(r, tm)["step_seconds"] / r["measured"]["step_seconds"]
+                  for r in rows if r["source"] == src}
+        out[src] = {**_stats(list(ratios.values())), "constants": {k: getattr(tm, k) for k in NAMES},
+                    "ratios": ratios}
+    return out
 
 
 def _stats(ratios) -> dict:
@@ -150,16 +187,22 @@ def run(tm: TimeModel, rows, out_rows) -> dict:
         results.append({"id": r["id"], "source": r["source"], "url": r["url"], "role": r["role"], "gpu": r["gpu"],
                         "model": r["model"], "method": r["settings"]["method"], "seq_len": r["settings"]["seq_len"],
                         "batch_size": r["settings"]["batch_size"],
-                        "checkpointing": r["settings"]["gradient_checkpointing"],
+                        "checkpointing": ("reentrant" if r.get("timing", {}).get("reentrant_checkpointing") else True)
+                        if r["settings"]["gradient_checkpointing"] else False,
                         "measured_seconds": r["measured"]["step_seconds"], "predicted_seconds": p["step_seconds"],
                         "ratio": q, "miss": max(q, 1 / q) > TARGET_FACTOR, "attention_kernel": p["attention_kernel"],
-                        "parts_seconds": p["parts_seconds"], "mfu": p["mfu"]})
+                        "parts_seconds": p["parts_seconds"], "mfu": p["mfu"],
+                        "largest_part": max(p["parts_seconds"], key=p["parts_seconds"].get),
+                        "cause": next((v for k, v in CAUSES.items() if r["id"].startswith(k)), "")
+                        if abs(q - 1) > TARGET_MEDIAN else ""})
     sources = {}
     for x in results:
         sources.setdefault(x["source"], []).append(x["ratio"])
     judged = [x["ratio"] for x in results if x["role"] == "judged"]
     return {"about": __doc__.split("\n\n")[0], "command": "python benchmarks/time_published.py",
+            "split_rule": split_rule(),
             "constants": {k: getattr(tm, k) for k in NAMES},
+            "at_a_bound": [k for k in NAMES if _at_bound(k, getattr(tm, k))],
             "targets": {"median_abs_error": TARGET_MEDIAN, "max_factor": TARGET_FACTOR},
             "rows": results, "by_source": {k: _stats(v) for k, v in sources.items()},
             "fitted": _stats([x["ratio"] for x in results if x["role"] == "fit"]), "judged": _stats(judged),
@@ -197,6 +240,10 @@ def main(argv=None):
     tm = TimeModel() if a.no_fit else fit(rows)
     res = run(tm, rows, out_rows)
     res["fit"] = not a.no_fit
+    if not a.no_fit:
+        res["leave_one_source_out"] = leave_one_source_out(rows)
+        for src, v in res["leave_one_source_out"].items():
+            print(f"leave {src} out: n={v['n']}, median |error| {v['median_abs_error']:.1%}, worst x{v['max_factor']:.2f}")
     _print(res)
     write_json_atomic(a.json, res)
     print(f"-> {a.json}")

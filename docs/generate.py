@@ -742,14 +742,25 @@ def time_model_md(prov: dict) -> str:
            "# Step time and cost: how far to trust them\n\n"
            "`lora_kit.plan.timing` predicts a training step from the kernels CUDA runs: each matmul at the peak of the "
            "dtype it really runs in, attention at the kernel SDPA picks, element-wise traffic at memory bandwidth, "
-           "QLoRA's dequantisation per pass, checkpointing's recompute, the optimizer by bytes moved. Its few constants "
+           "QLoRA's dequantisation per pass, checkpointing's recompute, the optimizer by bytes moved. The host "
+           "dispatches each pass's kernels while the device runs the queued ones: a pass takes the longer of the "
+           "two, so short sequences are host-bound (part `host_wait`) and long ones device-bound. Its few constants "
            "(`lora_kit/plan/time_constants.py`, `FITTED`) are the same for every GPU; a GPU enters through its datasheet "
-           "peaks. They are fitted on the rows marked *fit* and judged on the rows marked *judged*; ratio = predicted "
-           "/ measured seconds per optimizer step. The planner's interval is the worst ratio below (before "
-           "calibration) or the worst after a one-row calibration of the same model and method on the same GPU "
-           "(after the smoke run).\n\n", sec.head()]
+           "peaks, and the efficiencies are fitted no higher than what the kernels are published to reach (cuBLAS "
+           "bf16 GEMMs: stas00/ml-engineering's Maximum Achievable Matmul FLOPS; FlashAttention-2: Dao 2023). "
+           "They are fitted on the rows marked *fit* and judged on the rows marked *judged*; ratio = predicted "
+           "/ measured seconds per optimizer step. The planner's interval before calibration is the worst ratio "
+           "below, judged, fitted or with the row's whole source left out of the fit (a plan is made for a machine "
+           "and software stack no row measured); after the smoke run, the worst after a one-row calibration of the "
+           "same model and method on the same GPU.\n\n", sec.head()]
+    if d.get("split_rule"):
+        out.append(f"Which rows are fitted, by one rule fixed before any error was seen: {d['split_rule']}.\n\n")
     c = d["constants"]
-    out.append("Fitted constants: " + ", ".join(f"`{k}` = {v:.3g}" for k, v in c.items()) + ".\n\n")
+    out.append("Fitted constants: " + ", ".join(f"`{k}` = {v:.3g}" for k, v in c.items()) + ".")
+    if d.get("at_a_bound"):
+        out.append(" At the edge of their physical range (the rows do not pin them down): "
+                   + ", ".join(f"`{k}`" for k in d["at_a_bound"]) + ".")
+    out.append("\n\n")
     out.append(f"Targets (issue 35): median |error| under {apct(100 * t['median_abs_error'])} and within "
                f"x{t['max_factor']:.2f} on "
                "every judged row.\n\n")
@@ -759,13 +770,31 @@ def time_model_md(prov: dict) -> str:
                + _ratio_stats(d["calibrated"]["same_model_and_method"]) + "\n\n")
     out.append("### Per source\n\n" + table(["source", "in-scope rows and error"],
                                              [[k, _ratio_stats(v)] for k, v in d["by_source"].items()]) + "\n")
+    loso = d.get("leave_one_source_out")
+    if loso:
+        shipped = d["constants"]
+        out.append("### A harder judge: leave one source out\n\nEach source predicted by the constants fitted on "
+                   "every row of the other sources (a new software stack and machine). The constants that move most "
+                   "are the ones only that source pins down; the smoke run's calibration on the rented GPU is what "
+                   "measures them for a new stack.\n\n" + table(
+                       ["source left out", "its rows and error", "constants furthest from the shipped fit"],
+                       [[k, _ratio_stats(v), ", ".join(
+                           f"`{n}` {v['constants'][n]:.3g} (shipped {shipped[n]:.3g})" for n in sorted(
+                               shipped, key=lambda n: -abs(math.log(v["constants"][n] / shipped[n])))[:2])]
+                        for k, v in loso.items()]) + "\n")
     rows = [[_ref_link(r), r["role"], r["gpu"],
-             r["method"], r["seq_len"], r["batch_size"], "on" if r["checkpointing"] else "off", r["attention_kernel"],
+             r["method"], r["seq_len"], r["batch_size"],
+             {True: "on", False: "off"}.get(r["checkpointing"], r["checkpointing"]), r["attention_kernel"],
              f"{r['measured_seconds']:.4g}", f"{r['predicted_seconds']:.4g}", f"{r['ratio']:.2f}",
-             "**miss**" if r["miss"] else ""] for r in d["rows"]]
+             r.get("largest_part", ""), "**miss**" if r["miss"] else ""] for r in d["rows"]]
     out.append("### Every in-scope row\n\n" + table(
         ["row", "role", "GPU", "method", "seq_len", "batch", "ckpt", "attention kernel", "measured (s/step)",
-         "predicted (s/step)", "ratio", ""], rows) + "\n")
+         "predicted (s/step)", "ratio", "largest part", ""], rows) + "\n")
+    off = [r for r in d["rows"] if r.get("cause")]
+    if off:
+        out.append(f"### Rows off by more than the median target, and why\n\n" + table(
+            ["row", "role", "ratio", "what they have in common"],
+            [[r["id"], r["role"], f"{r['ratio']:.2f}", r["cause"]] for r in off]) + "\n")
     reasons: dict = {}
     for r in d["out_of_scope"]:
         reasons.setdefault(r["reason"], []).append(r["id"])

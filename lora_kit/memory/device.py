@@ -1,21 +1,61 @@
-"""What a device adds around torch's peak allocated bytes: the one place for device constants.
+"""What the training process adds to a CUDA card around torch's peak allocated bytes: the one basis of
+``device_total_bytes`` and the one place for device constants.
 
-``estimate``, ``simulate`` and the planner import these; the CUDA issue replaces the assumptions with
-measured, per-device terms.
+``device_total`` = **context** + **reserved** + **outside** (+ **NCCL** per rank when ``num_gpus > 1``):
+
+- *context*: the CUDA context the process creates (``mem_get_info`` total minus free after the first tensor): the
+  catalog's ``cuda_context_bytes`` of the GPU when it is named and known (``lora_kit.plan.gpus``), else
+  :data:`CUDA_CONTEXT_BYTES`, a stated default (the one measured context the catalog holds: H200, torch 2.11,
+  CUDA 13.0, ``benchmarks/reference/cuda_h200.json``; public readings put other cards at 0.1-0.6 GiB).
+- *reserved*: what torch's caching allocator holds at the peak (``max_memory_reserved``), in closed form
+  (:func:`reserved_bytes`): the peak allocated bytes plus a fragmentation term fitted on replays of PyTorch's
+  caching allocator (:mod:`lora_kit.memory.allocator`) over ``simulate``'s allocation sequences of 38 steps (six
+  models of five architectures, LoRA / QLoRA / full, 512-4,096 tokens, with and without checkpointing;
+  ``benchmarks/cuda_reserved_fit.py``): a share of the largest single allocation of the step (in a causal LM, the
+  fp32 logits) and a share of the peak, under PyTorch's default setting. QLoRA adds the 16-bit embedding block
+  that ``prepare_model_for_kbit_training`` frees into the cache when it up-casts it to fp32 (fitted on the shared
+  H200 QLoRA row).
+- *outside*: memory outside torch's allocator once the first kernels ran (cuBLAS / cuDNN handles and workspaces,
+  kernel images): :data:`OUTSIDE_BYTES`, fitted on (equal on) every shared H200 row of ``cuda_h200.json`` (6 rows).
+- *NCCL*: a rank of a multi-GPU job holds NCCL's communicator buffers outside torch: :data:`NCCL_RANK_BYTES`.
+
+Paged optimizer states (bitsandbytes ``paged_*``) are **not** in the device total: bitsandbytes keeps the states of
+tensors of >= 100,000 elements in ``cudaMallocManaged`` memory, which the driver pages out to the host when the card
+runs short, so a run fits without them; nvidia-smi shows them while there is room. :func:`paged_resident_bytes` is
+that figure ("resident when room"), shown apart; it never enters *fits*.
+
+What nvidia-smi prints adds the driver's share (nvidia-smi's total minus CUDA's, ``lora_kit.plan.gpus``), which is
+"used" before any process starts: never part of the device total.
+
+Every figure is exact integer arithmetic: an int for ints, int64 arrays for arrays, object arrays of Python ints for
+object arrays (or figures past int64's room).
 """
 from __future__ import annotations
-
-from fractions import Fraction
 
 import numpy as np
 
 ALLOC_ROUND = 512  # the CUDA caching allocator hands out storages in multiples of 512 bytes
-CUDA_CONTEXT_BYTES = 512 * 2**20  # assumption until benchmarks/gpu_validate.py measures it
-RESERVE_FRACTION = 0.08  # assumption: allocator reserve / fragmentation as a share of the peak
+MIB = 2 ** 20
+# the CUDA context where the GPU's own reading is not in the catalog: the H200's, measured (mem_get_info total - free
+# after torch.ones(1) on CUDA, benchmarks/reference/cuda_h200.json); public readings: 0.1-0.6 GiB by card
+CUDA_CONTEXT_BYTES = 650_969_088
+# memory outside torch's allocator after the first kernels (nvidia-smi's peak - used before the process - context -
+# max_memory_reserved), the same on every shared H200 row of each kind: 142.75 MiB (LoRA, full), 126.75 MiB (QLoRA)
+OUTSIDE_BYTES = {"lora": 149_684_224, "full": 149_684_224, "qlora": 132_907_008}
+# NCCL's buffers per rank, outside torch (nvidia-smi): 544 MB for a 2-GPU group, 688 MB for more (4 x A100 with
+# NVLink, PyTorch, one 4 MB all-reduce per group: NVIDIA/nccl issue 964); taken as MiB, the unit nvidia-smi prints
+NCCL_RANK_BYTES = {2: 544 * MIB, 3: 688 * MIB}
+# reserved = peak + ceil(LARGEST x the step's largest allocation + PEAK x peak), rounded up to the 2 MiB of a large
+# segment (+ QLoRA's cached 16-bit embedding block); least squares on the 38 replays of
+# benchmarks/results/cuda_reserved_fit.json gives 0.56 and 0.027 (PyTorch's default setting); rounded up to exact
+# fractions that put the shared H200 rows at 1.00-1.07 x what the process added (benchmarks/cuda_h200.py)
+FRAGMENTATION = {"largest": (3, 5), "peak": (1, 20)}
+SEGMENT = 2 * MIB  # kRoundLarge: a large segment is a multiple of 2 MiB
 # DeepSpeed ZeRO-2 / ZeRO-3 allocate one gradient bucket of ``reduce_bucket_size`` elements (default 5e8, which the
 # accelerate config lora_kit writes leaves as is), in the trained dtype, whatever the model's size
 # (benchmarks/deepspeed_accuracy.py measures it on CPU ranks)
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
+INT64_ROOM = 1 << 56  # below this every product and sum here stays inside int64
 
 
 def alloc_bytes(nbytes):
@@ -29,23 +69,89 @@ def alloc_bytes(nbytes):
     return (arr + ALLOC_ROUND - 1) // ALLOC_ROUND * ALLOC_ROUND
 
 
-RESERVE = Fraction(RESERVE_FRACTION).limit_denominator(1000)  # 2/25: one exact rational for every path
+def _exact(*xs):
+    """The arguments as arrays of one integer kind (int64, or object where any is object or too large) and whether
+    the result is a scalar."""
+    arrs = [np.asarray(x) for x in xs]
+    scalar = all(a.ndim == 0 for a in arrs)
+    big = any(a.dtype == object or (a.size and int(np.abs(a.astype(np.int64)).max()) >= INT64_ROOM) for a in arrs)
+    return [a.astype(object if big else np.int64) for a in arrs], scalar
 
 
-def _exact_total(peak: int) -> int:
-    return peak + CUDA_CONTEXT_BYTES + -(-RESERVE.numerator * peak // RESERVE.denominator)
+def _out(x, scalar: bool):
+    return int(x) if scalar else x
 
 
-def device_total(peak):
-    """What the process adds to the card for a peak of ``peak`` allocated bytes: the CUDA context plus
-    the allocator's reserve (an int for an int, an int64 array for an array; an object array of Python ints, exact,
-    for an object array or a peak too large for int64)."""
-    arr = np.asarray(peak)
-    if arr.dtype == object or (arr.ndim == 0 and abs(int(peak)) >= 2 ** 62):
-        out = np.frompyfunc(lambda x: _exact_total(int(x)), 1, 1)(arr)
-        return int(out) if np.ndim(out) == 0 else out
-    arr = arr.astype(np.int64)
-    if arr.size and int(np.abs(arr).max()) >= (1 << 62) // RESERVE.numerator:  # the integer product would wrap
-        return device_total(arr.astype(object))
-    out = arr + CUDA_CONTEXT_BYTES + -(-RESERVE.numerator * arr // RESERVE.denominator)
-    return int(out) if out.ndim == 0 else out
+def outside_bytes(method: str | None = None, num_gpus=1):
+    """Memory outside torch's allocator: :data:`OUTSIDE_BYTES` of ``method`` (the largest when None), plus
+    :data:`NCCL_RANK_BYTES` on each rank of a job of ``num_gpus`` > 1 (int or array)."""
+    base = OUTSIDE_BYTES[method] if method in OUTSIDE_BYTES else max(OUTSIDE_BYTES.values())
+    (n,), scalar = _exact(num_gpus)
+    nccl = np.where(n > 2, NCCL_RANK_BYTES[3], np.where(n == 2, NCCL_RANK_BYTES[2], 0)).astype(n.dtype)
+    return _out(base + nccl, scalar)
+
+
+def reserved_bytes(peak, *, largest=0, method: str | None = None, embedding_bytes=0):
+    """torch's ``max_memory_reserved`` for a step of ``peak`` allocated bytes, in closed form (module doc), for
+    PyTorch's default allocator setting (with ``expandable_segments:True`` the replays reserve 1-5 % less; the one
+    measured pair, Llama-3.1-8B LoRA on the H200, showed 0.2 %, so the verdict keeps this figure for both).
+
+    ``largest``: the step's largest single allocation (:func:`device_kwargs`; default 0); ``embedding_bytes``: for
+    QLoRA, the 16-bit embedding / ``lm_head`` block ``prepare_model_for_kbit_training`` leaves in the cache that
+    the step does not take back (:func:`device_kwargs`; fitted on the shared H200 QLoRA row, where nvidia-smi
+    showed both 16-bit blocks cached after load and the step reused one)."""
+    (p, big, emb), scalar = _exact(peak, largest, embedding_bytes)
+    (ln, ld), (pn, pd) = FRAGMENTATION["largest"], FRAGMENTATION["peak"]
+    frag = -(-(ln * big * pd + pn * p * ld) // (ld * pd))
+    if method == "qlora":
+        frag = frag + emb
+    frag = -(-frag // SEGMENT) * SEGMENT
+    return _out(p + frag, scalar)
+
+
+def device_kwargs(spec, method: str, tokens, loop: str = "kit", num_gpus=1) -> dict:
+    """The keywords of :func:`device_total` for a step of ``tokens`` (batch x sequence; int or array) on a model of
+    ``spec`` (``vocab_size``, ``hidden_size``, ``tied_embeddings``): ``largest`` = the fp32 logits (``tokens x
+    vocab x 4``; TRL's SFT head, ``loop="sft"``, never builds them: its 4,096 x 32,768 fp32 tile instead);
+    ``embedding_bytes`` for QLoRA = one 16-bit ``vocab x hidden`` block when the embedding and ``lm_head`` are
+    untied (two blocks cached after load, the step reuses one), else 0; ``method``; ``num_gpus``."""
+    (T,), _ = _exact(tokens)
+    V, h = int(spec.vocab_size), int(spec.hidden_size)
+    largest = alloc_bytes(np.minimum(T, 4096) * 32768 * 4) if loop == "sft" else alloc_bytes(T * V * 4)
+    emb = alloc_bytes(V * h * 2) if method == "qlora" and not spec.tied_embeddings else 0
+    return {"largest": largest if np.ndim(largest) else int(largest), "method": method, "embedding_bytes": emb,
+            "num_gpus": num_gpus}
+
+
+def device_parts(peak, *, largest=0, method: str | None = None, embedding_bytes=0, context: int | None = None,
+                 num_gpus=1) -> dict:
+    """The device total's parts, labelled: ``context``, ``reserved`` (torch's, ``peak`` allocated inside it),
+    ``outside`` (kernel workspaces and, on a multi-GPU rank, NCCL) and ``total`` = context + reserved + outside.
+    ``context``: the GPU's CUDA context (``lora_kit.plan.gpus``' ``context_bytes``), default
+    :data:`CUDA_CONTEXT_BYTES`; the other keywords as :func:`reserved_bytes` and :func:`outside_bytes`."""
+    reserved = reserved_bytes(peak, largest=largest, method=method, embedding_bytes=embedding_bytes)
+    outside = outside_bytes(method, num_gpus)
+    ctx = CUDA_CONTEXT_BYTES if context is None else int(context)
+    (r, o), scalar = _exact(reserved, outside)
+    return {"context": ctx, "reserved": reserved, "outside": outside, "total": _out(ctx + r + o, scalar),
+            "allocator": "default"}
+
+
+def device_total(peak, **kw):
+    """What the process adds to the card for a peak of ``peak`` allocated bytes: CUDA context + torch's reserved
+    + memory outside the allocator (:func:`device_parts`; keywords as there). An int for an int, an int64 array
+    for an array, an object array of Python ints for an object array or figures past int64's room."""
+    return device_parts(peak, **kw)["total"]
+
+
+def paged_resident_bytes(optimizer: str, tensors) -> object:
+    """The states a paged bitsandbytes optimizer keeps in CUDA managed memory (``state1`` / ``state2`` of
+    trainable tensors of 100,000 elements or more; ``tensors``: (rows, cols, count, element bytes) as
+    ``lora_kit.memory.static.trainable_tensors`` gives them): on the card while there is room (nvidia-smi shows
+    them), paged to the host when there is not, so never part of the device total. 0 for other optimizers."""
+    if not str(optimizer).startswith("paged_"):
+        return 0
+    from lora_kit.memory.breakdown import PAGED_MIN_NUMEL
+    width = 1 if optimizer == "paged_adamw_8bit" else 4
+    return sum(c * np.where(rows * cols >= PAGED_MIN_NUMEL, 2 * alloc_bytes(rows * cols * width), 0)
+               for rows, cols, c, _ in tensors)

@@ -14,7 +14,7 @@ What CUDA can hand out is less than nvidia-smi's total: the driver keeps a share
 nvidia-smi 143,771 MiB, CUDA 143,156 MiB, measured in ``benchmarks/reference/cuda_h200.json``), and the CUDA context
 takes its bytes from the CUDA total. ``cuda_capacity_bytes`` is the CUDA total (``cuda_visible_bytes``, the reading
 named in ``cuda_visible_source``; ``memory_gb`` * 1e9 where none is named, and ``cuda_capacity_basis`` says which);
-``context_bytes`` the CUDA context (``cuda_context_bytes``, else the ``CUDA_CONTEXT_BYTES`` assumption, said in
+``context_bytes`` the CUDA context (``cuda_context_bytes``, else the ``CUDA_CONTEXT_BYTES`` default, said in
 ``context_basis``); ``driver_share_bytes`` nvidia-smi's total minus CUDA's where both are known. On the machine,
 ``lora_kit.check.stack.cuda_memory`` reads the CUDA total itself.
 
@@ -44,7 +44,7 @@ REQUIRED = ("name", "memory_gb", "memory_bandwidth_gbs")
 NUMERIC = ("memory_gb", "cuda_total_mib", "cuda_visible_bytes", "cuda_context_bytes", "memory_bandwidth_gbs",
            "bf16_tflops", "fp16_tflops", "fp32_tflops", "l2_mb", "interconnect_gbs", "example_price_per_hour")
 FALLBACK_CAPACITY = "fallback: vendor GB x 1e9 (no CUDA reading named)"
-FALLBACK_CONTEXT = "fallback: lora_kit.memory.device.CUDA_CONTEXT_BYTES (an assumption, no reading named)"
+FALLBACK_CONTEXT = "fallback: lora_kit.memory.device.CUDA_CONTEXT_BYTES (the H200's measured context, a stated default)"
 _USER_ROWS: dict[str, dict] = {}  # key -> row added with add_gpu (this Python session only)
 _CACHE: dict = {}
 

@@ -25,7 +25,7 @@ off: the kit's autocast model is its least exact setting (the README's accuracy 
 from __future__ import annotations
 
 from lora_kit.memory.device import alloc_bytes as _r
-from lora_kit.memory.device import device_total
+from lora_kit.memory.device import device_kwargs, device_total
 from lora_kit.memory.estimate import estimate
 from lora_kit.memory.specs import model_spec
 from lora_kit.plan.planner import GIB, fit_verdict
@@ -51,7 +51,9 @@ def qlora_py_bytes(model) -> int:
 def _row(case: str, model, gpu, margin, minus: int = 0, **change) -> dict:
     e = estimate(model, PAPER_STEP, **change)
     peak = e.peak_allocated_bytes - minus
-    total = device_total(peak) if minus else e.device_total_bytes
+    s = PAPER_STEP.replace(**change)
+    total = device_total(peak, **device_kwargs(model_spec(model), s.method, s.seq_len * s.batch_size, s.loop)) \
+        if minus else e.device_total_bytes
     return {"case": case, "model": model, "change": ", ".join(f"{k}={v}" for k, v in change.items()) or "-",
             "peak_allocated_bytes": peak, "device_total_bytes": total, "phase": e.phase,
             "breakdown": dict(e.breakdown), "fits_no_margin": bool(fit_verdict(total, gpu, 0.0)["fits"]),

@@ -2,11 +2,16 @@
 element-wise traffic at memory bandwidth, QLoRA's dequantisation per pass, the optimizer by bytes moved.
 
 One training step on one GPU (``T = batch_size * seq_len`` tokens per micro-step; ``grad_accum`` micro-steps,
-then one optimizer step). Every kernel costs ``max(device time, host_seconds_per_kernel)``: eager PyTorch
-dispatches kernels one by one, so small ones are launch-bound; a kernel's device time is its roofline,
-``max(FLOPs / (peak * matmul_efficiency), bytes / (bandwidth * bandwidth_efficiency))``.
+then one optimizer step). A kernel's device time is its roofline,
+``max(FLOPs / (peak * matmul_efficiency), bytes / (bandwidth * bandwidth_efficiency))`` (at least
+``KERNEL_MIN_SECONDS``). Eager PyTorch dispatches kernels from Python one by one while the device runs the ones
+already queued: each pass (forward; backward with its recompute) takes ``max(device seconds, kernels *
+host_seconds_per_kernel)``, so short sequences are host-bound (the flat floor of the Qwen README's rows at 256-1024
+tokens) and long ones device-bound; the host-bound excess is the part ``host_wait``.
 
-- **Matmuls** by shape ``T x in x out`` and the dtype they really run in: base linears in the compute dtype
+- **Matmuls** by shape ``T x in x out`` and the dtype they really run in, their output computed in
+  ``GEMM_TILE``-square tiles in waves over the GPU's SMs (``SM_COUNT``; the last wave partly idle: short sequences
+  and narrow layers reach less of the peak): base linears in the compute dtype
   (tensor-core ``bf16_tflops`` / ``fp16_tflops``); LoRA's A and B in the adapter dtype (fp32: peft keeps adapters
   in fp32; 16-bit under autocast); with QLoRA's usual recipe (``prepare_model_for_kbit_training``) also ``lm_head`` in fp32. fp32
   matmuls run on CUDA cores (``allow_tf32`` is off by default): ``FP32_TFLOPS`` of
@@ -20,13 +25,18 @@ dispatches kernels one by one, so small ones are launch-bound; a kernel's device
   cores plus their traffic. ``attn_implementation="eager"`` is the math path in the activation dtype.
 - **Element-wise and norm traffic** (RMSNorm in fp32 internally, rotary, residual adds, SiLU x up, LoRA's casts
   and adds, the loss's fp32 logits) at bandwidth; activations are fp32 under QLoRA's recipe.
+- **QLoRA under autocast** (HF Trainer ``bf16=True``): every linear, ``lm_head`` included, runs in 16-bit (the
+  fp32 ``lm_head`` weight cast per use); without autocast ``lm_head`` and the adapters run in fp32.
 - **QLoRA dequantisation**: every pass through a 4-bit linear (forward, backward, the recomputed forward)
   expands its NF4 weights to bf16: ``(0.5 + 2) bytes`` per weight at bandwidth, times ``dequant_factor``
   (bitsandbytes' measured cost over that bound).
-- **Checkpointing**: the decoder blocks' forward runs again in backward, and its Python (non-reentrant
-  checkpointing re-runs each block's module code inside backward) adds host time the device waits for.
+- **Checkpointing**: the decoder blocks' forward runs again in backward. Non-reentrant checkpointing (the kit's
+  loop; ``use_reentrant=False``) runs a Python saved-tensor hook for every tensor the blocks save, in the forward
+  and again from the autograd engine in backward, where the device waits for it:
+  ``recompute_host_seconds_per_kernel`` per recomputed kernel (in ``host_wait``). Reentrant checkpointing
+  (``reentrant_checkpointing=True``) recomputes with a plain forward.
 - **L2 cache**: element-wise traffic whose working set fits in the GPU's L2 (``time_constants.L2_MB``) moves at
-  ``l2_speedup`` x DRAM bandwidth (Ada's large L2 matters at short sequences).
+  ``l2_speedup`` x DRAM bandwidth (Ada's large L2 matters at short sequences); a larger one streams at DRAM's.
 - **Optimizer**: ``torch.optim.AdamW(foreach=True)`` moves 20 state-sized passes per trainable element (in the
   trained parameters' dtype); bitsandbytes' 8-bit optimizers are fused (10 bytes per parameter).
 - **Several GPUs**: this is each GPU's step; :mod:`lora_kit.plan.multi_gpu` adds the communication.
@@ -52,7 +62,7 @@ from lora_kit.plan import time_constants as C
 from lora_kit.settings import Step, as_step
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PARTS = ("matmul", "adapters", "attention", "elementwise", "dequant", "lm_head_loss", "recompute_host", "optimizer")
+PARTS = ("matmul", "adapters", "attention", "elementwise", "dequant", "lm_head_loss", "host_wait", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -91,7 +101,7 @@ class TimeModel:
         fixed = f", {self.overhead_seconds:.3g} s fixed per step" if self.overhead_seconds else ""
         return (f"step-time model: matmuls at {self.matmul_efficiency:.0%} of their dtype's peak, attention at "
                 f"{self.attention_efficiency:.0%}, memory traffic at {self.bandwidth_efficiency:.0%} of datasheet "
-                f"bandwidth, {self.host_seconds_per_kernel * 1e6:.3g} us per kernel launch, bitsandbytes "
+                f"bandwidth, {self.host_seconds_per_kernel * 1e6:.3g} us of host dispatch per kernel, bitsandbytes "
                 f"dequantisation {self.dequant_factor:.3g}x its bandwidth bound, L2-resident traffic at "
                 f"{self.l2_speedup:.3g}x DRAM bandwidth, checkpointing's recompute "
                 f"{self.recompute_host_seconds_per_kernel * 1e6:.3g} us of Python per kernel{cal}{fixed}; measured error within "
@@ -210,15 +220,17 @@ def _dtypes(st: Step) -> dict:
     non-quantised tensor to fp32: activations, norms, lm_head; its 4-bit matmuls compute in ``dtype``."""
     half = st.dtype if st.dtype != "float32" else "bfloat16"
     if st.method == "qlora":
-        return {"base": half, "activations": "float32", "head": "float32", "adapters": half if st.autocast else
-                "float32", "weights": half}
+        return {"base": half, "activations": "float32", "head": half if st.autocast else "float32",
+                "adapters": half if st.autocast else "float32", "weights": half}
     base = half if st.autocast else st.dtype
     return {"base": base, "activations": base, "head": base, "adapters": base if st.autocast else "float32",
             "weights": st.dtype}
 
 
 class _Clock:
-    """Sums kernels by part: each costs max(roofline device time, host dispatch time)."""
+    """Sums kernels by part. A kernel's device time is its roofline (at least ``C.KERNEL_MIN_SECONDS``); the host
+    dispatches a pass's kernels while the device runs the ones already queued, so a pass takes
+    ``max(device seconds, host seconds)`` and the host-bound excess is the part ``host_wait``."""
 
     def __init__(self, gpu: dict, tm: TimeModel):
         self.tm, self.gpu = tm, gpu
@@ -226,22 +238,42 @@ class _Clock:
         self.seconds = dict.fromkeys(PARTS, 0.0)
         self.kernels = 0.0
         self.l2 = l2_bytes(gpu)
+        self._mark = (0.0, 0.0)
 
     def _bw(self, working_set):
-        """Element-wise kernels read what the previous kernel just wrote: the share of a working set that fits
-        in L2 moves at ``l2_speedup`` times DRAM bandwidth."""
-        if not working_set or not self.l2:
+        """Element-wise kernels read what the previous kernel just wrote: a working set that fits in L2 moves at
+        ``l2_speedup`` times DRAM bandwidth; a larger one streams through it (LRU evicts a tensor's start before
+        the next kernel reads it back), at DRAM bandwidth."""
+        if not working_set or not self.l2 or working_set > self.l2:
             return self.bw
-        inside = min(1.0, self.l2 / working_set)
-        return self.bw / ((1 - inside) + inside / self.tm.l2_speedup)
+        return self.bw * self.tm.l2_speedup
 
     def add(self, part, flops=0.0, peak=1.0, eff=None, bytes_=0.0, kernels=1.0, times=1.0, working_set=None):
         dev = max(flops / (peak * (eff or self.tm.matmul_efficiency)), bytes_ / self._bw(working_set))
-        self.seconds[part] += times * max(dev, kernels * self.tm.host_seconds_per_kernel)
+        self.seconds[part] += times * max(dev, kernels * C.KERNEL_MIN_SECONDS)
         self.kernels += times * kernels
 
     def matmul(self, part, T, k, n, peak, act_bytes, weight_bytes, times=1.0):
-        self.add(part, 2.0 * T * k * n, peak, bytes_=T * (k + n) * act_bytes + k * n * weight_bytes, times=times)
+        """A ``T x k`` by ``k x n`` matmul; its output tiles run in waves over the SMs, the last one partly idle."""
+        sms = C.SM_COUNT.get(self.gpu.get("name"))
+        waves = math.ceil(T / C.GEMM_TILE) * math.ceil(n / C.GEMM_TILE) / sms if sms else 0
+        filled = waves / math.ceil(waves) if waves else 1.0
+        self.add(part, 2.0 * T * k * n, peak * filled, bytes_=T * (k + n) * act_bytes + k * n * weight_bytes,
+                 times=times)
+
+    def device_seconds(self) -> float:
+        return sum(v for k, v in self.seconds.items() if k != "host_wait")
+
+    def begin_pass(self):
+        self._mark = (self.device_seconds(), self.kernels)
+
+    def end_pass(self, extra_host_per_kernel: float = 0.0, extra_kernels: float = 0.0):
+        """Close a pass: the host spends ``host_seconds_per_kernel`` on each kernel it dispatched (Python and
+        dispatcher); the device waits for it where the pass's kernels finish sooner. ``extra_host_per_kernel`` on
+        ``extra_kernels`` (checkpointing's recompute) is host time the device always waits for."""
+        dev = self.device_seconds() - self._mark[0]
+        host = (self.kernels - self._mark[1]) * self.tm.host_seconds_per_kernel
+        self.seconds["host_wait"] += max(0.0, host - dev) + extra_kernels * extra_host_per_kernel
 
 
 def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: float, adapted: set, kernel: str):
@@ -258,8 +290,12 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
     for lin in spec.linears:
         n_l = times * (lin.layers or L)
         k, n = lin.in_features, lin.out_features
-        mms = (2 if trained_base else 1) if bwd else 1
-        c.matmul("matmul", T, k, n, base_peak, mm_b, mm_b, times=n_l * mms)
+        if not bwd:
+            c.matmul("matmul", T, k, n, base_peak, mm_b, mm_b, times=n_l)
+        else:  # the input gradient (T x k out); with full fine-tuning the weight gradient (k x n out)
+            c.matmul("matmul", T, n, k, base_peak, mm_b, mm_b, times=n_l)
+            if trained_base:
+                c.matmul("matmul", k, T, n, base_peak, mm_b, mm_b, times=n_l)
         if st.autocast and dt["weights"] == "float32":  # fp32 master weight cast to 16-bit per use
             c.add("elementwise", bytes_=k * n * 6, times=n_l)
         if st.method == "qlora":
@@ -309,28 +345,42 @@ def _attention(c: _Clock, spec, st: Step, gpu: dict, kernel: str, bwd: bool, tim
 
 
 def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeModel | None = None,
-                 **overrides) -> dict:
-    """Seconds of one optimizer step by part (before calibration), kernels launched, the attention kernel."""
+                 reentrant_checkpointing: bool = False, **overrides) -> dict:
+    """Seconds of one optimizer step by part (before calibration), kernels launched, the attention kernel.
+    ``reentrant_checkpointing``: the checkpointing flavour of code that calls ``torch.utils.checkpoint`` itself
+    with ``use_reentrant=True`` (PyTorch's choice when the caller passes none, in 2023 code such as Qwen-1's
+    ``modeling_qwen.py``; transformers 5 passes ``use_reentrant=False``): its recompute is a
+    plain forward, without the non-reentrant flavour's saved-tensor hooks (the kit's loop and the HF Trainer's
+    ``gradient_checkpointing_kwargs={"use_reentrant": False}`` are non-reentrant)."""
     tm = time_model or TimeModel()
     spec, st = model_spec(spec), as_step(step, **overrides)
     c = _Clock(gpu, tm)
     T = int(st.batch_size) * int(st.seq_len)
     adapted = set() if st.method == "full" else {lin.name for lin in _targets(spec, st)}
     kernel = attention_kernel(spec, st, gpu)
-    for kind in ("forward", "backward"):
-        _block_pass(c, spec, st, gpu, kind, T, 1.0, adapted, kernel)
-    if st.gradient_checkpointing:  # the blocks' forward again, inside backward; its Python does not overlap
-        before = c.kernels
-        _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
-        c.seconds["recompute_host"] += (c.kernels - before) * tm.recompute_host_seconds_per_kernel
     dt = _dtypes(st)
     hb = DTYPE_BYTES[dt["head"]]
     hp = peak_flops(gpu, dt["head"], False)
     H, V = spec.hidden_size, spec.vocab_size
-    head_mms = 1 + (2 if st.method == "full" else 1)  # forward; input (and weight) gradient
-    c.matmul("lm_head_loss", T, H, V, hp, hb, hb, times=head_mms)
     a = DTYPE_BYTES[dt["activations"]]
+    c.begin_pass()  # forward: the blocks, lm_head and the loss (logits in fp32), its backward's traffic
+    _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
+    head_cast = V * H * 6 if st.method == "qlora" and st.autocast else 0  # autocast casts the fp32 lm_head per use
+    c.matmul("lm_head_loss", T, H, V, hp, hb, hb)
+    c.add("lm_head_loss", bytes_=head_cast, kernels=1 if head_cast else 0)
     c.add("lm_head_loss", bytes_=T * V * 4 * C.LOSS_PASSES + 2 * T * H * C.NORM_BYTES(a), kernels=12 + 2 * C.NORM_KERNELS)
+    c.end_pass()
+    c.begin_pass()  # backward: lm_head's gradients, then the blocks' (after each block's recompute when checkpointing)
+    c.matmul("lm_head_loss", T, V, H, hp, hb, hb)  # the input gradient (T x H out)
+    if st.method == "full":
+        c.matmul("lm_head_loss", H, T, V, hp, hb, hb)  # the weight gradient (H x V out)
+    c.add("lm_head_loss", bytes_=head_cast, kernels=1 if head_cast else 0)
+    before = c.kernels
+    if st.gradient_checkpointing:  # the blocks' forward again, inside backward (its Python re-runs too)
+        _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
+    recomputed = c.kernels - before
+    _block_pass(c, spec, st, gpu, "backward", T, 1.0, adapted, kernel)
+    c.end_pass(0.0 if reentrant_checkpointing else tm.recompute_host_seconds_per_kernel, recomputed)
     micro = sum(c.seconds.values())
     opt_s, opt_k = _optimizer_seconds(spec, st, c)
     parts = {k: v * st.grad_accum for k, v in c.seconds.items()}
@@ -353,7 +403,7 @@ def _optimizer_seconds(spec, st: Step, c: _Clock) -> tuple:
 
 
 def step_time(spec, gpu: dict, step: Step | None = None, time_model: TimeModel | None = None,
-              **overrides) -> dict:
+              reentrant_checkpointing: bool = False, **overrides) -> dict:
     """Predicted seconds per optimizer step on each GPU (``grad_accum`` micro-steps of ``batch_size`` rows, then
     the optimizer) and tokens/s over all GPUs, for ``step`` (default ``PLANNING``) with ``overrides``.
 
@@ -363,7 +413,7 @@ def step_time(spec, gpu: dict, step: Step | None = None, time_model: TimeModel |
     """
     tm = time_model or TimeModel()
     spec, st = model_spec(spec), as_step(step, **overrides)
-    d = device_parts(spec, gpu, st, tm)
+    d = device_parts(spec, gpu, st, tm, reentrant_checkpointing)
     p = d["parts"]
     modelled = sum(p.values())
     total = tm.scale * modelled + tm.overhead_seconds

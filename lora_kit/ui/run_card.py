@@ -330,12 +330,33 @@ def _hardware_line(hw: dict) -> str:
     return f"CPU {hw.get('cpu_architecture', '?')} ({hw.get('cpu_count', '?')} cores), {hw.get('os', '?')}; {gpu}"
 
 
+def _paged_resident(plan: dict, row: dict) -> int:
+    """Bytes a paged optimizer keeps in CUDA managed memory for the plan's ``row`` (0 for other optimizers): the
+    estimate of the plan's step with the optimizer's unpaged twin less its own states; 0 where it cannot be
+    estimated here."""
+    step = dict(plan.get("assumptions") or {})
+    opt = str(step.get("optimizer") or "")
+    if not opt.startswith("paged_") or not plan.get("model"):
+        return 0
+    from lora_kit.memory.estimate import estimate
+    step.update(method=row["method"], batch_size=int(row.get("batch_size") or plan.get("batch_size") or 1))
+    try:
+        own = estimate(plan["model"], **step)
+        twin = estimate(plan["model"], **{**step, "optimizer": opt.removeprefix("paged_")})
+    except (ValueError, OSError, TypeError):  # a model or setting this process cannot plan
+        return 0
+    return max(0, twin.breakdown["optimizer_states"] - own.breakdown["optimizer_states"])
+
+
 def nvidia_smi_view(card: dict) -> dict | None:
     """What nvidia-smi will show for the planned row (``method`` on ``gpu`` of the settings, else the recommended
-    row): the plan's device total (what the training process adds to the card, the figure "fits" compares with
-    CUDA's total) plus the driver's share (nvidia-smi's total minus CUDA's, from the catalog's two readings), which
-    nvidia-smi counts as used before any process starts. The share is added once, here, and never enters the
-    verdict: device total <= CUDA's total exactly when device total + share <= nvidia-smi's total."""
+    row), on the basis of ``lora_kit.memory.device``: the plan's device total (what the training process adds to the
+    card, the figure "fits" compares with CUDA's total) = the GPU's CUDA context + torch's reserved memory + memory
+    outside the allocator (kernel workspaces; NCCL on a multi-GPU rank), each labelled; then the paged optimizer
+    states resident while there is room (CUDA managed memory the driver pages out when the card runs short: shown,
+    never counted in *fits*); then the driver's share (nvidia-smi's total minus CUDA's), which nvidia-smi counts as
+    used before any process starts. Each is added once, here, and only the device total enters the verdict."""
+    from lora_kit.memory.device import outside_bytes
     plan, s = card.get("plan") or {}, card.get("settings") or {}
     row = plan_row(plan.get("rows") or [], s.get("gpu"), s.get("method"))
     if not row or row.get("device_total_gib") is None:
@@ -347,10 +368,17 @@ def nvidia_smi_view(card: dict) -> dict | None:
     total = int(row["device_total_gib"] * GiB)
     share = g.get("driver_share_bytes")
     share = int(share) if isinstance(share, (int, float)) and share == share else None
+    gpus = int((plan.get("assumptions") or {}).get("num_gpus") or 1)
+    context, outside = int(g["context_bytes"]), int(outside_bytes(row["method"], gpus))
+    paged = _paged_resident(plan, row)
+    process = total + paged
     return {"method": row["method"], "gpu": g["name"], "device_total_bytes": total,
+            "context_bytes": context, "context_basis": g["context_basis"], "outside_bytes": outside,
+            "reserved_bytes": total - context - outside, "paged_resident_bytes": paged,
+            "process_bytes": process,
             "cuda_capacity_bytes": int(g["cuda_capacity_bytes"]), "capacity_basis": g["cuda_capacity_basis"],
             "driver_share_bytes": share, "nvidia_smi_total_bytes": int(g["capacity_bytes"]) if share else None,
-            "nvidia_smi_used_bytes": total + share if share is not None else None}
+            "nvidia_smi_used_bytes": process + share if share is not None else None}
 
 
 def nvidia_smi_lines(view: dict | None) -> list[str]:
@@ -363,11 +391,27 @@ def nvidia_smi_lines(view: dict | None) -> list[str]:
            f"{method_label(view['method'])} on {view['gpu']}: the plan's device total is "
            f"**{_gib(view['device_total_bytes'])}** per GPU (what the training process adds to the card: CUDA "
            f"context, torch's reserved memory, memory outside its allocator); *fits* compares it with "
-           f"{_gib(view['cuda_capacity_bytes'])} less the safety margin, {basis}.", ""]
+           f"{_gib(view['cuda_capacity_bytes'])} less the safety margin, {basis}.", "",
+           "| part | GiB | what it is |", "|---|---:|---|",
+           f"| CUDA context | {view['context_bytes'] / GiB:.2f} | " + (
+               "measured on this GPU |" if str(view["context_basis"]).startswith("measured")
+               else "a stated default (no reading for this GPU) |"),
+           f"| torch's reserved | {view['reserved_bytes'] / GiB:.2f} | the peak allocated plus the caching allocator's "
+           "fragmentation (closed form fitted on allocator replays, PyTorch's default setting) |",
+           f"| outside the allocator | {view['outside_bytes'] / GiB:.2f} | kernel workspaces (and NCCL on a "
+           "multi-GPU rank) |",
+           f"| **device total** | **{view['device_total_bytes'] / GiB:.2f}** | what *fits* counts |"]
+    if view.get("paged_resident_bytes"):
+        out.append(f"| paged optimizer states, resident when room | {view['paged_resident_bytes'] / GiB:.2f} | CUDA "
+                   "managed memory: on the card while it fits, paged to the host when it does not; not counted in "
+                   "*fits* |")
+    out.append("")
     if view.get("driver_share_bytes") is not None:
         out.append(f"nvidia-smi counts the driver's share as used before any process starts, so it will show about "
                    f"**{_gib(view['nvidia_smi_used_bytes'])}** used of its {_gib(view['nvidia_smi_total_bytes'])} "
-                   f"total: the device total + the driver's share of {_gib(view['driver_share_bytes'])} (nvidia-smi's "
+                   f"total: the device total" + (" + the paged states resident" if view.get("paged_resident_bytes")
+                                                 else "") +
+                   f" + the driver's share of {_gib(view['driver_share_bytes'])} (nvidia-smi's "
                    "total minus CUDA's). The share is not part of the device total and is not counted in *fits*.")
     else:
         out.append("nvidia-smi will show the device total plus the driver's share, which the catalog cannot give for "
@@ -506,7 +550,8 @@ def _planned_lines(mg: dict) -> list[str]:
              + (", CPU offload on" if mg.get("cpu_offload") else "") + ".", "",
              f"- {m.get('not_pooled', 'Memory is not pooled: each GPU must hold its own per-GPU peak.')}",
              f"- Per GPU ({sh}): peak allocated **{_gib(m.get('per_gpu_peak_bytes'))}**, device total "
-             f"**{_gib(m.get('per_gpu_device_total_bytes'))}** (with CUDA context and allocator reserve), of "
+             f"**{_gib(m.get('per_gpu_device_total_bytes'))}** (CUDA context + torch's reserved + outside the "
+             f"allocator, NCCL included), of "
              f"{cap}: {'fits' if m.get('fits') else 'does NOT fit'} with the {mg.get('margin', 0):.0%} margin."]
     saved, pct = m.get("saving_vs_ddp_bytes") or 0, m.get("saving_vs_ddp_pct") or 0.0
     if sh != "ddp":

@@ -1,0 +1,150 @@
+"""The data the closed-form reserved term of :mod:`lora_kit.memory.device` is fitted on: allocator replays of
+``simulate``'s steps across models, methods and shapes.
+
+Per case: ``simulate``'s peak allocated bytes and its parts at the peak; what stays allocated all step (weights,
+quantization constants, adapters, optimizer states: the *resident* bytes) and the rest (gradients and activations at
+the peak: the *transient* bytes); the largest single allocation of the step; and the reserved bytes of PyTorch's
+caching allocator replayed (:mod:`lora_kit.memory.allocator`, both settings) over the steady-state sequence
+(``benchmarks/cuda_h200.py``: what was live before the step, then the step twice). QLoRA cases replay the load
+too: ``prepare_model_for_kbit_training`` up-casts the 16-bit embedding and ``lm_head`` to fp32, so their 16-bit
+blocks are freed into the cache before the first step (the blocks the H200 run shows after load).
+
+Then the fit: the least-squares coefficients of the replays' reserved - peak on (largest allocation, peak), and
+:func:`lora_kit.memory.device.reserved_bytes` against every replay (ratio closed form / replay, per setting),
+printed and saved (``--score`` re-scores the saved replays without simulating again).
+
+    python benchmarks/cuda_reserved_fit.py [--quick] [--score] [--out benchmarks/results/cuda_reserved_fit.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from calibrate_accuracy import machine  # noqa: E402
+from cuda_h200 import EventTracker, simulate_with_events  # noqa: E402
+from lora_kit.memory.allocator import replay  # noqa: E402
+from lora_kit.memory.fits import versions  # noqa: E402
+from lora_kit.memory.specs import model_spec  # noqa: E402
+from lora_kit.results import write_json_atomic  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "cuda_reserved_fit.json"
+RESIDENT = ("weights", "quant_constants", "adapters", "optimizer_states")  # allocated all step
+GIB = 2 ** 30
+
+# (model, method, seq_len, batch_size, gradient checkpointing): small catalog models of five families, the three
+# methods, short and long rows, with and without checkpointing
+CASES = [(m, meth, S, B, ck)
+         for m in ("smollm2-360m", "qwen2.5-0.5b", "llama-3.2-1b", "gemma-2-2b", "pythia-1b")
+         for meth, S, B, ck in (("lora", 512, 4, False), ("lora", 2048, 1, True), ("lora", 2048, 4, True),
+                                ("qlora", 2048, 1, True), ("qlora", 1024, 4, True), ("full", 1024, 2, False),
+                                ("full", 2048, 2, True))]
+CASES += [("mistral-7b", "lora", 4096, 1, True), ("mistral-7b", "qlora", 2048, 2, True),
+          ("mistral-7b", "lora", 1024, 2, False)]
+QUICK = [c for c in CASES if c[0] in ("qwen2.5-0.5b", "llama-3.2-1b")]
+
+
+def load_prefix(model: str, method: str) -> tuple[list, list]:
+    """QLoRA's load, as the allocator sees it: the 16-bit embedding and ``lm_head`` (one if tied) before the fp32
+    copies ``prepare_model_for_kbit_training`` makes (allocated first, freed once those exist)."""
+    if method != "qlora":
+        return [], []
+    spec = model_spec(model)
+    n = 1 if spec.tied_embeddings else 2
+    size = spec.vocab_size * spec.hidden_size * 2
+    return [("alloc", ("load", i), size) for i in range(n)], [("free", ("load", i)) for i in range(n)]
+
+
+def one(case) -> dict:
+    model, method, S, B, ck = case
+    kw = dict(method=method, seq_len=S, batch_size=B, gradient_checkpointing=ck, dtype="bfloat16", optimizer="adamw")
+    if method != "full":
+        kw.update(lora_rank=16, lora_alpha=32, lora_targets="all-linear")
+    if model_spec(model).model_type == "gemma2":
+        kw["attn_implementation"] = "eager"  # transformers runs Gemma-2 with eager attention only
+    t0 = time.perf_counter()
+    sim, events = simulate_with_events(model, **kw)
+    pre, post = load_prefix(model, method)
+    n_live = EventTracker.last.mark  # the allocations live before the step (weights, adapters, optimizer states)
+    seq = pre + events[:n_live] + post + events[n_live:]
+    largest = max(e[2] for e in events[n_live:] if e[0] == "alloc")
+    rep = {name: replay(seq, expandable_segments=exp).max_reserved for name, exp in (("default", False),
+                                                                                       ("expandable", True))}
+    bd = sim.breakdown
+    resident = sum(bd[k] for k in RESIDENT)
+    return {"model": model, "settings": kw, "peak_allocated": sim.peak_allocated_bytes, "breakdown": bd,
+            "resident": resident, "transient": sim.peak_allocated_bytes - resident, "largest": largest,
+            "replayed_reserved": rep, "events": len(seq), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def scored(rows: list[dict]) -> dict:
+    """The closed form (``lora_kit.memory.device.reserved_bytes`` with ``device_kwargs``, from ``simulate``'s peak)
+    against each replay: the ratio per row and setting, and min / median / max. The closed form is for PyTorch's
+    default setting; the expandable column shows how far the replays of ``expandable_segments:True`` sit below it.
+    Also the least-squares fit of the replays' reserved - peak on (largest allocation, peak), the data the constants
+    were rounded from."""
+    from lora_kit.memory.device import device_kwargs, reserved_bytes
+    out = {}
+    for r in rows:
+        kw = device_kwargs(model_spec(r["model"]), r["settings"]["method"],
+                           r["settings"]["seq_len"] * r["settings"]["batch_size"])
+        kw.pop("num_gpus")
+        r["closed_form_reserved"] = int(reserved_bytes(r["peak_allocated"], **kw))
+    for name in ("default", "expandable"):
+        q = [r["closed_form_reserved"] / r["replayed_reserved"][name] for r in rows]
+        x = np.array([[r["largest"], r["peak_allocated"]] for r in rows], dtype=float)
+        y = np.array([r["replayed_reserved"][name] - r["peak_allocated"] for r in rows], dtype=float)
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+        out[name] = {"min": min(q), "median": statistics.median(q), "max": max(q), "rows": len(q),
+                     "least_squares": {"largest": float(coef[0]), "peak": float(coef[1])}}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="two models only")
+    p.add_argument("--score", action="store_true", help="score the closed form on the saved replays (--out) only")
+    p.add_argument("--out", default=str(OUT))
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    rows, saved = [], {}
+    if a.score:
+        import json
+        saved = json.loads(Path(a.out).read_text())
+        rows = saved["rows"]
+    for c in [] if a.score else QUICK if a.quick else CASES:
+        r = one(c)
+        rows.append(r)
+        d, e = r["replayed_reserved"]["default"], r["replayed_reserved"]["expandable"]
+        print(f"{c[0]:<14}{c[1]:<6}{c[2]:>6}{c[3]:>3}{'ck' if c[4] else '  ':>4}  peak {r['peak_allocated'] / GIB:7.3f}"
+              f"  transient {r['transient'] / GIB:7.3f}  largest {r['largest'] / GIB:6.3f}  reserved default "
+              f"{d / GIB:7.3f} ({d / r['peak_allocated'] - 1:+.3f})  expandable {e / GIB:7.3f}"
+              f" ({e / r['peak_allocated'] - 1:+.3f})", flush=True)
+    s = scored(rows)
+    for name, v in s.items():
+        print(f"closed form / replay ({name}): min {v['min']:.3f} median {v['median']:.3f} max {v['max']:.3f}; "
+              f"least squares of the replays: {v['least_squares']['largest']:.3f} x largest + "
+              f"{v['least_squares']['peak']:.4f} x peak")
+    command = " ".join(["python benchmarks/cuda_reserved_fit.py", *(argv if argv is not None else sys.argv[1:])])
+    meta = {"date": datetime.date.today().isoformat(), "command": command, "machine": machine(),
+            "versions": versions(), "seconds": round(time.perf_counter() - t0, 1)}
+    if saved.get("_meta"):  # re-scored: the replays are the saved run's
+        meta = {**saved["_meta"], "scored": {"date": meta["date"], "command": command}}
+    write_json_atomic(a.out, {"_about": __doc__.split("\n\n")[0], "_meta": meta, "summary": s, "rows": rows})
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

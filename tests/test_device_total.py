@@ -1,0 +1,91 @@
+"""One basis for the device total (lora_kit.memory.device): CUDA context + torch's reserved (closed form) + memory
+outside the allocator (+ NCCL per rank), paged optimizer states shown apart and never in the verdict."""
+import json
+from pathlib import Path
+
+import numpy as np
+
+from lora_kit.memory import device
+from lora_kit.memory.device import (CUDA_CONTEXT_BYTES, NCCL_RANK_BYTES, OUTSIDE_BYTES, device_kwargs, device_parts,
+                                    device_total, reserved_bytes)
+from lora_kit.memory.estimate import estimate
+from lora_kit.memory.specs import model_spec
+from lora_kit.plan.gpus import get_gpu
+from lora_kit.plan.headline import PAPER_STEP
+from lora_kit.plan.planner import fit_verdict
+
+H200 = json.loads((Path(__file__).parents[1] / "benchmarks" / "reference" / "cuda_h200.json").read_text())["rows"]
+STEPS = [r for r in H200 if "settings" in r]
+
+
+def test_parts_add_up_and_every_kind_of_integer_stays_exact():
+    kw = dict(largest=1_050_673_152, method="qlora", embedding_bytes=1_050_673_152, num_gpus=2)
+    p = device_parts(12_641_234_432, **kw)
+    assert p["total"] == p["context"] + p["reserved"] + p["outside"]
+    assert p["outside"] == OUTSIDE_BYTES["qlora"] + NCCL_RANK_BYTES[2] and p["context"] == CUDA_CONTEXT_BYTES
+    assert p["reserved"] > 12_641_234_432 and (p["reserved"] - 12_641_234_432) % (2 * 2 ** 20) == 0
+    arr = device_total(np.array([12_641_234_432, 10 ** 9]), **kw)
+    obj = device_total(np.array([12_641_234_432, 10 ** 9], dtype=object), **kw)
+    assert arr.dtype == np.int64 and obj.dtype == object and list(arr) == list(obj)
+    assert int(arr[0]) == device_total(12_641_234_432, **kw)
+    huge = 2 ** 70  # past int64: Python ints, exact
+    assert device_total(huge) == huge + CUDA_CONTEXT_BYTES + max(OUTSIDE_BYTES.values()) + \
+        -(-(-(-huge // 20)) // (2 * 2 ** 20)) * (2 * 2 ** 20)
+    assert not hasattr(device, "RESERVE_FRACTION")  # the fixed 8 % is gone
+
+
+def test_outside_and_nccl_per_rank():
+    assert device.outside_bytes("lora") == OUTSIDE_BYTES["lora"] > device.outside_bytes("qlora")
+    n = device.outside_bytes("lora", np.array([1, 2, 4]))
+    assert list(n - OUTSIDE_BYTES["lora"]) == [0, NCCL_RANK_BYTES[2], NCCL_RANK_BYTES[3]]
+
+
+def test_outside_term_is_what_each_shared_h200_row_shows_beside_context_and_reserved():
+    """The term was fitted on these rows: nvidia-smi's peak - used before - context - max_memory_reserved."""
+    ctx = int(get_gpu("H200")["context_bytes"])
+    for r in STEPS:
+        seen = r["peak_nvml"] - r["nvml_used_before_context"] - ctx - r["peak_reserved"]
+        assert seen == device.outside_bytes(r["settings"]["method"]), r["case"]
+
+
+def test_closed_form_on_the_shared_h200_rows_from_the_measured_peak():
+    """From torch's measured peak allocated: reserved and the device total against what the process added."""
+    ctx = int(get_gpu("H200")["context_bytes"])
+    for r in STEPS:
+        st = r["settings"]
+        kw = device_kwargs(model_spec(r["model"]), st["method"], st["seq"] * st["batch"])
+        added = r["peak_nvml"] - r["nvml_used_before_context"]
+        total = device_total(r["peak_allocated"], context=ctx, **kw)
+        assert 0.97 <= total / added <= 1.10, (r["case"], total / added)
+        assert reserved_bytes(r["peak_allocated"], **{k: kw[k] for k in ("largest", "method", "embedding_bytes")}) \
+            >= r["peak_allocated"]
+
+
+def test_qlora_keeps_one_16_bit_block_only_when_embeddings_are_untied():
+    untied, tied = model_spec("llama-3.1-8b"), model_spec("llama-3.2-1b")
+    assert device_kwargs(untied, "qlora", 2048)["embedding_bytes"] == untied.vocab_size * untied.hidden_size * 2
+    assert device_kwargs(tied, "qlora", 2048)["embedding_bytes"] == 0
+    assert device_kwargs(untied, "lora", 2048)["embedding_bytes"] == 0
+    assert device_kwargs(untied, "lora", np.array([512, 2048]))["largest"].tolist() == \
+        [512 * untied.vocab_size * 4, 2048 * untied.vocab_size * 4]
+    assert device_kwargs(untied, "lora", 8192, loop="sft")["largest"] == 4096 * 32768 * 4  # TRL's head tile
+
+
+def test_paged_states_are_resident_when_room_but_never_in_the_verdict():
+    """The QLoRA paper's 65B on a 48 GB card fits on the device total; with its paged 32-bit states all resident it
+    would not: they live in CUDA managed memory, which the driver pages out, so the verdict leaves them out."""
+    e = estimate("llama-65b", PAPER_STEP)
+    paged = estimate("llama-65b", PAPER_STEP, optimizer="adamw").breakdown[
+        "optimizer_states"] - e.breakdown["optimizer_states"]
+    spec = model_spec("llama-65b")
+    total = device_total(e.peak_allocated_bytes, **device_kwargs(spec, "qlora", 512))
+    assert fit_verdict(total, "L40S", 0.0)["fits"]
+    assert not fit_verdict(total + paged, "L40S", 0.0)["fits"]
+    from lora_kit.memory.static import trainable_tensors
+    from lora_kit.memory.specs import check_targets
+    targets = check_targets(spec, "qlora", 64, "all-linear", "sdpa")
+    from lora_kit.memory.moe import expert_lora
+    tensors, _ = trainable_tensors(spec, PAPER_STEP, targets, expert_lora(spec, targets), np.asarray([64]))
+    resident = int(np.sum(device.paged_resident_bytes("paged_adamw_32bit", tensors)))
+    assert 0.999 * paged <= resident <= paged  # the twin also drops bitsandbytes' small per-optimizer buffers
+    assert device.paged_resident_bytes("adamw", tensors) == 0

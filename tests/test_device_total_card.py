@@ -1,0 +1,50 @@
+"""The run card states the device-total basis: context + torch's reserved + memory outside the allocator, labelled,
+adding up to the plan's device total; a paged optimizer's states shown apart as "resident when room" (in nvidia-smi's
+view, never in *fits*); the driver's share added once."""
+import json
+
+from lora_kit.memory.device import outside_bytes
+from lora_kit.memory.estimate import estimate
+from lora_kit.plan.gpus import get_gpu
+from lora_kit.plan.planner import compare_methods
+from lora_kit.plan.records import plan_record
+from lora_kit.settings import Settings
+from lora_kit.ui.run_card import build_report
+
+STEP = dict(seq_len=2048, lora_rank=16, gradient_checkpointing=True)
+
+
+def _card(d, optimizer):
+    s = Settings(method="qlora", gpu="H200", dtype="bfloat16", optimizer=optimizer, run_dir=str(d))
+    (d / "settings.json").write_text(json.dumps(s.to_dict()))
+    table = compare_methods("llama-3.1-8b", gpus=["H200"], methods=("qlora",), optimizer=optimizer, margin=0.1,
+                            **STEP)
+    (d / "plan.json").write_text(json.dumps(plan_record(table, "llama-3.1-8b", margin=0.1, optimizer=optimizer,
+                                                        **STEP)))
+    build_report(d)
+    return json.loads((d / "report.json").read_text())["nvidia_smi"], (d / "report.md").read_text()
+
+
+def test_card_parts_add_up_and_paged_states_are_shown_apart(tmp_path):
+    (tmp_path / "paged").mkdir()
+    v, md = _card(tmp_path / "paged", "paged_adamw_8bit")
+    g = get_gpu("H200")
+    assert v["context_bytes"] == g["context_bytes"] and v["outside_bytes"] == outside_bytes("qlora")
+    assert v["context_bytes"] + v["reserved_bytes"] + v["outside_bytes"] == v["device_total_bytes"]
+    s = Settings(method="qlora", gpu="H200", dtype="bfloat16", optimizer="paged_adamw_8bit").step
+    own = estimate("llama-3.1-8b", step=s.replace(**STEP))
+    twin = estimate("llama-3.1-8b", step=s.replace(optimizer="adamw_8bit", **STEP))
+    paged = twin.breakdown["optimizer_states"] - own.breakdown["optimizer_states"]
+    assert v["paged_resident_bytes"] == paged > 0
+    assert v["reserved_bytes"] >= own.peak_allocated_bytes
+    # nvidia-smi: device total + paged resident + driver's share, each once
+    assert v["nvidia_smi_used_bytes"] == v["device_total_bytes"] + paged + v["driver_share_bytes"]
+    section = md.split("### What nvidia-smi will show")[1].split("##")[0]
+    for label in ("CUDA context", "torch's reserved", "outside the allocator", "**device total**",
+                  "paged optimizer states, resident when room"):
+        assert label in section
+    assert "not counted in *fits*" in section
+    (tmp_path / "plain").mkdir()
+    v, md = _card(tmp_path / "plain", "adamw")
+    assert v["paged_resident_bytes"] == 0 and "resident when room" not in md
+    assert v["nvidia_smi_used_bytes"] == v["device_total_bytes"] + v["driver_share_bytes"]
