@@ -516,7 +516,8 @@ def sec_cuda_kit(prov):
     cols = [("estimate_allocated", "allocated: estimate / measured"),
             ("replay_reserved", "reserved: replay / measured"),
             ("estimate_device_total_vs_added", "device total: estimate / process added"),
-            ("context_plus_replay_vs_added", "context + replay / process added")]
+            ("context_plus_replay_vs_added", "context + replay / process added"),
+            ("device_total_vs_added", "device total on the stated basis (+ paged resident) / process added")]
     out = []
     for r in rows:
         m, e, q = r["measured"], r["estimate"], r["ratios"]
@@ -525,17 +526,22 @@ def sec_cuda_kit(prov):
                     gib(m["max_allocated"]), gib(e["peak_allocated"]), f"{q['estimate_allocated']:.3f}",
                     gib(m["max_reserved"]), gib(rep["max_reserved"]) if rep else "", f"{q['replay_reserved']:.3f}",
                     gib(m["process_added_nvidia_smi"]), gib(e["device_total"]),
-                    f"{q['estimate_device_total_vs_added']:.3f}", f"{q['context_plus_replay_vs_added']:.3f}"])
+                    f"{q['estimate_device_total_vs_added']:.3f}", f"{q['context_plus_replay_vs_added']:.3f}",
+                    gib(r["device_basis"]["nvidia_smi_process"]), f"{q['device_total_vs_added']:.3f}"])
         for k, _ in cols:
             ratios.setdefault(k, []).append(q[k])
     body = ("Ratio = the kit's figure / the measured one, step 2 of each row. *allocated*: `estimate`'s peak against "
             "`max_memory_allocated`; *reserved*: PyTorch's caching allocator replayed (`lora_kit.memory.allocator`, "
             "the row's allocator setting) over `simulate`'s allocation sequence, against `max_memory_reserved`; "
             "*device total*: `estimate`'s `device_total_bytes` against what the process added to nvidia-smi (its "
-            "peak minus what was used before it started). `simulate` follows CPU kernels, so QLoRA rows (which run "
+            "peak minus what was used before it started); *basis*: `lora_kit.memory.device`'s context (the catalog's) "
+            "+ closed-form reserved from `estimate`'s peak + memory outside the allocator + paged optimizer states "
+            "resident, against the same (the outside term and the QLoRA load term were fitted on these rows). "
+            "`simulate` follows CPU kernels, so QLoRA rows (which run "
             "other kernels on CUDA) can differ; what the replay leaves out is in the script's docstring.\n\n")
     body += table(["case", "setting", "allocator", "allocated GiB", "estimate GiB", "ratio", "reserved GiB",
-                   "replay GiB", "ratio", "process added GiB", "device total GiB", "ratio", "context + replay ratio"],
+                   "replay GiB", "ratio", "process added GiB", "device total GiB", "ratio", "context + replay ratio",
+                   "basis GiB", "basis ratio"],
                   out)
     lines = []
     for k, what in cols:
@@ -543,7 +549,7 @@ def sec_cuda_kit(prov):
         if v:
             lines.append(f"- {what}: {len(v)} rows, median {statistics.median(v):.3f}, from {min(v):.3f} to {max(v):.3f}")
     for k, (lo, hi), what in (("estimate_allocated", CUDA_ALLOCATED_BAND, "allocated"),
-                               ("estimate_device_total_vs_added", CUDA_DEVICE_TOTAL_BAND, "device total")):
+                               ("device_total_vs_added", CUDA_DEVICE_TOTAL_BAND, "device total")):
         v = ratios.get(k, [])
         if v:
             lines.append(f"- issue 34's target for {what} ({lo:.2f} to {hi:.2f}): "
@@ -556,6 +562,33 @@ PUBLISHED_CUDA_TITLE = "Published GPU runs beside the kit's figure of the same m
 
 def _ref_link(r: dict) -> str:
     return f"[{r['id']}]({r['url']})" if str(r.get("url", "")).startswith("http") else str(r.get("id", ""))
+
+
+def sec_cuda_reserved_fit(prov):
+    """benchmarks/results/cuda_reserved_fit.json (benchmarks/cuda_reserved_fit.py): the allocator replays the
+    closed-form reserved term of ``lora_kit.memory.device`` was fitted on, and the closed form beside each."""
+    src = RESULTS / "cuda_reserved_fit.json"
+    data = json.loads(src.read_text())
+    sec = Section("Reserved memory: the closed form beside allocator replays", src,
+                  "python benchmarks/cuda_reserved_fit.py", prov, machine=data.get("_meta", {}).get("machine"))
+    out = []
+    for r in data.get("rows", []):
+        rep = r["replayed_reserved"]
+        out.append([describe({"model": r["model"], **r["settings"]}), gib(r["peak_allocated"]), gib(r["largest"]),
+                    gib(rep["default"]), gib(rep["expandable"]), gib(r["closed_form_reserved"]),
+                    f"{r['closed_form_reserved'] / rep['default']:.3f}"])
+    body = ("Reserved = PyTorch's caching allocator replayed (`lora_kit.memory.allocator`) over `simulate`'s step "
+            "(what was live before it, then the step twice; QLoRA with its load's 16-bit embedding blocks); *closed "
+            "form* = `lora_kit.memory.device.reserved_bytes` from the same peak (PyTorch's default setting).\n\n")
+    body += table(["step", "peak GiB", "largest allocation GiB", "replay GiB (default)", "replay GiB (expandable)",
+                   "closed form GiB", "closed form / replay"], out)
+    lines = []
+    for name, v in (data.get("summary") or {}).items():
+        ls = v.get("least_squares", {})
+        lines.append(f"- closed form / replay ({name} setting): {v['rows']} rows, median {v['median']:.3f}, from "
+                     f"{v['min']:.3f} to {v['max']:.3f}; least squares of the replays' reserved - peak: "
+                     f"{ls.get('largest', float('nan')):.3f} x largest + {ls.get('peak', float('nan')):.4f} x peak")
+    return sec.head() + body + "\n" + "\n".join(lines) + "\n", {}
 
 
 def sec_cuda_published(prov):
@@ -649,6 +682,8 @@ def accuracy_md(prov: dict) -> tuple[str, dict]:
     add(sec_cuda(prov))
     if (RESULTS / "cuda_h200.json").is_file():
         add(sec_cuda_kit(prov))
+    if (RESULTS / "cuda_reserved_fit.json").is_file():
+        add(sec_cuda_reserved_fit(prov))
     if (RESULTS / "cuda_published.json").is_file():
         add(sec_cuda_published(prov))
     if (RESULTS / "cuda_kernels.json").is_file():
@@ -663,6 +698,7 @@ def accuracy_md(prov: dict) -> tuple[str, dict]:
              "memory_accuracy_sharded_real.json", "loop_accuracy.json", "deepspeed_accuracy.json",
              "planner_speed.cpu.json", "time_published.json",
              "cuda_h200.json", "cuda_published.json", "cuda_kernels.json", "memory_accuracy_real.json",
+             "cuda_reserved_fit.json",
              "memory_accuracy_cpu_paths.json"}
     unknown = [p for p in sorted(RESULTS.glob("*.json"))
                if p.name not in known and not p.name.startswith("time_model_accuracy")]

@@ -81,7 +81,7 @@ def test_oom_advice_on_a_gpu_is_the_planner_ladder_for_that_gpu():
     s = Settings(model="llama-3.1-8b", method="lora", dtype="bfloat16", seq_len=4096, batch_size=8, margin=0.15)
     advice = fit_suggestions(s, get_gpu("L4")["cuda_capacity_bytes"], cuda=True, name="L4")
     ladder = fixes("L4", 0.15, model="llama-3.1-8b", step=s.step)
-    assert advice["ranked"] == ladder and len(ladder) >= 3 and advice["estimate_fits"] is False
+    assert advice["ranked"] == ladder and len(ladder) >= 2 and advice["estimate_fits"] is False
     assert advice["estimated_device_total_bytes"] == estimate("llama-3.1-8b", step=s.step).device_total_bytes
     assert check_plan("llama-3.1-8b", "L4", 0.15, step=s.step)["fix"] == ladder[0]
     full = fit_suggestions(s.replace(method="full", lora_rank=16), get_gpu("L4")["cuda_capacity_bytes"],

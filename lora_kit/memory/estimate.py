@@ -3,11 +3,13 @@
 Where a fit of ``simulate`` exists for the model and the step's categorical settings (shipped, cached, or made on
 the spot: :mod:`lora_kit.memory.fits`), the figure is that fit evaluated (:mod:`lora_kit.memory.calibrate`: exact
 integer polynomials in tokens, micro-batch and rank, blocks added per layer type), and ``memory_model`` says
-"fitted". A step that differs from a fit only in its static parts -- another optimizer whose step composes, sharding
-(ZeRO-1/2/3, FSDP outside the group-by-group case below, CPU offload) -- is that fit composed with the exact static
-arithmetic (:mod:`lora_kit.memory.compose`), and ``memory_model`` says "composed (...)", naming what was composed.
-Otherwise -- ``loop="sft"``, FSDP2 group by group, catalog settings no fit covers -- the hand-written arithmetic
-below gives it, and ``memory_model`` says "arithmetic (not fitted)". What follows describes that arithmetic.
+"fitted". FSDP2's own step (``fsdp`` / ``zero3`` with LoRA or full fine-tuning, AdamW or SGD, no offload) is
+fitted per GPU count from ``simulate``'s sharded runs. A step that differs from a fit only in its static parts --
+another optimizer whose step composes, sharding (ZeRO-1/2, ZeRO-3 / FSDP with QLoRA, offload or other optimizers) --
+is that fit composed with the exact static arithmetic (:mod:`lora_kit.memory.compose`; full fine-tuning only from a
+fit that extrapolates each operator in depth), and ``memory_model`` says "composed (...)", naming what was
+composed. Otherwise -- catalog settings no shipped fit covers -- the hand-written arithmetic below gives it, and
+``memory_model`` says "arithmetic (not fitted)". What follows describes that arithmetic.
 
 What is counted is defined in ``design.md`` ("one training step" = the second step of a loop:
 forward with ``labels=input_ids``, ``loss.backward()``, ``optimizer.step()``,
@@ -70,13 +72,10 @@ How it is built (exact by construction where the arithmetic allows it):
   of the measured rank-0 peak with DeepSpeed's default buckets). ``simulate``'s zero2 / zero3 are FSDP2's
   modes and have no such bucket.
 
-``device_total_bytes`` = peak + CUDA context + allocator reserve. Both are **assumptions from
-public measurements until ``benchmarks/gpu_validate.py`` measures them on a GPU**: the context of a
-PyTorch process with CUDA 12 lazy loading and cuBLAS initialised is ~0.5 GiB on A100/H100 (PyTorch
-forum and issue reports, e.g. pytorch/pytorch#98998 "CUDA context ~ 300-600 MB"); the caching
-allocator's reserved-minus-allocated is taken as 8 % of the peak (typical fragmentation of a
-training step with variable-size activations, as reported by ``torch.cuda.memory_reserved``
-comparisons in public issues). The constants live in ``lora_kit.memory.device``.
+``device_total_bytes`` is what the process adds to the card (:mod:`lora_kit.memory.device`): the CUDA context,
+torch's reserved memory (the peak plus a closed form fitted on replays of PyTorch's caching allocator over
+``simulate``'s steps), the memory outside the allocator, and NCCL's buffers per rank on several GPUs. Paged
+optimizer states are shown apart ("resident when room"), never in a fit verdict.
 
 Known limits: architectures outside llama / mistral / qwen2 / qwen3 / gemma / gemma2 / phi3 /
 gpt_neox are read from a meta-device build and their activations modelled as a Llama-like block;
@@ -105,7 +104,7 @@ from lora_kit.memory.breakdown import BREAKDOWN_KEYS
 from lora_kit.memory.calibrate import largest_phase
 from lora_kit.memory.compose import (DEEPSPEED, GRADIENTS_SHARDED, STATES_SHARDED, SWAPPABLE, WEIGHTS_SHARDED, compose,
                                     label, static_terms)
-from lora_kit.memory.device import DEEPSPEED_REDUCE_BUCKET, device_total
+from lora_kit.memory.device import DEEPSPEED_REDUCE_BUCKET, device_kwargs, device_total
 from lora_kit.memory.device import alloc_bytes as _r
 from lora_kit.memory.fsdp_math import fsdp_totals
 from lora_kit.memory.mla import is_mla, mla_attention, mla_rope_bytes
@@ -636,7 +635,8 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
         out = {k: v.reshape(S.shape) for k, v in wide.items()}
         if not big:
             out = {k: v if k == "phase" else v.astype(np.int64) for k, v in out.items()}
-            out["device_total_bytes"] = device_total(out["peak_allocated_bytes"])  # int64's rounding, as in a sweep
+            out["device_total_bytes"] = device_total(out["peak_allocated_bytes"],  # int64's rounding, as in a sweep
+                                                     **device_kwargs(spec, s.method, S * B, s.loop, N))
         out["memory_model"] = np.full(S.shape, ARITHMETIC, dtype=object)
         return out
     out = _estimate_core(spec, s, targets, experts, *(a.astype(object) if big else a for a in (S, B, r, N)))
@@ -739,7 +739,8 @@ def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitt
     out["activations"] = peak - sum(out[k] for k in BREAKDOWN_KEYS[:5])
     out = {k: np.asarray(v, dtype=kind).reshape(S.shape) for k, v in out.items()}
     out["peak_allocated_bytes"] = np.asarray(peak, dtype=kind).reshape(S.shape)
-    out["device_total_bytes"] = np.asarray(device_total(out["peak_allocated_bytes"]), dtype=kind)
+    out["device_total_bytes"] = np.asarray(device_total(out["peak_allocated_bytes"], **device_kwargs(
+        spec, s.method, (S * B).astype(kind), s.loop, N.astype(kind))), dtype=kind)
     out["phase"] = phase.astype(str).reshape(S.shape)
     note = fits.version_note(info)
     how = label(s, fitted_optimizer) if not sharded else \
@@ -911,7 +912,8 @@ def _estimate_core(spec: ModelSpec, s: Step, targets: tuple, experts: dict, S, B
     kind = T.dtype  # int64, or object: Python ints
     out = {k: np.asarray(np.broadcast_to(v, T.shape), dtype=kind) for k, v in out.items()}
     out["peak_allocated_bytes"] = np.asarray(peak, dtype=kind)
-    out["device_total_bytes"] = np.asarray(device_total(out["peak_allocated_bytes"]), dtype=kind)
+    out["device_total_bytes"] = np.asarray(device_total(out["peak_allocated_bytes"], **device_kwargs(
+        spec, s.method, np.broadcast_to(T, peak.shape), s.loop, np.broadcast_to(N, peak.shape))), dtype=kind)
     out["phase"] = np.asarray(PHASES)[np.asarray(idx, dtype=np.int64)]
     out["_bound"] = int(np.max(np.asarray(bound, dtype=object)))
     return out

@@ -29,7 +29,8 @@ Limits (stated, measured where possible by ``benchmarks/gpu_validate.py``):
   fp32 logsumexp, like CUDA's flash / memory-efficient kernels); autocast follows the CPU autocast
   op lists, which differ from CUDA's in a few ops;
 - memory allocated inside kernels (cuBLAS / cuDNN workspaces, NCCL buffers) is not a tensor and is
-  not seen; ``device_total_bytes`` adds the CUDA context and allocator reserve analytically;
+  not seen; ``device_total_bytes`` adds the CUDA context, reserved and outside memory analytically
+  (:mod:`lora_kit.memory.device`);
 - padding: the batch is the one :func:`~lora_kit.memory.measure.step_batch` builds for ``padding``
   (a real attention mask with padded rows, fed as constant fake tensors), so transformers takes the
   path it takes on a padded batch: a ``[batch, 1, seq, seq]`` mask, SDPA's per-layer cast of it, and
@@ -57,10 +58,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lora_kit.fsdp import SIMULATED
 from lora_kit.loading import DTYPE_MAP, bnb_config
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS, label_training_state, to_breakdown
-from lora_kit.memory.device import device_total
+from lora_kit.memory.device import device_kwargs, device_total
 from lora_kit.memory.measure import step_batch
 from lora_kit.memory.sharded import check_simulable, simulate_sharded
-from lora_kit.memory.specs import check_model_step, load_config
+from lora_kit.memory.specs import check_model_step, load_config, model_spec
 from lora_kit.memory.tracker import LiveBytesTracker
 from lora_kit.settings import Step, as_step
 from lora_kit.trainer_loops import loop_parts
@@ -71,7 +72,7 @@ from lora_kit.training import attach_adapter, autocast_context, loop_batch, loop
 @dataclass
 class SimResult:
     peak_allocated_bytes: int  # what torch.cuda.max_memory_allocated() would report for the step
-    device_total_bytes: int  # plus CUDA context and allocator reserve (nvidia-smi level)
+    device_total_bytes: int  # what the process adds to the card: lora_kit.memory.device
     breakdown: dict  # estimate's six keys, composition at the peak moment; sums to the peak
     phase: str  # "forward" | "backward" | "optimizer": the phase holding the peak
     wall_seconds: float  # time simulate took
@@ -294,6 +295,8 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
     if trace:
         parts = tracker.trace_parts(BREAKDOWN_KEYS[:5] + ("paged_optimizer_states",))
         steps = [(ph, op, live - p[-1], p[:-1]) for (ph, op, live), p in zip(tracker.trace, parts)]
-    return SimResult(int(peak), device_total(peak), bd, tracker.peak_phase, time.perf_counter() - t0,
+    total = device_total(int(peak), **device_kwargs(model_spec(model), s.method, s.seq_len * s.batch_size, s.loop,
+                                                    s.num_gpus))
+    return SimResult(int(peak), total, bd, tracker.peak_phase, time.perf_counter() - t0,
                      {"model": name, **s.to_dict()}, notes,
                      getattr(tracker, "collectives", {}), steps, tracker.allocations() if tracker.trace is not None else None)

@@ -56,8 +56,8 @@ def fit_suggestions(settings, limit_bytes: int | None, cuda: bool = False, name:
     """The planner's fix ladder for ``settings`` (a Settings or a dict with ``model``, the step fields
     and optionally ``margin``) on a device of ``limit_bytes``: ``ranked`` is exactly
     ``planner.fixes(device, margin, model=..., step=...)``, cheapest in quality first. ``cuda``: the
-    device is a CUDA GPU (its total includes the CUDA context and allocator reserve) rather than
-    the device a CPU run emulates; then ``limit_bytes`` is CUDA's own total (``torch.cuda.mem_get_info()``'s,
+    device is a CUDA GPU (its total includes the CUDA context, torch's reserved and the memory outside the
+    allocator) rather than the device a CPU run emulates; then ``limit_bytes`` is CUDA's own total (``torch.cuda.mem_get_info()``'s,
     as the smoke run reads it, or a catalog GPU's ``cuda_capacity_bytes``), the capacity fits is judged on,
     never nvidia-smi's larger total. Without a known device size there is nothing to rank."""
     d = settings.to_dict() if hasattr(settings, "to_dict") else dict(settings)

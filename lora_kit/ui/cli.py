@@ -205,7 +205,7 @@ def cmd_estimate(args) -> int:
     for k, v in est.breakdown.items():
         print(f"  {names[k]:<{width}}{v / GiB:10.3f} GiB")
     print(f"  {'peak allocated':<{width}}{est.peak_allocated_bytes / GiB:10.3f} GiB  (per GPU, in {est.phase})")
-    print(f"  {'device total':<{width}}{est.device_total_bytes / GiB:10.3f} GiB  (+ CUDA context, allocator reserve)")
+    print(f"  {'device total':<{width}}{est.device_total_bytes / GiB:10.3f} GiB  (+ CUDA context, reserved, outside the allocator)")
     print(textwrap.fill(f"memory model: {est.memory_model}" + ("" if est.memory_model.startswith("fitted") else
                                                                 "; `lora-kit fit` with the same flags fits it"),
                         width=110, initial_indent="  ", subsequent_indent="    "))

@@ -181,7 +181,7 @@ class PlannerPanel:
                         hovertemplate=f"{part.replace('_', ' ')}: %{{y:.3f}} GiB<extra></extra>")
         # what nvidia-smi shows on top of the allocator's peak (see estimate's device_total_bytes)
         fig.add_bar(name="CUDA context + reserve", x=["estimate"], y=[0], marker_color="#BAB0AC",
-                    hovertemplate="CUDA context + allocator reserve: %{y:.3f} GiB<extra></extra>")
+                    hovertemplate="CUDA context + reserved + outside the allocator: %{y:.3f} GiB<extra></extra>")
         fig.add_hline(y=0, line_dash="dash", line_color="black", annotation_text="usable GPU memory",
                       annotation_position="top left")
         fig.update_layout(barmode="stack", width=940, height=380, margin=dict(l=60, r=20, t=50, b=40),
