@@ -14,8 +14,9 @@ Usage::
 
 **The validation set** (:func:`validation`) is what ``estimate`` is judged against: ``simulate`` at full depth on
 one model per catalog family x {LoRA, QLoRA, full} x checkpointing on/off at 8,192 tokens; rank 64, autocast,
-``loop="sft"`` and 2-GPU FSDP on three families; and 13 families the catalog does not model (small configs of
-their real layers, 4 blocks; built here) x {LoRA, full} x checkpointing on/off. ``tests/test_validation.py``
+``loop="sft"``, 2-GPU FSDP (LoRA and full), 8-bit optimizers and full fine-tuning with SGD on three families;
+Phi-4-mini's full fine-tuning with SGD; and 13 families the catalog does not model (small configs of their real
+layers, 4 blocks; built here) x {LoRA, full} x checkpointing on/off. ``tests/test_validation.py``
 compares ``estimate`` with a sample of it in CI; ``benchmarks/validation.py`` with all of it.
 
 ``tests/test_estimate_grid.py`` imports :func:`grid` and :func:`compute` from here and compares every
@@ -86,7 +87,13 @@ def validation() -> list[tuple[str, dict]]:
                 (model, {**base, "method": "lora", "sharding": "fsdp", "num_gpus": 2}),
                 # another optimizer, composed from the AdamW fit (lora_kit.memory.compose)
                 (model, {**base, "method": "lora", "optimizer": "paged_adamw_8bit"}),
-                (model, {**base, "method": "qlora", "optimizer": "adamw_8bit"})]
+                (model, {**base, "method": "qlora", "optimizer": "adamw_8bit"}),
+                # full fine-tuning: SGD composed from the AdamW fit (each operator extrapolated in depth), FSDP2's own
+                (model, {**base, "method": "full", "optimizer": "sgd"}),
+                (model, {**base, "method": "full", "sharding": "fsdp", "num_gpus": 2})]
+    # the case that made a fit extrapolate each operator in depth: a large tied vocabulary, full fine-tuning with SGD
+    out.append(("phi-4-mini", {**_model_base("phi-4-mini"), "seq_len": 2048, "batch_size": 1, "method": "full",
+                               "optimizer": "sgd"}))
     for mt in OUTSIDE:
         base = {**OUTSIDE_STEP.get(mt, {}), **VALIDATION_SHAPE, "dtype": "float32"}
         out += [(f"small-{mt}", {**base, "method": m, "gradient_checkpointing": gc}) for m in ("lora", "full")

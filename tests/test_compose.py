@@ -107,17 +107,28 @@ def test_sharding_composed_is_labelled_and_shards_the_static_parts(monkeypatch, 
         e = est.estimate("tiny", PLANNING.replace(method="qlora", sharding=sh, num_gpus=4))
         assert e.memory_model == f"composed ({sh} over 4 GPUs by arithmetic)"
         assert e.breakdown["optimizer_states"] == -(-one.breakdown["optimizer_states"] // 4)
-        if sh in ("zero3", "fsdp"):
-            assert e.breakdown["quant_constants"] == -(-one.breakdown["quant_constants"] // 4)
+        if sh in ("zero3", "fsdp"):  # not parameters: FSDP leaves them whole on every GPU
+            assert e.breakdown["quant_constants"] == one.breakdown["quant_constants"]
 
 
-def test_full_fine_tuning_is_not_composed(monkeypatch, tmp_path):
-    """Full fine-tuning with another optimizer or sharded takes the arithmetic, not a composed AdamW fit: at a
+def test_full_fine_tuning_is_composed_only_from_a_fit_that_extrapolates_each_operator(monkeypatch, tmp_path):
+    """Full fine-tuning with another optimizer or sharded is the AdamW fit composed when that fit extrapolates each
+    operator in depth (``Fit.aligned``); from an older fit (each stack's largest operator only) it is not: at a
     model's depth the end of backward can outgrow the fitted phase peak once the states are small."""
+    import dataclasses
+
+    from lora_kit.memory import fits
+    from lora_kit.memory.calibrate import ALIGNED
     monkeypatch.setenv("LORA_KIT_FITS", str(tmp_path))
     monkeypatch.setenv("LORA_KIT_FIT", "never")
     spec = model_spec("llama-3.2-1b")
-    assert est._fit_for(spec, PLANNING.replace(method="full")) is not None  # the AdamW fit is shipped
+    shipped = fits.lookup(spec.config, PLANNING.replace(method="full"))
+    assert shipped is not None and shipped[0].aligned
+    for kw in ({"optimizer": "sgd"}, {"sharding": "zero2", "num_gpus": 2}):
+        assert est._fit_for(spec, PLANNING.replace(method="full", **kw))[2] == "adamw"
+    older = dataclasses.replace(shipped[0], tables={k: v for k, v in shipped[0].tables.items()
+                                                    if not k[2].startswith(ALIGNED)})
+    monkeypatch.setattr(fits, "lookup", lambda config, step: (older, shipped[1]) if step.optimizer == "adamw" else None)
     for kw in ({"optimizer": "sgd"}, {"sharding": "zero2", "num_gpus": 2}):
         assert est._fit_for(spec, PLANNING.replace(method="full", **kw)) is None
-
+    assert est._fit_for(spec, PLANNING.replace(method="full")) is not None  # its own step: the fit itself

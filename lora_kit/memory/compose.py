@@ -11,9 +11,9 @@ composed instead of fitted again:
   the Trainer's clipping norms: :func:`lora_kit.memory.loops.loop_terms`). Checked against ``simulate`` in
   ``tests/test_compose.py``.
 - **sharding** over ``N`` GPUs, per GPU (rank 0's share, ``ceil(x / N)``): ``zero1`` shards the optimizer states
-  and the step's temporaries, ``zero2`` also the gradients, ``zero3`` / ``fsdp`` also the weights, quantisation
-  constants and adapters, plus two gathered blocks (the working one and the prefetched one); ``cpu_offload`` moves
-  the sharded states (and, with ``zero3`` / ``fsdp``, the parameter shards) to host memory; ``ddp`` adds its
+  and the step's temporaries, ``zero2`` also the gradients, ``zero3`` / ``fsdp`` also the weights and adapters
+  (not QLoRA's quantisation constants: not parameters), plus two gathered blocks (the working one and the
+  prefetched one; QLoRA's as stored, 4-bit); ``cpu_offload`` moves the sharded states (and, with ``zero3`` / ``fsdp``, the parameter shards) to host memory; ``ddp`` adds its
   gradient buckets (a second copy of the gradients), ``zero2`` / ``zero3`` DeepSpeed's reduce bucket. With sharded
   gradients, each phase's operator is chosen again among the fitted ones by its value with ``1/N`` of its
   gradients (:meth:`lora_kit.memory.calibrate.Fit.phase_arrays`' ``grad_share``: late in backward the gradients
@@ -101,8 +101,8 @@ def compose(step, phases: dict, terms: dict) -> dict:
             st = shard(st) * keep
         if sh in GRADIENTS_SHARDED:
             g = shard(g)
-        if sh in WEIGHTS_SHARDED:
-            w, q = shard(w) * keep + terms["gathered"], shard(q) * keep
+        if sh in WEIGHTS_SHARDED:  # QLoRA's quantisation constants are not parameters: whole on every GPU
+            w = shard(w) * keep + terms["gathered"]
             if step.method != "full":
                 a = shard(a)
         g = g + terms["bucket"]

@@ -785,7 +785,7 @@ def _estimate_core(spec: ModelSpec, s: Step, targets: tuple, experts: dict, S, B
     if sharding in WEIGHTS_SHARDED:
         keep = 0 if cpu_offload else 1
         w_gpu = shard(zero + weights) * keep + 2 * _block_weight_bytes(spec, method, dtype, autocast)
-        q_gpu = shard(zero + quant) * keep
+        q_gpu = zero + quant  # QLoRA's quantisation constants are not parameters: whole on every GPU
         if method != "full":
             adapters = shard(adapters)
     static = w_gpu + q_gpu + adapters + states + bucket

@@ -135,10 +135,15 @@ def static_bytes(spec: ModelSpec, method: str, dtype: str, autocast: bool, doubl
 
 
 def block_weight_bytes(spec: ModelSpec, method: str, dtype: str, autocast: bool) -> int:
-    """One decoder block's weights as gathered by zero3 / fsdp (quantized blocks are not gathered)."""
+    """One decoder block's weights as gathered by zero3 / fsdp. QLoRA's 4-bit weights are sharded and gathered as
+    stored (two values per byte, ``bnb_4bit_quant_storage`` a float type: what FSDP needs to shard them), biases in
+    ``dtype``; their quantisation constants are not parameters and are not gathered."""
     e = 4 if (method == "full" and autocast) else DTYPE_BYTES[dtype]
-    numel = sum(lin.in_features * lin.out_features + lin.out_features * lin.bias for lin in spec.linears)
-    return int(_r(numel * e))
+    weights = sum(lin.in_features * lin.out_features for lin in spec.linears)
+    biases = sum(lin.out_features * lin.bias for lin in spec.linears)
+    if method == "qlora":
+        return int(_r(-(-weights // 2)) + _r(biases * e))
+    return int(_r((weights + biases) * e))
 
 
 def trainable_tensors(spec: ModelSpec, s: Step, targets: tuple, experts: dict, r) -> tuple[list, list]:
