@@ -58,5 +58,5 @@ def test_trace_ends_where_the_peak_is():
 
 
 def test_what_cannot_be_aligned_is_refused_by_name():
-    with pytest.raises(ValueError, match="one GPU"):  # sharding is composed, not fitted
-        fit(_cfg(), Step(sharding="fsdp", num_gpus=2))
+    with pytest.raises(ValueError, match="one GPU"):  # ZeRO-1 is composed, not fitted (FSDP2's own step is)
+        fit(_cfg(), Step(sharding="zero1", num_gpus=2))

@@ -577,9 +577,14 @@ def _aligned(base: dict, more: dict) -> dict:
     hold the backward peak of two and three blocks, the bottom block's backward with every gradient made that of 32).
 
     The extra blocks' operators are found by name: ``more`` is ``base`` with ``m`` operators inserted at a split
-    ``q``, and every ``q`` in ``[lo, hi]`` (where the common head and tail of the two sequences overlap) aligns them.
-    Each split maps ``base``'s operator ``j`` to ``j`` below it and ``j + m`` above it, both the same operator of the
-    deeper model (blocks inserted at ``q`` again and again), so every operator gets both mappings the splits allow."""
+    ``q``, and every ``q`` in ``[lo, hi]`` (where the common head and tail of the two sequences overlap) aligns them
+    by name. Physically the blocks are inserted between blocks, not next to the operators before or after them (a
+    block's first operator still holds what the embedding left, the same-named one a block later does not: Mistral-7B
+    QLoRA, +32 % at 32 blocks when matched so), so only the splits at least a block inside the range are used:
+    ``lo + m`` and ``hi - m``. Each maps ``base``'s operator ``j`` to ``j`` below it and ``j + m`` above it, the same
+    operator of the deeper model, so every operator gets the mappings these splits allow. Where the range holds no
+    such split (an optimizer step over parameters, a layer pattern shorter than two periods) nothing is matched.
+    """
     out = {}
     for ph, (xn, xc, xf) in base.items():
         yn, yc, yf = more[ph]
@@ -587,9 +592,12 @@ def _aligned(base: dict, more: dict) -> dict:
         head = next((i for i, (a, b) in enumerate(zip(xn, yn)) if a != b), len(xn))
         tail = next((i for i, (a, b) in enumerate(zip(xn[::-1], yn[::-1])) if a != b), len(xn))
         lo, hi = len(xn) - tail, head
-        if m < 0 or lo > hi or (m == 0 and xn != yn):
+        if m == 0 and xn == yn:
+            pairs = [(j, j) for j in range(len(xn))]
+        elif m > 0 and hi - lo >= 2 * m:
+            pairs = [(j, j) for j in range(hi - m)] + [(j, j + m) for j in range(lo + m, len(xn))]
+        else:
             continue
-        pairs = [(j, j) for j in range(hi)] + [(j, j + m) for j in range(lo, len(xn)) if m or j >= hi]
         keep = _envelope([tuple(xc[i]) + tuple(b - a for a, b in zip(xc[i], yc[k])) for i, k in pairs])
         out[ph] = ([xf(ph, pairs[i][0]) for i in keep], [yf(ph, pairs[i][1]) for i in keep])
     return out
