@@ -98,7 +98,7 @@ def scored(rows: list[dict]) -> dict:
     out = {}
     for r in rows:
         kw = device_kwargs(model_spec(r["model"]), r["settings"]["method"],
-                           r["settings"]["seq_len"] * r["settings"]["batch_size"])
+                           r["settings"]["seq_len"] * r["settings"]["batch_size"], r["settings"].get("loop", "kit"), 1)
         kw.pop("num_gpus")
         r["closed_form_reserved"] = int(reserved_bytes(r["peak_allocated"], **kw))
     for name in ("default", "expandable"):

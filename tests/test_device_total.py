@@ -29,13 +29,13 @@ def test_parts_add_up_and_every_kind_of_integer_stays_exact():
     assert arr.dtype == np.int64 and obj.dtype == object and list(arr) == list(obj)
     assert int(arr[0]) == device_total(12_641_234_432, **kw)
     huge = 2 ** 70  # past int64: Python ints, exact
-    assert device_total(huge) == huge + CUDA_CONTEXT_BYTES + max(OUTSIDE_BYTES.values()) + \
+    assert device_total(huge, num_gpus=1) == huge + CUDA_CONTEXT_BYTES + max(OUTSIDE_BYTES.values()) + \
         -(-(-(-huge // 20)) // (2 * 2 ** 20)) * (2 * 2 ** 20)
     assert not hasattr(device, "RESERVE_FRACTION")  # the fixed 8 % is gone
 
 
 def test_outside_and_nccl_per_rank():
-    assert device.outside_bytes("lora") == OUTSIDE_BYTES["lora"] > device.outside_bytes("qlora")
+    assert device.outside_bytes("lora", 1) == OUTSIDE_BYTES["lora"] > device.outside_bytes("qlora", 1)
     n = device.outside_bytes("lora", np.array([1, 2, 4]))
     assert list(n - OUTSIDE_BYTES["lora"]) == [0, NCCL_RANK_BYTES[2], NCCL_RANK_BYTES[3]]
 
@@ -45,7 +45,7 @@ def test_outside_term_is_what_each_shared_h200_row_shows_beside_context_and_rese
     ctx = int(get_gpu("H200")["context_bytes"])
     for r in STEPS:
         seen = r["peak_nvml"] - r["nvml_used_before_context"] - ctx - r["peak_reserved"]
-        assert seen == device.outside_bytes(r["settings"]["method"]), r["case"]
+        assert seen == device.outside_bytes(r["settings"]["method"], 1), r["case"]
 
 
 def test_closed_form_on_the_shared_h200_rows_from_the_measured_peak():
@@ -53,7 +53,7 @@ def test_closed_form_on_the_shared_h200_rows_from_the_measured_peak():
     ctx = int(get_gpu("H200")["context_bytes"])
     for r in STEPS:
         st = r["settings"]
-        kw = device_kwargs(model_spec(r["model"]), st["method"], st["seq"] * st["batch"])
+        kw = device_kwargs(model_spec(r["model"]), st["method"], st["seq"] * st["batch"], "kit", 1)
         added = r["peak_nvml"] - r["nvml_used_before_context"]
         total = device_total(r["peak_allocated"], context=ctx, **kw)
         assert 0.97 <= total / added <= 1.10, (r["case"], total / added)
@@ -63,12 +63,12 @@ def test_closed_form_on_the_shared_h200_rows_from_the_measured_peak():
 
 def test_qlora_keeps_one_16_bit_block_only_when_embeddings_are_untied():
     untied, tied = model_spec("llama-3.1-8b"), model_spec("llama-3.2-1b")
-    assert device_kwargs(untied, "qlora", 2048)["embedding_bytes"] == untied.vocab_size * untied.hidden_size * 2
-    assert device_kwargs(tied, "qlora", 2048)["embedding_bytes"] == 0
-    assert device_kwargs(untied, "lora", 2048)["embedding_bytes"] == 0
-    assert device_kwargs(untied, "lora", np.array([512, 2048]))["largest"].tolist() == \
+    assert device_kwargs(untied, "qlora", 2048, "kit", 1)["embedding_bytes"] == untied.vocab_size * untied.hidden_size * 2
+    assert device_kwargs(tied, "qlora", 2048, "kit", 1)["embedding_bytes"] == 0
+    assert device_kwargs(untied, "lora", 2048, "kit", 1)["embedding_bytes"] == 0
+    assert device_kwargs(untied, "lora", np.array([512, 2048]), "kit", 1)["largest"].tolist() == \
         [512 * untied.vocab_size * 4, 2048 * untied.vocab_size * 4]
-    assert device_kwargs(untied, "lora", 8192, loop="sft")["largest"] == 4096 * 32768 * 4  # TRL's head tile
+    assert device_kwargs(untied, "lora", 8192, "sft", 1)["largest"] == 4096 * 32768 * 4  # TRL's head tile
 
 
 def test_paged_states_are_resident_when_room_but_never_in_the_verdict():
@@ -78,7 +78,7 @@ def test_paged_states_are_resident_when_room_but_never_in_the_verdict():
     paged = estimate("llama-65b", PAPER_STEP, optimizer="adamw").breakdown[
         "optimizer_states"] - e.breakdown["optimizer_states"]
     spec = model_spec("llama-65b")
-    total = device_total(e.peak_allocated_bytes, **device_kwargs(spec, "qlora", 512))
+    total = device_total(e.peak_allocated_bytes, **device_kwargs(spec, "qlora", 512, "kit", 1))
     assert fit_verdict(total, "L40S", 0.0)["fits"]
     assert not fit_verdict(total + paged, "L40S", 0.0)["fits"]
     from lora_kit.memory.static import trainable_tensors

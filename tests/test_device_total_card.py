@@ -29,7 +29,7 @@ def test_card_parts_add_up_and_paged_states_are_shown_apart(tmp_path):
     (tmp_path / "paged").mkdir()
     v, md = _card(tmp_path / "paged", "paged_adamw_8bit")
     g = get_gpu("H200")
-    assert v["context_bytes"] == g["context_bytes"] and v["outside_bytes"] == outside_bytes("qlora")
+    assert v["context_bytes"] == g["context_bytes"] and v["outside_bytes"] == outside_bytes("qlora", 1)
     assert v["context_bytes"] + v["reserved_bytes"] + v["outside_bytes"] == v["device_total_bytes"]
     s = Settings(method="qlora", gpu="H200", dtype="bfloat16", optimizer="paged_adamw_8bit").step
     own = estimate("llama-3.1-8b", step=s.replace(**STEP))

@@ -31,7 +31,8 @@ def test_eager_scores_do_not_wrap():
     assert isinstance(e.peak_allocated_bytes, int) and e.peak_allocated_bytes > 2 ** 63
     assert e.peak_allocated_bytes > spec.num_layers * scores
     assert e.peak_allocated_bytes == sum(e.breakdown.values())
-    kw = device_kwargs(spec, e.settings["method"], HUGE["seq_len"] * HUGE["batch_size"], e.settings["loop"])
+    kw = device_kwargs(spec, e.settings["method"], HUGE["seq_len"] * HUGE["batch_size"], e.settings["loop"],
+                       e.settings["num_gpus"])
     assert e.device_total_bytes == device_total(e.peak_allocated_bytes, **kw) > e.peak_allocated_bytes
     sdpa = _quiet_estimate("llama-3.1-8b", **{**HUGE, "attn_implementation": "sdpa"})
     assert e.peak_allocated_bytes > sdpa.peak_allocated_bytes  # eager holds S x S scores: never below sdpa

@@ -58,7 +58,8 @@ def test_every_fitting_row_cheapest_first_with_currency(card):
     request = card["md"].split("## The request")[1].split("## Settings")[0]
     rows = [line for line in request.splitlines() if line.startswith("| ") and "✓" in line]
     fits = card["table"][card["table"]["fits"]]
-    # QLoRA on L4 and A10G included; LoRA on RTX-4090 fits CUDA's 23.52 GiB (not the vendor's 24 GB = 22.35 GiB)
+    # QLoRA on L4 and A10G included; with torch's reserved and the memory outside the allocator in the device total
+    # (issue 34), LoRA on the RTX-4090 and QLoRA on the T4 no longer fit at the 10 % margin
     assert len(rows) == len(fits) == 9
     assert {r.split("|")[1].strip() for r in rows} == {"LoRA", "QLoRA"}
     assert "cost per epoch (USD, example)" in request and "★ cheapest" in rows[0]

@@ -82,7 +82,7 @@ def _out(x, scalar: bool):
     return int(x) if scalar else x
 
 
-def outside_bytes(method: str | None = None, num_gpus=1):
+def outside_bytes(method: str | None, num_gpus):
     """Memory outside torch's allocator: :data:`OUTSIDE_BYTES` of ``method`` (the largest when None), plus
     :data:`NCCL_RANK_BYTES` on each rank of a job of ``num_gpus`` > 1 (int or array)."""
     base = OUTSIDE_BYTES[method] if method in OUTSIDE_BYTES else max(OUTSIDE_BYTES.values())
@@ -109,7 +109,7 @@ def reserved_bytes(peak, *, largest=0, method: str | None = None, embedding_byte
     return _out(p + frag, scalar)
 
 
-def device_kwargs(spec, method: str, tokens, loop: str = "kit", num_gpus=1) -> dict:
+def device_kwargs(spec, method: str, tokens, loop: str, num_gpus) -> dict:
     """The keywords of :func:`device_total` for a step of ``tokens`` (batch x sequence; int or array) on a model of
     ``spec`` (``vocab_size``, ``hidden_size``, ``tied_embeddings``): ``largest`` = the fp32 logits (``tokens x
     vocab x 4``; TRL's SFT head, ``loop="sft"``, never builds them: its 4,096 x 32,768 fp32 tile instead);
@@ -123,8 +123,8 @@ def device_kwargs(spec, method: str, tokens, loop: str = "kit", num_gpus=1) -> d
             "num_gpus": num_gpus}
 
 
-def device_parts(peak, *, largest=0, method: str | None = None, embedding_bytes=0, context: int | None = None,
-                 num_gpus=1) -> dict:
+def device_parts(peak, *, num_gpus, largest=0, method: str | None = None, embedding_bytes=0,
+                 context: int | None = None) -> dict:
     """The device total's parts, labelled: ``context``, ``reserved`` (torch's, ``peak`` allocated inside it),
     ``outside`` (kernel workspaces and, on a multi-GPU rank, NCCL) and ``total`` = context + reserved + outside.
     ``context``: the GPU's CUDA context (``lora_kit.plan.gpus``' ``context_bytes``), default
