@@ -293,7 +293,8 @@ class Fit:
         return memo[(layers, types)]
 
     def _weights(self, layers: int, types) -> dict | None:
-        if layers < self.depth0 or (types is None) != (self.types is None) or (types and periodic(list(types)) != periodic(list(self.types))):
+        if layers < self.depth0 or (types is None) != (self.types is None) or \
+                (types and periodic(list(types)) != periodic(list(self.types))):
             return None
         try:
             w = stack_weights(types, layers, self.depth0)
@@ -358,10 +359,15 @@ class Fit:
         out = {}
         d = self.denominator
 
+        def ranked(total, grads):  # what an operator is ranked by (rows first): its value with 1/share of its
+            # gradients when sharded; ``grads`` is called only then
+            if share is None:
+                return total
+            n = share.reshape(-1, *([1] * (total.ndim - 1)))
+            return n * total - (n - 1) * grads()
+
         def largest(t):  # rows x (1 + parts): per row, the operator of t (ops x (1 + parts) x terms) ranked largest
-            vals = x @ t[:, 0, :].T  # rows x ops
-            if share is not None:
-                vals = share[:, None] * vals - (share - 1)[:, None] * (x @ t[:, 4, :].T)
+            vals = ranked(x @ t[:, 0, :].T, lambda: x @ t[:, 4, :].T)  # rows x ops
             return (t[np.argmax(vals, axis=1)] * x[:, None, :]).sum(axis=2)
 
         def cast(t):
@@ -372,10 +378,7 @@ class Fit:
             if all(ph in self.tables.get((b_reg, s_reg, ALIGNED + st), {}) for st in weights):
                 # and each matched operator extrapolated on its own: the larger
                 one = largest(sum(w * cast(self.tables[(b_reg, s_reg, ALIGNED + st)][ph]) for st, w in weights.items()))
-                if share is None:
-                    pick = one[:, 0] > tot[:, 0]
-                else:
-                    pick = share * one[:, 0] - (share - 1) * one[:, 4] > share * tot[:, 0] - (share - 1) * tot[:, 4]
+                pick = ranked(one[:, 0], lambda: one[:, 4]) > ranked(tot[:, 0], lambda: tot[:, 4])
                 tot = np.where(pick[:, None], one, tot)
             out[ph] = (-(-tot[:, 0] // d), -(-tot[:, 1:] // d))
         return out
@@ -436,8 +439,9 @@ def fit(cfg, step, progress=None) -> Fit:
                     raw[(b_reg, s_reg, stack)], detail[stack] = _fit_stack(
                         run, _shallow(cfg, stack, layers, depth0), b_reg, lora, first, step_,
                         f"stack {stack!r}, {b_reg}, {s_reg}", tile)
-                more = _uniform_more(stacks) if depth0 == 2 else None  # FSDP2: next to the ends an operator's
-                # bytes are not affine in depth (which groups are gathered changes); each stack's largest are
+                # FSDP2: next to the ends an operator's bytes are not affine in depth (which groups are gathered
+                # changes), so its operators are not matched; each stack's largest are
+                more = None if step.sharding == "fsdp" else _uniform_more(stacks)
                 if more:
                     for ph, (xs, ys) in _aligned(detail["base"], detail[more]).items():
                         raw.setdefault((b_reg, s_reg, ALIGNED + "base"), {})[ph] = xs

@@ -13,7 +13,8 @@ composed instead of fitted again:
 - **sharding** over ``N`` GPUs, per GPU (rank 0's share, ``ceil(x / N)``): ``zero1`` shards the optimizer states
   and the step's temporaries, ``zero2`` also the gradients, ``zero3`` / ``fsdp`` also the weights and adapters
   (not QLoRA's quantisation constants: not parameters), plus two gathered blocks (the working one and the
-  prefetched one; QLoRA's as stored, 4-bit); ``cpu_offload`` moves the sharded states (and, with ``zero3`` / ``fsdp``, the parameter shards) to host memory; ``ddp`` adds its
+  prefetched one; QLoRA's as stored, 4-bit); ``cpu_offload`` moves the sharded states (and, with ``zero3`` /
+  ``fsdp``, the parameter shards) to host memory; ``ddp`` adds its
   gradient buckets (a second copy of the gradients), ``zero2`` / ``zero3`` DeepSpeed's reduce bucket. With sharded
   gradients, each phase's operator is chosen again among the fitted ones by its value with ``1/N`` of its
   gradients (:meth:`lora_kit.memory.calibrate.Fit.phase_arrays`' ``grad_share``: late in backward the gradients
@@ -38,6 +39,12 @@ DEEPSPEED = ("zero2", "zero3")  # the engine the accelerate config launches for 
 # ``optimizer_temp_bytes``'); Adafactor's step holds the previous tensor's fp32 copies beside the current one's: it is
 # fitted itself
 SWAPPABLE = ("adamw", "sgd", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
+
+
+def deepspeed_bucket_bytes(dtype: str) -> int:
+    """DeepSpeed's reduce bucket, allocated whole at the first backward and kept: ``zero2`` / ``zero3`` launch
+    DeepSpeed (:data:`DEEPSPEED`)."""
+    return DEEPSPEED_REDUCE_BUCKET * DTYPE_BYTES[dtype]
 
 
 def label(step, fitted_optimizer: str) -> str:
@@ -75,7 +82,7 @@ def static_terms(spec, step, fitted_optimizer: str, tensors: list, N) -> dict:
     if sh == "ddp":  # DDP's gradient buckets: a second copy of the gradients
         out["bucket"] = tensor_bytes(tensors)
     if sh in DEEPSPEED:
-        out["bucket"] = out["bucket"] + DEEPSPEED_REDUCE_BUCKET * DTYPE_BYTES[step.dtype]
+        out["bucket"] = out["bucket"] + deepspeed_bucket_bytes(step.dtype)
     return out
 
 

@@ -103,8 +103,8 @@ import numpy as np
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
 from lora_kit.memory.calibrate import largest_phase
 from lora_kit.memory.compose import (DEEPSPEED, GRADIENTS_SHARDED, STATES_SHARDED, SWAPPABLE, WEIGHTS_SHARDED, compose,
-                                    label, static_terms)
-from lora_kit.memory.device import DEEPSPEED_REDUCE_BUCKET, device_kwargs, device_total
+                                    deepspeed_bucket_bytes, label, static_terms)
+from lora_kit.memory.device import device_kwargs, device_total
 from lora_kit.memory.device import alloc_bytes as _r
 from lora_kit.memory.fsdp_math import fsdp_totals
 from lora_kit.memory.mla import is_mla, mla_attention, mla_rope_bytes
@@ -734,7 +734,7 @@ def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitt
     peak, parts, phase = largest_phase({ph: phases[ph] for ph in PHASES if ph in phases})
     out = {k: parts[:, i] for i, k in enumerate(BREAKDOWN_KEYS[:5])}
     if sharded and s.sharding in DEEPSPEED:  # the engine ZeRO-3 launches: its reduce bucket, kept from backward on
-        bucket = DEEPSPEED_REDUCE_BUCKET * DTYPE_BYTES[s.dtype]
+        bucket = deepspeed_bucket_bytes(s.dtype)
         peak, out["gradients"] = peak + bucket, out["gradients"] + bucket
     out["activations"] = peak - sum(out[k] for k in BREAKDOWN_KEYS[:5])
     out = {k: np.asarray(v, dtype=kind).reshape(S.shape) for k, v in out.items()}
@@ -743,8 +743,8 @@ def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitt
         spec, s.method, (S * B).astype(kind), s.loop, N.astype(kind))), dtype=kind)
     out["phase"] = phase.astype(str).reshape(S.shape)
     note = fits.version_note(info)
-    how = label(s, fitted_optimizer) if not sharded else \
-        "fitted" if s.sharding == "fsdp" else "composed (DeepSpeed's reduce bucket by arithmetic on FSDP2's fitted step)"
+    how = label(s, fitted_optimizer) if not sharded else "fitted" if s.sharding == "fsdp" else \
+        "composed (DeepSpeed's reduce bucket by arithmetic on FSDP2's fitted step)"
     out["memory_model"] = np.full(S.shape, how + (f" ({note})" if note else ""), dtype=object)
     return out
 
@@ -905,7 +905,7 @@ def _estimate_core(spec: ModelSpec, s: Step, targets: tuple, experts: dict, S, B
         bound = max(bound, np.max(peak))
         out = {k: np.choose(idx, [np.broadcast_to(x, peak.shape) for x in v]) for k, v in parts.items()}
     if sharding in DEEPSPEED:  # the engine the accelerate config launches: DeepSpeed's reduce bucket
-        ds_bucket = zero + DEEPSPEED_REDUCE_BUCKET * DTYPE_BYTES[dtype]  # allocated whole at the first backward, kept
+        ds_bucket = zero + deepspeed_bucket_bytes(dtype)
         peak = peak + ds_bucket
         out["gradients"] = out["gradients"] + ds_bucket
     out["activations"] = peak - sum(out[k] for k in BREAKDOWN_KEYS[:5])
