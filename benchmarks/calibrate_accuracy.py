@@ -13,13 +13,11 @@ already there are kept (an interrupted run resumes).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import platform
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,10 +87,7 @@ def main() -> None:
             row = {"model": name, "step": label, "layers": cfg.num_hidden_layers, "shapes": []}
             shapes = [(B, S, R) for B, S, R in SHAPES if R == 16 or step.method != "full"]
             rank = (lambda R: {"lora_rank": R}) if step.method != "full" else (lambda R: {})
-            with no_fits(fits):
-                old = {sh: _try(lambda: estimate(cfg, step, batch_size=sh[0], seq_len=sh[1], **rank(sh[2])))
-                       for sh in shapes}
-            os.environ["LORA_KIT_FIT"] = "always"
+            os.environ["LORA_KIT_FIT"] = "auto"
             try:
                 config = load_config(cfg).to_dict()
                 f, info = fits.lookup(config, step) or fits.make(config, step)
@@ -106,33 +101,17 @@ def main() -> None:
                 sim = simulate(cfg, step, batch_size=B, seq_len=S, **rank(R)).peak_allocated_bytes
                 new = _try(lambda: estimate(cfg, step, batch_size=B, seq_len=S, **rank(R)))
                 err = {k: (100 * (v.peak_allocated_bytes - sim) / sim if not isinstance(v, str) else v)
-                       for k, v in (("estimate", new), ("arithmetic", old[sh]))}
+                       for k, v in (("estimate", new),)}  # rows kept from before cedf41b+1 also hold the deleted
+                # hand-written arithmetic's error ("arithmetic_error_pct"), measured then
                 row["shapes"].append({"batch_size": B, "seq_len": S, "lora_rank": R if step.method != "full" else None,
                                       "simulate": sim, "memory_model": getattr(new, "memory_model", None),
                                       **{f"{k}_error_pct": v for k, v in err.items()}})
-                print(f"{name:22s} {label:24s} B={B} S={S} r={R}: estimate " + " arithmetic ".join(
-                    f"{v:+.4f} %" if not isinstance(v, str) else v for v in err.values()), flush=True)
+                v = err["estimate"]
+                print(f"{name:22s} {label:24s} B={B} S={S} r={R}: estimate "
+                      + (f"{v:+.4f} %" if not isinstance(v, str) else v), flush=True)
             rows.append(row)
             Path(a.out).write_text(json.dumps({"_meta": meta, "rows": rows}, indent=1))
     print(f"wrote {a.out}")
-
-
-@contextlib.contextmanager
-def no_fits(fits):
-    """No fit visible (an empty cache, no shipped fits, none made): what estimate gave before fits."""
-    saved = (fits.SHIPPED, os.environ.get("LORA_KIT_FITS"), os.environ.get("LORA_KIT_FIT"))
-    empty = tempfile.mkdtemp(prefix="lora-kit-no-fits-")
-    fits.SHIPPED = Path(empty)
-    os.environ.update(LORA_KIT_FITS=empty, LORA_KIT_FIT="never")
-    try:
-        yield
-    finally:
-        fits.SHIPPED = saved[0]
-        for k, v in zip(("LORA_KIT_FITS", "LORA_KIT_FIT"), saved[1:]):
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _try(call):

@@ -104,7 +104,8 @@ def rank_main(case: dict, out: str) -> None:
 
 def main() -> None:
     from lora_kit.memory.device import DEEPSPEED_REDUCE_BUCKET
-    from lora_kit.memory.estimate import DTYPE_BYTES, estimate
+    from lora_kit.memory.estimate import estimate
+    from lora_kit.memory.static import DTYPE_BYTES
     from lora_kit.memory.specs import model_spec
     from lora_kit.results import write_json_atomic
     rows = []

@@ -26,7 +26,9 @@ from grid import FAMILY_MODELS  # noqa: E402  (one catalog model per family: the
 
 
 PAPER = dict(method="qlora", optimizer="paged_adamw_32bit", lora_rank=64)  # lora_kit.plan.headline's PAPER_STEP
-EXTRA = {"llama-3.1-8b": [dict(method="qlora", optimizer="paged_adamw_8bit")],  # params/, and the headline's steps
+EXTRA = {"llama-3.1-8b": [dict(method="qlora", optimizer="paged_adamw_8bit")]  # params/, and the headline's steps
+         # eager attention without checkpointing: the largest figures a user can ask for (tests/test_exact_bytes.py)
+         + [dict(method=m, attn_implementation="eager", gradient_checkpointing=False) for m in ("lora", "qlora", "full")],
          "llama-3.1-70b": [PAPER, {**PAPER, "lora_rank": 16},
                            {**PAPER, "lora_rank": 16, "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}],
          "llama-65b": [PAPER],
@@ -47,7 +49,7 @@ def steps_for(name: str, extra_only: bool = False) -> list:
     attn = "eager" if model_spec(name).model_type in SDPA_UNSUPPORTED else "sdpa"
     out = [] if extra_only else [PLANNING.for_method(m).replace(gradient_checkpointing=gc, attn_implementation=attn)
                                  for gc in (True, False) for m in ("lora", "qlora", "full")]
-    out += [PLANNING.replace(attn_implementation=attn, **kw) for kw in EXTRA.get(name, [])]
+    out += [PLANNING.replace(**{"attn_implementation": attn, **kw}) for kw in EXTRA.get(name, [])]
     if name == "tiny" and not extra_only:
         out += [EMBEDDED.for_method(m) for m in ("lora", "qlora", "full")] + grid_steps(name)
     return out

@@ -218,19 +218,42 @@ def _dense(model: str) -> list[dict]:
 
 def grid() -> list[tuple[str, dict]]:
     """``(model, settings)`` pairs in a fixed order, each settings dict the keyword arguments passed to
-    ``estimate``; duplicates (a dense-cross row equal to a per-model row) appear once, first place kept."""
+    ``estimate``; duplicates (a dense-cross row equal to a per-model row) appear once, first place kept. A row is
+    kept when the fits shipped with the package serve it (:func:`shipped`): the grid freezes what a fresh install
+    computes without fitting (the tiny model ships a fit for every row but QLoRA with ``loop="sft"``, which
+    :func:`lora_kit.memory.calibrate.fit` cannot align: its tiled backward is not polynomial in the tokens)."""
     out, seen = [], set()
     models = _models()
     for model in models:
         for kw in _per_model(model) + (_dense(model) if model in DENSE_MODELS else []):
             key = (model, json.dumps(kw, sort_keys=True))
-            if key not in seen:
+            if key not in seen and shipped(model, kw):
                 seen.add(key)
                 out.append((model, kw))
     missing = [m for m in DENSE_MODELS if m not in models]
     if missing:
         raise ValueError(f"DENSE_MODELS not in the catalog: {missing}")
     return out
+
+
+def shipped(model: str, settings: dict) -> bool:
+    """Whether the fits shipped with the package serve ``estimate(model, **settings)`` (fitted, or composed from
+    one), whatever the user's cache holds."""
+    from lora_kit import estimate
+    from lora_kit.memory import fits
+    saved = {k: os.environ.get(k) for k in ("LORA_KIT_FIT", "LORA_KIT_FITS")}
+    os.environ.update(LORA_KIT_FIT="never", LORA_KIT_FITS=str(fits.SHIPPED / "no-user-cache"))
+    try:
+        estimate(model, **settings)
+        return True
+    except fits.MissingFit:
+        return False
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def compute(model: str, settings: dict) -> dict:

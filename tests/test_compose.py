@@ -96,7 +96,8 @@ def test_adafactor_is_not_composed(monkeypatch, tmp_path):
     monkeypatch.setenv("LORA_KIT_FIT", "never")
     spec = model_spec("llama-3.2-1b")  # AdamW's fit is shipped, Adafactor's is not
     assert est._fit_for(spec, PLANNING) is not None
-    assert est._fit_for(spec, PLANNING.replace(optimizer="adafactor")) is None
+    with pytest.raises(fits.MissingFit):
+        est._fit_for(spec, PLANNING.replace(optimizer="adafactor"))
 
 
 def test_sharding_composed_is_labelled_and_shards_the_static_parts(monkeypatch, tmp_path):
@@ -130,5 +131,6 @@ def test_full_fine_tuning_is_composed_only_from_a_fit_that_extrapolates_each_ope
                                                     if not k[2].startswith(ALIGNED)})
     monkeypatch.setattr(fits, "lookup", lambda config, step: (older, shipped[1]) if step.optimizer == "adamw" else None)
     for kw in ({"optimizer": "sgd"}, {"sharding": "zero2", "num_gpus": 2}):
-        assert est._fit_for(spec, PLANNING.replace(method="full", **kw)) is None
+        with pytest.raises(fits.MissingFit):
+            est._fit_for(spec, PLANNING.replace(method="full", **kw))
     assert est._fit_for(spec, PLANNING.replace(method="full")) is not None  # its own step: the fit itself

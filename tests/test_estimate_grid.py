@@ -15,7 +15,8 @@ def _grid_module():
     return load_script("benchmarks/grid.py", "lora_kit_benchmark_grid")
 
 
-def test_estimate_grid_matches_golden():
+def test_estimate_grid_matches_golden(monkeypatch):
+    monkeypatch.setenv("LORA_KIT_FIT", "never")  # the shipped fits only: nothing is fitted here
     grid = _grid_module()
     golden = grid.load()
     pairs = grid.grid()

@@ -38,15 +38,12 @@ def test_eager_scores_do_not_wrap():
     assert e.peak_allocated_bytes > sdpa.peak_allocated_bytes  # eager holds S x S scores: never below sdpa
 
 
-@pytest.mark.parametrize("model", ["llama-3.1-8b", "tiny", "deepseek-v2-lite", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "tiny"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("method", ["full", "lora", "qlora"])
 def test_largest_accepted_settings_grow_monotonically(model, attn, method):
-    """The extremes the Step accepts: estimates grow with seq_len and batch, nothing warns or is refused."""
-    try:
-        model_spec(model)
-    except ValueError:
-        pytest.skip(f"{model} not in the catalog")
+    """The extremes the Step accepts: estimates grow with seq_len and batch, nothing warns or is refused (the fitted
+    polynomials are evaluated the same way for every architecture: two models and both attention kinds)."""
     last = 0
     for seq_len, batch in ((1 << 20, 1 << 10), (1 << 22, 1 << 14), (1 << 24, 1 << 16)):
         e = _quiet_estimate(model, method=method, attn_implementation=attn, gradient_checkpointing=False,
@@ -57,21 +54,21 @@ def test_largest_accepted_settings_grow_monotonically(model, attn, method):
 
 
 def test_python_ints_agree_with_int64_where_both_fit():
-    """The exact (object) path and the fast int64 path are the same arithmetic."""
+    """The exact (object) path and the fast int64 path are the same arithmetic: fitted, and composed with sharding."""
+    from lora_kit.memory.moe import expert_lora
+    from lora_kit.memory.specs import check_targets
     spec = model_spec("llama-3.1-8b")
     for overrides in ({}, {"attn_implementation": "eager", "gradient_checkpointing": False},
-                      {"method": "full", "sharding": "fsdp", "num_gpus": 8}, {"sharding": "zero1", "num_gpus": 3}):
+                      {"method": "qlora", "sharding": "fsdp", "num_gpus": 8}, {"sharding": "zero1", "num_gpus": 3}):
         step = lk.settings.as_step(None, **overrides)
-        from lora_kit.memory.moe import expert_lora
-        from lora_kit.memory.specs import check_targets
         t = check_targets(spec, step.method, step.lora_rank, step.lora_targets, step.attn_implementation)
         ex = expert_lora(spec, t)
-        S = np.array([[128], [4096], [32768]])
-        B = np.array([[1, 3, 16]])
-        r, N = np.broadcast_arrays(np.int64(step.lora_rank), np.int64(step.num_gpus), S * B)[:2]
-        S, B = np.broadcast_arrays(S, B)
-        fast = est_mod._estimate_core(spec, step, t, ex, S, B, r, N)
-        exact = est_mod._estimate_core(spec, step, t, ex, *(a.astype(object) for a in (S, B, r, N)))
+        S, B = np.broadcast_arrays(np.array([[128], [4096], [32768]]), np.array([[1, 3, 16]]))
+        r, N = (np.full(S.shape, v, dtype=np.int64) for v in (step.lora_rank, step.num_gpus))
+        fitted = est_mod._fit_for(spec, step)
+        fast = est_mod._fitted_arrays(spec, step, t, ex, fitted, S, B, r, N)
+        exact = est_mod._fitted_arrays(spec, step, t, ex, fitted, *(a.astype(object) for a in (S, B, r, N)))
+        assert fast["peak_allocated_bytes"].dtype == np.int64
         for k in ("peak_allocated_bytes", "weights", "gradients", "optimizer_states", "activations"):
             assert fast[k].tolist() == exact[k].tolist(), k
 

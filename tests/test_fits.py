@@ -1,5 +1,6 @@
 """Where fits live (lora_kit.memory.fits): `lora-kit fit` makes one, `estimate` finds it by key, says which libraries it
-was made with when they differ from the installed ones, and fits on demand only when `LORA_KIT_FIT` says so."""
+was made with when they differ from the installed ones, fits a miss on the spot, and with `LORA_KIT_FIT=never` names the
+command that fits instead."""
 from __future__ import annotations
 
 import gzip
@@ -58,12 +59,20 @@ def test_a_fit_made_with_other_libraries_is_used_and_says_so(my_model, tmp_path,
     assert "lora-kit fit" in e.memory_model
 
 
-def test_without_a_fit_and_fitting_off_the_arithmetic_answers_and_says_so(my_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("LORA_KIT_FITS", str(tmp_path / "empty"))
+def test_without_a_fit_and_fitting_off_estimate_names_the_command_that_fits(my_model, tmp_path, monkeypatch):
+    """No hand-written fallback: with ``LORA_KIT_FIT=never`` a miss is a clear error naming the command, and the
+    command it names makes the fit that then answers."""
+    monkeypatch.setenv("LORA_KIT_FITS", str(tmp_path / "fits"))
     monkeypatch.setenv("LORA_KIT_FIT", "never")
-    assert estimate(str(my_model), method="full").memory_model == "arithmetic (not fitted)"
+    with pytest.raises(fits.MissingFit, match="LORA_KIT_FIT=never") as err:
+        estimate(str(my_model), method="full", dtype="float32")
+    command = str(err.value).split("`")[1].split()
+    assert command[:3] == ["lora-kit", "fit", "--model"] and command[4:8] == ["--method", "full", "--dtype", "float32"]
+    assert main(["fit", "--model", str(my_model), *command[4:], "--quiet"]) == 0
+    fits._MEMO.clear()
+    assert estimate(str(my_model), method="full", dtype="float32").memory_model == "fitted"
     monkeypatch.setenv("LORA_KIT_FIT", "sometimes")
-    with pytest.raises(ValueError, match="LORA_KIT_FIT='sometimes': use 'auto', 'always' or 'never'"):
+    with pytest.raises(ValueError, match="LORA_KIT_FIT='sometimes': use 'auto'"):
         estimate(str(my_model), method="full", seq_len=1024)
 
 

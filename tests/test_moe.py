@@ -59,26 +59,6 @@ def test_simulate_equals_a_real_cpu_step_whatever_the_routing():
     assert peaks[0] == peaks[1] == sim.peak_allocated_bytes
 
 
-@pytest.mark.parametrize("mt,kw", [("mixtral", dict(method="lora")), ("qwen3_moe", dict(method="qlora")),
-                                   ("qwen2_moe", dict(method="lora", lora_targets=["q_proj", "v_proj"])),
-                                   ("qwen3_moe", dict(method="full")),
-                                   # autocast on fp32 weights: the experts (grouped_mm) stay fp32, the router's linear
-                                   # keeps a 16-bit cast of its input
-                                   ("mixtral", dict(method="lora", dtype="float32", autocast=True)),
-                                   ("qwen3_moe", dict(method="full", dtype="float32", autocast=True)),
-                                   # QLoRA under autocast: the up-cast lm_head's logits come out 16-bit (then their
-                                   # fp32 copy), the final norm's fp32 output held through the loss
-                                   ("qwen2_moe", dict(method="qlora", autocast=True))])
-def test_estimate_within_one_percent_of_simulate(mt, kw):
-    cfg = tiny(mt)
-    kw = dict(seq_len=256, batch_size=2, gradient_checkpointing=False, **kw)
-    if kw["method"] != "full":
-        kw["lora_rank"] = 8
-    e, s = estimate(cfg, **kw), simulate(cfg, **kw)
-    assert abs(e.peak_allocated_bytes - s.peak_allocated_bytes) <= 0.01 * s.peak_allocated_bytes
-    assert e.breakdown["adapters"] == s.breakdown["adapters"]
-
-
 def test_planner_says_what_a_moe_plan_assumes():
     from lora_kit.plan.planner import check_plan, verdict_text
     q = verdict_text(check_plan("mixtral-8x7b", "H100-SXM", method="qlora", seq_len=2048))
@@ -91,12 +71,12 @@ def test_planner_says_what_a_moe_plan_assumes():
 @pytest.mark.parametrize("mt, names", [("mixtral", ["w2"]), ("qwen3_moe", ["down_proj"])])
 def test_expert_only_targets_take_any_rank_the_experts_allow(mt, names):
     """Names that reach only the experts (no dense linear carries them) are bounded by the experts' widths, not
-    refused above rank 1; the adapters are simulate's. (The peak is 11-15 % above simulate here: the hand-written
-    moments do not model expert-only LoRA; "One memory model" replaces them.)"""
+    refused above rank 1; the adapters and the peak are simulate's (the hand-written moments this replaced were
+    11-15 % above it: they did not model expert-only LoRA; a fit made on the spot is exact)."""
     cfg = tiny(mt)
     kw = dict(lora_targets=names, lora_rank=8, seq_len=64, batch_size=2, gradient_checkpointing=False)
     est, sim = estimate(cfg, **kw), simulate(cfg, **kw)
     assert est.breakdown["adapters"] == sim.breakdown["adapters"] > 0
-    assert est.peak_allocated_bytes >= sim.peak_allocated_bytes  # over, never under, until the fitted model
+    assert (est.peak_allocated_bytes, est.phase, est.memory_model) == (sim.peak_allocated_bytes, sim.phase, "fitted")
     with pytest.raises(ValueError, match="larger than the smallest targeted layer"):
         estimate(cfg, **{**kw, "lora_rank": 200})

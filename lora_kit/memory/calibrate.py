@@ -52,6 +52,9 @@ B_REGIMES = {
             (3, 3, 1)),
 }
 SPAN = 512  # tokens between design shapes without a window
+# the shortest design length below a window: shorter, a block's small storages (a few hundred bytes: norms' and
+# position tables' rows) round up to 512 bytes and stop growing linearly (Gemma-3 at 64 tokens: not fitted)
+SHORTEST = 192
 TILED_SLACK = 64 * 1024  # bytes a tiled fit's held-out shape may differ by (the rounding of a few storages)
 PARTS = 5  # weights, quant_constants, adapters, gradients, optimizer_states (the rest is activations)
 ALIGNED = "aligned:"  # a stack's operators matched one by one with the other stacks' (:func:`_aligned`)
@@ -68,14 +71,14 @@ def _window(cfg) -> int | None:
 
 def _s_regimes(cfg) -> dict:
     """S regimes: name -> (start, span, lowest S, first S above). Without a window, one regime designed from 512
-    tokens on. With a window ``w``: ``S < w`` (designed below ``w`` in steps of a multiple of 64; none when ``w`` is
-    under 320 tokens) and ``S >= w`` (designed from ``max(w, 512)``: storages of fewer bytes than the allocator's
+    tokens on. With a window ``w``: ``S < w`` (designed from ``SHORTEST`` tokens up to ``w`` in steps of a multiple of
+    64; none when ``w`` is under ``SHORTEST + 320`` tokens) and ``S >= w`` (designed from ``max(w, 512)``: storages of fewer bytes than the allocator's
     512-byte rounding do not grow linearly)."""
     w = _window(cfg)
     if w is None:
         return {"S": (SPAN, SPAN, 0, None)}
     out = {}
-    span = min(SPAN, w // 5 // 64 * 64)
+    span = min(SPAN, (w - SHORTEST) // 5 // 64 * 64)
     if span >= 64:
         out["S<w"] = (w - 5 * span, span, 0, w)
     out["S>=w"] = (-(-max(w, SPAN) // 64) * 64, SPAN, w, None)

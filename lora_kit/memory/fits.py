@@ -10,9 +10,10 @@ installed 5.25: ``lora-kit fit <model>`` refits").
 
 Two places, searched in order: the user's cache (``$LORA_KIT_FITS``, default ``~/.cache/lora_kit/fits``), where a
 fit made on demand is written (atomically), and the fits shipped with the package (``lora_kit/catalog/fits``,
-built by ``benchmarks/fit_catalog.py``). ``$LORA_KIT_FIT`` says when a missing fit is made: ``auto`` (default) for
-architectures outside the catalog's model types (the arithmetic estimate was never checked on them), ``always``
-(any miss), ``never``.
+built by ``benchmarks/fit_catalog.py``). ``$LORA_KIT_FIT`` says what a miss does: ``auto`` (default) fits it on the
+spot (seconds for a small model, up to a minute for an 8B-class one on 2 cores) and keeps it in the user's cache;
+``never`` raises, naming the ``lora-kit fit`` command that makes it (CI, or a batch job that must not spend the
+time).
 """
 from __future__ import annotations
 
@@ -124,12 +125,23 @@ def lookup(config: dict, step) -> tuple[Fit, dict] | None:
     return None
 
 
-def should_fit(config: dict, known_types) -> bool:
+class MissingFit(ValueError):
+    """No stored fit for a model and step, and ``$LORA_KIT_FIT=never``."""
+
+
+def should_fit() -> bool:
     """On a miss, fit now? (``$LORA_KIT_FIT``; see the module docstring)."""
     when = os.environ.get("LORA_KIT_FIT", "auto")
-    if when not in ("auto", "always", "never"):
-        raise ValueError(f"LORA_KIT_FIT={when!r}: use 'auto', 'always' or 'never'.")
-    return when == "always" or (when == "auto" and config.get("model_type") not in known_types)
+    if when not in ("auto", "never"):
+        raise ValueError(f"LORA_KIT_FIT={when!r}: use 'auto' (fit a missing memory fit on the spot) or 'never'.")
+    return when == "auto"
+
+
+def describe(step) -> str:
+    """The step's fitted settings as ``lora-kit fit`` flags (what a missing fit needs)."""
+    held = {k: v for k, v in categorical(step).items() if v is not None}
+    held.update({k: getattr(step, k) for k in ("sharding", "num_gpus") if k in held})
+    return " ".join(f"--{k.replace('_', '-')} {','.join(v) if isinstance(v, list) else v}" for k, v in held.items())
 
 
 def make(config: dict, step, folder: Path | None = None, show: str | None = None) -> tuple[Fit, dict]:

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import math
 
-from lora_kit.memory.estimate import DTYPE_BYTES, estimate
+from lora_kit.memory.estimate import estimate
+from lora_kit.memory.static import DTYPE_BYTES
 from lora_kit.memory.fsdp_math import fsdp_communication
 from lora_kit.memory.specs import model_spec
 from lora_kit.plan.gpus import get_gpu
