@@ -55,7 +55,6 @@ def measure_real_loop(net, batch: dict, s, steps: int = 2, tokenizer=None) -> di
     entered once the measured step's batches are fetched (everything live then is registered, as
     ``measure_step`` does) and left at ``on_step_end``. Returns peak, breakdown, phase, wall seconds and the
     optimizer class."""
-    import torch
 
     from lora_kit.memory.tracker import LiveBytesTracker  # torch: imported here, estimate stays torch-free
     from lora_kit.trainer_loops import LoopHooks, run_real_loop
@@ -104,38 +103,6 @@ def loop_terms(loop: str, optimizer: str, n_trainable: int) -> dict:
         return {"foreach_temp": 1, "clip": 0, "scalars": 0}
     clip = n_trainable * 512 + int(_r(4 * n_trainable)) + 3 * 512
     return {"foreach_temp": 0 if optimizer == "adamw" else 1, "clip": clip, "scalars": 2 * 512}
-
-
-def sft_head(T, B, S, h: int, V: int, e: int, full: bool, fused_kernel: bool = False) -> dict:
-    """TRL's fused LM head (``loop="sft"``) in place of the logits, for ``estimate`` (arrays broadcast over T, B, S).
-
-    ``N = B * (S - 1)`` positions are scored (next-token labels), ``n = min(N, 4096)`` per token tile, vocabulary
-    tiles of ``c = min(V, 32768)`` entries, in the stream dtype (``e`` bytes). Returns:
-
-    - ``saved``: kept from the head's forward to its backward: the shifted hidden states (a contiguous copy), the
-      targets (int64), log Z and the entropy (fp32 per position), the masks ``masked_fill`` keeps;
-    - ``forward``: on top of that while the head runs: the ``(n, 32768)`` projection buffer (always that wide),
-      seven fp32 running statistics per position, and the CPU path's fp32 temporaries of one tile;
-    - ``backward``: during its backward: the fp32 hidden-state gradient, the buffer again, the incoming
-      gradient, the CPU path's tile temporaries and their fp32 casts; full fine-tuning also the fp32 ``V x h``
-      weight gradient it accumulates.
-
-    ``fused_kernel=True`` leaves the tile temporaries out: CUDA runs the tile statistics as an in-place Triton
-    kernel (and scores only the labelled positions: fewer with padding), so there the head costs less; the CPU path
-    (``fused_kernel=False``) is what ``simulate`` and the CPU measurement run.
-    """
-    import numpy as np
-    N = B * (S - 1)
-    n = np.minimum(N, SFT_TOKEN_TILE)
-    buf = _r(n * SFT_VOCAB_TILE * e)
-    vec = _r(N * 4)
-    saved = _r(N * h * e) + _r(N * 8) + 2 * vec + 2 * _r(N)
-    cpu = not fused_kernel
-    fwd = buf + 7 * vec + _r(N) + (sft_cpu_tiles(B, S, V, 3) if cpu else 0)
-    bwd = _r(N * h * 4) + buf + vec + (sft_cpu_tiles(B, S, V, 7) if cpu else 0)
-    if full:
-        bwd = bwd + _r(V * h * 4)
-    return {"saved": saved, "forward": fwd, "backward": bwd}
 
 
 def sft_cpu_tiles(B, S, V: int, fp32_tiles: int = 7):

@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from lora_kit.memory.breakdown import label_training_state, tracked_peak
 from lora_kit.memory.tracker import LiveBytesTracker
-from lora_kit.fsdp import POLICIES, SIMULATED, shard_for_training
+from lora_kit.fsdp import POLICIES, shard_for_training
 from lora_kit.training import train_step
 
 def label_fsdp(tracker: LiveBytesTracker, net, optimizer=None) -> None:

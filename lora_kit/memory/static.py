@@ -25,11 +25,6 @@ OPT8_MIN_SIZE = 4096
 STEP_SCALAR = 512  # a 0-dim fp32 tensor (AdamW's step, Adafactor's RMS) as the allocator hands it out
 
 
-def param_bytes(spec: ModelSpec, groups, bytes_per_elem: float) -> int:
-    return int(sum(count * int(_r(int(np.ceil(numel * bytes_per_elem)))) for g, numel, count in spec.param_tensors()
-                   if g in groups))
-
-
 @lru_cache(maxsize=1024)
 def trainable_shapes(spec: ModelSpec, method: str, weight_bytes: int, targets: tuple) -> tuple:
     """(rows, cols, count, elem_bytes, per_rank) of every trainable tensor; numel = rows*cols (x rank if per_rank).
@@ -111,27 +106,6 @@ def optimizer_temp_bytes(optimizer: str, tensors: list):
                                 np.where((rows > 1) & (cols > 1), _r(rows * 4) + _r(cols * 4), 0)
                                 for rows, cols, c, eb in tensors]), axis=0)
     return 0
-
-
-@lru_cache(maxsize=1024)
-def static_bytes(spec: ModelSpec, method: str, dtype: str, autocast: bool, double_quant: bool) -> tuple[int, int]:
-    """(weights, quant_constants) bytes of the whole model on one replica."""
-    e = DTYPE_BYTES[dtype]
-    everything = ("embed", "lm_head", "linear", "bias", "norm")
-    if method == "full":
-        return param_bytes(spec, everything, 4 if autocast else e), 0
-    if method == "lora":
-        return param_bytes(spec, everything, e), 0
-    weights = param_bytes(spec, ("linear",), 0.5) + param_bytes(spec, ("embed", "lm_head", "bias", "norm"), 4)
-    quant = 0
-    for lin in spec.linears:
-        blocks = -(-lin.in_features * lin.out_features // NF4_BLOCK)
-        if double_quant:  # uint8 absmax + fp32 absmax per 256 blocks + 256-entry code + offset + NF4 code
-            per = int(_r(blocks)) + int(_r(4 * -(-blocks // DQ_BLOCK))) + int(_r(256 * 4)) + 512 + 512
-        else:  # fp32 absmax + NF4 code
-            per = int(_r(4 * blocks)) + 512
-        quant += per * (lin.layers or spec.num_layers)  # DeepSeek: dense MLP in block 0 only
-    return weights, quant
 
 
 def block_weight_bytes(spec: ModelSpec, method: str, dtype: str, autocast: bool) -> int:
