@@ -39,6 +39,45 @@ def test_non_reentrant_checkpointing_costs_host_time_reentrant_does_not():
                      **kw)["step_seconds"] == pytest.approx(off["step_seconds"])  # no checkpointing: no effect
 
 
+def test_non_reentrant_recompute_stall_is_counted_host_dispatches_not_a_fitted_constant():
+    """The device waits for checkpoint.py's hooks: (1 + 3 hook calls x saved tensors per kernel) dispatches per
+    recomputed kernel, at the one host_seconds_per_kernel every source fits."""
+    from lora_kit.plan.timing import recompute_host_calls
+    assert "recompute_host_seconds_per_kernel" not in C.FITTED
+    assert recompute_host_calls("full") == 1 + C.CHECKPOINT_HOOK_CALLS * C.SAVED_TENSORS_PER_KERNEL["full"]
+    kw = dict(method="lora", seq_len=8192, batch_size=1, gradient_checkpointing=True)  # device-bound passes
+
+    def stall(h):
+        tm = TimeModel(host_seconds_per_kernel=h)
+        non = step_time("llama-3.1-8b", H200, time_model=tm, **kw)["parts_seconds"]["host_wait"]
+        re = step_time("llama-3.1-8b", H200, time_model=tm, reentrant_checkpointing=True, **kw)
+        return non - re["parts_seconds"]["host_wait"]
+
+    h = C.FITTED["host_seconds_per_kernel"]
+    assert stall(h) > 0 and stall(2 * h) == pytest.approx(2 * stall(h))
+
+
+def test_benchmark_wires_its_measured_figures_into_time_constants(tmp_path):
+    """benchmarks/time_published.py writes FITTED and the error factors into time_constants.py: run its writer on a
+    copy with the committed results and read the copy back."""
+    import importlib.util
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import time_published as tp
+    res = json.loads((ROOT / "benchmarks/results/time_published.json").read_text())
+    copy = tmp_path / "tc.py"
+    copy.write_text((ROOT / "lora_kit/plan/time_constants.py").read_text().replace(
+        '"l2_speedup": ', '"l2_speedup": 1 + ', 1))  # a stale value the writer must replace
+    tp.write_constants(res, copy)
+    spec = importlib.util.spec_from_file_location("tc", copy)
+    tc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tc)
+    assert tc.FITTED == res["constants"]
+    assert tc.ERROR_FACTOR_UNCALIBRATED == round(res["uncalibrated_error_factor"], 2) == round(
+        tp.uncalibrated_factor(res), 2)
+    assert tc.ERROR_FACTOR_CALIBRATED == round(res["calibrated"]["same_model_and_method"]["max_factor"], 2)
+
+
 def test_qlora_under_autocast_runs_lm_head_in_16_bit():
     kw = dict(method="qlora", seq_len=2048, batch_size=1)
     fp32 = step_time("llama-3.1-8b", A100, **kw)

@@ -31,10 +31,14 @@ tokens) and long ones device-bound; the host-bound excess is the part ``host_wai
   expands its NF4 weights to bf16: ``(0.5 + 2) bytes`` per weight at bandwidth, times ``dequant_factor``
   (bitsandbytes' measured cost over that bound).
 - **Checkpointing**: the decoder blocks' forward runs again in backward. Non-reentrant checkpointing (the kit's
-  loop; ``use_reentrant=False``) runs a Python saved-tensor hook for every tensor the blocks save, in the forward
-  and again from the autograd engine in backward, where the device waits for it:
-  ``recompute_host_seconds_per_kernel`` per recomputed kernel (in ``host_wait``). Reentrant checkpointing
-  (``reentrant_checkpointing=True``) recomputes with a plain forward.
+  loop; ``use_reentrant=False``) recomputes a block lazily, from inside backward, when the autograd engine first
+  unpacks one of the block's saved tensors: its Python forward runs again and, for every tensor the block saves,
+  ``torch.utils.checkpoint``'s Python hooks run (the recompute's pack hook, the determinism check of the recomputed
+  tensors' metadata, the unpack hook). The device waits for that host work (the H200 rows show it is not hidden
+  even at 8k tokens): :func:`recompute_host_calls` host dispatches per recomputed kernel (``time_constants``:
+  counted from checkpoint.py and the saved tensors of a block, not fitted), at the same ``host_seconds_per_kernel``
+  as every other dispatch (in ``host_wait``). Reentrant checkpointing
+  (``reentrant_checkpointing=True``) recomputes with a plain forward, without those hooks.
 - **L2 cache**: element-wise traffic whose working set fits in the GPU's L2 (``time_constants.L2_MB``) moves at
   ``l2_speedup`` x DRAM bandwidth (Ada's large L2 matters at short sequences); a larger one streams at DRAM's.
 - **Optimizer**: ``torch.optim.AdamW(foreach=True)`` moves 20 state-sized passes per trainable element (in the
@@ -52,6 +56,7 @@ smaller one measured for a calibration on the same GPU.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
@@ -74,7 +79,6 @@ class TimeModel:
     bandwidth_efficiency: float = C.FITTED["bandwidth_efficiency"]
     host_seconds_per_kernel: float = C.FITTED["host_seconds_per_kernel"]
     dequant_factor: float = C.FITTED["dequant_factor"]
-    recompute_host_seconds_per_kernel: float = C.FITTED["recompute_host_seconds_per_kernel"]
     l2_speedup: float = C.FITTED["l2_speedup"]
     scale: float = 1.0  # measured / modelled, from a calibration on the user's GPU
     overhead_seconds: float = 0.0  # fixed cost per step; 0 unless calibrated on 2 runs
@@ -89,7 +93,7 @@ class TimeModel:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v and math.isfinite(v)):
                 raise ValueError(f"TimeModel.{name} must be a positive number, got {v!r}.")
-        for name in ("overhead_seconds", "host_seconds_per_kernel", "recompute_host_seconds_per_kernel"):
+        for name in ("overhead_seconds", "host_seconds_per_kernel"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
                 raise ValueError(f"TimeModel.{name} must be >= 0, got {v!r}.")
@@ -103,8 +107,8 @@ class TimeModel:
                 f"{self.attention_efficiency:.0%}, memory traffic at {self.bandwidth_efficiency:.0%} of datasheet "
                 f"bandwidth, {self.host_seconds_per_kernel * 1e6:.3g} us of host dispatch per kernel, bitsandbytes "
                 f"dequantisation {self.dequant_factor:.3g}x its bandwidth bound, L2-resident traffic at "
-                f"{self.l2_speedup:.3g}x DRAM bandwidth, checkpointing's recompute "
-                f"{self.recompute_host_seconds_per_kernel * 1e6:.3g} us of Python per kernel{cal}{fixed}; measured error within "
+                f"{self.l2_speedup:.3g}x DRAM bandwidth, non-reentrant checkpointing's "
+                f"recompute waits for {recompute_host_calls('lora'):.3g} host dispatches per kernel (LoRA){cal}{fixed}; measured error within "
                 f"x{self.error_factor:.2g} ({self.source})")
 
     def to_dict(self) -> dict:
@@ -187,6 +191,7 @@ def peak_flops(gpu: dict, dtype: str, autocast: bool) -> float:
     return float(fp16 if dtype == "float16" else bf16) * 1e12
 
 
+@functools.lru_cache(maxsize=None)
 def _torch_version() -> tuple:
     try:
         return tuple(int(x) for x in metadata.version("torch").split("+")[0].split(".")[:2])
@@ -380,13 +385,20 @@ def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeMode
         _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
     recomputed = c.kernels - before
     _block_pass(c, spec, st, gpu, "backward", T, 1.0, adapted, kernel)
-    c.end_pass(0.0 if reentrant_checkpointing else tm.recompute_host_seconds_per_kernel, recomputed)
+    stall = tm.host_seconds_per_kernel * recompute_host_calls(st.method)  # the device waits (module docstring)
+    c.end_pass(0.0 if reentrant_checkpointing else stall, recomputed)
     micro = sum(c.seconds.values())
     opt_s, opt_k = _optimizer_seconds(spec, st, c)
     parts = {k: v * st.grad_accum for k, v in c.seconds.items()}
     parts["optimizer"] = opt_s
     return {"parts": parts, "micro_step_seconds": micro, "kernels": c.kernels * st.grad_accum + opt_k,
             "attention_kernel": kernel, "dtypes": dt, "fp32_source": fp32_flops(gpu)[1]}
+
+
+def recompute_host_calls(method: str) -> float:
+    """Host dispatches the device waits for per kernel that non-reentrant checkpointing recomputes: the kernel
+    again, and checkpoint.py's three Python hook calls per saved tensor (``time_constants``)."""
+    return 1 + C.CHECKPOINT_HOOK_CALLS * C.SAVED_TENSORS_PER_KERNEL.get(method, 1.0)
 
 
 def _optimizer_seconds(spec, st: Step, c: _Clock) -> tuple:
