@@ -37,6 +37,7 @@ EXTRA = {"llama-3.1-8b": [dict(method="qlora", optimizer="paged_adamw_8bit")]  #
             for m in ("llama-3.2-1b", "qwen3-0.6b", "pythia-1b")}}
 for _m in ("llama-3.2-1b", "qwen3-0.6b", "pythia-1b"):  # and its FSDP2 rows: FSDP2's own step, per GPU count
     EXTRA[_m] += [dict(method="lora", sharding="fsdp", num_gpus=2), dict(method="full", sharding="fsdp", num_gpus=2)]
+EXTRA["llama-3.2-1b"] += [dict(method="full", sharding="fsdp", num_gpus=4)]  # the planner's multi-GPU sweep (tests)
 
 
 def steps_for(name: str, extra_only: bool = False) -> list:

@@ -5,7 +5,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lora_kit.memory.estimate import estimate
 from lora_kit.memory.measure import build_real_model, measure_step
-from lora_kit.memory.moe import PEFT_EXPERT_PATTERN, expert_lora
+from lora_kit.memory.moe import expert_lora, peft_expert_tables
 from lora_kit.memory.simulate import simulate
 from lora_kit.memory.specs import check_model_step, model_spec, valid_targets
 from lora_kit.settings import Step
@@ -34,7 +34,7 @@ def test_expert_lora_matches_what_peft_trains(mt):
     names = {n for n, p in net.named_parameters() if p.requires_grad}
     flags = expert_lora(model_spec(cfg), tuple(valid_targets(cfg)))  # "all-linear": every valid name
     on = any(".experts." in n for n in names)
-    assert on == (mt in PEFT_EXPERT_PATTERN) == flags["gate_up"] == flags["down"] == flags["router"]
+    assert on == (mt in peft_expert_tables()[0]) == flags["gate_up"] == flags["down"] == flags["router"]
     if on:
         a = next(p for n, p in net.named_parameters() if "experts.base_layer.lora_A" in n)
         assert a.shape[0] == 2 * 8 * cfg.to_dict().get("num_local_experts", cfg.to_dict().get("num_experts"))

@@ -22,12 +22,13 @@ def _row_kwargs(row) -> dict:
     return {k: v for k, v in kw.items() if not (kw["method"] == "full" and k in LORA_FIELDS)}  # full ignores LoRA
 
 
-def test_sweep_agrees_with_estimate_on_random_rows():
-    df = sweep(M, method=list(METHODS), dtype=["bfloat16", "float32"], seq_len=[128, 1000, 4096],
-               batch_size=[1, 3, 8], lora_rank=[8, 64], gradient_checkpointing=[False, True],
-               optimizer=["adamw", "paged_adamw_8bit"], attn_implementation=["sdpa", "eager"],
-               lora_targets=["all-linear", ["q_proj", "v_proj"]], gpu=["L4", "H100-SXM"])
-    assert len(df) == 3 * 2 * 3 * 3 * 2 * 2 * 2 * 2 * 2 * 2
+def test_sweep_agrees_with_estimate_on_random_rows(monkeypatch):
+    """Every categorical combination here is served by a shipped fit (or composed from one): nothing is fitted."""
+    monkeypatch.setenv("LORA_KIT_FIT", "never")
+    df = sweep(M, method=list(METHODS), seq_len=[128, 1000, 4096], batch_size=[1, 3, 8], lora_rank=[8, 64],
+               gradient_checkpointing=[False, True], optimizer=["adamw", "paged_adamw_8bit", "sgd"],
+               gpu=["L4", "H100-SXM"])
+    assert len(df) == 3 * 3 * 3 * 2 * 2 * 3 * 2
     assert set(df["gpu"]) == {"L4", "H100-SXM"}
     rng = random.Random(0)
     for i in rng.sample(range(len(df)), 25):

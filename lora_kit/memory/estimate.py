@@ -87,18 +87,54 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
     S, B, r, N = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (seq_len, batch_size, lora_rank,
                                                                                num_gpus)))
     gpus = np.unique(N)
-    if _fsdp_groups(spec, s) and gpus.size > 1:
-        raise ValueError("FSDP2's step is fitted per GPU count: sweep num_gpus one count per call "
-                         f"(got {gpus.tolist()}).")
+    if _fsdp_groups(spec, s) and gpus.size > 1:  # FSDP2's step is fitted per GPU count: one count at a time
+        parts = [estimate_arrays(spec, s, seq_len=S[N == n], batch_size=B[N == n], lora_rank=r[N == n],
+                                 num_gpus=np.full(int((N == n).sum()), n)) for n in gpus]
+        out = {}
+        for k in parts[0]:
+            kind = object if any(p[k].dtype == object for p in parts) else parts[0][k].dtype
+            out[k] = np.empty(S.shape, dtype=kind if k != "phase" else object)
+            for n, p in zip(gpus, parts):
+                out[k][N == n] = p[k]
+        out["phase"] = out["phase"].astype(str)
+        return out
     s_fit = s.replace(num_gpus=int(gpus[0])) if _fsdp_groups(spec, s) else s
-    fitted = _fit_for(spec, s_fit)
-    if _gap(spec, fitted[0], S):  # a fit made by an older design: fitted again now, once
-        fitted = _fit_now(spec, s_fit if _fsdp_groups(spec, s) else s_fit.replace(
-            sharding="none", num_gpus=1, cpu_offload=False, optimizer=fitted[2]))
-    gap = _gap(spec, fitted[0], S)
+    try:
+        fitted = _fit_for(spec, s_fit)
+        if _gap(spec, fitted[0], S):  # a fit made by an older design: fitted again now, once
+            fitted = _fit_now(spec, s_fit if _fsdp_groups(spec, s) else s_fit.replace(
+                sharding="none", num_gpus=1, cpu_offload=False, optimizer=fitted[2]))
+        gap = _gap(spec, fitted[0], S)
+    except Unfittable as e:
+        return _simulated_arrays(spec, s, S, B, r, N, str(e))
     if gap:
         raise ValueError(f"{spec.name}: {gap}")
     return _fitted_arrays(spec, s, targets, experts, fitted, S, B, r, N)
+
+
+class Unfittable(ValueError):
+    """The step's operators cannot be fitted in closed form (``lora_kit.memory.calibrate.fit`` says why)."""
+
+
+def _simulated_arrays(spec: ModelSpec, s: Step, S, B, r, N, why: str) -> dict:
+    """No closed form for this step (``why``): ``simulate`` itself, once per distinct row (exact, seconds each);
+    only for what ``simulate`` runs (one GPU, DDP, FSDP2's own step), not for a composed setting."""
+    from lora_kit.memory.simulate import simulate
+    from lora_kit.memory.specs import load_config
+    if s.sharding not in ("none", "ddp") and not _fsdp_groups(spec, s) or s.cpu_offload:
+        raise ValueError(f"{spec.name}: this step has no closed form ({why}), and {s.sharding} with these "
+                         "settings is composed from one, which simulate cannot run: plan it on one GPU.")
+    rows = {}
+    flat = [tuple(int(x) for x in row) for row in zip(S.ravel(), B.ravel(), r.ravel(), N.ravel())]
+    for row in dict.fromkeys(flat):
+        rows[row] = simulate(load_config(spec.config), s, seq_len=row[0], batch_size=row[1], lora_rank=row[2], num_gpus=row[3])
+    pick = [rows[row] for row in flat]
+    out = {k: np.asarray([p.breakdown[k] for p in pick], dtype=object).reshape(S.shape) for k in BREAKDOWN_KEYS}
+    for k in ("peak_allocated_bytes", "device_total_bytes"):
+        out[k] = np.asarray([getattr(p, k) for p in pick], dtype=object).reshape(S.shape)
+    out["phase"] = np.asarray([p.phase for p in pick]).reshape(S.shape)
+    out["memory_model"] = np.full(S.shape, f"simulated (no closed form: {why})", dtype=object)
+    return out
 
 
 def _gap(spec: ModelSpec, f, S) -> str | None:
@@ -147,8 +183,17 @@ def _fit_now(spec: ModelSpec, s: Step):
         raise fits.MissingFit(f"No memory fit of {spec.name} for these settings is stored and LORA_KIT_FIT=never. "
                          f"`lora-kit fit --model {spec.name} {fits.describe(s)}` makes it (seconds to a minute), or unset "
                          "LORA_KIT_FIT to fit on the spot.")
-    return (*fits.make(spec.config, s, show=f"fitting the memory model of {spec.name}" if sys.stderr.isatty()
-                       else None), s.optimizer)
+    key = fits.digest(fits.key(spec.config, s))
+    if key not in _UNFITTABLE:
+        try:
+            return (*fits.make(spec.config, s, show=f"fitting the memory model of {spec.name}" if sys.stderr.isatty()
+                               else None), s.optimizer)
+        except ValueError as e:  # calibrate.fit refuses what it cannot align or fit exactly, saying why
+            _UNFITTABLE[key] = str(e)
+    raise Unfittable(_UNFITTABLE[key])
+
+
+_UNFITTABLE: dict = {}  # fit key -> why it cannot be fitted (tried once per process)
 
 
 def _fsdp_groups(spec: ModelSpec, s: Step) -> bool:

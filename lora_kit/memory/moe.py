@@ -40,37 +40,45 @@ checkpointing) and a full-size weight gradient during its backward.
 """
 from __future__ import annotations
 
-# peft 0.21.2 / transformers 5.24: model types whose expert layers "all-linear" (and old expert names) target,
-# by conversion pattern (transformers.conversion_mapping._MODEL_TO_CONVERSION_PATTERN, plus peft's "mixtral").
-# tests/test_moe.py checks this table against the installed peft on tiny models.
-PEFT_EXPERT_PATTERN = {"mixtral": "mixtral", "minimax": "mixtral", "minimax_m2": "mixtral",
-                       **{t: "qwen2_moe" for t in ("qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "glm4_moe",
-                                                   "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "qwen3_next",
-                                                   "flex_olmo", "afmoe")}}
-# old (transformers 4) layer name -> what peft targets now ("gate_up" / "down" of the experts, or the router)
-PEFT_EXPERT_NAMES = {"mixtral": {"gate": "router", "w1": "gate_up", "w3": "gate_up", "w2": "down"},
-                     "qwen2_moe": {"gate": "router", "gate_proj": "gate_up", "up_proj": "gate_up",
-                                   "down_proj": "down"}}
+from functools import lru_cache
+
+ROLE = {"gate.weight": "router", "gate_up_proj": "gate_up", "down_proj": "down"}  # what peft targets, by name
 
 
+@lru_cache(maxsize=1)
+def peft_expert_tables() -> tuple[dict, dict]:
+    """(model type -> conversion pattern, pattern -> {old layer name -> "gate_up" / "down" / "router"}): the model
+    types whose experts "all-linear" (and the transformers-4 expert names) target, read from the installed peft
+    (its copy of transformers' conversion patterns and its MoE target mapping); empty where peft has none."""
+    try:
+        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+    except ImportError:  # a peft without expert LoRA: nothing is trained on experts
+        return {}, {}
+    names = {p: {old: ROLE[new] for old, new in m.items()} for p, m in _MOE_TARGET_MODULE_MAPPING.items()}
+    return {t: p for t, p in _MODEL_TO_CONVERSION_PATTERN.items() if p in names}, names
+
+
+def _pattern(spec) -> dict | None:
+    """The old-name -> role table peft applies to ``spec``'s experts (None: peft trains none of them)."""
+    patterns, names = peft_expert_tables()
+    p = patterns.get(spec.model_type) if spec.moe else None
+    return names[p] if p else None
 
 
 def expert_target_names(spec) -> list[str]:
     """Names besides the block's linears that ``lora_targets`` may use on ``spec`` to reach its experts or
     router through peft (Mixtral ``w1``/``w2``/``w3``/``gate``; Qwen3-MoE / DeepSeek ``gate``, whose
     ``gate_proj``/``up_proj``/``down_proj`` mean the experts); empty for a dense model."""
-    pattern = PEFT_EXPERT_PATTERN.get(spec.model_type) if spec.moe else None
-    return list(PEFT_EXPERT_NAMES[pattern]) if pattern else []
+    return list(_pattern(spec) or [])
 
 
 def expert_lora(spec, targets) -> dict:
     """What peft trains in each MoE block for the resolved LoRA ``targets`` (names from ``check_targets``):
     ``{"gate_up", "down", "router": bool, "dropped": linear names peft no longer targets}``."""
     none = {"gate_up": False, "down": False, "router": False, "dropped": ()}
-    pattern = PEFT_EXPERT_PATTERN.get(spec.model_type) if spec.moe else None
-    if not pattern:
+    names = _pattern(spec)
+    if not names:
         return none
-    names = PEFT_EXPERT_NAMES[pattern]
     hit = {names[t] for t in targets if t in names}
     fused = [t for t, v in names.items() if v == "gate_up"]
     if 0 < sum(t in targets for t in fused) < len(fused):
@@ -112,7 +120,7 @@ def moe_note(spec, method: str, targets="all-linear") -> str:
     if method == "qlora":
         text += ("; QLoRA does not quantize the fused expert weights (bitsandbytes replaces nn.Linear only) and "
                  "prepare_model_for_kbit_training up-casts them to fp32, so QLoRA needs more memory than LoRA here")
-    elif method == "lora" and PEFT_EXPERT_PATTERN.get(spec.model_type) and targets == "all-linear":
+    elif method == "lora" and _pattern(spec) and targets == "all-linear":
         text += ("; lora_targets='all-linear' puts LoRA on every expert and the router (peft materializes W + BA "
                  "per expert stack each forward); name attention layers only to leave experts frozen")
     return text + "."
