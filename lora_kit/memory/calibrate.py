@@ -529,12 +529,29 @@ def _fold_phase(x: list, y: list, extra: int, where: str) -> list:
     q = next((q for q in range(p, L - 1, -1) if xn[q:] == yn[q + m:]), None)
     if m % extra or q is None or any(yn[q + i] != yn[q - L + i % L] for i in range(m)):
         raise ValueError(f"the token tiles of {where} do not repeat one operator sequence: not fitted")
+    q = _tile_split(x, y, q, m, L)
     out = y[:q] + y[q + m:]
     for i in range(m):
         j = q - L + i % L
         if y[q + i][2] > out[j][2]:
             out[j] = y[q + i]
     return out
+
+
+def _tile_split(x: list, y: list, q: int, m: int, L: int) -> int:
+    """Where ``y``'s ``m`` extra operators (tiles of ``L``) are inserted: of the splits at and below ``q`` (the highest
+    one the names allow) that the names also allow, the highest one at which the extra operators repeat the
+    tile's changes in live bytes too, else ``q``. Names alone can take an operator next to the tiles for a tile's
+    own: QLoRA with TRL's head (backward, tiny model): the operator after the last tile, a ``device`` query like a
+    tile's first, frees the tiles' 512 MiB buffer, which the next tile's first still holds."""
+    xn, yn = [op[1] for op in x], [op[1] for op in y]
+    dy = [b[2] - a[2] for a, b in zip([y[0]] + y, y)]
+    for s in range(q, L - 1, -1):
+        if xn[s:] != yn[s + m:] or any(yn[s + i] != yn[s - L + i % L] for i in range(m)):
+            break
+        if all(dy[s + i] == dy[s - L + i % L] for i in range(m)):
+            return s
+    return q
 
 
 def _fit_stack(run, cfg, b_reg: str, lora: bool, start: int, span: int, where: str, tile: int | None = None) -> dict:
