@@ -38,6 +38,8 @@ EXTRA = {"llama-3.1-8b": [dict(method="qlora", optimizer="paged_adamw_8bit")]  #
 for _m in ("llama-3.2-1b", "qwen3-0.6b", "pythia-1b"):  # and its FSDP2 rows: FSDP2's own step, per GPU count
     EXTRA[_m] += [dict(method="lora", sharding="fsdp", num_gpus=2), dict(method="full", sharding="fsdp", num_gpus=2)]
 EXTRA["llama-3.2-1b"] += [dict(method="full", sharding="fsdp", num_gpus=4)]  # the planner's multi-GPU sweep (tests)
+# the run card's loops (the Trainer's and TRL's beside the kit's) for the model its tests plan
+EXTRA["llama-3.1-8b"] += [dict(method=m, loop=lp) for m in ("lora", "qlora", "full") for lp in ("trainer", "sft")]
 
 
 def steps_for(name: str, extra_only: bool = False) -> list:
@@ -67,7 +69,7 @@ def grid_steps(name: str) -> list:
     from lora_kit.memory.specs import model_spec
     from lora_kit.settings import as_step
     config, out, seen = model_spec(name).config, [], set()
-    for model, kw in grid.grid():
+    for model, kw in grid.grid(served_only=False):
         step = as_step(None, **kw)
         if model != name:
             continue

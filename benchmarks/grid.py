@@ -216,18 +216,18 @@ def _dense(model: str) -> list[dict]:
     return rows
 
 
-def grid() -> list[tuple[str, dict]]:
+def grid(served_only: bool = True) -> list[tuple[str, dict]]:
     """``(model, settings)`` pairs in a fixed order, each settings dict the keyword arguments passed to
     ``estimate``; duplicates (a dense-cross row equal to a per-model row) appear once, first place kept. A row is
     kept when the fits shipped with the package serve it (:func:`shipped`): the grid freezes what a fresh install
-    computes without fitting (the tiny model ships a fit for every row but QLoRA with ``loop="sft"``, which
-    :func:`lora_kit.memory.calibrate.fit` cannot align: its tiled backward is not polynomial in the tokens)."""
+    computes without fitting (the tiny model ships a fit for every row). ``served_only=False``: every row, what
+    ``benchmarks/fit_catalog.py`` fits for the tiny model."""
     out, seen = [], set()
     models = _models()
     for model in models:
         for kw in _per_model(model) + (_dense(model) if model in DENSE_MODELS else []):
             key = (model, json.dumps(kw, sort_keys=True))
-            if key not in seen and shipped(model, kw):
+            if key not in seen and (not served_only or shipped(model, kw)):
                 seen.add(key)
                 out.append((model, kw))
     missing = [m for m in DENSE_MODELS if m not in models]

@@ -85,3 +85,26 @@ def test_the_key_is_the_architecture_not_the_spelling_nor_the_depth():
     assert fits.digest(fits.key(deeper, PLANNING)) == fits.digest(by_name)  # depth is a variable of the fit
     assert fits.digest(fits.key(model_spec("llama-3.1-8b").config, PLANNING.replace(optimizer="sgd"))) != \
         fits.digest(by_name)
+
+
+def test_a_step_no_fit_describes_is_simulate_itself_row_by_row(tmp_path, monkeypatch):
+    """TRL's token tiles beside a sliding window are two kinds of regime the fit does not combine: estimate then runs
+    simulate for each distinct row, says so, and refuses a composed setting simulate cannot run."""
+    import numpy as np
+
+    from lora_kit.memory.estimate import estimate_arrays
+    monkeypatch.setenv("LORA_KIT_FITS", str(tmp_path / "fits"))
+    d = tmp_path / "my-mistral"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**SMALL_GLM4, "model_type": "mistral", "num_hidden_layers": 2,
+                                               "sliding_window": 256}))
+    kw = dict(method="lora", loop="sft", dtype="float32", gradient_checkpointing=False)
+    arr = estimate_arrays(str(d), **kw, seq_len=np.array([128, 384, 128]), batch_size=2)
+    sims = [simulate(str(d), **kw, seq_len=s, batch_size=2) for s in (128, 384)]
+    assert arr["peak_allocated_bytes"].tolist() == [sims[0].peak_allocated_bytes, sims[1].peak_allocated_bytes,
+                                                    sims[0].peak_allocated_bytes]
+    assert arr["phase"].tolist()[:2] == [s.phase for s in sims]
+    assert arr["memory_model"][0].startswith("simulated (no closed form: loop 'sft' is not fitted")
+    assert not list((tmp_path / "fits").glob("*.json.gz"))  # nothing stored: there was nothing to fit
+    with pytest.raises(ValueError, match="simulate cannot run: plan it on one GPU"):
+        estimate(str(d), **kw, sharding="zero2", num_gpus=2)
