@@ -27,6 +27,7 @@ picks others), no kernel workspaces or communication buffers in the allocated fi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -99,6 +100,8 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
         out["phase"] = out["phase"].astype(str)
         return out
     s_fit = s.replace(num_gpus=int(gpus[0])) if _fsdp_groups(spec, s) else s
+    if spec.num_layers < (3 if _fsdp_groups(spec, s) else 2):  # shallower than the stacks a fit runs: simulate it
+        return _simulated_arrays(spec, s, S, B, r, N, f"{spec.num_layers} layers, fewer than a fit's stacks")
     try:
         fitted = _fit_for(spec, s_fit)
         if _gap(spec, fitted[0], S):  # a fit made by an older design: fitted again now, once
@@ -107,8 +110,8 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
         gap = _gap(spec, fitted[0], S)
     except Unfittable as e:
         return _simulated_arrays(spec, s, S, B, r, N, str(e))
-    if gap:
-        raise ValueError(f"{spec.name}: {gap}")
+    if gap:  # lengths or a depth the fit does not describe (a model shallower than its stacks): simulate them
+        return _simulated_arrays(spec, s, S, B, r, N, gap)
     return _fitted_arrays(spec, s, targets, experts, fitted, S, B, r, N)
 
 
@@ -124,11 +127,13 @@ def _simulated_arrays(spec: ModelSpec, s: Step, S, B, r, N, why: str) -> dict:
     if s.sharding not in ("none", "ddp") and not _fsdp_groups(spec, s) or s.cpu_offload:
         raise ValueError(f"{spec.name}: this step has no closed form ({why}), and {s.sharding} with these "
                          "settings is composed from one, which simulate cannot run: plan it on one GPU.")
-    rows = {}
     flat = [tuple(int(x) for x in row) for row in zip(S.ravel(), B.ravel(), r.ravel(), N.ravel())]
+    step = json.dumps([spec.config, s.to_dict()], sort_keys=True, default=str)
     for row in dict.fromkeys(flat):
-        rows[row] = simulate(load_config(spec.config), s, seq_len=row[0], batch_size=row[1], lora_rank=row[2], num_gpus=row[3])
-    pick = [rows[row] for row in flat]
+        if (step, row) not in _SIMULATED:  # each distinct row once per process
+            _SIMULATED[(step, row)] = simulate(load_config(spec.config), s, seq_len=row[0], batch_size=row[1],
+                                               lora_rank=row[2], num_gpus=row[3])
+    pick = [_SIMULATED[(step, row)] for row in flat]
     out = {k: np.asarray([p.breakdown[k] for p in pick], dtype=object).reshape(S.shape) for k in BREAKDOWN_KEYS}
     for k in ("peak_allocated_bytes", "device_total_bytes"):
         out[k] = np.asarray([getattr(p, k) for p in pick], dtype=object).reshape(S.shape)
@@ -140,11 +145,9 @@ def _simulated_arrays(spec: ModelSpec, s: Step, S, B, r, N, why: str) -> dict:
 def _gap(spec: ModelSpec, f, S) -> str | None:
     """What of the sweep's lengths or the model's depth the fit does not describe (None: it describes them all)."""
     if not f.covers(S):
-        bad = sorted({int(x) for x in np.unique(S) if not f.covers(np.asarray([x]))})
-        return (f"seq_len {bad[:3]} lies outside what its memory fit describes "
-                f"({'; '.join(f.unfitted.values()) or 'below every fitted regime'}); plan another seq_len.")
+        return "; ".join(f.unfitted.values()) or "lengths below every fitted regime"
     if f.weights(spec.num_layers, _filled_layer_types(spec)) is None:
-        return f"its memory fit does not describe {spec.num_layers} layers of this pattern."
+        return f"the fit does not describe {spec.num_layers} layers of this pattern"
     return None
 
 
@@ -181,8 +184,8 @@ def _fit_now(spec: ModelSpec, s: Step):
     from lora_kit.memory import fits
     if not fits.should_fit():
         raise fits.MissingFit(f"No memory fit of {spec.name} for these settings is stored and LORA_KIT_FIT=never. "
-                         f"`lora-kit fit --model {spec.name} {fits.describe(s)}` makes it (seconds to a minute), or unset "
-                         "LORA_KIT_FIT to fit on the spot.")
+                              f"`lora-kit fit --model {spec.name} {fits.describe(s)}` makes it (seconds to a "
+                              "minute), or unset LORA_KIT_FIT to fit on the spot.")
     key = fits.digest(fits.key(spec.config, s))
     if key not in _UNFITTABLE:
         try:
@@ -194,6 +197,7 @@ def _fit_now(spec: ModelSpec, s: Step):
 
 
 _UNFITTABLE: dict = {}  # fit key -> why it cannot be fitted (tried once per process)
+_SIMULATED: dict = {}  # (model and step, row) -> simulate's result, for steps without a closed form
 
 
 def _fsdp_groups(spec: ModelSpec, s: Step) -> bool:
