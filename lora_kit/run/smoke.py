@@ -304,8 +304,8 @@ def _memory_model(s, model_path: str, measured: int | None, world: int, simulate
 
     They describe the step that ran: one GPU (``sharding="none"``), or, under FSDP2, one GPU of
     ``num_gpus=world`` and ``sharding="fsdp"`` (FSDP2 ran, also for "zero3": ``estimate``'s zero3 is DeepSpeed's,
-    with its gradient bucket; simulate then runs in a spawned process: its fake FSDP2 world cannot start in a
-    process that joined the real one). With ``padding="longest"`` the design step's batches were ``width`` tokens
+    with its gradient bucket; simulate, and estimate, which may fit or simulate FSDP2's step, then run in a spawned
+    process: a fake FSDP2 world cannot start in a process that joined the real one). With ``padding="longest"`` the design step's batches were ``width`` tokens
     wide (their longest row), and the figures are for that width."""
     step = {"num_gpus": world, "sharding": "fsdp"} if dist_util.runs_sharded(s) else {"num_gpus": 1,
                                                                                       "sharding": "none"}
@@ -316,8 +316,8 @@ def _memory_model(s, model_path: str, measured: int | None, world: int, simulate
     models = {"estimate": estimate, "simulate": simulate_step} if simulate else {"estimate": estimate}
     for name, fn in models.items():
         try:
-            if fn is simulate_step and step["sharding"] != "none" and torch.distributed.is_initialized():
-                r = dist_util.in_fresh_process(simulate_step, model=model_path, step=ran)
+            if step["sharding"] != "none" and torch.distributed.is_initialized():  # (estimate may fit FSDP2 too)
+                r = dist_util.in_fresh_process(fn, model=model_path, step=ran)
             else:
                 r = fn(model_path, ran)
             out[name] = {"peak_allocated_bytes": int(r.peak_allocated_bytes), "breakdown": dict(r.breakdown),
@@ -329,7 +329,9 @@ def _memory_model(s, model_path: str, measured: int | None, world: int, simulate
     if world > 1:
         for sharding in ("ddp", "fsdp"):
             try:
-                r = estimate(model_path, s.step, num_gpus=world, sharding=sharding)
+                kw = dict(model=model_path, step=s.step.replace(num_gpus=world, sharding=sharding))
+                r = dist_util.in_fresh_process(estimate, **kw) if sharding == "fsdp" and \
+                    torch.distributed.is_initialized() else estimate(**kw)
                 out[f"estimate_{sharding}_per_gpu"] = int(r.peak_allocated_bytes)
             except Exception as e:  # noqa: BLE001
                 out[f"estimate_{sharding}_per_gpu"] = f"{type(e).__name__}: {e}"
