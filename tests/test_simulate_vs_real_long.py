@@ -3,8 +3,13 @@
 - Pythia-1B at full depth, LoRA on ``query_key_value`` r 8, seq 1024, batch 1, no checkpointing, sdpa, bf16: the
   real step and simulate peak at the same byte and allocate the same storages in the same order (random-init
   model). The issue's 3,511,384,064 B real peak (128 MiB above) does not reproduce on this machine (AMD EPYC,
-  AVX512-BF16, no AMX, torch 2.13.0 CPU); ``benchmarks/trace_diff.py`` names the first operator where a real step
-  and simulate part on a machine where it does.
+  AVX512-BF16, no AMX, torch 2.13.0 CPU), nor on the kernel paths a CPU without AVX512-BF16 or AVX-512 takes,
+  forced here: ATEN_CPU_CAPABILITY avx2 / default, ONEDNN_MAX_CPU_ISA AVX2 / AVX512_CORE / AVX512_CORE_VNNI /
+  AVX512_CORE_BF16 / AVX512_CORE_AMX, combinations, torch.backends.mkldnn off (full depth: 3,377,166,336 B both
+  sides on ATen own / avx2 / default and ATen avx2 x oneDNN own / AVX512_CORE / AVX512_CORE_VNNI; the rest on
+  2-layer and small Pythia-shaped configs; numbers and commands in ``benchmarks/trace_diff.py``'s docstring).
+  ``benchmarks/trace_diff.py`` names the first operator where a real step and simulate part on a machine where
+  they do.
 - The Llama-3.2-1B config cut to 4 layers (tied embeddings), LoRA r 16 all-linear, seq 1024, batch 1 per rank,
   checkpointing, bf16, 2 real FSDP2 ranks (torchrun, gloo): rank 0's peak is simulate's under the same wrapping.
   The plain recipe (every decoder layer, then the root, all resharded after forward: ``fsdp_policy="layers"``)
