@@ -33,6 +33,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from lora_kit.memory import fits
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
 from lora_kit.memory.calibrate import largest_phase
 from lora_kit.memory.compose import DEEPSPEED, GRADIENTS_SHARDED, SWAPPABLE, compose, deepspeed_bucket_bytes, label, \
@@ -104,9 +105,11 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
         return _simulated_arrays(spec, s, S, B, r, N, f"{spec.num_layers} layers, fewer than a fit's stacks")
     try:
         fitted = _fit_for(spec, s_fit)
-        if _gap(spec, fitted[0], S):  # a fit made by an older design: fitted again now, once
+        if _gap(spec, fitted[0], S) and (spec, s_fit) not in _REFITTED:  # an older design's fit: refitted, once
+            _REFITTED.add((spec, s_fit))
             fitted = _fit_now(spec, s_fit if _fsdp_groups(spec, s) else s_fit.replace(
                 sharding="none", num_gpus=1, cpu_offload=False, optimizer=fitted[2]))
+            fits._MEMO[("fit_for", str(fits.user_dir()), spec, s_fit)] = fitted
         gap = _gap(spec, fitted[0], S)
     except Unfittable as e:
         return _simulated_arrays(spec, s, S, B, r, N, str(e))
@@ -161,9 +164,16 @@ def _fit_for(spec: ModelSpec, s: Step):
     (every gradient made) is outgrown at two or three blocks but can hold the peak at full depth once the states are
     small (Phi-4-mini, full, SGD, 2,048 tokens: the stacks' largest operators extrapolated were 26.7 % below
     ``simulate``)."""
-    from lora_kit.memory import fits
     if not spec.config:
         raise ValueError(f"{spec.name}: no config to fit its memory model from; pass a config.json or a model folder.")
+    memo = ("fit_for", str(fits.user_dir()), spec, s)  # in the lookups' memo: cleared with it
+    if memo not in fits._MEMO:
+        fits._MEMO[memo] = _find_fit(spec, s)
+    return fits._MEMO[memo]
+
+
+def _find_fit(spec: ModelSpec, s: Step):
+    """:func:`_fit_for`, uncached."""
     if _fsdp_groups(spec, s):  # FSDP2's own step at this GPU count, fitted as simulate runs it
         found = fits.lookup(spec.config, s)
         return (*found, s.optimizer) if found else _fit_now(spec, s)
@@ -181,7 +191,6 @@ def _fit_now(spec: ModelSpec, s: Step):
     ``$LORA_KIT_FIT=never``: then a ValueError naming the command that makes it."""
     import sys
 
-    from lora_kit.memory import fits
     if not fits.should_fit():
         raise fits.MissingFit(f"No memory fit of {spec.name} for these settings is stored and LORA_KIT_FIT=never. "
                               f"`lora-kit fit --model {spec.name} {fits.describe(s)}` makes it (seconds to a "
@@ -198,6 +207,7 @@ def _fit_now(spec: ModelSpec, s: Step):
 
 _UNFITTABLE: dict = {}  # fit key -> why it cannot be fitted (tried once per process)
 _SIMULATED: dict = {}  # (model and step, row) -> simulate's result, for steps without a closed form
+_REFITTED: set = set()  # (model, step) whose stored fit did not describe the asked lengths: refitted in this process
 
 
 def _fsdp_groups(spec: ModelSpec, s: Step) -> bool:
@@ -209,7 +219,6 @@ def _fsdp_groups(spec: ModelSpec, s: Step) -> bool:
 
 def _filled_layer_types(spec: ModelSpec):
     """The layer types transformers fills in for the config (what a fit's depth composition reads)."""
-    from lora_kit.memory import fits
     return fits.layer_types(spec.config)
 
 
@@ -226,7 +235,6 @@ def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitt
     """:func:`estimate_arrays` from a fit, composed with the static arithmetic where the step differs from it
     (:mod:`lora_kit.memory.compose`): exact integers (int64 arrays, or Python ints where a figure passes int64's
     room); ``memory_model`` says which, and with which libraries when they differ from today's."""
-    from lora_kit.memory import fits
     f, info, fitted_optimizer = fitted
     args = (spec.num_layers, B.ravel(), S.ravel(), r.ravel(), _filled_layer_types(spec))
     phases = f.phase_arrays(*args)
