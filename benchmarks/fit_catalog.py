@@ -44,7 +44,8 @@ EXTRA["llama-3.1-8b"] += [dict(method=m, loop=lp) for m in ("lora", "qlora", "fu
 
 def steps_for(name: str, extra_only: bool = False) -> list:
     """The steps a model is estimated at by the kit's own journey: the planning step per method, checkpointing on
-    and off (notebooks 01/02, the planner and the widgets start from it and sweep checkpointing), the shipped
+    and off (notebooks 01/02, the planner and the widgets start from it and sweep checkpointing), sharded QLoRA's
+    recipe (``qlora_prepare="none"``: what FSDP / ZeRO-3 plans resolve to), the shipped
     params files' plans; for the tiny model also the embedded step per method (what the tutorial's smoke run
     measures)."""
     from lora_kit.memory.specs import SDPA_UNSUPPORTED, model_spec
@@ -52,6 +53,8 @@ def steps_for(name: str, extra_only: bool = False) -> list:
     attn = "eager" if model_spec(name).model_type in SDPA_UNSUPPORTED else "sdpa"
     out = [] if extra_only else [PLANNING.for_method(m).replace(gradient_checkpointing=gc, attn_implementation=attn)
                                  for gc in (True, False) for m in ("lora", "qlora", "full")]
+    if not extra_only:  # sharded QLoRA's recipe (no up-casts: what 'auto' gives fsdp / zero3), checkpointed
+        out.append(PLANNING.for_method("qlora").replace(qlora_prepare="none", attn_implementation=attn))
     out += [PLANNING.replace(**{"attn_implementation": attn, **kw}) for kw in EXTRA.get(name, [])]
     if name == "tiny" and not extra_only:
         out += [EMBEDDED.for_method(m) for m in ("lora", "qlora", "full")] + grid_steps(name)

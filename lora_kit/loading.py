@@ -138,12 +138,14 @@ def load_tokenizer(model: str, trust_remote_code: bool = False, padding_side: st
     return tok
 
 
-def bnb_config(dtype: str = "float32", double_quant: bool = True):
+def bnb_config(dtype: str = "float32", double_quant: bool = True, storage_in_dtype: bool = False):
+    """NF4 as the kit trains it; ``storage_in_dtype``: the packed 4-bit values stored as ``dtype`` elements (same
+    bytes), which FSDP and ZeRO-3 need to shard them (sharded QLoRA: ``Step.qlora_prepare`` resolved to "none")."""
     from transformers import BitsAndBytesConfig
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                               bnb_4bit_use_double_quant=double_quant,
                               bnb_4bit_compute_dtype=DTYPE_MAP[dtype],
-                              bnb_4bit_quant_storage=torch.uint8)
+                              bnb_4bit_quant_storage=DTYPE_MAP[dtype] if storage_in_dtype else torch.uint8)
 
 
 def fix_bnb_cpu_repack(model) -> int:
@@ -157,15 +159,17 @@ def fix_bnb_cpu_repack(model) -> int:
 
 
 def load_model(model: str, method: str = "lora", dtype: str = "float32", double_quant: bool = True,
-               attn_implementation: str = "sdpa", trust_remote_code: bool = False, device: str | None = None):
-    """Base model for ``method`` ("full" / "lora": weights in ``dtype``; "qlora": NF4 4-bit)."""
+               attn_implementation: str = "sdpa", trust_remote_code: bool = False, device: str | None = None,
+               storage_in_dtype: bool = False):
+    """Base model for ``method`` ("full" / "lora": weights in ``dtype``; "qlora": NF4 4-bit, stored as
+    :func:`bnb_config` says)."""
     from transformers import AutoModelForCausalLM
     path = resolve_model(model)
     check_weights(path)
     kwargs = dict(dtype=DTYPE_MAP[dtype], attn_implementation=attn_implementation,
                   trust_remote_code=trust_remote_code, use_safetensors=True)
     if method == "qlora":
-        kwargs["quantization_config"] = bnb_config(dtype, double_quant)
+        kwargs["quantization_config"] = bnb_config(dtype, double_quant, storage_in_dtype)
         if device is not None:
             kwargs["device_map"] = {"": device}
     m = AutoModelForCausalLM.from_pretrained(path, **kwargs)

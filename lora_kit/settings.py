@@ -46,6 +46,8 @@ PROMPT_FORMATS = ("auto", "plain", "chat")  # or a user template holding {prompt
 LONG_EXAMPLES = ("truncate", "drop", "error")
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 SHARDED_STATES = ("zero1", "zero2", "zero3", "fsdp")  # shardings that split optimizer states over the GPUs
+SHARDED_WEIGHTS = ("zero3", "fsdp")  # shardings that split the weights: sharded QLoRA skips peft's up-casts
+QLORA_PREPARES = ("auto", "peft", "none")
 
 
 def parse_bool(name: str, value: Any) -> bool:
@@ -163,6 +165,14 @@ class Step:
     autocast: bool = setting(False, "Mixed-precision compute (torch.autocast in 16-bit; fp32 master weights when "
                              "method='full'). Default false: weights are loaded in dtype and computed in it.",
                              kind="bool")
+    qlora_prepare: str = setting("auto", "QLoRA only: how the 4-bit model is readied. 'peft': peft's "
+                                 "prepare_model_for_kbit_training (norms, embeddings and lm_head up-cast to fp32, "
+                                 "and with them the residual stream; fp32 adapters), the QLoRA paper's and "
+                                 "peft's recipe | 'none': no up-casts, adapters and 4-bit storage in dtype, what "
+                                 "TRL 1.16's SFTTrainer and Answer.AI's fsdp_qlora do (FSDP and ZeRO-3 can then shard "
+                                 "the 4-bit weights). Default 'auto': 'none' with loop 'sft' or sharding 'fsdp' / "
+                                 "'zero3', else 'peft'.",
+                                 choices=QLORA_PREPARES)
     double_quant: bool = setting(True, "QLoRA only: also quantise the 4-bit quantisation constants "
                                  "(bitsandbytes' bnb_4bit_use_double_quant). Default true, as in the QLoRA paper.",
                                  kind="bool")
@@ -226,6 +236,19 @@ class Step:
     def replace(self, **changes) -> "Step":
         check_names(changes, STEP_FIELDS, "step setting")
         return dataclasses.replace(self, **changes)
+
+    @property
+    def kbit_prepared(self) -> bool:
+        """QLoRA readied by peft's ``prepare_model_for_kbit_training`` (``qlora_prepare`` resolved)."""
+        if self.method != "qlora":
+            return False
+        return self.qlora_prepare == "peft" or (self.qlora_prepare == "auto" and self.sharding not in SHARDED_WEIGHTS
+                                                and self.loop != "sft")
+
+    def one_gpu(self) -> "Step":
+        """This step on one GPU (what sharding is composed from), QLoRA still readied as it is here."""
+        prepare = ("peft" if self.kbit_prepared else "none") if self.method == "qlora" else self.qlora_prepare
+        return self.replace(sharding="none", num_gpus=1, cpu_offload=False, qlora_prepare=prepare)
 
     def for_method(self, method: str) -> "Step":
         """This step with another method; LoRA fields go back to their defaults for ``method="full"``."""

@@ -4,7 +4,8 @@ The same choices users make with peft + transformers, in the order that matters:
 
 - QLoRA: ``prepare_model_for_kbit_training`` (as users normally call it: it up-casts the
   non-quantized parameters -- norms, embeddings, lm_head -- to fp32, which costs memory on a
-  bf16 model and is included in every number we measure), then ``get_peft_model``.
+  bf16 model and is included in every number we measure), then ``get_peft_model``; or, with
+  ``Step.qlora_prepare`` resolved to "none" (sharded QLoRA), neither up-casts nor fp32 adapters.
 - The seed is set *immediately before* the adapter is created, so the same seed gives the same
   adapter initialisation whatever happened before (data loading, model loading).
 - Gradient checkpointing as the HF Trainer does it: non-reentrant, input gradients enabled when
@@ -48,9 +49,12 @@ def enable_checkpointing(model) -> None:
 
 
 def attach_adapter(model, method: str, seed: int, rank: int = 16, alpha: int = 32, dropout: float = 0.0,
-                   targets="all-linear", gradient_checkpointing: bool = False):
-    """Prepare ``model`` for ``method`` and return the model that trains (a PeftModel for LoRA/QLoRA)."""
-    if method == "qlora":
+                   targets="all-linear", gradient_checkpointing: bool = False, kbit_prepared: bool = True):
+    """Prepare ``model`` for ``method`` and return the model that trains (a PeftModel for LoRA/QLoRA).
+    ``kbit_prepared=False`` (QLoRA, ``Step.qlora_prepare`` resolved): no ``prepare_model_for_kbit_training``,
+    the adapters cast to the base dtype, as TRL's ``SFTTrainer`` (1.16) does for a quantized model and Answer.AI's
+    fsdp_qlora trains."""
+    if method == "qlora" and kbit_prepared:
         from peft import prepare_model_for_kbit_training
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=gradient_checkpointing,
@@ -72,6 +76,11 @@ def attach_adapter(model, method: str, seed: int, rank: int = 16, alpha: int = 3
         raise ValueError(f"lora_targets={targets!r} does not fit this model ({e}); use 'all-linear' or "
                          "names of its linear layers, e.g. ['q_proj', 'v_proj'].") from e
     fix_bnb_cpu_repack(peft_model)
+    if method == "qlora" and not kbit_prepared:
+        dtype = peft_model.get_input_embeddings().weight.dtype
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(dtype)
     return peft_model
 
 

@@ -419,7 +419,7 @@ def fit(cfg, step, progress=None) -> Fit:
     tile = SFT_TOKEN_TILE if step.loop == "sft" else None
     if tile and _window(cfg) is not None:
         raise ValueError("loop 'sft' is not fitted for a model with a sliding window (two kinds of regime).")
-    step = step.replace(sharding="fsdp") if fsdp_step(step) else step.replace(sharding="none", num_gpus=1)
+    step = step.replace(sharding="fsdp") if fsdp_step(step) else step.one_gpu()
     lora = rank_is_variable(step)
     depth0 = 3 if step.sharding == "fsdp" else 2
     s_regimes, stacks, raw, unfitted = _t_regimes(tile) if tile else _s_regimes(cfg), _stacks(cfg, depth0), {}, {}

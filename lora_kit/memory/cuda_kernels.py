@@ -9,7 +9,8 @@ by a lot: the **math** kernel, which materialises ``B x heads x S x S`` fp32 sco
 
 - dtype: ``prepare_model_for_kbit_training`` (method ``qlora``) up-casts norms, embeddings and ``lm_head`` to
   fp32, so the residual stream is fp32; bitsandbytes' ``Linear4bit`` returns its input's dtype and peft adds
-  the fp32 adapter output, so q/k/v are **fp32**. LoRA/full in bf16: peft casts its result back to the base
+  the fp32 adapter output, so q/k/v are **fp32** (not with ``qlora_prepare="none"``, sharded QLoRA's recipe:
+  q/k/v in ``dtype``). LoRA/full in bf16: peft casts its result back to the base
   layer's dtype, so q/k/v are in ``dtype``. ``autocast``: CUDA's autocast casts SDPA's inputs to the 16-bit
   compute dtype (``scaled_dot_product_attention`` is on its lower-precision list, ``autocast_mode.cpp``).
 - ``enable_gqa=True`` when the model has fewer K/V heads than query heads and transformers'
@@ -111,7 +112,7 @@ def sdpa_call(spec, step=None, **overrides) -> SdpaCall:
     """The SDPA call the kit's step makes (see the module docstring for each rule and its source)."""
     spec, st = model_spec(spec), as_step(step, **overrides)
     cfg = spec.config or {}
-    if st.method == "qlora" and not st.autocast:
+    if st.kbit_prepared and not st.autocast:
         dtype = "float32"  # prepare_model_for_kbit_training: fp32 residual stream, Linear4bit returns fp32
     elif st.autocast:
         dtype = st.dtype if st.dtype != "float32" else "bfloat16"  # training.autocast_context
@@ -481,9 +482,9 @@ def cuda_attention_note(model, step=None, *, torch_version_: str | tuple | None 
     else:
         base, extra, bound = peak_bytes, fb.peak_extra, "up to "
     fixes = []
-    if st.method == "qlora":  # checked on a real CPU step: the embeddings too, or the residual stream stays fp32
-        fixes.append("keep the embeddings, norms and LoRA layers in bf16 (undo prepare_model_for_kbit_training's "
-                     "fp32 up-cast)")
+    if st.kbit_prepared:  # checked on a real CPU step: the embeddings too, or the residual stream stays fp32
+        fixes.append("qlora_prepare='none' (embeddings, norms and LoRA layers in bf16: no "
+                     "prepare_model_for_kbit_training up-cast)")
     fixes.append("autocast=True")
     if c.enable_gqa:
         fixes.append("repeat K/V to every query head before SDPA (the memory-efficient kernel then takes fp32)")

@@ -107,8 +107,7 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
         fitted = _fit_for(spec, s_fit)
         if _gap(spec, fitted[0], S) and (spec, s_fit) not in _REFITTED:  # an older design's fit: refitted, once
             _REFITTED.add((spec, s_fit))
-            fitted = _fit_now(spec, s_fit if _fsdp_groups(spec, s) else s_fit.replace(
-                sharding="none", num_gpus=1, cpu_offload=False, optimizer=fitted[2]))
+            fitted = _fit_now(spec, s_fit if _fsdp_groups(spec, s) else s_fit.one_gpu().replace(optimizer=fitted[2]))
             fits._MEMO[("fit_for", str(fits.user_dir()), spec, s_fit)] = fitted
         gap = _gap(spec, fitted[0], S)
     except Unfittable as e:
@@ -177,7 +176,7 @@ def _find_fit(spec: ModelSpec, s: Step):
     if _fsdp_groups(spec, s):  # FSDP2's own step at this GPU count, fitted as simulate runs it
         found = fits.lookup(spec.config, s)
         return (*found, s.optimizer) if found else _fit_now(spec, s)
-    one = s.replace(sharding="none", num_gpus=1, cpu_offload=False)  # one GPU's step: sharding is composed
+    one = s.one_gpu()  # one GPU's step: sharding is composed
     for opt in dict.fromkeys((s.optimizer, "adamw") if s.optimizer in SWAPPABLE else (s.optimizer,)):
         found = fits.lookup(spec.config, one.replace(optimizer=opt))
         composed = opt != s.optimizer or s.sharding not in ("none", "ddp")

@@ -133,9 +133,10 @@ def build_real_model(cfg, s, device: str = "cpu", seed: int = 0):
             net.save_pretrained(d, safe_serialization=True)
             del net
             net = load_model(d, method="qlora", dtype=s.dtype, double_quant=s.double_quant,
-                             attn_implementation=s.attn_implementation, device=device)
+                             attn_implementation=s.attn_implementation, device=device,
+                             storage_in_dtype=not s.kbit_prepared)
     net = attach_adapter(net, s.method, seed, s.lora_rank, s.lora_alpha, 0.0, s.lora_targets,
-                         s.gradient_checkpointing)
+                         s.gradient_checkpointing, s.kbit_prepared)
     net.train()  # from_pretrained returns eval mode, where checkpointing is off
     opt = optimizer_for(net.parameters(), s.optimizer, device_type=torch.device(device).type)
     ids = torch.randint(0, cfg.vocab_size, (s.batch_size, s.seq_len), device=device)

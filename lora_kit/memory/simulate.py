@@ -104,7 +104,7 @@ def _meta_model(cfg, s):
         from transformers.quantizers.base import get_keys_to_not_convert
 
         replace_with_bnb_linear(m, modules_to_not_convert=get_keys_to_not_convert(m),
-                                quantization_config=bnb_config(s.dtype, s.double_quant))
+                                quantization_config=bnb_config(s.dtype, s.double_quant, not s.kbit_prepared))
         m.is_loaded_in_4bit = True
     return m
 
@@ -247,7 +247,7 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
     net = _meta_model(cfg, s)
     with torch.device("meta"):
         net = attach_adapter(net, method, 0, s.lora_rank, s.lora_alpha, 0.0, s.lora_targets,
-                             s.gradient_checkpointing)
+                             s.gradient_checkpointing, s.kbit_prepared)
     net.train()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fakeify(net, fake_mode, DTYPE_MAP[dtype])
@@ -287,8 +287,11 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
                      "bytes (a ring moves (N-1)/N of them per rank).")
     if autocast:
         notes.append("autocast follows the CPU autocast op lists (CUDA's differ in a few ops).")
-    if method == "qlora":
+    if s.kbit_prepared:
         notes.append("QLoRA includes prepare_model_for_kbit_training's fp32 up-casts of norms, embeddings and lm_head.")
+    elif method == "qlora":
+        notes.append("QLoRA without prepare_model_for_kbit_training (qlora_prepare='none'): norms, embeddings, "
+                     f"lm_head and adapters in {dtype}, the 4-bit weights stored in {dtype}.")
     peak = sum(bd.values())
     assert set(bd) == set(BREAKDOWN_KEYS)
     steps = None

@@ -475,9 +475,10 @@ def _read_trl(r: _Reader, model_override) -> str | None:
                          ("lora_target_parameters", "LoRA on parameters (MoE experts) is not modelled")):
             if getattr(m, key):
                 r.not_modelled(key, getattr(m, key), why + "; not in the plan")
-        if m.bnb_4bit_quant_storage and method == "qlora":
-            r.not_modelled("bnb_4bit_quant_storage", m.bnb_4bit_quant_storage, "the 4-bit storage dtype (for "
-                           "FSDP) is not modelled; planned with uint8 storage")
+        if m.bnb_4bit_quant_storage and method == "qlora":  # packed values take the same bytes in any storage
+            r.used.add("bnb_4bit_quant_storage")
+            r.notes.append(f"bnb_4bit_quant_storage={m.bnb_4bit_quant_storage!r}: the same bytes as uint8 storage; "
+                           "with sharding 'fsdp' / 'zero3' the 4-bit weights are planned sharded")
     r.put("seq_len", int(args.max_length) if args.max_length else PLANNING.seq_len, "max_length",
           default=not given("max_length"))
     if not args.max_length:

@@ -222,8 +222,11 @@ def attention_kernel(spec, step: Step, gpu: dict, torch_version: tuple | None = 
 
 def _dtypes(st: Step) -> dict:
     """The dtype each part runs in. QLoRA's usual recipe (prepare_model_for_kbit_training) up-casts every
-    non-quantised tensor to fp32: activations, norms, lm_head; its 4-bit matmuls compute in ``dtype``."""
+    non-quantised tensor to fp32: activations, norms, lm_head; its 4-bit matmuls compute in ``dtype``. Without it
+    (``qlora_prepare="none"``) everything but the 4-bit weights runs in ``dtype``, adapters included."""
     half = st.dtype if st.dtype != "float32" else "bfloat16"
+    if st.method == "qlora" and not st.kbit_prepared:
+        return {"base": half, "activations": st.dtype, "head": st.dtype, "adapters": st.dtype, "weights": half}
     if st.method == "qlora":
         return {"base": half, "activations": "float32", "head": half if st.autocast else "float32",
                 "adapters": half if st.autocast else "float32", "weights": half}
@@ -370,7 +373,7 @@ def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeMode
     a = DTYPE_BYTES[dt["activations"]]
     c.begin_pass()  # forward: the blocks, lm_head and the loss (logits in fp32), its backward's traffic
     _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
-    head_cast = V * H * 6 if st.method == "qlora" and st.autocast else 0  # autocast casts the fp32 lm_head per use
+    head_cast = V * H * 6 if st.kbit_prepared and st.autocast else 0  # autocast casts the fp32 lm_head per use
     c.matmul("lm_head_loss", T, H, V, hp, hb, hb)
     c.add("lm_head_loss", bytes_=head_cast, kernels=1 if head_cast else 0)
     c.add("lm_head_loss", bytes_=T * V * 4 * C.LOSS_PASSES + 2 * T * H * C.NORM_BYTES(a), kernels=12 + 2 * C.NORM_KERNELS)

@@ -209,6 +209,8 @@ RUNS = {
     "dtype": ("the dtype the base weights are loaded in", None),
     "autocast": ("torch.autocast over the forward passes (the Trainer's bf16 / fp16 flags with loop trainer / sft)",
                  None),
+    "qlora_prepare": ("QLoRA readied as the step resolves it: peft's prepare_model_for_kbit_training, or no up-casts "
+                      "with adapters and 4-bit storage in dtype", None),
     "double_quant": ("bitsandbytes' double quantisation of the 4-bit constants (qlora)", None),
     "seq_len": ("rows are truncated / dropped to it (long_examples) and padded to it (padding)", None),
     "batch_size": ("rows per micro-batch", None),
@@ -542,7 +544,7 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     state["train_prompts"], state["fmt"] = [rows[e["row"]] for e in mine[:4]], fmt
     model = load_model(path, method=s.method, dtype=s.dtype, double_quant=s.double_quant,
                        attn_implementation=s.attn_implementation, trust_remote_code=s.trust_remote_code,
-                       device=str(dev))
+                       device=str(dev), storage_in_dtype=not s.step.kbit_prepared)
     if tracker is not None:
         tracker.track(list(model.parameters()) + list(model.buffers()))
     rec["model"] = {"path": path, "parameters": sum(p.numel() for p in model.parameters()),
@@ -557,13 +559,14 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
         if n4 == 0:
             raise RuntimeError("method='qlora' but the loaded model has no 4-bit layers; check bitsandbytes.")
         run.done("quantize", note=f"{n4} Linear4bit layers (NF4, double_quant={s.double_quant}, quantized while "
-                                  "loading); prepare_model_for_kbit_training runs in the adapter phase")
+                                  "loading); " + ("prepare_model_for_kbit_training runs in the adapter phase"
+                                                  if s.step.kbit_prepared else "qlora_prepare='none': no up-casts"))
     else:
         run.done("quantize", status="not applicable", note=f"method={s.method!r} keeps weights in {s.dtype}")
 
     run.start("adapter", tracker)
     model = attach_adapter(model, s.method, s.seed, s.lora_rank, s.lora_alpha, s.lora_dropout, s.lora_targets,
-                           s.gradient_checkpointing)
+                           s.gradient_checkpointing, s.step.kbit_prepared)
     sharded = dist_util.runs_sharded(s)
     if sharded:  # FSDP2 over every rank, before the optimizer exists (it must hold the sharded parameters)
         model, rec["launch"]["fsdp"] = dist_util.shard_fsdp2(model, s)
@@ -738,8 +741,8 @@ def _verify_phases(s, run, state, tracker, tok, probe, path, control_prompts, sh
     run.start("reload", tracker)
     base = load_model(path, method=s.method, dtype=s.dtype, double_quant=s.double_quant,
                       attn_implementation=s.attn_implementation, trust_remote_code=s.trust_remote_code,
-                      device=str(dev))
-    if s.method == "qlora":  # same fp32 up-casts as in training, so logits are comparable
+                      device=str(dev), storage_in_dtype=not s.step.kbit_prepared)
+    if s.step.kbit_prepared:  # same fp32 up-casts as in training, so logits are comparable
         from peft import prepare_model_for_kbit_training
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     reloaded, keys = adapter_io.load_adapter(base, run.out / "adapter")

@@ -194,8 +194,8 @@ def cmd_estimate(args) -> int:
             else "run settings, no effect on the step's memory"
         print(f"  ignored from {args.params} ({why}): {', '.join(ignored)}")
     print("  values (* = assumed, not given; defaults for planning a real model on a GPU):")
-    unused = (*LORA_FIELDS, "double_quant") if plan["method"] == "full" else () if plan["method"] == "qlora" \
-        else ("double_quant",)
+    unused = (*LORA_FIELDS, "double_quant", "qlora_prepare") if plan["method"] == "full" else () \
+        if plan["method"] == "qlora" else ("double_quant", "qlora_prepare")
     for k in ESTIMATE_FIELDS:
         if k in plan and k not in unused:
             print(f"    {'*' if k in assumed else ' '} {k:<24}{plan[k]!r}")

@@ -21,7 +21,7 @@ from lora_kit.plan.records import plan_row
 from lora_kit.plan.timing import calibrate
 from lora_kit.results import (portable, portable_text, read_record, same_run, settled, write_json_atomic,
                               write_text_atomic)
-from lora_kit.settings import method_label
+from lora_kit.settings import as_step, method_label
 from lora_kit.ui.notebook import RUNNING_SUFFIX
 from lora_kit.ui.tables import method_markdown
 
@@ -197,8 +197,10 @@ def assumption_lines(plan: dict) -> list[str]:
     out = [f"- model: **{plan.get('model')}**; sequence length: {plan.get('seq_len', a.get('seq_len')):,} tokens per "
            f"example; micro-batch per GPU: {plan.get('batch_size')}"]
     if a:
+        prep = "; prepare_model_for_kbit_training's fp32 up-casts" if as_step(a).replace(method="qlora").kbit_prepared \
+            else f"; no fp32 up-casts, adapters in {a.get('dtype')}"
         out += [f"- base weights: {a.get('dtype')} for full and LoRA, 4-bit NF4 for QLoRA (double quantization "
-                f"{_on(a.get('double_quant'))}); autocast {_on(a.get('autocast'))}",
+                f"{_on(a.get('double_quant'))}{prep}); autocast {_on(a.get('autocast'))}",
                 f"- gradient checkpointing {_on(a.get('gradient_checkpointing'))}; attention {a.get('attn_implementation')}; "
                 f"optimizer {a.get('optimizer')}; padding mask {a.get('padding')}",
                 f"- LoRA / QLoRA: rank {a.get('lora_rank')}, targets {a.get('lora_targets')} (full fine-tuning trains "
