@@ -168,7 +168,7 @@ class Step:
     qlora_prepare: str = setting("auto", "QLoRA only: how the 4-bit model is readied. 'peft': peft's "
                                  "prepare_model_for_kbit_training (norms, embeddings and lm_head up-cast to fp32, "
                                  "and with them the residual stream; fp32 adapters), the QLoRA paper's and "
-                                 "peft's recipe | 'none': no up-casts, adapters and 4-bit storage in dtype, what "
+                                 "peft's recipe | 'none': no up-casts, bf16 adapters, 4-bit storage in dtype, what "
                                  "TRL 1.16's SFTTrainer and Answer.AI's fsdp_qlora do (FSDP and ZeRO-3 can then shard "
                                  "the 4-bit weights). Default 'auto': 'none' with loop 'sft' or sharding 'fsdp' / "
                                  "'zero3', else 'peft'.",

@@ -52,8 +52,8 @@ def attach_adapter(model, method: str, seed: int, rank: int = 16, alpha: int = 3
                    targets="all-linear", gradient_checkpointing: bool = False, kbit_prepared: bool = True):
     """Prepare ``model`` for ``method`` and return the model that trains (a PeftModel for LoRA/QLoRA).
     ``kbit_prepared=False`` (QLoRA, ``Step.qlora_prepare`` resolved): no ``prepare_model_for_kbit_training``,
-    the adapters cast to the base dtype, as TRL's ``SFTTrainer`` (1.16) does for a quantized model and Answer.AI's
-    fsdp_qlora trains."""
+    the adapters cast to bf16, as TRL's ``SFTTrainer`` (1.16) does for a quantized model whatever its dtype
+    (``sft_trainer.py``: "the PEFT adapter weights are converted to bf16") and Answer.AI's fsdp_qlora trains."""
     if method == "qlora" and kbit_prepared:
         from peft import prepare_model_for_kbit_training
         model = prepare_model_for_kbit_training(
@@ -77,10 +77,9 @@ def attach_adapter(model, method: str, seed: int, rank: int = 16, alpha: int = 3
                          "names of its linear layers, e.g. ['q_proj', 'v_proj'].") from e
     fix_bnb_cpu_repack(peft_model)
     if method == "qlora" and not kbit_prepared:
-        dtype = peft_model.get_input_embeddings().weight.dtype
         for p in peft_model.parameters():
             if p.requires_grad:
-                p.data = p.data.to(dtype)
+                p.data = p.data.to(torch.bfloat16)
     return peft_model
 
 

@@ -290,8 +290,8 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
     if s.kbit_prepared:
         notes.append("QLoRA includes prepare_model_for_kbit_training's fp32 up-casts of norms, embeddings and lm_head.")
     elif method == "qlora":
-        notes.append("QLoRA without prepare_model_for_kbit_training (qlora_prepare='none'): norms, embeddings, "
-                     f"lm_head and adapters in {dtype}, the 4-bit weights stored in {dtype}.")
+        notes.append("QLoRA without prepare_model_for_kbit_training (qlora_prepare='none'): norms, embeddings and "
+                     f"lm_head in {dtype}, adapters in bf16, the 4-bit weights stored in {dtype}.")
     peak = sum(bd.values())
     assert set(bd) == set(BREAKDOWN_KEYS)
     steps = None

@@ -223,10 +223,10 @@ def attention_kernel(spec, step: Step, gpu: dict, torch_version: tuple | None = 
 def _dtypes(st: Step) -> dict:
     """The dtype each part runs in. QLoRA's usual recipe (prepare_model_for_kbit_training) up-casts every
     non-quantised tensor to fp32: activations, norms, lm_head; its 4-bit matmuls compute in ``dtype``. Without it
-    (``qlora_prepare="none"``) everything but the 4-bit weights runs in ``dtype``, adapters included."""
+    (``qlora_prepare="none"``) everything but the 4-bit weights runs in ``dtype``, the adapters in bf16."""
     half = st.dtype if st.dtype != "float32" else "bfloat16"
     if st.method == "qlora" and not st.kbit_prepared:
-        return {"base": half, "activations": st.dtype, "head": st.dtype, "adapters": st.dtype, "weights": half}
+        return {"base": half, "activations": st.dtype, "head": st.dtype, "adapters": "bfloat16", "weights": half}
     if st.method == "qlora":
         return {"base": half, "activations": "float32", "head": half if st.autocast else "float32",
                 "adapters": half if st.autocast else "float32", "weights": half}
@@ -309,8 +309,10 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
         if st.method == "qlora":
             c.add("dequant", bytes_=k * n * (C.NF4_READ_BYTES + C.DEQUANT_WRITE_BYTES) * c.tm.dequant_factor,
                   kernels=2, times=n_l)
-            c.add("elementwise", bytes_=T * (k + n) * (a + mm_b), kernels=C.QLORA_EXTRA_KERNELS - 2, times=n_l,
-                  working_set=T * max(k, n) * (a + mm_b))
+            if a != mm_b:  # Linear4bit casts its input to the compute dtype and its output back (a no-op without
+                # prepare_model_for_kbit_training's fp32 stream: qlora_prepare "none")
+                c.add("elementwise", bytes_=T * (k + n) * (a + mm_b), kernels=C.QLORA_EXTRA_KERNELS - 2, times=n_l,
+                      working_set=T * max(k, n) * (a + mm_b))
         if lin.name in adapted:
             r, ab = st.lora_rank, DTYPE_BYTES[dt["adapters"]]
             ap = f32_peak if dt["adapters"] == "float32" else base_peak

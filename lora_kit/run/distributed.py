@@ -66,9 +66,10 @@ def engine(s) -> str:
 def check_sharded(s) -> None:
     """Refuse, saying what to change, what the FSDP2 smoke run does not run."""
     if s.method == "qlora":
-        raise ValueError(f"sharding={s.sharding!r} with method='qlora' is not run by the smoke run: FSDP2 shards "
-                         "bitsandbytes 4-bit weights only with bnb_4bit_quant_storage set to the compute dtype, which "
-                         "lora_kit does not load; use sharding='ddp' (or method='lora') for the multi-process smoke run.")
+        raise ValueError(f"sharding={s.sharding!r} with method='qlora' is not run by the smoke run: its FSDP2 "
+                         "(fully_shard) does not shard bitsandbytes' 4-bit parameters (their quantisation state is "
+                         "not a tensor FSDP2 carries); use sharding='ddp' (or method='lora') for the multi-process "
+                         "smoke run. The plan's sharded QLoRA figures are estimate's (qlora_prepare 'none').")
     if s.optimizer not in ("adamw", "sgd"):
         raise ValueError(f"sharding={s.sharding!r} runs FSDP2 with torch optimizers; optimizer={s.optimizer!r} on "
                          "sharded (DTensor) parameters is not run: use optimizer='adamw' or 'sgd', or sharding='ddp'.")

@@ -198,7 +198,7 @@ def assumption_lines(plan: dict) -> list[str]:
            f"example; micro-batch per GPU: {plan.get('batch_size')}"]
     if a:
         prep = "; prepare_model_for_kbit_training's fp32 up-casts" if as_step(a).replace(method="qlora").kbit_prepared \
-            else f"; no fp32 up-casts, adapters in {a.get('dtype')}"
+            else "; no fp32 up-casts, bf16 adapters"
         out += [f"- base weights: {a.get('dtype')} for full and LoRA, 4-bit NF4 for QLoRA (double quantization "
                 f"{_on(a.get('double_quant'))}{prep}); autocast {_on(a.get('autocast'))}",
                 f"- gradient checkpointing {_on(a.get('gradient_checkpointing'))}; attention {a.get('attn_implementation')}; "
