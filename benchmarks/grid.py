@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -221,7 +222,7 @@ def grid(served_only: bool = True) -> list[tuple[str, dict]]:
     ``estimate``; duplicates (a dense-cross row equal to a per-model row) appear once, first place kept. A row is
     kept when the fits shipped with the package serve it (:func:`shipped`): the grid freezes what a fresh install
     computes without fitting (the tiny model ships a fit for every row). ``served_only=False``: every row, what
-    ``benchmarks/fit_catalog.py`` fits for the tiny model."""
+    ``benchmarks/fit_catalog.py`` fits for the tiny model. :func:`rows` computes the served rows once each."""
     out, seen = [], set()
     models = _models()
     for model in models:
@@ -236,31 +237,48 @@ def grid(served_only: bool = True) -> list[tuple[str, dict]]:
     return out
 
 
+def _shipped_only():
+    """What a fresh install estimates with: the shipped fits, no user cache, nothing fitted on the spot."""
+    from lora_kit.memory import fits
+    return mock.patch.dict(os.environ, LORA_KIT_FIT="never", LORA_KIT_FITS=str(fits.SHIPPED / "no-user-cache"))
+
+
 def shipped(model: str, settings: dict) -> bool:
     """Whether the fits shipped with the package serve ``estimate(model, **settings)`` (fitted, or composed from
     one), whatever the user's cache holds."""
     from lora_kit import estimate
     from lora_kit.memory import fits
-    saved = {k: os.environ.get(k) for k in ("LORA_KIT_FIT", "LORA_KIT_FITS")}
-    os.environ.update(LORA_KIT_FIT="never", LORA_KIT_FITS=str(fits.SHIPPED / "no-user-cache"))
-    try:
-        estimate(model, **settings)
-        return True
-    except fits.MissingFit:
-        return False
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with _shipped_only():
+        try:
+            estimate(model, **settings)
+            return True
+        except fits.MissingFit:
+            return False
+
+
+def rows() -> list[dict]:
+    """The golden grid's rows (:func:`grid`'s served pairs, in its order), each estimated once, as a fresh install
+    estimates it."""
+    from lora_kit.memory import fits
+    out = []
+    with _shipped_only():
+        for model, kw in grid(served_only=False):
+            try:
+                out.append(compute(model, kw))
+            except fits.MissingFit:
+                continue
+    return out
 
 
 def compute(model: str, settings: dict) -> dict:
-    """One golden row: the settings as passed and every byte field of the estimate (raises if refused)."""
+    """One golden row: the settings as passed and every byte field of the estimate (raises if refused; a missing
+    fit with ``LORA_KIT_FIT=never`` raises :class:`lora_kit.memory.fits.MissingFit`)."""
     from lora_kit import estimate
+    from lora_kit.memory.fits import MissingFit
     try:
         e = estimate(model, **settings)
+    except MissingFit:
+        raise
     except ValueError as err:
         raise ValueError(f"estimate({model!r}, **{settings}) refused a grid row: {err}") from err
     return {"model": model, "settings": dict(settings), "peak_allocated_bytes": int(e.peak_allocated_bytes),
@@ -329,14 +347,14 @@ def main(argv=None) -> int:
     import lora_kit
     print(f"lora_kit: {lora_kit.__file__}")
     t0 = time.perf_counter()
-    rows = [compute(model, kw) for model, kw in grid()]
+    computed = rows()
     took = time.perf_counter() - t0
-    print(f"{len(rows):,} rows in {took:.2f} s")
+    print(f"{len(computed):,} rows in {took:.2f} s")
     if args.coverage:
-        for field, counts in coverage(rows).items():
+        for field, counts in coverage(computed).items():
             print(f"{field}: " + ", ".join(f"{v}={n}" for v, n in counts.items()))
     if args.check:
-        diff = differences(load(args.out), rows)
+        diff = differences(load(args.out), computed)
         for line in diff[:20]:
             print(line)
         if diff:
@@ -345,7 +363,7 @@ def main(argv=None) -> int:
         print(f"identical to {args.out}")
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(dumps(r) + "\n" for r in rows))
+    args.out.write_text("".join(dumps(r) + "\n" for r in computed))
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)")
     return 0
 

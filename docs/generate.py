@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -836,15 +837,20 @@ def time_model_md(prov: dict) -> str:
         reasons.setdefault(r["reason"], []).append(r["id"])
     out.append(f"### Out of scope ({len(d['out_of_scope'])} rows, listed with the reason)\n\n" + table(
         ["reason", "rows"], [[why, ", ".join(ids)] for why, ids in reasons.items()]))
+    shown = [r for r in d["out_of_scope"] if "shown" in r]
+    if shown:
+        out.append("\nOut-of-scope rows the kit can still plan, its prediction shown beside the measurement (in no fit "
+                   "and no error figure):\n\n" + table(
+                       ["row", "measured (s/step)", "predicted (s/step)", "ratio"],
+                       [[r["id"], f"{r['shown']['measured_seconds']:.3f}", f"{r['shown']['predicted_seconds']:.3f}",
+                         f"{r['shown']['ratio']:.2f}"] for r in shown]))
     return "".join(out)
 
 
 def cli_md() -> str:
     # argparse wraps to the terminal's width (and may colour): fix both so the file is the same anywhere
     fixed = {"COLUMNS": "100", "NO_COLOR": "1", "PYTHON_COLORS": "0"}
-    saved = {k: os.environ.get(k) for k in fixed}
-    os.environ.update(fixed)
-    try:
+    with mock.patch.dict(os.environ, fixed):
         if str(ROOT) not in sys.path:
             sys.path.insert(0, str(ROOT))
         from lora_kit.ui.cli import build_parser
@@ -853,12 +859,6 @@ def cli_md() -> str:
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
                 helps += [(f"lora-kit {name}", sub.format_help()) for name, sub in action.choices.items()]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     out = [HEADER.format(inputs="the argparse parser of `lora_kit.ui.cli`"),
            "# Command line: `lora-kit`\n\nThe help of each command, as `lora-kit <command> --help` prints it. "
            "Every setting flag comes from `lora_kit.settings.Settings`.\n"]

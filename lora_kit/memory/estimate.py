@@ -108,7 +108,7 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
         if _gap(spec, fitted[0], S) and (spec, s_fit) not in _REFITTED:  # an older design's fit: refitted, once
             _REFITTED.add((spec, s_fit))
             fitted = _fit_now(spec, s_fit if _fsdp_groups(spec, s) else s_fit.one_gpu().replace(optimizer=fitted[2]))
-            fits._MEMO[("fit_for", str(fits.user_dir()), spec, s_fit)] = fitted
+            fits._MEMO[_fit_memo(spec, s_fit)] = fitted
         gap = _gap(spec, fitted[0], S)
     except Unfittable as e:
         return _simulated_arrays(spec, s, S, B, r, N, str(e))
@@ -153,6 +153,11 @@ def _gap(spec: ModelSpec, f, S) -> str | None:
     return None
 
 
+def _fit_memo(spec: ModelSpec, s: Step) -> tuple:
+    """Where :func:`_fit_for` keeps its answer: in the lookups' memo (cleared with it), per user cache."""
+    return ("fit_for", str(fits.user_dir()), spec, s)
+
+
 def _fit_for(spec: ModelSpec, s: Step):
     """(fit, what it was fitted with, the optimizer it was fitted with) for this model and step: the step's own fit,
     else the same step's fit with AdamW (another optimizer is composed: :mod:`lora_kit.memory.compose`), else one
@@ -165,7 +170,7 @@ def _fit_for(spec: ModelSpec, s: Step):
     ``simulate``)."""
     if not spec.config:
         raise ValueError(f"{spec.name}: no config to fit its memory model from; pass a config.json or a model folder.")
-    memo = ("fit_for", str(fits.user_dir()), spec, s)  # in the lookups' memo: cleared with it
+    memo = _fit_memo(spec, s)
     if memo not in fits._MEMO:
         fits._MEMO[memo] = _find_fit(spec, s)
     return fits._MEMO[memo]
