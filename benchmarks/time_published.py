@@ -211,8 +211,18 @@ def run(tm: TimeModel, rows, out_rows) -> dict:
             "rows": results, "by_source": {k: _stats(v) for k, v in sources.items()},
             "fitted": _stats([x["ratio"] for x in results if x["role"] == "fit"]), "judged": _stats(judged),
             "calibrated": calibrated_error(rows, tm),
-            "out_of_scope": [{"id": r["id"], "source": r["source"], "url": r["url"], "reason": r["out_of_scope"]}
-                             for r in out_rows]}
+            "out_of_scope": [{"id": r["id"], "source": r["source"], "url": r["url"], "reason": r["out_of_scope"],
+                              **_shown(r, tm)} for r in out_rows]}
+
+
+def _shown(row: dict, tm: TimeModel) -> dict:
+    """An out-of-scope row the kit can still plan (its settings and a measured step time are stated): the
+    prediction beside the measurement, shown, never in a fit or an error figure."""
+    if not row.get("settings") or "step_seconds" not in (row.get("measured") or {}):
+        return {}
+    p = predict(row, tm)["step_seconds"]
+    return {"shown": {"measured_seconds": row["measured"]["step_seconds"], "predicted_seconds": p,
+                      "ratio": p / row["measured"]["step_seconds"]}}
 
 
 def uncalibrated_factor(res: dict) -> float:
@@ -275,6 +285,10 @@ def _print(res: dict):
         reasons.setdefault(r["reason"], []).append(r["id"])
     for why, ids in reasons.items():
         print(f"  {len(ids):2d} x {why}: {', '.join(ids[:3])}{' ...' if len(ids) > 3 else ''}")
+    for r in (r for r in res["out_of_scope"] if "shown" in r):
+        sh = r["shown"]
+        print(f"  shown, not judged: {r['id']}: measured {sh['measured_seconds']:.3f} s, predicted "
+              f"{sh['predicted_seconds']:.3f} s (x{sh['ratio']:.2f})")
 
 
 def main(argv=None):
