@@ -216,9 +216,9 @@ def run(tm: TimeModel, rows, out_rows) -> dict:
 
 
 def _shown(row: dict, tm: TimeModel) -> dict:
-    """An out-of-scope row the kit can still plan (its settings and a measured step time are stated): the
-    prediction beside the measurement, shown, never in a fit or an error figure."""
-    if not row.get("settings") or "step_seconds" not in (row.get("measured") or {}):
+    """An out-of-scope row the kit plans as it ran (``"show": true`` in the reference: kept out for its software,
+    not its method or kernels): the prediction beside the measurement, shown, never in a fit or an error figure."""
+    if not row.get("show"):
         return {}
     p = predict(row, tm)["step_seconds"]
     return {"shown": {"measured_seconds": row["measured"]["step_seconds"], "predicted_seconds": p,

@@ -194,7 +194,7 @@ def published_rows(ref: Path) -> list:
             # qlora_prepare "none" (what "auto" gives sharding "fsdp"); the run's software is what keeps it out
             "out_of_scope": "library versions not stated, and the run (Feb-Mar 2024) predates the bitsandbytes 4-bit "
             "kernels whose dequantisation cost the time model fits (benchmarks/time_published.py prints the kit's "
-            "prediction for it); Answer.AI's own FSDP-1 loop over PCIe",
+            "prediction for it); Answer.AI's own FSDP-1 loop over PCIe", "show": True,
             "notes": r["missing_settings"] + "; Answer.AI's own FSDP-1 loop over PCIe, planned as FSDP2 with "
             "qlora_prepare 'none' (auto)"})
     for r in pub:
