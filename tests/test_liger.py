@@ -155,3 +155,21 @@ def test_axolotls_liger_plugin_maps_to_the_field(tmp_path, extra, on, listed):
     step, rep = settings_from_config(path)
     assert step.liger_kernel is on
     assert {n["key"] for n in rep.not_modelled} == listed
+
+
+def test_the_time_model_prices_the_fused_head_by_its_chunks():
+    """Liger runs the unfused head's matmuls, in forward, one chunk of rows at a time, and there are always about
+    cdiv(vocab, hidden) chunks (32 for Llama-3-8B): each reads lm_head's weight (1 GB in bf16) again, which outweighs
+    the fp32 passes over the logits it saves; fine-tuning lm_head, each chunk also casts and adds a vocabulary x
+    hidden product."""
+    from lora_kit.plan.gpus import gpu_table
+    from lora_kit.plan.timing import device_parts
+    gpu = {**gpu_table().set_index("name").loc["H100-SXM"].to_dict(), "name": "H100-SXM"}
+    for T in (128, 4096, 65536):
+        assert 16 < -(-T // liger.chunk_tokens(T, 4096, 128256)) <= 32
+
+    def head(**kw):
+        return [device_parts("llama-3.1-8b", gpu, liger_kernel=on, **kw)["parts"]["lm_head_loss"] for on in (False, True)]
+    (lora_off, lora_on), (full_off, full_on) = head(method="lora", seq_len=4096), head(method="full", seq_len=4096)
+    assert lora_off < lora_on and full_off < full_on
+    assert full_on - lora_on > full_off - lora_off  # the per-chunk weight-gradient product
