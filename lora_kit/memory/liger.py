@@ -345,7 +345,9 @@ def apply(model, fused_linear_cross_entropy: bool = True) -> None:
     TRL's SFTTrainer (1.16 ``sft_trainer.py``: it sets ``liger_kernel_config["fused_linear_cross_entropy"] =
     False``, keeping its own fused LM head), the layer kernels only."""
     import importlib
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # trainer_utils.unwrap_peft_model
+
+    from transformers.trainer_utils import unwrap_peft_model  # what integrations/liger.py apply_liger_kernel patches
+    base = unwrap_peft_model(model)
     model_type = base.config.model_type
     check(model_type)
     modeling = importlib.import_module(f"transformers.models.{EMULATED[model_type]}.modeling_{EMULATED[model_type]}")

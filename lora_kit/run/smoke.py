@@ -217,9 +217,8 @@ def apply_liger(model, s) -> None:
     """``liger_kernel=True`` with loop 'kit': what the Trainer's ``use_liger_kernel=True`` does (transformers
     ``integrations/liger.py`` ``apply_liger_kernel``); the Trainer and SFTTrainer do it themselves."""
     if s.liger_kernel and s.loop == "kit":
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        _apply_liger_kernel_to_instance(model=base)
+        from transformers.integrations.liger import apply_liger_kernel
+        apply_liger_kernel(model, None)  # the Trainer's own call: _apply_liger_kernel_to_instance(unwrapped model)
 
 
 RUNS = {
@@ -252,7 +251,8 @@ RUNS = {
     "loop": ("'kit': lora_kit's step; 'trainer' / 'sft': transformers' Trainer / TRL's SFTTrainer train() on the same "
              "batches", _loop_not_run),
     "liger_kernel": ("Liger Kernel applied as the Trainer's use_liger_kernel=True applies it (loop 'kit': "
-                     "_apply_liger_kernel_to_instance; 'trainer' / 'sft': the flag); CUDA only", _liger_not_run),
+                     "transformers' apply_liger_kernel, the Trainer's own call; 'trainer' / 'sft': the flag); CUDA "
+                     "only", _liger_not_run),
 }
 
 
