@@ -216,6 +216,14 @@ class Step:
                         "'trainer' (transformers' Trainer, its train()) | 'sft' (TRL's SFTTrainer, its train()), "
                         "each with its own defaults. "
                         "Default 'kit'.", choices=LOOPS)
+    liger_kernel: bool = setting(False, "Liger Kernel's Triton kernels in the loop: the Trainer's / TRL's "
+                                 "use_liger_kernel=True, axolotl's liger plugin. For Llama, Mistral and Qwen2/3 "
+                                 "they fuse RoPE, RMSNorm and SwiGLU and compute the loss with a fused linear "
+                                 "cross-entropy that never holds the full (tokens x vocabulary) logits, only a chunk "
+                                 "of them, and its gradients in forward: much less memory at large vocabularies; "
+                                 "the same matmuls, in chunks that each read lm_head's weight again (TRL's "
+                                 "SFTTrainer keeps its own fused head: the layer kernels only). Needs a CUDA GPU and "
+                                 "liger-kernel. Default false: neither the Trainer nor TRL turns it on.", kind="bool")
 
     def __post_init__(self):
         for name, value in check_values({f.name: getattr(self, f.name) for f in fields(self)}).items():

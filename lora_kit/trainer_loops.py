@@ -153,7 +153,7 @@ RUN_OWNED = ("output_dir", "max_steps", "num_train_epochs", "save_strategy", "sa
              "eos_token", "pad_token", "chat_template_path", "resume_from_checkpoint")
 # ... and the step fields, from the Step (mapped from the config by lora_kit.plan.config_import when it gave them)
 STEP_OWNED = ("per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "max_length", "optim",
-              "bf16", "fp16", "seed")
+              "bf16", "fp16", "seed", "use_liger_kernel")
 
 
 def loop_args(s, out_dir, steps: int, config: dict | None = None):
@@ -173,7 +173,8 @@ def loop_args(s, out_dir, steps: int, config: dict | None = None):
     half = s.autocast and s.dtype == "float16"
     fields.update(per_device_train_batch_size=s.batch_size, gradient_accumulation_steps=s.grad_accum,
                   learning_rate=s.learning_rate, optim=TRAINER_OPTIM[s.optimizer], bf16=bool(s.autocast and not half),
-                  fp16=bool(half), seed=s.seed, output_dir=str(out_dir), max_steps=steps, save_strategy="no",
+                  fp16=bool(half), seed=s.seed, use_liger_kernel=s.liger_kernel, output_dir=str(out_dir),
+                  max_steps=steps, save_strategy="no",
                   logging_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
                   remove_unused_columns=False, train_sampling_strategy="sequential",
                   use_cpu=not torch.cuda.is_available(), eval_strategy="no", push_to_hub=False)

@@ -20,6 +20,7 @@ STEPS = {
                                             gradient_checkpointing=False, attn_implementation="eager"),
     "lora_fp16_ddp": PLANNING.replace(dtype="float16", autocast=True, padding="longest", num_gpus=2, sharding="ddp",
                                       seq_len=1024, batch_size=8),
+    "lora_liger": PLANNING.replace(autocast=True, padding="longest", liger_kernel=True),
 }
 LOOP = {"trl": "sft", "axolotl": "trainer", "llamafactory": "trainer"}
 

@@ -30,8 +30,8 @@ EXPECTED = {
     # TRL's defaults: ModelConfig.dtype float32 under bf16 autocast = fp32 master weights, bf16 compute
     "trl_full_qwen2.5-0.5b.yaml": ("qwen2.5-0.5b", dict(
         method="full", dtype="bfloat16", autocast=True, seq_len=8192, batch_size=1, gradient_checkpointing=False,
-        optimizer="adamw", grad_accum=16, attn_implementation="sdpa", loop="sft"),
-        {"use_liger_kernel", "attn_implementation"}),
+        optimizer="adamw", grad_accum=16, attn_implementation="sdpa", loop="sft", liger_kernel=True),
+        {"attn_implementation"}),
     "axolotl_qlora_llama-3.1-8b.yml": ("llama-3.1-8b", dict(
         method="qlora", dtype="bfloat16", autocast=True, double_quant=True, seq_len=4096, batch_size=2, lora_rank=32,
         lora_alpha=16, lora_targets="all-linear", gradient_checkpointing=True, optimizer="paged_adamw_32bit",
@@ -50,8 +50,8 @@ EXPECTED = {
         {"use_reentrant_gc"}),
     "llamafactory_qlora_qwen2.5-7b.yaml": ("qwen2.5-7b", dict(
         method="qlora", dtype="bfloat16", autocast=True, double_quant=False, seq_len=4096, batch_size=2,
-        lora_rank=64, lora_alpha=16, lora_targets=("q_proj", "v_proj"), optimizer="paged_adamw_8bit", grad_accum=4),
-        {"flash_attn", "enable_liger_kernel"}),
+        lora_rank=64, lora_alpha=16, lora_targets=("q_proj", "v_proj"), optimizer="paged_adamw_8bit", grad_accum=4,
+        liger_kernel=True), {"flash_attn"}),
     # LLaMA-Factory up-casts trainable weights to fp32 under bf16: fp32 master weights, bf16 autocast
     "llamafactory_full_llama-3.2-1b.yaml": ("llama-3.2-1b", dict(
         method="full", dtype="bfloat16", autocast=True, seq_len=1024, batch_size=4, grad_accum=2,

@@ -27,7 +27,8 @@ object arrays of Python ints otherwise). Storages are rounded to 512 bytes, so a
 of the design's step a few small storages differ from the polynomial by under 512 bytes each.
 
 Not fitted here: sharding (one GPU; the caller composes), loops whose operator sequence follows the tokens
-(``loop="sft"`` tiles them): :func:`fit` refuses what it cannot align, naming the reason.
+(``loop="sft"`` tiles them), Liger's fused cross-entropy (``liger_kernel``: chunks of a power-of-two size):
+:func:`fit` refuses what it cannot align, naming the reason.
 """
 from __future__ import annotations
 
@@ -416,6 +417,10 @@ def fit(cfg, step, progress=None) -> Fit:
     if step.sharding not in ("none", "ddp") and not fsdp_step(step):
         raise ValueError(f"calibrate fits one GPU's step or FSDP2's (fsdp / zero3: LoRA or full, AdamW or SGD, no "
                          f"offload); sharding={step.sharding!r} here is composed (lora_kit.memory.compose).")
+    if step.liger_kernel and step.loop != "sft":  # lora_kit.memory.liger.chunk_tokens (TRL's loop keeps its head)
+        raise ValueError("liger_kernel: the fused cross-entropy holds next_power_of_2(cdiv(tokens, cdiv(vocab, hidden))) "
+                         "rows of logits at a time and loops over the chunks, so its bytes and operators are not "
+                         "polynomial in the shape: not fitted (estimate simulates each row).")
     tile = SFT_TOKEN_TILE if step.loop == "sft" else None
     if tile and _window(cfg) is not None:
         raise ValueError("loop 'sft' is not fitted for a model with a sliding window (two kinds of regime).")

@@ -60,7 +60,8 @@ def categorical(step) -> dict:
     sharded = {"sharding": "fsdp", "num_gpus": step.num_gpus} if fsdp_step(step) else {}  # FSDP2's step, per count
     # QLoRA without peft's up-casts (sharded QLoRA's recipe) is its own step; the usual one keeps its old key
     bare = {"qlora_prepare": "none"} if step.method == "qlora" and not step.kbit_prepared else {}
-    return {**fixed_rank, **sharded, **bare, "method": step.method, "dtype": step.dtype, "autocast": step.autocast,
+    liger = {"liger_kernel": True} if step.liger_kernel else {}  # its own step; without it the keys stay as they were
+    return {**fixed_rank, **sharded, **bare, **liger, "method": step.method, "dtype": step.dtype, "autocast": step.autocast,
             "double_quant": step.double_quant if step.method == "qlora" else None,
             "lora_targets": list(step.lora_targets) if lora and not isinstance(step.lora_targets, str)
             else (step.lora_targets if lora else None),

@@ -97,6 +97,8 @@ def measure_config(model, step: Step | None = None, *, device: str = "cpu", seed
     ``trace``: as :func:`measure_step` (loop "kit" only)."""
     s = as_step(step, **overrides)
     check_model_step(model, s)
+    if s.liger_kernel:
+        check_liger(load_config(model), s)
     net, opt, batch = build_real_model(load_config(model), s, device=device, seed=seed)
     if s.loop != "kit":
         if trace:
@@ -115,6 +117,16 @@ def _measure_loop(net, batch, s, steps: int, device: str) -> MeasureResult:
                          "torch.cuda.max_memory_allocated(), or measure loop='kit'.")
     r = measure_real_loop(net, batch, s, steps=steps)
     return MeasureResult(r["peak"], None, r["breakdown"], r["phase"], device, r["wall"], [])
+
+
+def check_liger(cfg, s) -> None:
+    """``liger_kernel=True`` as far as simulate / measure emulate it (:mod:`lora_kit.memory.liger`): a model type
+    Liger patches and the kit emulates, on one GPU (or DDP); else a ValueError saying what to change."""
+    from lora_kit.memory import liger
+    liger.check(cfg.model_type)
+    if s.sharding not in ("none", "ddp"):
+        raise ValueError(f"liger_kernel=True is emulated on one GPU and DDP; for sharding={s.sharding!r} set "
+                         "liger_kernel=False (or plan sharding='ddp').")
 
 
 def build_real_model(cfg, s, device: str = "cpu", seed: int = 0):
@@ -138,6 +150,9 @@ def build_real_model(cfg, s, device: str = "cpu", seed: int = 0):
     net = attach_adapter(net, s.method, seed, s.lora_rank, s.lora_alpha, 0.0, s.lora_targets,
                          s.gradient_checkpointing, s.kbit_prepared)
     net.train()  # from_pretrained returns eval mode, where checkpointing is off
+    if s.liger_kernel:
+        from lora_kit.memory import liger
+        liger.apply(net, fused_linear_cross_entropy=s.loop != "sft")
     opt = optimizer_for(net.parameters(), s.optimizer, device_type=torch.device(device).type)
     ids = torch.randint(0, cfg.vocab_size, (s.batch_size, s.seq_len), device=device)
     return net, opt, step_batch(ids, s.padding)

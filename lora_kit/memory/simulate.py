@@ -57,9 +57,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lora_kit.fsdp import SIMULATED
 from lora_kit.loading import DTYPE_MAP, bnb_config
+from lora_kit.memory import liger
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS, label_training_state, to_breakdown
 from lora_kit.memory.device import device_kwargs, device_total
-from lora_kit.memory.measure import step_batch
+from lora_kit.memory.measure import check_liger, step_batch
 from lora_kit.memory.sharded import check_simulable, simulate_sharded
 from lora_kit.memory.specs import check_model_step, load_config, model_spec
 from lora_kit.memory.tracker import LiveBytesTracker
@@ -244,11 +245,15 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
             raise ValueError(f"simulate runs sharding={sharding!r} with loop='kit'; for loop={s.loop!r} under "
                              "sharding use lora_kit.memory.estimate.")
     cfg = load_config(model)
+    if s.liger_kernel:
+        check_liger(cfg, s)
     net = _meta_model(cfg, s)
     with torch.device("meta"):
         net = attach_adapter(net, method, 0, s.lora_rank, s.lora_alpha, 0.0, s.lora_targets,
                              s.gradient_checkpointing, s.kbit_prepared)
     net.train()
+    if s.liger_kernel:
+        liger.apply(net, fused_linear_cross_entropy=s.loop != "sft")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fakeify(net, fake_mode, DTYPE_MAP[dtype])
     paged = s.optimizer.startswith("paged_")
@@ -285,6 +290,10 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
                      f"(the largest shard); {fsdp_policy!r} wrapping (lora_kit.fsdp). Per step it "
                      f"all-gathered {c['all_gather_bytes']} and reduce-scattered {c['reduce_scatter_bytes']} buffer "
                      "bytes (a ring moves (N-1)/N of them per rank).")
+    if s.liger_kernel:
+        notes.append("liger_kernel: Liger's RoPE, RMSNorm, SwiGLU and fused linear cross-entropy as their Python code "
+                      "allocates and saves (lora_kit.memory.liger); RMSNorm's backward buffer sized for "
+                      f"{liger.RMS_NORM_SM_COUNT} SMs (an H100-SXM / H200).")
     if autocast:
         notes.append("autocast follows the CPU autocast op lists (CUDA's differ in a few ops).")
     if s.kbit_prepared:

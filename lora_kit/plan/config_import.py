@@ -509,6 +509,25 @@ def _read_trl(r: _Reader, model_override) -> str | None:
     return model_override or m.model_name_or_path
 
 
+# axolotl's LigerPlugin (axolotl.integrations.liger) applies the kernels whose flag is set; the Trainer's
+# use_liger_kernel=True applies these four (liger-kernel's apply_liger_kernel_to_<type> defaults)
+AXOLOTL_LIGER_DEFAULTS = ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy")
+
+
+def _axolotl_liger(r: _Reader, c: dict) -> None:
+    """axolotl's Liger plugin and its ``liger_*`` flags: ``liger_kernel`` when the plugin applies the Trainer's
+    default kernels, else listed as not modelled (planned without Liger)."""
+    plugin = [p for p in (c.get("plugins") or []) if "liger" in str(p).lower()]
+    flags = {k: c[k] for k in c if k.startswith("liger_") and c[k]}
+    r.used |= {k for k in c if k.startswith("liger_")}
+    if plugin and set(flags) == set(AXOLOTL_LIGER_DEFAULTS):
+        r.put("liger_kernel", True, "plugins", raw=f"{plugin[0]} with {', '.join(AXOLOTL_LIGER_DEFAULTS)}")
+    elif plugin or flags:
+        r.not_modelled("plugins" if plugin else next(iter(flags)), plugin + sorted(flags),
+                       f"Liger is modelled with the plugin and exactly {', '.join(AXOLOTL_LIGER_DEFAULTS)} on (the "
+                       "Trainer's use_liger_kernel kernels); planned without Liger")
+
+
 def _trainer_common(r: _Reader, args, method: str, dtype: str, given) -> None:
     """What SFTConfig shares with TrainingArguments: checkpointing, optimizer, precision, FSDP, Liger, compile."""
     ckpt_key = "activation_checkpointing" if given("activation_checkpointing") else "gradient_checkpointing"
@@ -528,11 +547,13 @@ def _trainer_common(r: _Reader, args, method: str, dtype: str, given) -> None:
     if args.fsdp:
         _fsdp(r, "fsdp", args.fsdp, args.fsdp_config)
     r.used |= {"fsdp", "fsdp_config"}
-    if args.use_liger_kernel:
-        r.not_modelled("use_liger_kernel", True, f"Liger kernels are not modelled ({NOT_YET})")
+    r.put("liger_kernel", bool(args.use_liger_kernel), "use_liger_kernel", default=not given("use_liger_kernel"))
+    if args.use_liger_kernel and args.liger_kernel_config:
+        r.not_modelled("liger_kernel_config", args.liger_kernel_config, "Liger is planned with its defaults (rope, "
+                       "rms_norm, swiglu, fused_linear_cross_entropy; TRL's SFTTrainer without the last)")
     if args.torch_compile:
         r.not_modelled("torch_compile", True, "torch.compile changes which activations are kept; not modelled")
-    r.used |= {"use_liger_kernel", "torch_compile"}
+    r.used |= {"use_liger_kernel", "liger_kernel_config", "torch_compile"}
 
 
 def _read_trainer(r: _Reader, model_override) -> str | None:
@@ -651,12 +672,7 @@ def _read_axolotl(r: _Reader, model_override) -> str | None:
     if r.get("sample_packing"):
         r.not_modelled("sample_packing", True, f"packed rows are not modelled ({NOT_YET}); planned as rows of "
                        "sequence_len")
-    liger = [k for k in c if k.startswith("liger_") and c[k]] + [p for p in (c.get("plugins") or [])
-                                                                  if "liger" in str(p).lower()]
-    if liger:
-        r.not_modelled("plugins" if any("liger" in str(p).lower() for p in c.get("plugins") or []) else liger[0],
-                       liger, f"Liger kernels are not modelled ({NOT_YET})")
-        r.used |= {k for k in c if k.startswith("liger_")}
+    _axolotl_liger(r, c)
     for key in ("unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "unsloth_cross_entropy_loss",
                 "torch_compile", "cut_cross_entropy", "activation_offloading"):
         if r.get(key):
@@ -745,13 +761,14 @@ def _read_llamafactory(r: _Reader, model_override) -> str | None:
     for key in ("use_galore", "use_badam", "use_apollo", "use_adam_mini", "use_muon"):
         if r.get(key):
             r.not_modelled(key, True, "this optimizer's states are not modelled; planned as AdamW")
+    if r.get("enable_liger_kernel"):  # LLaMA-Factory's apply_liger_kernel: Liger's defaults for SFT
+        r.put("liger_kernel", True, "enable_liger_kernel")
     fa = r.get("flash_attn", "auto")
     _attention(r, "flash_attn", {"auto": "sdpa", "disabled": "eager", "sdpa": "sdpa"}.get(fa, fa),
                default=not r.has("flash_attn"))
     r.put("padding", "longest", "padding", raw="LLaMA-Factory's collator pads to the longest row", default=True)
     for key, why in (("packing", f"packed rows are not modelled ({NOT_YET})"),
                      ("neat_packing", f"packed rows are not modelled ({NOT_YET})"),
-                     ("enable_liger_kernel", f"Liger kernels are not modelled ({NOT_YET})"),
                      ("use_unsloth", "unsloth's kernels are not modelled"),
                      ("use_unsloth_gc", "unsloth's offloaded checkpoints are not modelled"),
                      ("shift_attn", "shift short attention is not modelled"),

@@ -112,6 +112,10 @@ QLORA_EXTRA_KERNELS = 4  # dequantize (+ absmax dequant with double quant), cast
 
 # --- loss (transformers ForCausalLMLoss: logits.float(), shift, cross_entropy) ------------------------------
 LOSS_PASSES = 8  # fp32 passes over T x V: upcast, shift copy, log_softmax (r+w), nll, backward (r+w+cast)
+# Liger's fused linear cross-entropy (use_liger_kernel): liger-kernel 0.6.4 ops/cross_entropy.py
+# liger_cross_entropy_kernel reads each row of the logits chunk twice (online softmax, then the gradient) and writes
+# the gradient over it once, in the logits' dtype
+LIGER_LOSS_PASSES = 3
 
 # --- optimizer step (torch.optim.AdamW(foreach=True), _multi_tensor_adam) -----------------------------------
 # One read or write of a state-sized tensor per foreach op: weight decay mul_ (2), lerp_ (3), mul_ (2),

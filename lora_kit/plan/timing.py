@@ -376,15 +376,20 @@ def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeMode
     c.begin_pass()  # forward: the blocks, lm_head and the loss (logits in fp32), its backward's traffic
     _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
     head_cast = V * H * 6 if st.kbit_prepared and st.autocast else 0  # autocast casts the fp32 lm_head per use
-    c.matmul("lm_head_loss", T, H, V, hp, hb, hb)
-    c.add("lm_head_loss", bytes_=head_cast, kernels=1 if head_cast else 0)
-    c.add("lm_head_loss", bytes_=T * V * 4 * C.LOSS_PASSES + 2 * T * H * C.NORM_BYTES(a), kernels=12 + 2 * C.NORM_KERNELS)
+    if st.liger_kernel:
+        _liger_loss_head(c, st, T, H, V, hp, hb, head_cast, 2 * T * H * C.NORM_BYTES(a))
+    else:
+        c.matmul("lm_head_loss", T, H, V, hp, hb, hb)
+        c.add("lm_head_loss", bytes_=head_cast, kernels=1 if head_cast else 0)
+        c.add("lm_head_loss", bytes_=T * V * 4 * C.LOSS_PASSES + 2 * T * H * C.NORM_BYTES(a),
+              kernels=12 + 2 * C.NORM_KERNELS)
     c.end_pass()
     c.begin_pass()  # backward: lm_head's gradients, then the blocks' (after each block's recompute when checkpointing)
-    c.matmul("lm_head_loss", T, V, H, hp, hb, hb)  # the input gradient (T x H out)
-    if st.method == "full":
-        c.matmul("lm_head_loss", H, T, V, hp, hb, hb)  # the weight gradient (H x V out)
-    c.add("lm_head_loss", bytes_=head_cast, kernels=1 if head_cast else 0)
+    if not st.liger_kernel:  # Liger's fused cross-entropy computed them in forward
+        c.matmul("lm_head_loss", T, V, H, hp, hb, hb)  # the input gradient (T x H out)
+        if st.method == "full":
+            c.matmul("lm_head_loss", H, T, V, hp, hb, hb)  # the weight gradient (H x V out)
+        c.add("lm_head_loss", bytes_=head_cast, kernels=1 if head_cast else 0)
     before = c.kernels
     if st.gradient_checkpointing:  # the blocks' forward again, inside backward (its Python re-runs too)
         _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
@@ -398,6 +403,32 @@ def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeMode
     parts["optimizer"] = opt_s
     return {"parts": parts, "micro_step_seconds": micro, "kernels": c.kernels * st.grad_accum + opt_k,
             "attention_kernel": kernel, "dtypes": dt, "fp32_source": fp32_flops(gpu)[1]}
+
+
+def _liger_loss_head(c: _Clock, st: Step, T: int, H: int, V: int, hp: float, hb: int, head_cast: float,
+                     norm_bytes: float) -> None:
+    """Liger's fused linear cross-entropy (liger-kernel 0.6.4 ``ops/fused_linear_cross_entropy.py``
+    ``fused_linear_cross_entropy_forward``), all in forward: per chunk of ``chunk_tokens`` rows the logits' matmul,
+    ``liger_cross_entropy_kernel`` over them in their dtype (``ops/cross_entropy.py``: an online-softmax pass that
+    reads them, a gradient pass that reads and writes them: :data:`C.LIGER_LOSS_PASSES`), the input gradient's
+    matmul copied into its slice, and with full fine-tuning the weight gradient's matmul, cast to fp32 and added.
+    The same matmuls as the unfused head, the backward's moved into forward; none in backward (the saved gradients
+    are returned, scaled in place when the loss was scaled)."""
+    from lora_kit.memory.liger import chunk_tokens
+    rows = chunk_tokens(T, H, V)
+    n = math.ceil(T / rows)
+    full = st.method == "full"
+    c.matmul("lm_head_loss", rows, H, V, hp, hb, hb, times=n)  # logits_chunk = _input_chunk @ weight.t()
+    c.matmul("lm_head_loss", rows, V, H, hp, hb, hb, times=n)  # grad_input[start:end] = grad_logits_chunk @ weight
+    if full:
+        c.matmul("lm_head_loss", H, rows, V, hp, hb, hb, times=n)  # torch.mm(grad_logits_chunk.t(), _input_chunk)
+    # the cross-entropy kernel and the grad_input slice copy; full: .float() of the V x H product (none when it is
+    # fp32 already) and grad_weight += it (grad_weight in the weight's dtype)
+    cast = V * H * (hb + 4) if full and hb != 4 else 0
+    add = V * H * (hb + 4 + hb) if full else 0
+    per_chunk = rows * V * hb * C.LIGER_LOSS_PASSES + 2 * rows * H * hb + cast + add
+    c.add("lm_head_loss", bytes_=n * per_chunk + norm_bytes + head_cast,
+          kernels=n * (2 + (1 if cast else 0) + (1 if full else 0)) + 2 * C.NORM_KERNELS + (1 if head_cast else 0))
 
 
 def recompute_host_calls(method: str) -> float:

@@ -83,6 +83,8 @@ def trl_config(model: str, step, dataset: str | None = None) -> dict:
         cfg.update({"lora_r": step.lora_rank, "lora_alpha": step.lora_alpha, "lora_target_modules": _targets(step)})
     if step.method == "qlora":
         cfg.update({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "use_bnb_nested_quant": step.double_quant})
+    if step.liger_kernel:
+        cfg["use_liger_kernel"] = True
     _trainer_sharding(cfg, step)
     return cfg
 
@@ -122,6 +124,10 @@ def axolotl_config(model: str, step, dataset: str | None = None) -> dict:
                 "gradient_accumulation_steps": step.grad_accum, "gradient_checkpointing": step.gradient_checkpointing,
                 "gradient_checkpointing_kwargs": {"use_reentrant": False}, "optimizer": TRAINER_OPTIM[step.optimizer]})
     cfg["sdp_attention" if step.attn_implementation == "sdpa" else "eager_attention"] = True
+    if step.liger_kernel:  # the plugin with the kernels the Trainer's use_liger_kernel applies
+        from lora_kit.plan.config_import import AXOLOTL_LIGER_DEFAULTS
+        cfg["plugins"] = ["axolotl.integrations.liger.LigerPlugin"]
+        cfg.update(dict.fromkeys(AXOLOTL_LIGER_DEFAULTS, True))
     if step.sharding.startswith("zero"):
         cfg["deepspeed"] = f"ds_{step.sharding}.json"
     elif step.sharding == "fsdp":
@@ -147,6 +153,8 @@ def llamafactory_config(model: str, step, dataset: str | None = None) -> dict:
                 "disable_gradient_checkpointing": not step.gradient_checkpointing, "use_reentrant_gc": False,
                 "optim": TRAINER_OPTIM[step.optimizer],
                 "flash_attn": "sdpa" if step.attn_implementation == "sdpa" else "disabled"})
+    if step.liger_kernel:
+        cfg["enable_liger_kernel"] = True
     # bf16: weights in bf16, trainable ones up-cast to fp32, autocast; pure_bf16: bf16 weights, no autocast
     if step.dtype == "float16":
         cfg["fp16"] = True

@@ -204,6 +204,23 @@ def _loop_not_run(s, world):
     return None
 
 
+def _liger_not_run(s, world):
+    import importlib.util
+    if s.liger_kernel and not (torch.cuda.is_available() and importlib.util.find_spec("liger_kernel")):
+        return ("liger_kernel=True needs a CUDA GPU and liger-kernel installed (its kernels are Triton); "
+                + ("install liger-kernel" if torch.cuda.is_available() else "run the smoke run on a GPU")
+                + ", or set liger_kernel=False for this run (the plan still sizes it)")
+    return None
+
+
+def apply_liger(model, s) -> None:
+    """``liger_kernel=True`` with loop 'kit': what the Trainer's ``use_liger_kernel=True`` does (transformers
+    ``integrations/liger.py`` ``apply_liger_kernel``); the Trainer and SFTTrainer do it themselves."""
+    if s.liger_kernel and s.loop == "kit":
+        from transformers.integrations.liger import apply_liger_kernel
+        apply_liger_kernel(model, None)  # the Trainer's own call: _apply_liger_kernel_to_instance(unwrapped model)
+
+
 RUNS = {
     "method": ("loads the base in dtype ('qlora': 4-bit NF4) and trains every weight ('full') or LoRA adapters", None),
     "dtype": ("the dtype the base weights are loaded in", None),
@@ -233,6 +250,9 @@ RUNS = {
                 "'longest' to the batch's longest row, 'none' seq_len rows without a mask", None),
     "loop": ("'kit': lora_kit's step; 'trainer' / 'sft': transformers' Trainer / TRL's SFTTrainer train() on the same "
              "batches", _loop_not_run),
+    "liger_kernel": ("Liger Kernel applied as the Trainer's use_liger_kernel=True applies it (loop 'kit': "
+                     "transformers' apply_liger_kernel, the Trainer's own call; 'trainer' / 'sft': the flag); CUDA "
+                     "only", _liger_not_run),
 }
 
 
@@ -567,6 +587,7 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     run.start("adapter", tracker)
     model = attach_adapter(model, s.method, s.seed, s.lora_rank, s.lora_alpha, s.lora_dropout, s.lora_targets,
                            s.gradient_checkpointing, s.step.kbit_prepared)
+    apply_liger(model, s)
     sharded = dist_util.runs_sharded(s)
     if sharded:  # FSDP2 over every rank, before the optimizer exists (it must hold the sharded parameters)
         model, rec["launch"]["fsdp"] = dist_util.shard_fsdp2(model, s)
