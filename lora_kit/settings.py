@@ -36,7 +36,7 @@ def method_label(method) -> str:
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd", "adafactor")
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 PADDINGS = ("none", "longest", "max_length")
 LOOPS = ("kit", "trainer", "sft")  # lora_kit's step | transformers' Trainer | TRL's SFTTrainer, each with its defaults
 DATA_FORMATS = ("auto", "prompt_response", "alpaca", "messages", "sharegpt", "prompt_completion", "text")
@@ -184,7 +184,10 @@ class Step:
                                            "the HF Trainer): much less memory, about 30 % more time. Default true: "
                                            "the first saving a plan makes, at no cost in quality.", kind="bool")
     attn_implementation: str = setting("sdpa", "Attention kernel: 'sdpa' (torch's scaled_dot_product_attention) | "
-                                       "'eager' (materialised scores). Default 'sdpa', transformers' default.",
+                                       "'eager' (materialised scores) | 'flash_attention_2' (the flash-attn package, "
+                                       "CUDA only: bf16/fp16 q/k/v, so QLoRA's fp32 q/k/v are cast, and never the "
+                                       "S x S fallback; planned for padding='none', emulated on a CPU). "
+                                       "Default 'sdpa', transformers' default.",
                                        choices=ATTN_IMPLEMENTATIONS)
     optimizer: str = setting("adamw", "Optimizer: adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | sgd | "
                              "adafactor (8-bit and paged ones from bitsandbytes). Default 'adamw' "

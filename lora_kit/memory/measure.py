@@ -123,17 +123,21 @@ def build_real_model(cfg, s, device: str = "cpu", seed: int = 0):
 
     from transformers import AutoModelForCausalLM
 
+    from lora_kit.memory.flash_attention import FA2, check_supported, model_attn_implementation
     torch.manual_seed(seed)
     weight_dtype = "float32" if s.method == "full" and s.autocast else s.dtype
     with torch.device(device):  # initialise on the device: fast on a GPU, no host copy
         net = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE_MAP[weight_dtype],
-                                               attn_implementation=s.attn_implementation)
+                                               attn_implementation=model_attn_implementation(s.attn_implementation,
+                                                                                             device))
+    if s.attn_implementation == FA2:
+        check_supported(net)
     if s.method == "qlora":
         with tempfile.TemporaryDirectory() as d:
             net.save_pretrained(d, safe_serialization=True)
             del net
             net = load_model(d, method="qlora", dtype=s.dtype, double_quant=s.double_quant,
-                             attn_implementation=s.attn_implementation, device=device)
+                             attn_implementation=model_attn_implementation(s.attn_implementation, device), device=device)
     net = attach_adapter(net, s.method, seed, s.lora_rank, s.lora_alpha, 0.0, s.lora_targets,
                          s.gradient_checkpointing)
     net.train()  # from_pretrained returns eval mode, where checkpointing is off

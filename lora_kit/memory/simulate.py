@@ -88,24 +88,28 @@ class SimResult:
 
 def _meta_model(cfg, s):
     from transformers import AutoModelForCausalLM
+    from lora_kit.memory.flash_attention import FA2, check_supported, model_attn_implementation
     weight_dtype = "float32" if s.method == "full" and s.autocast else s.dtype
     try:
         with torch.device("meta"):
             m = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE_MAP[weight_dtype],
-                                                 attn_implementation=s.attn_implementation)
+                                                 attn_implementation=model_attn_implementation(s.attn_implementation))
     except ValueError as e:
         if "attention implementation" not in str(e):
             raise
         other = "eager" if s.attn_implementation == "sdpa" else "sdpa"
         raise ValueError(f"transformers has no attn_implementation={s.attn_implementation!r} for model_type="
                          f"{cfg.model_type!r}; pass attn_implementation={other!r}.") from None
+    if s.attn_implementation == FA2:
+        check_supported(m)
     if s.method == "qlora":
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-        from transformers.quantizers.base import get_keys_to_not_convert
+        from transformers.quantizers.base import _assign_is_quantized, get_keys_to_not_convert
 
         replace_with_bnb_linear(m, modules_to_not_convert=get_keys_to_not_convert(m),
                                 quantization_config=bnb_config(s.dtype, s.double_quant))
         m.is_loaded_in_4bit = True
+        _assign_is_quantized(m)  # what from_pretrained's quantizer marks (flash attention's target dtype reads it)
     return m
 
 
