@@ -121,7 +121,8 @@ def axolotl_config(model: str, step, dataset: str | None = None) -> dict:
                 "pad_to_sequence_len": step.padding == "max_length", "micro_batch_size": step.batch_size,
                 "gradient_accumulation_steps": step.grad_accum, "gradient_checkpointing": step.gradient_checkpointing,
                 "gradient_checkpointing_kwargs": {"use_reentrant": False}, "optimizer": TRAINER_OPTIM[step.optimizer]})
-    cfg["sdp_attention" if step.attn_implementation == "sdpa" else "eager_attention"] = True
+    cfg[{"sdpa": "sdp_attention", "eager": "eager_attention", "flash_attention_2": "flash_attention"}[
+        step.attn_implementation]] = True
     if step.sharding.startswith("zero"):
         cfg["deepspeed"] = f"ds_{step.sharding}.json"
     elif step.sharding == "fsdp":
@@ -146,7 +147,7 @@ def llamafactory_config(model: str, step, dataset: str | None = None) -> dict:
                 "gradient_accumulation_steps": step.grad_accum,
                 "disable_gradient_checkpointing": not step.gradient_checkpointing, "use_reentrant_gc": False,
                 "optim": TRAINER_OPTIM[step.optimizer],
-                "flash_attn": "sdpa" if step.attn_implementation == "sdpa" else "disabled"})
+                "flash_attn": {"sdpa": "sdpa", "eager": "disabled", "flash_attention_2": "fa2"}[step.attn_implementation]})
     # bf16: weights in bf16, trainable ones up-cast to fp32, autocast; pure_bf16: bf16 weights, no autocast
     if step.dtype == "float16":
         cfg["fp16"] = True
