@@ -141,3 +141,33 @@ def test_the_emulation_computes_attention_values():
     (la, ga), (lb, gb) = res
     assert abs(la - lb) < 1e-3
     assert max(((x - y).abs().max() / x.abs().max()).item() for x, y in zip(ga, gb)) < 0.05
+
+
+@pytest.mark.parametrize("model, method, ckpt", [("tiny", "lora", False), ("gqa", "qlora", True)])
+def test_packed_rows_take_the_varlen_path_and_simulate_equals_a_real_step(model, method, ckpt):
+    cfg = load_config(dict(GQA)) if model == "gqa" else model
+    kw = dict(STEP, method=method, gradient_checkpointing=ckpt, padding="packed", batch_size=3)
+    real, sim = measure_config(cfg, trace=True, **kw), simulate(cfg, trace=True, **kw)
+    assert (real.peak_allocated_bytes, real.breakdown, real.phase) == (sim.peak_allocated_bytes, sim.breakdown,
+                                                                      sim.phase)
+    d = first_divergence(real.allocations, sim.allocations)
+    assert d is None or (ckpt and not d["only_b"])  # checkpointed: masking_utils' packed-row search, real step only
+    heads, dim, layers = (4, 32, 2) if model == "gqa" else (2, 64, 4)
+    T, n = 3 * STEP["seq_len"], 3  # one row of three examples
+    # mha_varlen_bwd: softmax_d fp32 (H, T + 128 n) and dq_accum fp32 (T + 128 n, H, D rounded to 32)
+    made = Counter(b for ph, op, b in real.allocations if ph == "backward" and op == "empty.memory_format")
+    assert made[round_bytes(heads * (T + 128 * n) * 4)] >= layers
+    assert made[round_bytes((T + 128 * n) * heads * dim * 4)] == layers
+    # prepare_fa_kwargs_from_position_ids: cu_seqlens int32 (n + 1), kept for backward by flash-attn
+    assert Counter(op for ph, op, _ in real.allocations if ph == "forward")["cat.default"] >= layers
+
+
+def test_packed_rows_are_planned_with_fa2_only_and_collated_as_transformers_flattens():
+    from lora_kit.memory.estimate import estimate
+    from lora_kit.run.batches import collate
+    with pytest.raises(ValueError, match="padding='packed' is planned with attn_implementation='flash_attention_2'"):
+        estimate("tiny", **{**STEP, "attn_implementation": "sdpa", "padding": "packed"})
+    rows = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}]
+    b = collate(rows, seq_len=4, pad_id=0, padding="packed")
+    assert {k: v.tolist() for k, v in b.items()} == {"input_ids": [[5, 6, 7, 8, 9]], "labels": [[-100, 6, 7, -100, 9]],
+                                                      "position_ids": [[0, 1, 2, 0, 1]]}

@@ -37,6 +37,8 @@ backward values use a fresh dropout mask.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from lora_kit.memory.tracker import untracked
@@ -55,20 +57,24 @@ def _head_rounded(d: int) -> int:
     return _round(d, 32) if d <= 192 else 256
 
 
-def _values(q, k, v, scale, causal, window, softcap, dropout):
-    """Attention output (B, S, H, Dv) from (B, S, H, D) inputs, computed with CPU operators (values only)."""
+def _values(q, k, v, scale, causal, window, softcap, dropout, positions=None):
+    """Attention output (B, S, H, Dv) from (B, S, H, D) inputs, computed with CPU operators (values only);
+    ``positions`` (packed rows): attention stays within each example (position_ids restart at each)."""
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     groups = q.shape[2] // k.shape[2]
     if groups > 1:
         kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
     S, Sk = q.shape[1], k.shape[1]
     mask = None
-    if window is not None or softcap or (causal and S != Sk):  # flash-attn aligns the causal mask bottom-right
+    if window is not None or softcap or (causal and S != Sk) or positions is not None:  # causal: bottom-right
         i = torch.arange(S, device=q.device)[:, None] + (Sk - S)
         j = torch.arange(Sk, device=q.device)[None, :]
         mask = (j <= i) if causal else torch.ones(S, Sk, dtype=torch.bool, device=q.device)
         if window is not None:
             mask = mask & (i - j <= window)
+        if positions is not None:
+            example = (positions.reshape(-1) == positions.min()).cumsum(0)
+            mask = mask & (example[:, None] == example[None, :])
     if softcap:
         scores = (qh.float() @ kh.float().transpose(-1, -2)) * scale
         scores = torch.tanh(scores / softcap) * softcap
@@ -82,30 +88,40 @@ def _values(q, k, v, scale, causal, window, softcap, dropout):
 
 
 class FlashAttnFunc(torch.autograd.Function):
-    """flash-attn 2's ``FlashAttnFunc`` (q, k, v: (B, S, H, D) fp16 / bf16) with ``mha_fwd`` / ``mha_bwd``'s buffers."""
+    """flash-attn 2's ``FlashAttnFunc`` (q, k, v: (B, S, H, D) fp16 / bf16) with ``mha_fwd`` / ``mha_bwd``'s buffers;
+    with ``cu_seqlens`` (packed rows: B = 1, ``positions`` restarting per example), ``FlashAttnVarlenFunc`` with
+    ``mha_varlen_fwd`` / ``mha_varlen_bwd``'s: the same forward buffers over the T tokens (out (T, H, Dv), softmax_lse
+    fp32 (H, T)), cu_seqlens kept for backward, and backward's per-example padding of 128 rows: softmax_d fp32
+    (H, T + 128 x examples), dq_accum fp32 (T + 128 x examples, H, D rounded to 32)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, window, softcap, dropout):
+    def forward(ctx, q, k, v, scale, causal, window, softcap, dropout, cu_seqlens=None, positions=None):
         B, S, H, _ = q.shape
         out = torch.empty((B, S, H, v.shape[3]), dtype=q.dtype, device=q.device)  # mha_fwd: out
         lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)  # mha_fwd: softmax_lse
         rng_state = torch.empty((2,), dtype=torch.int64, device=q.device)  # mha_fwd: rng_state
         with untracked():
-            out.copy_(_values(q, k, v, scale, causal, window, softcap, dropout))
-        ctx.save_for_backward(q, k, v, out, lse, rng_state)
-        ctx.args = (scale, causal, window, softcap, dropout)
+            out.copy_(_values(q, k, v, scale, causal, window, softcap, dropout, positions))
+        ctx.save_for_backward(q, k, v, out, lse, rng_state, *(() if cu_seqlens is None else (cu_seqlens,)))
+        ctx.args = (scale, causal, window, softcap, dropout, positions)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, rng_state = ctx.saved_tensors
+        q, k, v, out, lse, rng_state, *cu = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # FlashAttnFunc.backward
         if dout.stride(-1) != 1:  # _flash_attn_backward: maybe_contiguous
             dout = dout.contiguous()
         B, S, H, D = q.shape
         Sk, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
-        softmax_d = torch.empty((B, H, _round(S, 128)), dtype=torch.float32, device=q.device)  # mha_bwd
-        dq_accum = torch.empty((B, _round(S, 128), H, _head_rounded(D)), dtype=torch.float32, device=q.device)
+        f32 = dict(dtype=torch.float32, device=q.device)
+        if cu:  # mha_varlen_bwd: each example padded by 128 rows
+            rows = S + 128 * (cu[0].shape[0] - 1)
+            softmax_d = torch.empty((H, rows), **f32)
+            dq_accum = torch.empty((rows, H, _head_rounded(D)), **f32)
+        else:  # mha_bwd
+            softmax_d = torch.empty((B, H, _round(S, 128)), **f32)
+            dq_accum = torch.empty((B, _round(S, 128), H, _head_rounded(D)), **f32)
         grouped, rep = Hk != H, H // Hk
         if grouped:  # mha_bwd: MQA / GQA gradients per query head, summed over each group after the kernel
             dk_x = torch.empty((B, Sk, H, D), dtype=q.dtype, device=q.device)
@@ -126,7 +142,7 @@ class FlashAttnFunc(torch.autograd.Function):
             torch.sum(dv_x.view(B, Sk, Hk, rep, Dv), dim=3, out=dv)
             del dk_x, dv_x
         del softmax_d, dq_accum
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _is_fake(t) -> bool:
@@ -134,10 +150,59 @@ def _is_fake(t) -> bool:
     return is_fake(t)
 
 
+def _outside_fake():
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    return unset_fake_temporarily()
+
+
+_KNOWN: dict = {}  # id(fake tensor) -> (the fake tensor, its real values): simulate's batch (values_known)
+
+
+@contextlib.contextmanager
+def values_known(fake: dict, real: dict):
+    """While simulating, the real values behind the fake batch tensors (packed rows are found from position_ids'
+    values, as transformers finds them)."""
+    added = [k for k in fake if k in real and id(fake[k]) not in _KNOWN]
+    for k in added:
+        _KNOWN[id(fake[k])] = (fake[k], real[k])
+    try:
+        yield
+    finally:
+        for k in added:
+            _KNOWN.pop(id(fake[k]), None)
+
+
+def _values_of(t):
+    """``t`` itself, or the real tensor behind a fake one of simulate's batch; None for a fake one the model made (its
+    own position_ids count from 0 over the whole row: one example)."""
+    if not _is_fake(t):
+        return t
+    fake, real = _KNOWN.get(id(t), (None, None))
+    return real if fake is t else None
+
+
+def _cu_seqlens(position_ids, real):
+    """transformers' ``prepare_fa_kwargs_from_position_ids``: the same tensors, with ``nonzero``'s output (whose size
+    depends on the values) allocated at its size and filled out of sight."""
+    pos = position_ids.reshape(-1)
+    starts = pos == pos.min()
+    with untracked(), _outside_fake():
+        found = (real.reshape(-1) == real.min()).nonzero()
+    index = torch.empty((found.shape[0], 1), dtype=torch.int64, device=pos.device)  # (starts).nonzero()
+    if not _is_fake(index):
+        with untracked():
+            index.copy_(found)
+    del starts, found
+    cu_seqlens = torch.cat((index.view(-1).to(torch.int32), torch.tensor(pos.size(), dtype=torch.int32,
+                                                                        device=pos.device)))
+    return cu_seqlens, cu_seqlens.diff().max()
+
+
 def flash_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                             sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
-    """transformers' ``flash_attention_forward`` + ``_flash_attention_forward`` (unpadded, unpacked rows) with
-    :class:`FlashAttnFunc` in place of ``flash_attn_func``."""
+    """transformers' ``flash_attention_forward`` + ``_flash_attention_forward`` (unpadded rows, or one row of packed
+    examples found from position_ids) with :class:`FlashAttnFunc` in place of ``flash_attn_func`` /
+    ``flash_attn_varlen_func``."""
     from transformers.integrations.flash_attention import get_target_dtype
     from transformers.modeling_flash_attention_utils import _is_packed_sequence, fa_peft_integration_check
     if attention_mask is not None or kwargs.get("cu_seq_lens_q") is not None:
@@ -158,13 +223,23 @@ def flash_attention_forward(module, query, key, value, attention_mask, dropout: 
     if head_dim % 8 or head_dim > 256:
         raise ValueError(f"the FlashAttention-2 emulation covers head sizes that are multiples of 8 up to 256, "
                          f"this model has {head_dim}; use attn_implementation='sdpa'.")
-    packed = _is_packed_sequence(kwargs.get("position_ids"), q.size(0))  # its int64 temporaries at batch 1
-    if isinstance(packed, torch.Tensor) and not _is_fake(packed) and bool(packed):
-        raise ValueError("packed rows (position_ids restarting within a row) are not emulated; plan padding='none'.")
     causal = is_causal if is_causal is not None else module.is_causal
     window = sliding_window - 1 if sliding_window is not None and k.size(1) > sliding_window else None
     scale = scaling if scaling is not None else head_dim ** -0.5
-    out = FlashAttnFunc.apply(q, k, v, scale, bool(causal), window, softcap or 0.0, float(dropout or 0.0))
+    args = (scale, bool(causal), window, softcap or 0.0, float(dropout or 0.0))
+    position_ids = kwargs.get("position_ids")
+    packed = _is_packed_sequence(position_ids, q.size(0))  # its int64 temporaries at batch 1
+    if isinstance(packed, torch.Tensor):
+        real = _values_of(position_ids)
+        with untracked(), _outside_fake():
+            packed = real is not None and bool(_is_packed_sequence(real, 1))
+    if packed:  # _prepare_from_posids: q/k/v flattened to (T, H, D) views, cu_seqlens from the position_ids
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        cu_seqlens, max_length = _cu_seqlens(position_ids, real)
+        out = FlashAttnFunc.apply(q, k, v, *args, cu_seqlens, position_ids)
+        del max_length
+    else:
+        out = FlashAttnFunc.apply(q, k, v, *args)
     if v_head_dim != head_dim:
         out = out[..., :v_head_dim]
     return out, None

@@ -153,10 +153,17 @@ def step_batch(ids, padding: str) -> dict:
     right-padded to seq_len (its last quarter, at least one token, is padding); ``"longest"``: padded to
     the longest row (row 0 is full, the others end in padding; one row alone has none). Pads are 0 in
     ``attention_mask`` and -100 in ``labels`` (a separate tensor). A padded batch makes transformers build
-    a (batch, 1, seq, seq) attention mask; an all-ones mask does not."""
+    a (batch, 1, seq, seq) attention mask; an all-ones mask does not. ``"packed"``: the rows concatenated into one
+    (1, batch x seq_len) row with position_ids restarting at 0 for each and label -100 at each one's first token, as
+    transformers' ``DataCollatorWithFlattening`` (TRL's ``padding_free``) builds it; no attention mask."""
     if padding == "none":
         return {"input_ids": ids, "labels": ids}
     B, S = ids.shape
+    if padding == "packed":  # DataCollatorWithFlattening: -100 before each example, positions restarting
+        flat = ids.reshape(1, B * S).clone()
+        labels = flat.clone()
+        labels[0, ::S] = -100
+        return {"input_ids": flat, "labels": labels, "position_ids": torch.arange(S, device=ids.device).repeat(1, B)}
     mask = torch.ones_like(ids)
     mask[0 if padding == "max_length" else 1:, S - max(1, S // 4):] = 0
     labels = ids.masked_fill(mask == 0, -100)

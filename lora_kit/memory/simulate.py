@@ -59,6 +59,7 @@ from lora_kit.fsdp import SIMULATED
 from lora_kit.loading import DTYPE_MAP, bnb_config
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS, label_training_state, to_breakdown
 from lora_kit.memory.device import device_kwargs, device_total
+from lora_kit.memory.flash_attention import values_known
 from lora_kit.memory.measure import step_batch
 from lora_kit.memory.sharded import check_simulable, simulate_sharded
 from lora_kit.memory.specs import check_model_step, load_config, model_spec
@@ -266,12 +267,13 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
     batch = {k: memo.setdefault(id(v), fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, v, make_constant=True))
              for k, v in real.items()}
     ctx = autocast_context(autocast, dtype, "cpu")
-    if sharding in SIMULATED:  # the real FSDP2 on a fake world of num_gpus ranks: lora_kit.memory.sharded
-        with _real_mask_decisions(has_padding):
-            tracker = simulate_sharded(net, batch, s, fake_mode, ctx, fsdp_policy, trace)
-    else:
-        tracker = _tracked_step(net, opt, loop_batch(batch, s.loop), fake_mode, ctx, has_padding, paged,
-                                loop_kw, loop_live, trace)
+    with values_known(batch, real):  # packed rows: FlashAttention-2's path reads position_ids' values
+        if sharding in SIMULATED:  # the real FSDP2 on a fake world of num_gpus ranks: lora_kit.memory.sharded
+            with _real_mask_decisions(has_padding):
+                tracker = simulate_sharded(net, batch, s, fake_mode, ctx, fsdp_policy, trace)
+        else:
+            tracker = _tracked_step(net, opt, loop_batch(batch, s.loop), fake_mode, ctx, has_padding, paged,
+                                    loop_kw, loop_live, trace)
     raw = tracker.peak_breakdown()
     notes = []
     paged_bytes = raw.pop("paged_optimizer_states", 0)

@@ -79,6 +79,8 @@ def trl_config(model: str, step, dataset: str | None = None) -> dict:
                 "packing": False, "use_peft": lora})
     if step.padding == "max_length":
         cfg["pad_to_multiple_of"] = step.seq_len  # every batch padded to max_length
+    elif step.padding == "packed":
+        cfg["padding_free"] = True  # the batch's rows flattened into one, position_ids restarting per row
     if lora:
         cfg.update({"lora_r": step.lora_rank, "lora_alpha": step.lora_alpha, "lora_target_modules": _targets(step)})
     if step.method == "qlora":
