@@ -52,7 +52,9 @@ def test_simulate_equals_a_real_cpu_step_byte_for_byte(model, method, ckpt):
     assert made("backward", "empty_like.default") == Counter([q_bytes, kv_bytes, kv_bytes] * layers)  # dq, dk, dv
 
 
-def test_estimate_of_a_fitted_fa2_step_equals_simulate_at_a_held_out_shape(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method, padding", [("qlora", "none"), ("lora", "packed")])
+def test_estimate_of_a_fitted_fa2_step_equals_simulate_at_a_held_out_shape(tmp_path, monkeypatch, method, padding):
+    """Packed rows' varlen buffers have 128 rows per example: their fit has a term in B (calibrate's per_row)."""
     from lora_kit.memory import fits
     from lora_kit.memory.estimate import estimate
     d = tmp_path / "my-glm4"
@@ -64,12 +66,14 @@ def test_estimate_of_a_fitted_fa2_step_equals_simulate_at_a_held_out_shape(tmp_p
     monkeypatch.setenv("LORA_KIT_FITS", str(tmp_path / "fits"))
     monkeypatch.setenv("LORA_KIT_FIT", "auto")
     fits._MEMO.clear()
-    kw = dict(method="qlora", dtype="bfloat16", batch_size=3, seq_len=3072, gradient_checkpointing=True,
-              attn_implementation=FA2)  # a shape the fit never ran
+    kw = dict(method=method, dtype="bfloat16", batch_size=3, seq_len=3072, gradient_checkpointing=True,
+              attn_implementation=FA2, padding=padding)  # a shape the fit never ran
     est, sim = estimate(str(d), **kw), simulate(str(d), **kw)
     assert est.memory_model == "fitted"
     assert (est.peak_allocated_bytes, est.breakdown, est.phase) == (sim.peak_allocated_bytes, sim.breakdown, sim.phase)
     assert len(list((tmp_path / "fits").glob("glm4-*.json.gz"))) == 1  # its own fit: attn_implementation is in the key
+    fits._MEMO.clear()  # read back from the file, as a new process would
+    assert estimate(str(d), **kw).peak_allocated_bytes == sim.peak_allocated_bytes
 
 
 def test_fa2_keeps_what_cpu_sdpa_keeps_plus_its_rng_state_and_casts_qlora_down():
