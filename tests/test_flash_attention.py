@@ -175,3 +175,24 @@ def test_packed_rows_are_planned_with_fa2_only_and_collated_as_transformers_flat
     b = collate(rows, seq_len=4, pad_id=0, padding="packed")
     assert {k: v.tolist() for k, v in b.items()} == {"input_ids": [[5, 6, 7, 8, 9]], "labels": [[-100, 6, 7, -100, 9]],
                                                       "position_ids": [[0, 1, 2, 0, 1]]}
+
+
+def test_padded_rows_outside_training_get_attention_values_and_training_ones_are_refused():
+    """Adapter checks and generation run padded batches without gradients: the emulation gives SDPA's values there
+    (memory is not planned for them); a padded training batch is refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    ids = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding, as batched generation pads
+    logits = []
+    for name in ("sdpa", model_attn_implementation(FA2, "cpu")):
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(load_config(dict(GQA)), dtype=torch.bfloat16, attn_implementation=name)
+        with torch.no_grad():
+            logits.append(m(input_ids=ids, attention_mask=mask).logits.float())
+    a, b = logits
+    real = mask.bool()
+    assert ((a - b).abs()[real].max() / a.abs().max()).item() < 0.02
+    with pytest.raises(ValueError, match="unpadded or packed rows in training"):
+        m(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()

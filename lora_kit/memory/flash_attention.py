@@ -3,8 +3,8 @@
 flash-attn runs on CUDA only, so ``simulate`` (fake tensors) and a CPU ``measure`` run the step with this emulation,
 registered with transformers' ``AttentionInterface`` under :data:`KIT_NAME` (the name holds no "flash": transformers
 imports flash_attn for any such name). Its values are right (CPU SDPA computes them, unseen by the live-bytes
-trackers: :func:`lora_kit.memory.tracker.untracked`); its allocations are FlashAttention-2's. On CUDA with flash_attn
-installed, :func:`model_attn_implementation` gives the real ``"flash_attention_2"``.
+trackers: :func:`lora_kit.memory.tracker.untracked`); its allocations are FlashAttention-2's. On CUDA,
+:func:`model_attn_implementation` gives the real ``"flash_attention_2"`` (transformers loads flash_attn).
 
 What is emulated, and where it comes from:
 
@@ -15,7 +15,10 @@ What is emulated, and where it comes from:
 - ``modeling_flash_attention_utils.py: _flash_attention_forward``: ``fa_peft_integration_check`` makes those three
   casts (copies: flash-attn keeps them, the fp32 q/k/v can die); with no attention mask (``padding="none"``) and no
   varlen kwargs, ``_is_packed_sequence`` on position_ids at batch 1 (small int64 temporaries), then
-  ``flash_attn_func``: no mask and no ``repeat_kv`` (flash-attn takes grouped K/V as they are).
+  ``flash_attn_func``: no mask and no ``repeat_kv`` (flash-attn takes grouped K/V as they are). Packed rows
+  (``padding="packed"``: position_ids restarting within the one row): ``_prepare_from_posids`` flattens q/k/v (views)
+  and ``prepare_fa_kwargs_from_position_ids`` builds int32 ``cu_seqlens`` (its ``nonzero`` allocated at the size the
+  real values give), then ``flash_attn_varlen_func``.
 - flash-attn 2 ``flash_attn/flash_attn_interface.py: FlashAttnFunc.forward`` saves ``(q, k, v, out_padded,
   softmax_lse, rng_state)``; ``FlashAttnFunc.backward`` allocates ``dq, dk, dv = empty_like(q / k / v)``;
   ``_flash_attn_backward`` makes dout contiguous when its last stride is not 1 (``maybe_contiguous``).
@@ -24,9 +27,13 @@ What is emulated, and where it comes from:
 - ``mha_bwd``: ``softmax_d`` fp32 (B, H, S rounded to 128), ``dq_accum`` fp32 (B, S rounded to 128, H, D rounded to
   32; ``loop = true``, non-deterministic), and for GQA / MQA ``dk_expanded`` / ``dv_expanded`` (B, S, H, D) in q's
   dtype, summed into dk / dv (``at::sum_out``) after the kernel.
+- ``mha_varlen_fwd`` / ``mha_varlen_bwd`` (packed rows, T tokens of n examples): the same buffers over T tokens
+  (softmax_lse fp32 (H, T)), ``FlashAttnVarlenFunc`` keeping cu_seqlens for backward, and backward's 128 spare rows
+  per example: ``softmax_d`` fp32 (H, T + 128 n), ``dq_accum`` fp32 (T + 128 n, H, D rounded to 32).
 
-Not emulated (refused by :func:`lora_kit.memory.specs.check_attention`): padded batches (transformers' varlen path,
-``_upad_input``'s ``index_first_axis`` gathers), packed rows, fp32 q/k/v with nothing to cast them to (flash-attn
+Not emulated (refused by :func:`lora_kit.memory.specs.check_attention`): padded training batches (transformers' unpad
+path, ``_upad_input``'s ``index_first_axis`` gathers; without gradients, as in adapter checks and generation, padded
+batches get the attention values and no memory claim), fp32 q/k/v with nothing to cast them to (flash-attn
 takes fp16 / bf16 only), head sizes that are not a multiple of 8 or above 256. Left out: ``mha_fwd``'s split-KV
 accumulators (``set_params_splitkv``, called with ``num_splits=0``: without dropout, when ``num_splits_heuristic``
 picks more than one split, fp32 ``softmax_lse_accum`` (splits, B, H, S) and ``out_accum`` (splits, B, H, S, Dv
@@ -57,16 +64,17 @@ def _head_rounded(d: int) -> int:
     return _round(d, 32) if d <= 192 else 256
 
 
-def _values(q, k, v, scale, causal, window, softcap, dropout, positions=None):
+def _values(q, k, v, scale, causal, window, softcap, dropout, positions=None, key_mask=None):
     """Attention output (B, S, H, Dv) from (B, S, H, D) inputs, computed with CPU operators (values only);
-    ``positions`` (packed rows): attention stays within each example (position_ids restart at each)."""
+    ``positions`` (packed rows): attention stays within each example (position_ids restart at each); ``key_mask``
+    (B, Sk): keys that are not padding."""
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     groups = q.shape[2] // k.shape[2]
     if groups > 1:
         kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
     S, Sk = q.shape[1], k.shape[1]
     mask = None
-    if window is not None or softcap or (causal and S != Sk) or positions is not None:  # causal: bottom-right
+    if window is not None or softcap or (causal and S != Sk) or positions is not None or key_mask is not None:
         i = torch.arange(S, device=q.device)[:, None] + (Sk - S)
         j = torch.arange(Sk, device=q.device)[None, :]
         mask = (j <= i) if causal else torch.ones(S, Sk, dtype=torch.bool, device=q.device)
@@ -75,6 +83,8 @@ def _values(q, k, v, scale, causal, window, softcap, dropout, positions=None):
         if positions is not None:
             example = (positions.reshape(-1) == positions.min()).cumsum(0)
             mask = mask & (example[:, None] == example[None, :])
+        if key_mask is not None:  # (B, 1, S, Sk); a query whose keys are all padding attends to itself
+            mask = (mask & key_mask[:, None, None, :]) | (j == i)
     if softcap:
         scores = (qh.float() @ kh.float().transpose(-1, -2)) * scale
         scores = torch.tanh(scores / softcap) * softcap
@@ -205,9 +215,13 @@ def flash_attention_forward(module, query, key, value, attention_mask, dropout: 
     ``flash_attn_varlen_func``."""
     from transformers.integrations.flash_attention import get_target_dtype
     from transformers.modeling_flash_attention_utils import _is_packed_sequence, fa_peft_integration_check
-    if attention_mask is not None or kwargs.get("cu_seq_lens_q") is not None:
-        raise ValueError("the FlashAttention-2 emulation covers unpadded rows; plan padding='none' (or "
-                         "attn_implementation='sdpa' for padded batches).")
+    if kwargs.get("cu_seq_lens_q") is not None:
+        raise ValueError("the FlashAttention-2 emulation finds packed rows from position_ids; drop the collator's "
+                         "cu_seq_lens (return_flash_attn_kwargs=False).")
+    training = torch.is_grad_enabled() and query.requires_grad
+    if attention_mask is not None and training:
+        raise ValueError("the FlashAttention-2 emulation covers unpadded or packed rows in training; plan "
+                         "padding='none' or 'packed' (or attn_implementation='sdpa' for padded batches).")
     if s_aux is not None:
         raise ValueError("the FlashAttention-2 emulation has no attention sinks (s_aux); use attn_implementation="
                          "'eager' for this model.")
@@ -227,6 +241,9 @@ def flash_attention_forward(module, query, key, value, attention_mask, dropout: 
     window = sliding_window - 1 if sliding_window is not None and k.size(1) > sliding_window else None
     scale = scaling if scaling is not None else head_dim ** -0.5
     args = (scale, bool(causal), window, softcap or 0.0, float(dropout or 0.0))
+    if attention_mask is not None:  # padded rows outside training (adapter checks, generation): values only
+        out = _values(q, k, v, *args, key_mask=attention_mask[:, -k.size(1):].bool())
+        return (out[..., :v_head_dim] if v_head_dim != head_dim else out), None
     position_ids = kwargs.get("position_ids")
     packed = _is_packed_sequence(position_ids, q.size(0))  # its int64 temporaries at batch 1
     if isinstance(packed, torch.Tensor):
