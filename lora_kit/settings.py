@@ -36,8 +36,8 @@ def method_label(method) -> str:
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd", "adafactor")
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-PADDINGS = ("none", "longest", "max_length")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+PADDINGS = ("none", "longest", "max_length", "packed")
 LOOPS = ("kit", "trainer", "sft")  # lora_kit's step | transformers' Trainer | TRL's SFTTrainer, each with its defaults
 DATA_FORMATS = ("auto", "prompt_response", "alpaca", "messages", "sharegpt", "prompt_completion", "text")
 TRAIN_ON = ("assistant", "last", "all")  # conversation tokens trained (lora_kit.prompting)
@@ -194,7 +194,10 @@ class Step:
                                            "the HF Trainer): much less memory, about 30 % more time. Default true: "
                                            "the first saving a plan makes, at no cost in quality.", kind="bool")
     attn_implementation: str = setting("sdpa", "Attention kernel: 'sdpa' (torch's scaled_dot_product_attention) | "
-                                       "'eager' (materialised scores). Default 'sdpa', transformers' default.",
+                                       "'eager' (materialised scores) | 'flash_attention_2' (the flash-attn package, "
+                                       "CUDA only: bf16/fp16 q/k/v, so QLoRA's fp32 q/k/v are cast, and never the "
+                                       "S x S fallback; planned for padding='none', emulated on a CPU). "
+                                       "Default 'sdpa', transformers' default.",
                                        choices=ATTN_IMPLEMENTATIONS)
     optimizer: str = setting("adamw", "Optimizer: adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | sgd | "
                              "adafactor (8-bit and paged ones from bitsandbytes). Default 'adamw' "
@@ -209,7 +212,9 @@ class Step:
     grad_accum: int = setting(1, "Gradient accumulation micro-steps per optimizer step, 1 to 65,536: multiplies "
                               "tokens per update, not peak memory. Default 1.", kind="int", most=1 << 16)
     padding: str = setting("none", "How rows are batched: 'none' (every row exactly seq_len tokens, no attention "
-                           "mask) | 'longest' / 'max_length' (padded rows with a mask). Default 'none': a plan "
+                           "mask) | 'longest' / 'max_length' (padded rows with a mask) | 'packed' (padding-free: "
+                           "the batch's rows concatenated into one, position_ids restarting per row, no mask, as "
+                           "TRL's padding_free; with attn_implementation='flash_attention_2'). Default 'none': a plan "
                            "sizes full rows of seq_len tokens, the worst case, and padding adds only the mask.",
                            choices=PADDINGS)
     loop: str = setting("kit", "Training loop the figures describe and the smoke run runs: 'kit' (lora_kit's step) | "

@@ -159,8 +159,9 @@ def stack_weights(types, layers: int, depth0: int = 2) -> dict:
 
 
 def basis(b_reg: str, lora: bool, tiled: bool = False) -> tuple:
-    """The basis terms of a B regime; ``tiled`` (a loop scoring ``B * (S - 1)`` positions in token tiles) adds ``B``
-    and ``R·B`` above ``B == 1`` (a per-position storage of ``B * (S - 1) * width`` bytes)."""
+    """The basis terms of a B regime; ``tiled`` (a loop scoring ``B * (S - 1)`` positions in token tiles, or packed
+    rows, whose FlashAttention-2 varlen buffers add 128 rows per example) adds ``B`` and ``R·B`` above ``B == 1`` (a
+    per-position storage of ``B * (S - 1) * width`` bytes, a per-example one of ``B * 128 * width``)."""
     plain, rank = B_REGIMES[b_reg][:2]
     more = tiled and b_reg != "B=1"
     return plain + (("B",) if more else ()) + ((rank + (("RB",) if more else ())) if lora else ())
@@ -241,6 +242,7 @@ class Fit:
     unfitted: dict
     tile: int | None = None  # a tiled loop's positions per tile: regimes are then on B * (S - 1), not S
     depth0: int = 2  # the shallowest stack's blocks (:func:`_stacks`)
+    per_row: bool = False  # storages with a term per row (packed rows' varlen buffers): the basis has B and R·B
 
     @property
     def aligned(self) -> bool:
@@ -270,7 +272,7 @@ class Fit:
         return np.asarray([self._regime(int(v)) for v in uniq], dtype=object)[np.searchsorted(uniq, S)]
 
     def _basis(self, b_reg: str) -> tuple:
-        return basis(b_reg, self.lora, bool(self.tile))
+        return basis(b_reg, self.lora, bool(self.tile) or self.per_row)
 
     def _regime(self, S: int) -> str:
         for name, (lo, hi) in self.s_regimes.items():
@@ -390,7 +392,8 @@ class Fit:
     def to_json(self) -> dict:
         tile = {"tile": self.tile} if self.tile else {}
         depth0 = {"depth0": self.depth0} if self.depth0 != 2 else {}
-        return {"denominator": self.denominator, "s_regimes": self.s_regimes, **tile, **depth0,
+        per_row = {"per_row": True} if self.per_row else {}
+        return {"denominator": self.denominator, "s_regimes": self.s_regimes, **tile, **depth0, **per_row,
                 "types": list(self.types) if self.types else None, "lora": self.lora, "unfitted": self.unfitted,
                 "tables": {"|".join(k): {ph: t.tolist() for ph, t in v.items()} for k, v in self.tables.items()}}
 
@@ -399,7 +402,7 @@ class Fit:
         tables = {tuple(k.split("|")): {ph: _table(t) for ph, t in v.items()} for k, v in d["tables"].items()}
         return cls(tables, int(d["denominator"]), {k: tuple(v) for k, v in d["s_regimes"].items()},
                    tuple(d["types"]) if d["types"] else None, bool(d["lora"]), dict(d["unfitted"]), d.get("tile"),
-                   int(d.get("depth0", 2)))
+                   int(d.get("depth0", 2)), bool(d.get("per_row", False)))
 
 
 def _table(rows) -> np.ndarray:
@@ -426,10 +429,11 @@ def fit(cfg, step, progress=None) -> Fit:
         raise ValueError("loop 'sft' is not fitted for a model with a sliding window (two kinds of regime).")
     step = step.replace(sharding="fsdp") if fsdp_step(step) else step.one_gpu()
     lora = rank_is_variable(step)
+    per_row = step.padding == "packed"  # varlen buffers: (B * S + 128 * B) rows
     depth0 = 3 if step.sharding == "fsdp" else 2
     s_regimes, stacks, raw, unfitted = _t_regimes(tile) if tile else _s_regimes(cfg), _stacks(cfg, depth0), {}, {}
     plan = [(s, b, st) for s in s_regimes for b in B_REGIMES for st in stacks]
-    total = sum(len(_design(b, lora, bool(tile))) + 1 for _, b, _ in plan)
+    total = sum(len(_design(b, lora, bool(tile) or per_row)) + 1 for _, b, _ in plan)
     done = [0]
 
     def run(c, B, S, R):
@@ -446,7 +450,7 @@ def fit(cfg, step, progress=None) -> Fit:
                     first, step_ = (v[b_reg] if isinstance(v, dict) else v for v in (start, span))
                     raw[(b_reg, s_reg, stack)], detail[stack] = _fit_stack(
                         run, _shallow(cfg, stack, layers, depth0), b_reg, lora, first, step_,
-                        f"stack {stack!r}, {b_reg}, {s_reg}", tile)
+                        f"stack {stack!r}, {b_reg}, {s_reg}", tile, per_row)
                 # FSDP2: next to the ends an operator's bytes are not affine in depth (which groups are gathered
                 # changes), so its operators are not matched; each stack's largest are
                 more = None if step.sharding == "fsdp" else _uniform_more(stacks)
@@ -465,7 +469,7 @@ def fit(cfg, step, progress=None) -> Fit:
               for k, v in raw.items()}
     types = getattr(cfg, "layer_types", None)
     return Fit(tables, d, {k: v[2:] for k, v in s_regimes.items()}, tuple(types) if isinstance(types, list) and types
-               else None, lora, unfitted, tile, depth0)
+               else None, lora, unfitted, tile, depth0, per_row)
 
 
 def fsdp_step(step) -> bool:
@@ -559,12 +563,13 @@ def _tile_split(x: list, y: list, q: int, m: int, L: int) -> int:
     return q
 
 
-def _fit_stack(run, cfg, b_reg: str, lora: bool, start: int, span: int, where: str, tile: int | None = None) -> dict:
+def _fit_stack(run, cfg, b_reg: str, lora: bool, start: int, span: int, where: str, tile: int | None = None,
+               per_row: bool = False) -> dict:
     """One stack in one regime: its traces at the design shapes, each operator fitted and checked; per phase the
     envelope's operators as [total, *parts] coefficient lists."""
     shapes = [(B, start + k * span, RANKS[i] if lora else RANKS[0])
-              for B, k, i in _design(b_reg, lora, bool(tile)) + (_held(b_reg, bool(tile)),)]
-    terms = basis(b_reg, lora, bool(tile))
+              for B, k, i in _design(b_reg, lora, bool(tile) or per_row) + (_held(b_reg, bool(tile)),)]
+    terms = basis(b_reg, lora, bool(tile) or per_row)
     rows = [_row(terms, *sh) for sh in shapes[:-1]]
     held_row = _row(terms, *shapes[-1])
     solve = _solver(rows)

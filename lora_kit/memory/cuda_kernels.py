@@ -40,6 +40,13 @@ as the kit counts them. Every storage is rounded to 512 bytes like the CUDA cach
 CPU steps (the math kernel runs the same composite there) with torch's profiler memory timeline:
 ``tests/test_cuda_kernels.py``.
 
+**FlashAttention-2** (``attn_implementation="flash_attention_2"``, :func:`flash_attention_cast`): transformers calls
+flash-attn directly, not SDPA, so there is no dispatch and never a math fallback. flash-attn takes fp16 / bf16 only:
+fp32 q/k/v (QLoRA's recipe) are cast to the compute dtype first (``fa_peft_integration_check`` in
+``modeling_flash_attention_utils.py``), three copies per layer that flash-attn keeps for backward (the fp32 ones die
+unless something else holds them), and their gradients are cast back in backward. The kit's figures count them
+(``lora_kit.memory.flash_attention`` emulates the path on a CPU).
+
 fp16/bf16 inputs reach the math kernel only in corner cases (bf16 on pre-sm80 cards, odd head sizes), masked
 fp32 attention never on sm50+ (the memory-efficient kernel takes it): neither is priced here
 (:func:`math_fallback_bytes` raises; the note then names the kernel and what rules out the others).
@@ -450,6 +457,43 @@ def peak_with_math(trace, fb: MathFallback, attention_only: bool = False) -> int
     return int(best)
 
 
+def flash_attention_dtype(step=None, **overrides) -> str:
+    """The dtype flash-attn receives under ``attn_implementation="flash_attention_2"``: transformers'
+    ``get_target_dtype`` casts fp32 q/k/v to the autocast dtype (``training.autocast_context``: bf16 for fp32
+    weights) or, for a quantized model (QLoRA), to the config's ``dtype``; 16-bit q/k/v pass as they are."""
+    st = as_step(step, **overrides)
+    if st.autocast:
+        return st.dtype if st.dtype != "float32" else "bfloat16"
+    return st.dtype
+
+
+@dataclass
+class FlashCast:
+    """What FlashAttention-2 costs instead of a math fallback: the casts of fp32 q/k/v to 16-bit (none when they are
+    16-bit already)."""
+    from_dtype: str  # of q/k/v as the projections make them (fp32 under QLoRA's recipe)
+    to_dtype: str  # what flash-attn receives
+    bytes_per_layer: int  # the three 16-bit copies (each rounded to 512 bytes), kept from forward to backward
+    layers: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def flash_attention_cast(spec, step=None, *, block: int = 512, **overrides) -> FlashCast:
+    """The cast copies of :func:`flash_attention_dtype` for the step's shapes (see the module docstring)."""
+    spec, st = model_spec(spec), as_step(step, **overrides)
+    c = sdpa_call(spec, st)
+    to = flash_attention_dtype(st)
+    n = 0
+    if c.dtype != to:
+        per = c.batch * c.seq_q * DTYPE_BYTES[to]
+        n = sum(round_bytes(per * h * d, block) for h, d in ((c.q_heads, c.head_dim_qk),
+                                                            (c.model_kv_heads or c.kv_heads, c.head_dim_qk),
+                                                            (c.model_kv_heads or c.kv_heads, c.head_dim_v)))
+    return FlashCast(c.dtype, to, n, spec.num_layers)
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -458,11 +502,19 @@ def cuda_attention_note(model, step=None, *, torch_version_: str | tuple | None 
                         compute_capability: float = 9.0, peak_bytes: int | None = None, sim=None,
                         exact: bool = False, **overrides) -> str | None:
     """None, or one plain sentence for the plan / run card when CUDA would run this step's attention in the math
-    kernel: what it adds per GPU and the fix. With ``sim`` (``simulate(..., trace=True)`` of the step) the extra
+    kernel: what it adds per GPU and the fix (with ``flash_attention_2``, which never does: what its casts of fp32
+    q/k/v keep, when there are any). With ``sim`` (``simulate(..., trace=True)`` of the step) the extra
     is placed on the step (exact; it can be nothing when the peak lies elsewhere, e.g. at the loss); without, it
     is the extra at attention ("up to"); ``exact=True`` runs that simulation here (seconds to a minute for a 7-8B
     model). ``peak_bytes`` (the kit's peak, which counts the fused kernel) or ``sim`` adds the peak both ways."""
     spec, st = model_spec(model), as_step(step, **overrides)
+    if st.attn_implementation == "flash_attention_2":
+        fc = flash_attention_cast(spec, st)
+        if not fc.bytes_per_layer:
+            return None
+        return (f"With flash_attention_2 attention never falls back to the math kernel; instead the "
+                f"{SHORT[fc.from_dtype]} q/k/v are cast to {SHORT[fc.to_dtype]} for it, {_gib(fc.bytes_per_layer)} per "
+                "layer kept for backward (counted in the figures).")
     if st.attn_implementation != "sdpa":
         return None
     c = sdpa_call(spec, st)

@@ -40,7 +40,7 @@ from lora_kit.memory.compose import DEEPSPEED, GRADIENTS_SHARDED, SWAPPABLE, com
     static_terms
 from lora_kit.memory.device import device_kwargs, device_total
 from lora_kit.memory.moe import expert_lora
-from lora_kit.memory.specs import ModelSpec, check_targets, model_spec
+from lora_kit.memory.specs import ModelSpec, check_attention, check_targets, model_spec
 from lora_kit.memory.static import trainable_tensors as _trainable_tensors
 from lora_kit.settings import Step, as_step, check_axes
 
@@ -84,6 +84,7 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
     seq_len, batch_size, lora_rank, num_gpus = (ax.get(k, getattr(s, k)) for k in ("seq_len", "batch_size", "lora_rank",
                                                                                     "num_gpus"))
     targets = check_targets(spec, s.method, lora_rank, s.lora_targets, s.attn_implementation)
+    check_attention(s)
     experts = expert_lora(spec, targets)  # MoE: what peft trains on the experts; linears it drops from targets
     targets = tuple(t for t in targets if t not in experts["dropped"])
     S, B, r, N = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (seq_len, batch_size, lora_rank,

@@ -135,17 +135,21 @@ def build_real_model(cfg, s, device: str = "cpu", seed: int = 0):
 
     from transformers import AutoModelForCausalLM
 
+    from lora_kit.memory.flash_attention import FA2, check_supported, model_attn_implementation
     torch.manual_seed(seed)
     weight_dtype = "float32" if s.method == "full" and s.autocast else s.dtype
     with torch.device(device):  # initialise on the device: fast on a GPU, no host copy
         net = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE_MAP[weight_dtype],
-                                               attn_implementation=s.attn_implementation)
+                                               attn_implementation=model_attn_implementation(s.attn_implementation,
+                                                                                             device))
+    if s.attn_implementation == FA2:
+        check_supported(net)
     if s.method == "qlora":
         with tempfile.TemporaryDirectory() as d:
             net.save_pretrained(d, safe_serialization=True)
             del net
             net = load_model(d, method="qlora", dtype=s.dtype, double_quant=s.double_quant,
-                             attn_implementation=s.attn_implementation, device=device,
+                             attn_implementation=model_attn_implementation(s.attn_implementation, device), device=device,
                              storage_in_dtype=not s.kbit_prepared)
     net = attach_adapter(net, s.method, seed, s.lora_rank, s.lora_alpha, 0.0, s.lora_targets,
                          s.gradient_checkpointing, s.kbit_prepared)
@@ -165,10 +169,17 @@ def step_batch(ids, padding: str) -> dict:
     right-padded to seq_len (its last quarter, at least one token, is padding); ``"longest"``: padded to
     the longest row (row 0 is full, the others end in padding; one row alone has none). Pads are 0 in
     ``attention_mask`` and -100 in ``labels`` (a separate tensor). A padded batch makes transformers build
-    a (batch, 1, seq, seq) attention mask; an all-ones mask does not."""
+    a (batch, 1, seq, seq) attention mask; an all-ones mask does not. ``"packed"``: the rows concatenated into one
+    (1, batch x seq_len) row with position_ids restarting at 0 for each and label -100 at each one's first token, as
+    transformers' ``DataCollatorWithFlattening`` (TRL's ``padding_free``) builds it; no attention mask."""
     if padding == "none":
         return {"input_ids": ids, "labels": ids}
     B, S = ids.shape
+    if padding == "packed":  # DataCollatorWithFlattening: -100 before each example, positions restarting
+        flat = ids.reshape(1, B * S).clone()
+        labels = flat.clone()
+        labels[0, ::S] = -100
+        return {"input_ids": flat, "labels": labels, "position_ids": torch.arange(S, device=ids.device).repeat(1, B)}
     mask = torch.ones_like(ids)
     mask[0 if padding == "max_length" else 1:, S - max(1, S // 4):] = 0
     labels = ids.masked_fill(mask == 0, -100)

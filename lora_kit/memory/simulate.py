@@ -60,6 +60,7 @@ from lora_kit.loading import DTYPE_MAP, bnb_config
 from lora_kit.memory import liger
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS, label_training_state, to_breakdown
 from lora_kit.memory.device import device_kwargs, device_total
+from lora_kit.memory.flash_attention import values_known
 from lora_kit.memory.measure import check_liger, step_batch
 from lora_kit.memory.sharded import check_simulable, simulate_sharded
 from lora_kit.memory.specs import check_model_step, load_config, model_spec
@@ -89,24 +90,28 @@ class SimResult:
 
 def _meta_model(cfg, s):
     from transformers import AutoModelForCausalLM
+    from lora_kit.memory.flash_attention import FA2, check_supported, model_attn_implementation
     weight_dtype = "float32" if s.method == "full" and s.autocast else s.dtype
     try:
         with torch.device("meta"):
             m = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE_MAP[weight_dtype],
-                                                 attn_implementation=s.attn_implementation)
+                                                 attn_implementation=model_attn_implementation(s.attn_implementation))
     except ValueError as e:
         if "attention implementation" not in str(e):
             raise
         other = "eager" if s.attn_implementation == "sdpa" else "sdpa"
         raise ValueError(f"transformers has no attn_implementation={s.attn_implementation!r} for model_type="
                          f"{cfg.model_type!r}; pass attn_implementation={other!r}.") from None
+    if s.attn_implementation == FA2:
+        check_supported(m)
     if s.method == "qlora":
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-        from transformers.quantizers.base import get_keys_to_not_convert
+        from transformers.quantizers.base import _assign_is_quantized, get_keys_to_not_convert
 
         replace_with_bnb_linear(m, modules_to_not_convert=get_keys_to_not_convert(m),
                                 quantization_config=bnb_config(s.dtype, s.double_quant, not s.kbit_prepared))
         m.is_loaded_in_4bit = True
+        _assign_is_quantized(m)  # what from_pretrained's quantizer marks (flash attention's target dtype reads it)
     return m
 
 
@@ -267,12 +272,13 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
     batch = {k: memo.setdefault(id(v), fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, v, make_constant=True))
              for k, v in real.items()}
     ctx = autocast_context(autocast, dtype, "cpu")
-    if sharding in SIMULATED:  # the real FSDP2 on a fake world of num_gpus ranks: lora_kit.memory.sharded
-        with _real_mask_decisions(has_padding):
-            tracker = simulate_sharded(net, batch, s, fake_mode, ctx, fsdp_policy, trace)
-    else:
-        tracker = _tracked_step(net, opt, loop_batch(batch, s.loop), fake_mode, ctx, has_padding, paged,
-                                loop_kw, loop_live, trace)
+    with values_known(batch, real):  # packed rows: FlashAttention-2's path reads position_ids' values
+        if sharding in SIMULATED:  # the real FSDP2 on a fake world of num_gpus ranks: lora_kit.memory.sharded
+            with _real_mask_decisions(has_padding):
+                tracker = simulate_sharded(net, batch, s, fake_mode, ctx, fsdp_policy, trace)
+        else:
+            tracker = _tracked_step(net, opt, loop_batch(batch, s.loop), fake_mode, ctx, has_padding, paged,
+                                    loop_kw, loop_live, trace)
     raw = tracker.peak_breakdown()
     notes = []
     paged_bytes = raw.pop("paged_optimizer_states", 0)

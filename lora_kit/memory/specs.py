@@ -337,6 +337,26 @@ def valid_targets(spec) -> list[str]:
 SDPA_UNSUPPORTED = ("gemma2",)  # transformers 5.24 refuses sdpa for these (attention soft-capping)
 
 
+def check_attention(step) -> None:
+    """What the kit can plan with ``attn_implementation='flash_attention_2'`` (``lora_kit.memory.flash_attention``):
+    unpadded or packed rows (transformers' unpad path for padded batches is not emulated; packed rows need it) and
+    16-bit q/k/v (flash-attn takes
+    fp16 / bf16 only; fp32 weights without autocast give fp32 q/k/v). ValueError says what to change."""
+    if step.attn_implementation != "flash_attention_2":
+        if step.padding == "packed":
+            raise ValueError("padding='packed' is planned with attn_implementation='flash_attention_2' (transformers' "
+                             "varlen path, what TRL's padding_free runs); set it, or padding='none'.")
+        return
+    if step.padding not in ("none", "packed"):
+        raise ValueError(f"attn_implementation='flash_attention_2' is planned for unpadded rows: set padding='none' "
+                         "or 'packed' "
+                         f"(a plan sizes full rows of seq_len tokens anyway), not {step.padding!r}, or use "
+                         "attn_implementation='sdpa' for padded batches.")
+    if step.dtype == "float32" and not step.autocast:
+        raise ValueError("attn_implementation='flash_attention_2' needs fp16 / bf16 q/k/v; with dtype='float32' set "
+                         "autocast=True, or dtype='bfloat16'.")
+
+
 def check_targets(spec, method: str, lora_rank, lora_targets, attn_implementation: str) -> tuple:
     """The model-dependent half of the step validation (making a ``lora_kit.settings.Step`` is the other):
     LoRA target names that exist in ``spec``, a rank no larger than the smallest targeted layer, an
@@ -381,4 +401,5 @@ def check_model_step(model, step) -> str:
     ``measure_config`` record it."""
     spec = model_spec(model) if isinstance(model, (str, os.PathLike, ModelSpec)) else model_spec(load_config(model))
     check_targets(spec, step.method, step.lora_rank, step.lora_targets, step.attn_implementation)
+    check_attention(step)
     return model if isinstance(model, str) else getattr(model, "name_or_path", "") or type(model).__name__

@@ -26,6 +26,7 @@ Trade-offs, stated:
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections import defaultdict
@@ -87,6 +88,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self._life: dict[int, list] = {}  # trace: serial -> [first operator live after, operator it died in, bytes]
         self._allocs: list[tuple[int, int]] = []  # trace: (operator index, bytes) per storage an operator returned new
         self._in_op = False
+        self._paused = False  # inside untracked(): operators run unseen
 
     # -- counting -----------------------------------------------------------------------------
     def _free(self, serial: int, cdata: int) -> None:
@@ -165,6 +167,8 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
         self._in_op = True  # storages added now are this operator's outputs (allocations())
         try:
             if isinstance(out, torch.Tensor):  # fast path: most operators return one tensor
@@ -257,6 +261,22 @@ def _tracked_resize(storage, size):
     for tr in _ACTIVE:
         tr._add_storage(storage)
     return out
+
+
+@contextlib.contextmanager
+def untracked():
+    """Operators run inside are not seen by the active trackers (neither counted nor traced): for a kernel
+    emulation that allocates the emulated kernel's buffers where the trackers see them, then computes the values with
+    other operators whose temporaries the emulated kernel does not have (``lora_kit.memory.flash_attention``). Whatever
+    is allocated inside must die inside."""
+    saved = [(tr, tr._paused) for tr in _ACTIVE]
+    for tr, _ in saved:
+        tr._paused = True
+    try:
+        yield
+    finally:
+        for tr, was in saved:
+            tr._paused = was
 
 
 def first_divergence(a: list, b: list) -> dict | None:

@@ -23,6 +23,9 @@ tokens) and long ones device-bound; the host-bound excess is the part ``host_wai
   SDPA's inputs to bf16) the memory-efficient kernel for MHA and for masked GQA (transformers repeats K/V), and
   for unmasked GQA (``enable_gqa``) the **math** kernel before torch 2.14: full S x S scores in fp32 on CUDA
   cores plus their traffic. ``attn_implementation="eager"`` is the math path in the activation dtype.
+  ``"flash_attention_2"`` (flash-attn, called by transformers without SDPA) is the flash kernel in the dtype it
+  receives (:func:`lora_kit.memory.cuda_kernels.flash_attention_dtype`: 16-bit), plus, for fp32 q/k/v (QLoRA's
+  recipe), their casts to 16-bit and the gradients' casts back at bandwidth.
 - **Element-wise and norm traffic** (RMSNorm in fp32 internally, rotary, residual adds, SiLU x up, LoRA's casts
   and adds, the loss's fp32 logits) at bandwidth; activations are fp32 under QLoRA's recipe.
 - **QLoRA under autocast** (HF Trainer ``bf16=True``): every linear, ``lm_head`` included, runs in 16-bit (the
@@ -61,7 +64,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 
-from lora_kit.memory.cuda_kernels import ENABLE_GQA_FROM, sdpa_backend, sdpa_call
+from lora_kit.memory.cuda_kernels import ENABLE_GQA_FROM, flash_attention_dtype, sdpa_backend, sdpa_call
 from lora_kit.memory.specs import check_targets, model_spec
 from lora_kit.plan import time_constants as C
 from lora_kit.settings import Step, as_step
@@ -130,7 +133,7 @@ def flops_per_step(spec, step: Step | None = None, **overrides) -> dict:
     seq_len, T = int(st.seq_len), int(st.batch_size) * int(st.seq_len)  # Python ints: exact at any size
     p_lin = sum(lin.in_features * lin.out_features for lin in spec.linears) * spec.num_layers
     p_head = spec.vocab_size * spec.hidden_size
-    causal = 0.5 if st.attn_implementation == "sdpa" else 1.0
+    causal = 0.5 if st.attn_implementation in ("sdpa", "flash_attention_2") else 1.0
     attn = 4.0 * T * seq_len * spec.num_heads * spec.head_dim * spec.num_layers * causal
     fwd_blocks = 2.0 * T * p_lin + attn
     fwd_head = 2.0 * T * p_head
@@ -211,6 +214,8 @@ def attention_kernel(spec, step: Step, gpu: dict, torch_version: tuple | None = 
     spec, st = model_spec(spec), as_step(step)
     if st.attn_implementation == "eager":
         return "eager"
+    if st.attn_implementation == "flash_attention_2":  # flash-attn itself: no SDPA dispatch, no fallback
+        return "flash"
     tv = _torch_version() if torch_version is None else tuple(torch_version)
     call = sdpa_call(spec, st)
     if call.enable_gqa and tv < ENABLE_GQA_FROM:  # transformers' use_gqa_in_sdpa needs torch 2.5: it repeats K/V
@@ -337,6 +342,12 @@ def _attention(c: _Clock, spec, st: Step, gpu: dict, kernel: str, bwd: bool, tim
     width = spec.num_heads * spec.head_dim
     # the dtype of SDPA's q/k/v (QLoRA's recipe: fp32; CUDA's autocast casts SDPA's inputs to 16-bit)
     act = _dtypes(st)["activations"] if kernel == "eager" else sdpa_call(spec, st).dtype
+    if st.attn_implementation == "flash_attention_2":
+        fa = flash_attention_dtype(st)
+        if act != fa:  # fa_peft_integration_check's casts of q/k/v (forward), their gradients' casts back (backward)
+            qkv = B * s * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+            c.add("attention", bytes_=qkv * (DTYPE_BYTES[act] + DTYPE_BYTES[fa]), kernels=3, times=times)
+        act = fa
     if kernel in ("flash", "mem_efficient"):
         flops = 4.0 * B * s * s * width * C.CAUSAL_FRACTION * (C.FLASH_BACKWARD_FLOPS if bwd else 1.0)
         peak = peak_flops(gpu, act, False)  # fp32: CUDA cores

@@ -134,10 +134,18 @@ def collate(batch, seq_len: int, pad_id: int, padding: str = "max_length") -> di
     - ``"longest"``: padded to the batch's longest row, with an attention mask (all ones when nothing is padded);
     - ``"none"``: every row ``seq_len`` tokens and no attention mask. Pads follow the real tokens of their row, so
       under causal attention no real token sees them and their labels are masked: the loss and gradients are those
-      of the masked batch, while the model runs the unmasked attention path the plan describes.
+      of the masked batch, while the model runs the unmasked attention path the plan describes;
+    - ``"packed"``: the rows concatenated into one, no padding and no mask, position_ids restarting at 0 for each
+      row and -100 as each row's first label (transformers' ``DataCollatorWithFlattening``, TRL's padding_free).
     """
-    if padding not in ("none", "longest", "max_length"):
-        raise ValueError(f"padding={padding!r} is not valid; choose 'none', 'longest' or 'max_length'.")
+    if padding not in ("none", "longest", "max_length", "packed"):
+        raise ValueError(f"padding={padding!r} is not valid; choose 'none', 'longest', 'max_length' or 'packed'.")
+    if padding == "packed":
+        ids = [t for e in batch for t in e["input_ids"]]
+        labels = [t for e in batch for t in [IGNORE_INDEX, *e["labels"][1:]]]
+        positions = [p for e in batch for p in range(len(e["input_ids"]))]
+        return {k: torch.tensor([v], dtype=torch.long) for k, v in
+                (("input_ids", ids), ("labels", labels), ("position_ids", positions))}
     width = max(len(e["input_ids"]) for e in batch) if padding == "longest" else seq_len
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)

@@ -79,6 +79,8 @@ def trl_config(model: str, step, dataset: str | None = None) -> dict:
                 "packing": False, "use_peft": lora})
     if step.padding == "max_length":
         cfg["pad_to_multiple_of"] = step.seq_len  # every batch padded to max_length
+    elif step.padding == "packed":
+        cfg["padding_free"] = True  # the batch's rows flattened into one, position_ids restarting per row
     if lora:
         cfg.update({"lora_r": step.lora_rank, "lora_alpha": step.lora_alpha, "lora_target_modules": _targets(step)})
     if step.method == "qlora":
@@ -123,7 +125,8 @@ def axolotl_config(model: str, step, dataset: str | None = None) -> dict:
                 "pad_to_sequence_len": step.padding == "max_length", "micro_batch_size": step.batch_size,
                 "gradient_accumulation_steps": step.grad_accum, "gradient_checkpointing": step.gradient_checkpointing,
                 "gradient_checkpointing_kwargs": {"use_reentrant": False}, "optimizer": TRAINER_OPTIM[step.optimizer]})
-    cfg["sdp_attention" if step.attn_implementation == "sdpa" else "eager_attention"] = True
+    cfg[{"sdpa": "sdp_attention", "eager": "eager_attention", "flash_attention_2": "flash_attention"}[
+        step.attn_implementation]] = True
     if step.liger_kernel:  # the plugin with the kernels the Trainer's use_liger_kernel applies
         from lora_kit.plan.config_import import AXOLOTL_LIGER_DEFAULTS
         cfg["plugins"] = ["axolotl.integrations.liger.LigerPlugin"]
@@ -152,7 +155,7 @@ def llamafactory_config(model: str, step, dataset: str | None = None) -> dict:
                 "gradient_accumulation_steps": step.grad_accum,
                 "disable_gradient_checkpointing": not step.gradient_checkpointing, "use_reentrant_gc": False,
                 "optim": TRAINER_OPTIM[step.optimizer],
-                "flash_attn": "sdpa" if step.attn_implementation == "sdpa" else "disabled"})
+                "flash_attn": {"sdpa": "sdpa", "eager": "disabled", "flash_attention_2": "fa2"}[step.attn_implementation]})
     if step.liger_kernel:
         cfg["enable_liger_kernel"] = True
     # bf16: weights in bf16, trainable ones up-cast to fp32, autocast; pure_bf16: bf16 weights, no autocast

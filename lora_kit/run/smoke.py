@@ -63,6 +63,7 @@ from lora_kit.data import (check_base_mix, control_source, field_settings, is_co
 from lora_kit.loading import fix_bnb_cpu_repack, load_model, load_tokenizer, resolve_model
 from lora_kit.memory.breakdown import BREAKDOWN_KEYS
 from lora_kit.memory.estimate import estimate
+from lora_kit.memory.flash_attention import model_attn_implementation
 from lora_kit.fsdp import layer_class
 from lora_kit.memory.sharded import label_fsdp
 from lora_kit.memory.simulate import simulate as simulate_step
@@ -563,8 +564,8 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     mine = _rank_share(order, rank, world, s.batch_size)
     state["train_prompts"], state["fmt"] = [rows[e["row"]] for e in mine[:4]], fmt
     model = load_model(path, method=s.method, dtype=s.dtype, double_quant=s.double_quant,
-                       attn_implementation=s.attn_implementation, trust_remote_code=s.trust_remote_code,
-                       device=str(dev), storage_in_dtype=not s.step.kbit_prepared)
+                       attn_implementation=model_attn_implementation(s.attn_implementation, dev),
+                       trust_remote_code=s.trust_remote_code, device=str(dev), storage_in_dtype=not s.step.kbit_prepared)
     if tracker is not None:
         tracker.track(list(model.parameters()) + list(model.buffers()))
     rec["model"] = {"path": path, "parameters": sum(p.numel() for p in model.parameters()),
@@ -761,8 +762,8 @@ def _verify_phases(s, run, state, tracker, tok, probe, path, control_prompts, sh
 
     run.start("reload", tracker)
     base = load_model(path, method=s.method, dtype=s.dtype, double_quant=s.double_quant,
-                      attn_implementation=s.attn_implementation, trust_remote_code=s.trust_remote_code,
-                      device=str(dev), storage_in_dtype=not s.step.kbit_prepared)
+                      attn_implementation=model_attn_implementation(s.attn_implementation, dev),
+                      trust_remote_code=s.trust_remote_code, device=str(dev), storage_in_dtype=not s.step.kbit_prepared)
     if s.step.kbit_prepared:  # same fp32 up-casts as in training, so logits are comparable
         from peft import prepare_model_for_kbit_training
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
