@@ -103,9 +103,10 @@ def test_adafactor_is_not_composed(monkeypatch, tmp_path):
 def test_sharding_composed_is_labelled_and_shards_the_static_parts(monkeypatch, tmp_path):
     monkeypatch.setenv("LORA_KIT_FITS", str(tmp_path))
     monkeypatch.setenv("LORA_KIT_FIT", "never")
-    one = est.estimate("tiny", PLANNING.replace(method="qlora"))
     for sh in ("zero1", "zero2", "zero3", "fsdp"):
-        e = est.estimate("tiny", PLANNING.replace(method="qlora", sharding=sh, num_gpus=4))
+        step = PLANNING.replace(method="qlora", sharding=sh, num_gpus=4)
+        one = est.estimate("tiny", step.one_gpu())  # its one-GPU step, QLoRA readied as sharded (zero3 / fsdp: none)
+        e = est.estimate("tiny", step)
         assert e.memory_model == f"composed ({sh} over 4 GPUs by arithmetic)"
         assert e.breakdown["optimizer_states"] == -(-one.breakdown["optimizer_states"] // 4)
         if sh in ("zero3", "fsdp"):  # not parameters: FSDP leaves them whole on every GPU
