@@ -137,7 +137,7 @@ def check_simulable(s) -> None:
                          "here); use lora_kit.memory.estimate for cpu_offload=True.")
     if s.method == "qlora":
         raise ValueError("simulate cannot shard QLoRA (bitsandbytes 4-bit weights under FSDP2); use "
-                         "lora_kit.memory.estimate (arithmetic) for QLoRA with sharding.")
+                         "lora_kit.memory.estimate for QLoRA with sharding (its one-GPU fit, qlora_prepare resolved, composed).")
     if s.optimizer not in ("adamw", "sgd"):
         raise ValueError(f"simulate runs FSDP2 with torch / transformers optimizers; optimizer={s.optimizer!r} "
                          "on sharded DTensor parameters is not simulated: use optimizer='adamw' or "

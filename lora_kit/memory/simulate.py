@@ -243,7 +243,7 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
     method, dtype, autocast, sharding = s.method, s.dtype, s.autocast, s.sharding
     if sharding not in ("none", "ddp") + SIMULATED:
         raise ValueError(f"simulate covers sharding='none', 'ddp' and (on FSDP2) {', '.join(map(repr, SIMULATED))}; "
-                         f"for sharding={sharding!r} use lora_kit.memory.estimate (arithmetic).")
+                         f"for sharding={sharding!r} use lora_kit.memory.estimate (a one-GPU fit composed).")
     if sharding in SIMULATED:
         check_simulable(s)
         if s.loop != "kit":
