@@ -50,7 +50,10 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def test_smoke_loop_runs_the_one_step_with_grad_accum_and_tracked_steps(random_llama_dir, tmp_path):
+def test_smoke_loop_runs_the_one_step_with_grad_accum_and_tracked_steps(random_llama_dir, tmp_path, monkeypatch):
+    # the run's estimate would fit this folder's architecture on the spot unless an earlier test in this worker did
+    # (simulated steps, each a train_step call): the count below is the smoke loop's own steps, whatever the order
+    monkeypatch.setenv("LORA_KIT_FIT", "never")
     with train_step_calls() as calls:
         r = smoke_run(model=str(random_llama_dir), run_dir=str(tmp_path), examples=ROWS, control_prompts=["hi"],
                       progress=False, simulate=False, max_steps=3, batch_size=2, grad_accum=2, seq_len=32,
