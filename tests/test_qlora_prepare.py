@@ -68,3 +68,11 @@ def test_sharded_qlora_is_composed_from_the_bare_recipe():
     assert sharded.peak_allocated_bytes < estimate("tiny", qlora_prepare="peft", **kw).peak_allocated_bytes
     bare = estimate("tiny", **{**kw, "sharding": "none", "num_gpus": 1, "qlora_prepare": "none"})
     assert sharded.breakdown["adapters"] < bare.breakdown["adapters"]  # sharded over the 2 GPUs
+
+
+def test_cli_says_what_auto_resolved_to(capsys):
+    from lora_kit.ui.cli import main
+    for flags, resolved in ((["--num-gpus", "2", "--sharding", "fsdp"], "none"), ([], "peft")):
+        assert main(["estimate", "--model", "tiny", "--method", "qlora", *flags]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if "qlora_prepare" in x)
+        assert line.rstrip().endswith(f"'auto' -> {resolved}")

@@ -23,7 +23,7 @@ from lora_kit.memory.specs import model_is_local, model_spec
 from lora_kit.noise import quiet
 from lora_kit.plan.planner import fit_verdict, model_note
 from lora_kit.results import check_run_name, signal_name
-from lora_kit.settings import (LORA_FIELDS, PLANNING, STEP_FIELDS, check_names, coerce_value, default_of,
+from lora_kit.settings import (LORA_FIELDS, PLANNING, STEP_FIELDS, as_step, check_names, coerce_value, default_of,
                                field_help, field_names, load_settings, read_params)
 
 
@@ -100,6 +100,13 @@ def cmd_run(args) -> int:
 
 
 ESTIMATE_FIELDS = ("model", *STEP_FIELDS, "gpu", "margin")
+
+
+def _resolved(name: str, plan: dict) -> str:
+    """What an "auto" value resolves to for this step (``qlora_prepare``), printed after it."""
+    if name == "qlora_prepare" and plan.get(name) == "auto":
+        return f" -> {'peft' if as_step(plan).kbit_prepared else 'none'}"
+    return ""
 
 
 def estimate_plan(given: dict) -> tuple[dict, list[str]]:
@@ -198,7 +205,7 @@ def cmd_estimate(args) -> int:
         if plan["method"] == "qlora" else ("double_quant", "qlora_prepare")
     for k in ESTIMATE_FIELDS:
         if k in plan and k not in unused:
-            print(f"    {'*' if k in assumed else ' '} {k:<24}{plan[k]!r}")
+            print(f"    {'*' if k in assumed else ' '} {k:<24}{plan[k]!r}{_resolved(k, plan)}")
     names = {k: part_name(k, est.phase) for k in est.breakdown}
     width = max(len(n) for n in names.values()) + 2
     print(f"  parts at the peak ({est.phase} phase):")
