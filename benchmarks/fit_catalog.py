@@ -72,7 +72,7 @@ def grid_steps(name: str) -> list:
     from lora_kit.memory.specs import model_spec
     from lora_kit.settings import as_step
     config, out, seen = model_spec(name).config, [], set()
-    for model, kw in grid.grid(served_only=False):
+    for model, kw in grid.grid():
         step = as_step(None, **kw)
         if model != name:
             continue

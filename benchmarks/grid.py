@@ -217,18 +217,16 @@ def _dense(model: str) -> list[dict]:
     return rows
 
 
-def grid(served_only: bool = True) -> list[tuple[str, dict]]:
+def grid() -> list[tuple[str, dict]]:
     """``(model, settings)`` pairs in a fixed order, each settings dict the keyword arguments passed to
-    ``estimate``; duplicates (a dense-cross row equal to a per-model row) appear once, first place kept. A row is
-    kept when the fits shipped with the package serve it (:func:`shipped`): the grid freezes what a fresh install
-    computes without fitting (the tiny model ships a fit for every row). ``served_only=False``: every row, what
-    ``benchmarks/fit_catalog.py`` fits for the tiny model. :func:`rows` computes the served rows once each."""
+    ``estimate``; duplicates (a dense-cross row equal to a per-model row) appear once, first place kept. Every row:
+    what ``benchmarks/fit_catalog.py`` fits for the tiny model; :func:`rows` keeps those the shipped fits serve."""
     out, seen = [], set()
     models = _models()
     for model in models:
         for kw in _per_model(model) + (_dense(model) if model in DENSE_MODELS else []):
             key = (model, json.dumps(kw, sort_keys=True))
-            if key not in seen and (not served_only or shipped(model, kw)):
+            if key not in seen:
                 seen.add(key)
                 out.append((model, kw))
     missing = [m for m in DENSE_MODELS if m not in models]
@@ -243,26 +241,14 @@ def _shipped_only():
     return mock.patch.dict(os.environ, LORA_KIT_FIT="never", LORA_KIT_FITS=str(fits.SHIPPED / "no-user-cache"))
 
 
-def shipped(model: str, settings: dict) -> bool:
-    """Whether the fits shipped with the package serve ``estimate(model, **settings)`` (fitted, or composed from
-    one), whatever the user's cache holds."""
-    from lora_kit import estimate
-    from lora_kit.memory import fits
-    with _shipped_only():
-        try:
-            estimate(model, **settings)
-            return True
-        except fits.MissingFit:
-            return False
-
-
 def rows() -> list[dict]:
-    """The golden grid's rows (:func:`grid`'s served pairs, in its order), each estimated once, as a fresh install
-    estimates it."""
+    """The golden grid's rows: :func:`grid`'s pairs the fits shipped with the package serve (fitted, or composed
+    from one; the tiny model ships a fit for every row), in its order, each estimated once, as a fresh install
+    estimates it whatever the user's cache holds."""
     from lora_kit.memory import fits
     out = []
     with _shipped_only():
-        for model, kw in grid(served_only=False):
+        for model, kw in grid():
             try:
                 out.append(compute(model, kw))
             except fits.MissingFit:
