@@ -251,16 +251,20 @@ class Step:
         return dataclasses.replace(self, **changes)
 
     @property
+    def qlora_recipe(self) -> str:
+        """``qlora_prepare`` resolved: "auto" is "none" with loop "sft" or weight sharding, else "peft"."""
+        if self.qlora_prepare != "auto":
+            return self.qlora_prepare
+        return "none" if self.sharding in SHARDED_WEIGHTS or self.loop == "sft" else "peft"
+
+    @property
     def kbit_prepared(self) -> bool:
-        """QLoRA readied by peft's ``prepare_model_for_kbit_training`` (``qlora_prepare`` resolved)."""
-        if self.method != "qlora":
-            return False
-        return self.qlora_prepare == "peft" or (self.qlora_prepare == "auto" and self.sharding not in SHARDED_WEIGHTS
-                                                and self.loop != "sft")
+        """QLoRA readied by peft's ``prepare_model_for_kbit_training`` (:attr:`qlora_recipe` "peft")."""
+        return self.method == "qlora" and self.qlora_recipe == "peft"
 
     def one_gpu(self) -> "Step":
         """This step on one GPU (what sharding is composed from), QLoRA still readied as it is here."""
-        prepare = ("peft" if self.kbit_prepared else "none") if self.method == "qlora" else self.qlora_prepare
+        prepare = self.qlora_recipe if self.method == "qlora" else self.qlora_prepare
         return self.replace(sharding="none", num_gpus=1, cpu_offload=False, qlora_prepare=prepare)
 
     def for_method(self, method: str) -> "Step":

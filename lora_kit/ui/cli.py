@@ -105,7 +105,7 @@ ESTIMATE_FIELDS = ("model", *STEP_FIELDS, "gpu", "margin")
 def _resolved(name: str, plan: dict) -> str:
     """What an "auto" value resolves to for this step (``qlora_prepare``), printed after it."""
     if name == "qlora_prepare" and plan.get(name) == "auto":
-        return f" -> {'peft' if as_step(plan).kbit_prepared else 'none'}"
+        return f" -> {as_step(plan).qlora_recipe}"
     return ""
 
 
