@@ -1,6 +1,7 @@
 """The shared rows of ``benchmarks/reference/cuda_h200.json`` (real steps on one H200) beside the kit's figures.
 
-Per row: ``estimate``'s peak allocated and device total; the device total on the stated basis
+Per row: ``estimate``'s peak allocated (the step's tensors, and with the two cuBLAS workspaces torch counts on CUDA,
+:func:`lora_kit.memory.device.cuda_allocated_bytes`) and device total; the device total on the stated basis
 (:func:`lora_kit.memory.device.device_parts`: the H200's context from the catalog + torch's reserved in closed form
 from the estimate's peak + memory outside the allocator, + paged optimizer states resident) against what the process
 added to nvidia-smi (the shared rows were fitted on: the outside term on all six, the QLoRA load term on
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 import lora_kit as lk  # noqa: E402
 from lora_kit.memory import simulate as sim_mod  # noqa: E402
 from lora_kit.memory.allocator import replay  # noqa: E402
-from lora_kit.memory.device import device_kwargs, device_parts  # noqa: E402
+from lora_kit.memory.device import cuda_allocated_bytes, device_kwargs, device_parts  # noqa: E402
 from lora_kit.memory.specs import model_spec  # noqa: E402
 from lora_kit.memory.tracker import LiveBytesTracker  # noqa: E402
 from lora_kit.plan.gpus import get_gpu  # noqa: E402
@@ -136,15 +137,19 @@ def one(row: dict) -> dict:
     context = get_gpu("H200")["context_bytes"]
     expandable = row["settings"].get("alloc") == "expandable_segments:True"
     reserved = rep["expandable" if expandable else "default"]["max_reserved"]
+    cuda_alloc = cuda_allocated_bytes(est.peak_allocated_bytes, get_gpu("H200")["compute_capability"],
+                                      row["versions"]["torch"])
     return {
         "case": row["case"], "model": row["model"], "settings": kw, "allocator": "expandable" if expandable else "default",
         "measured": {"max_allocated": row["peak_allocated"], "max_reserved": row["peak_reserved"],
                      "process_added_nvidia_smi": added, "context": row["context_used"]},
-        "estimate": {"peak_allocated": est.peak_allocated_bytes, "device_total": est.device_total_bytes},
+        "estimate": {"peak_allocated": est.peak_allocated_bytes, "device_total": est.device_total_bytes,
+                     "cuda_allocated": cuda_alloc},
         "device_basis": basis,
         "simulate": {"peak_allocated": sim.peak_allocated_bytes, "seconds": round(seconds, 1), "events_replayed": len(events)},
         "replay": rep,
         "ratios": {"estimate_allocated": est.peak_allocated_bytes / row["peak_allocated"],
+                   "cuda_allocated": cuda_alloc / row["peak_allocated"],
                    "replay_reserved": reserved / row["peak_reserved"],
                    "estimate_device_total_vs_added": est.device_total_bytes / added,
                    "basis_reserved_vs_measured": basis["reserved"] / row["peak_reserved"],
@@ -164,13 +169,13 @@ def main(argv=None) -> int:
         want = a.rows.split(",")
         rows = [r for r in rows if r["case"] in want]
     out = []
-    print(f"{'case':<34}{'alloc est/meas':>15}{'reserved replay/meas':>22}{'meas GiB':>10}{'dev.total/added':>17}"
+    print(f"{'case':<34}{'alloc est/meas':>15}{'+cuBLAS/meas':>13}{'reserved replay/meas':>22}{'meas GiB':>10}{'dev.total/added':>17}"
           f"{'ctx+replay/added':>18}{'basis res/meas':>16}{'basis total/added':>19}")
     for r in rows:
         res = one(r)
         out.append(res)
         q = res["ratios"]
-        print(f"{r['case']:<34}{q['estimate_allocated']:>15.4f}{q['replay_reserved']:>22.4f}"
+        print(f"{r['case']:<34}{q['estimate_allocated']:>15.4f}{q['cuda_allocated']:>13.5f}{q['replay_reserved']:>22.4f}"
               f"{r['peak_reserved'] / GIB:>10.2f}{q['estimate_device_total_vs_added']:>17.4f}"
               f"{q['context_plus_replay_vs_added']:>18.4f}{q['basis_reserved_vs_measured']:>16.4f}"
               f"{q['device_total_vs_added']:>19.4f}", flush=True)

@@ -515,6 +515,7 @@ def sec_cuda_kit(prov):
                           f"{cap.get('torch', '?')}), rows from `{data.get('reference', rel(CUDA_REFERENCE))}`")
     rows, ratios = data.get("rows", []), {}
     cols = [("estimate_allocated", "allocated: estimate / measured"),
+            ("cuda_allocated", "allocated: estimate + two cuBLAS workspaces / measured"),
             ("replay_reserved", "reserved: replay / measured"),
             ("estimate_device_total_vs_added", "device total: estimate / process added"),
             ("context_plus_replay_vs_added", "context + replay / process added"),
@@ -525,14 +526,17 @@ def sec_cuda_kit(prov):
         rep = r.get("replay", {}).get(r.get("allocator", "default"), {})
         out.append([r["case"], describe({"model": r["model"], **r["settings"]}), r.get("allocator", ""),
                     gib(m["max_allocated"]), gib(e["peak_allocated"]), f"{q['estimate_allocated']:.3f}",
+                    f"{q['cuda_allocated']:.4f}" if "cuda_allocated" in q else "",
                     gib(m["max_reserved"]), gib(rep["max_reserved"]) if rep else "", f"{q['replay_reserved']:.3f}",
                     gib(m["process_added_nvidia_smi"]), gib(e["device_total"]),
                     f"{q['estimate_device_total_vs_added']:.3f}", f"{q['context_plus_replay_vs_added']:.3f}",
                     gib(r["device_basis"]["nvidia_smi_process"]), f"{q['device_total_vs_added']:.3f}"])
         for k, _ in cols:
-            ratios.setdefault(k, []).append(q[k])
+            if k in q:
+                ratios.setdefault(k, []).append(q[k])
     body = ("Ratio = the kit's figure / the measured one, step 2 of each row. *allocated*: `estimate`'s peak against "
-            "`max_memory_allocated`; *reserved*: PyTorch's caching allocator replayed (`lora_kit.memory.allocator`, "
+            "`max_memory_allocated`, alone (the step's tensors, what `simulate` and a CPU step count) and with the two "
+            "cuBLAS workspaces torch's allocator holds on CUDA (`lora_kit.memory.device.cuda_allocated_bytes`); *reserved*: PyTorch's caching allocator replayed (`lora_kit.memory.allocator`, "
             "the row's allocator setting) over `simulate`'s allocation sequence, against `max_memory_reserved`; "
             "*device total*: `estimate`'s `device_total_bytes` against what the process added to nvidia-smi (its "
             "peak minus what was used before it started); *basis*: `lora_kit.memory.device`'s context (the catalog's) "
@@ -540,7 +544,8 @@ def sec_cuda_kit(prov):
             "resident, against the same (the outside term and the QLoRA load term were fitted on these rows). "
             "`simulate` follows CPU kernels, so QLoRA rows (which run "
             "other kernels on CUDA) can differ; what the replay leaves out is in the script's docstring.\n\n")
-    body += table(["case", "setting", "allocator", "allocated GiB", "estimate GiB", "ratio", "reserved GiB",
+    body += table(["case", "setting", "allocator", "allocated GiB", "estimate GiB", "ratio", "+ cuBLAS ratio",
+                   "reserved GiB",
                    "replay GiB", "ratio", "process added GiB", "device total GiB", "ratio", "context + replay ratio",
                    "basis GiB", "basis ratio"],
                   out)
@@ -550,6 +555,7 @@ def sec_cuda_kit(prov):
         if v:
             lines.append(f"- {what}: {len(v)} rows, median {statistics.median(v):.3f}, from {min(v):.3f} to {max(v):.3f}")
     for k, (lo, hi), what in (("estimate_allocated", CUDA_ALLOCATED_BAND, "allocated"),
+                               ("cuda_allocated", CUDA_ALLOCATED_BAND, "allocated with the cuBLAS workspaces"),
                                ("device_total_vs_added", CUDA_DEVICE_TOTAL_BAND, "device total")):
         v = ratios.get(k, [])
         if v:

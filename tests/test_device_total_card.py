@@ -44,6 +44,9 @@ def test_card_parts_add_up_and_paged_states_are_shown_apart(tmp_path):
                   "paged optimizer states, resident when room"):
         assert label in section
     assert "not counted in *fits*" in section
+    # what torch.cuda.max_memory_allocated() will read: the plan's peak + two cuBLAS workspaces (32 MiB on an H200)
+    assert v["cuda_allocated_bytes"] == v["peak_allocated_bytes"] + 2 * 32 * 2 ** 20
+    assert "`torch.cuda.max_memory_allocated()` will read about" in section
     (tmp_path / "plain").mkdir()
     v, md = _card(tmp_path / "plain", "adamw")
     assert v["paged_resident_bytes"] == 0 and "resident when room" not in md

@@ -55,6 +55,14 @@ SEGMENT = 2 * MIB  # kRoundLarge: a large segment is a multiple of 2 MiB
 # accelerate config lora_kit writes leaves as is), in the trained dtype, whatever the model's size
 # (benchmarks/deepspeed_accuracy.py measures it on CPU ranks)
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
+# cuBLAS's workspace per (handle, stream), allocated through torch's caching allocator at a thread's first matmul and
+# kept: PyTorch's parseChosenWorkspaceSize (aten/src/ATen/cuda/CublasHandlePool.cpp) gives 32 MiB on compute
+# capability 9 (Hopper), and on 10 and 12 (Blackwell) from torch 2.11 (pytorch PR 175344, merged 2026-02), else
+# ":4096:2:16:8" = 2 x 4096 KiB + 8 x 16 KiB; CUBLAS_WORKSPACE_CONFIG overrides it. A training step runs matmuls on
+# two threads -- the forward's and autograd's device thread -- so two workspaces: on the shared H200 rows of
+# benchmarks/reference/cuda_h200.json, max_memory_allocated minus the step's tensors is 2 x 32 MiB (within 2 MB)
+CUBLAS_WORKSPACE = {"hopper": 32 * MIB, "default": 2 * 4096 * 1024 + 8 * 16 * 1024}
+CUBLAS_THREADS = 2
 INT64_ROOM = 1 << 56  # below this every product and sum here stays inside int64
 
 
@@ -135,6 +143,27 @@ def device_parts(peak, *, num_gpus, largest=0, method: str | None = None, embedd
     (r, o), scalar = _exact(reserved, outside)
     return {"context": ctx, "reserved": reserved, "outside": outside, "total": _out(ctx + r + o, scalar),
             "allocator": "default"}
+
+
+def cublas_workspace_bytes(compute_capability=None, torch_version_: str | tuple | None = None) -> int:
+    """One cuBLAS workspace as torch allocates it on a GPU of ``compute_capability`` (e.g. 9.0; None: the larger,
+    32 MiB) with torch ``torch_version_`` (default: the installed one): :data:`CUBLAS_WORKSPACE`."""
+    if compute_capability is None or compute_capability != compute_capability:  # None or NaN: an unknown card
+        return CUBLAS_WORKSPACE["hopper"]
+    from lora_kit.memory.cuda_kernels import torch_version
+    major = int(float(compute_capability))
+    big = major == 9 or (major in (10, 12) and torch_version(torch_version_) >= (2, 11))
+    return CUBLAS_WORKSPACE["hopper" if big else "default"]
+
+
+def cuda_allocated_bytes(peak, compute_capability=None, torch_version_: str | tuple | None = None):
+    """What ``torch.cuda.max_memory_allocated()`` will read for a step whose tensors peak at ``peak`` bytes (the
+    kit's ``peak_allocated_bytes``, the same on CPU and CUDA): plus :data:`CUBLAS_THREADS` cuBLAS workspaces
+    (:func:`cublas_workspace_bytes`), which live in torch's allocator from the first matmul on. Not counted: AdamW's
+    0-dim ``step`` tensors, which CUDA keeps on the host (512 bytes each, a few hundred KB in all), and the few
+    buffers bitsandbytes keeps on the card after a 4-bit load (about 4.5 MiB on the shared QLoRA row)."""
+    (p,), scalar = _exact(peak)
+    return _out(p + CUBLAS_THREADS * cublas_workspace_bytes(compute_capability, torch_version_), scalar)
 
 
 def device_total(peak, **kw):

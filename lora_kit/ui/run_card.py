@@ -358,7 +358,7 @@ def nvidia_smi_view(card: dict) -> dict | None:
     states resident while there is room (CUDA managed memory the driver pages out when the card runs short: shown,
     never counted in *fits*); then the driver's share (nvidia-smi's total minus CUDA's), which nvidia-smi counts as
     used before any process starts. Each is added once, here, and only the device total enters the verdict."""
-    from lora_kit.memory.device import outside_bytes
+    from lora_kit.memory.device import cuda_allocated_bytes, outside_bytes
     plan, s = card.get("plan") or {}, card.get("settings") or {}
     row = plan_row(plan.get("rows") or [], s.get("gpu"), s.get("method"))
     if not row or row.get("device_total_gib") is None:
@@ -374,7 +374,12 @@ def nvidia_smi_view(card: dict) -> dict | None:
     context, outside = int(g["context_bytes"]), int(outside_bytes(row["method"], gpus))
     paged = _paged_resident(plan, row)
     process = total + paged
+    peak = int(row["peak_gib"] * GiB) if row.get("peak_gib") is not None else None
+    cc = g.get("compute_capability")
+    cc = float(cc) if isinstance(cc, (int, float, str)) and str(cc) not in ("", "nan") else None
     return {"method": row["method"], "gpu": g["name"], "device_total_bytes": total,
+            "peak_allocated_bytes": peak,
+            "cuda_allocated_bytes": cuda_allocated_bytes(peak, cc) if peak is not None else None,
             "context_bytes": context, "context_basis": g["context_basis"], "outside_bytes": outside,
             "reserved_bytes": total - context - outside, "paged_resident_bytes": paged,
             "process_bytes": process,
@@ -408,6 +413,10 @@ def nvidia_smi_lines(view: dict | None) -> list[str]:
                    "managed memory: on the card while it fits, paged to the host when it does not; not counted in "
                    "*fits* |")
     out.append("")
+    if view.get("cuda_allocated_bytes") is not None:
+        out += [f"`torch.cuda.max_memory_allocated()` will read about **{_gib(view['cuda_allocated_bytes'])}**: the "
+                f"plan's peak of {_gib(view['peak_allocated_bytes'])} (the step's tensors) plus two cuBLAS workspaces "
+                "(the forward's thread and autograd's), which torch's allocator holds from the first matmul on.", ""]
     if view.get("driver_share_bytes") is not None:
         out.append(f"nvidia-smi counts the driver's share as used before any process starts, so it will show about "
                    f"**{_gib(view['nvidia_smi_used_bytes'])}** used of its {_gib(view['nvidia_smi_total_bytes'])} "
