@@ -157,9 +157,11 @@ def loop_batch(batch: dict, loop: str = "kit") -> dict:
 
 
 def loop_inputs(batch: dict, loop: str = "kit") -> dict:
-    """The collator's batch for ``loop``: SFTTrainer needs an attention mask and its collator always builds one, so
-    an unpadded batch gets an all-ones mask (from which transformers builds no 4-D mask)."""
-    if loop == "sft" and "attention_mask" not in batch:
+    """The collator's batch for ``loop``: SFTTrainer's collator builds an attention mask, so an unpadded batch gets
+    an all-ones mask (from which transformers builds no 4-D mask); a padding-free batch (position_ids, one packed
+    row) gets none, as TRL's collator leaves it out there (TRL 1.16 sft_trainer.py, DataCollatorForLanguageModeling:
+    a mask would make FlashAttention ignore the position_ids)."""
+    if loop == "sft" and "attention_mask" not in batch and "position_ids" not in batch:
         return {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
     return batch
 

@@ -196,3 +196,13 @@ def test_padded_rows_outside_training_get_attention_values_and_training_ones_are
     assert ((a - b).abs()[real].max() / a.abs().max()).item() < 0.02
     with pytest.raises(ValueError, match="unpadded or packed rows in training"):
         m(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+
+
+@pytest.mark.parametrize("method, padding", [("lora", "none"), ("qlora", "packed")])
+def test_trl_sft_loop_with_fa2_is_the_real_sft_step(method, padding):
+    """TRL's SFTTrainer with FlashAttention-2: its collator's all-ones mask, which FA2's mask function drops (a test
+    on values, answered from the real batch), or for padding-free rows no mask at all (position_ids only)."""
+    kw = dict(STEP, method=method, seq_len=32, gradient_checkpointing=False, padding=padding, loop="sft")
+    real, sim = measure_config("tiny", **kw), simulate("tiny", **kw)
+    assert (real.peak_allocated_bytes, real.breakdown, real.phase) == (sim.peak_allocated_bytes, sim.breakdown,
+                                                                      sim.phase)

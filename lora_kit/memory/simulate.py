@@ -166,7 +166,9 @@ def _real_mask_decisions(has_padding: bool):
     by reading position_ids' values, which fake tensors do not have, and would build a 4-D mask a real
     unpacked batch never gets: there are none. It skips SDPA's 4-D mask when the 2-D attention mask has no
     padding, a test it cannot run on a fake mask (it builds the mask then): the answer is read from the
-    real batch (``has_padding``) and given to it; with padding it builds the mask, as on real tensors."""
+    real batch (``has_padding``) and given to it; with padding it builds the mask, as on real tensors.
+    FlashAttention-2's mask function drops a 2-D mask that is all ones (``attention_mask.all()``, the same test on
+    values): without padding it is handed no mask, which is what it returns on the real batch."""
     try:
         from transformers import masking_utils
     except ImportError:  # older transformers: nothing to patch
@@ -179,11 +181,23 @@ def _real_mask_decisions(has_padding: bool):
     orig = {k: getattr(masking_utils, k) for k in patches if hasattr(masking_utils, k)}
     for k in orig:
         setattr(masking_utils, k, patches[k])
+    from lora_kit.memory.flash_attention import KIT_NAME
+    masks = getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None)
+    fa_mask = masks[KIT_NAME] if masks is not None and not has_padding and KIT_NAME in masks else None
+    if fa_mask is not None:
+        def no_padding_mask(*args, attention_mask=None, **kw):
+            kv_length = kw["kv_length"] if "kv_length" in kw else args[2]
+            if attention_mask is not None and attention_mask.shape[-1] == kv_length:
+                attention_mask = None  # all ones: the real batch has no padding
+            return fa_mask(*args, attention_mask=attention_mask, **kw)
+        masks[KIT_NAME] = no_padding_mask
     try:
         yield
     finally:
         for k, v in orig.items():
             setattr(masking_utils, k, v)
+        if fa_mask is not None:
+            masks[KIT_NAME] = fa_mask
 
 
 @contextlib.contextmanager
