@@ -272,9 +272,12 @@ def test_trl_packing_reports_where_it_came_from(tmp_path):
 
 
 def test_trl_refuses_what_its_trainer_refuses(tmp_path):
-    """SFTTrainer refuses padding_free without packing while max_length truncates nothing (sft_trainer.py:999)."""
+    """SFTTrainer refuses padding_free without packing while max_length truncates nothing (sft_trainer.py:999),
+    and packing without max_length (sft_trainer.py:1468)."""
     with pytest.raises(ValueError, match="padding_free without packing and max_length=512"):
         _imported(tmp_path, "trl", "attn_implementation: flash_attention_2\npadding_free: true\n")
+    with pytest.raises(ValueError, match="packing without max_length: TRL's SFTTrainer refuses it"):
+        _imported(tmp_path, "trl", "attn_implementation: flash_attention_2\npacking: true\nmax_length: null\n")
     step, _, nm = _imported(tmp_path, "trl", "attn_implementation: flash_attention_2\npadding_free: true\n"
                                               "max_length: null\n")
     assert (step.padding, step.seq_len, set(nm)) == ("packed", PLANNING.seq_len, {"max_length"})
