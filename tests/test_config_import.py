@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from lora_kit.memory.flash_attention import FA2
+from lora_kit.memory.specs import check_attention
 from lora_kit.plan.config_import import FORMATS, detect_format, settings_from_config
 from lora_kit.settings import PLANNING
 from lora_kit.ui.cli import main
@@ -22,20 +24,25 @@ EXPECTED = {
     "trl_qlora_llama-3.1-8b.yaml": ("llama-3.1-8b", dict(
         method="qlora", dtype="bfloat16", autocast=True, double_quant=True, seq_len=4096, batch_size=2, lora_rank=32,
         lora_alpha=64, lora_targets="all-linear", gradient_checkpointing=True, attn_implementation="sdpa",
-        optimizer="paged_adamw_8bit", grad_accum=8, padding="longest", loop="sft"), {"packing"}),
+        optimizer="paged_adamw_8bit", grad_accum=8, padding="none", loop="sft"), {"packing"}),  # packed: FA2 only
     "trl_lora_qwen2.5-7b.yaml": ("qwen2.5-7b", dict(
         method="lora", dtype="bfloat16", autocast=True, seq_len=2048, batch_size=4, lora_rank=16, lora_alpha=32,
         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), gradient_checkpointing=True, optimizer="adamw",
         grad_accum=1, loop="sft"), set()),
-    # TRL's defaults: ModelConfig.dtype float32 under bf16 autocast = fp32 master weights, bf16 compute
+    # TRL's defaults: ModelConfig.dtype float32 under bf16 autocast = fp32 master weights, bf16 compute; one row
+    # a batch: never padded, so FlashAttention-2 runs it unmasked
     "trl_full_qwen2.5-0.5b.yaml": ("qwen2.5-0.5b", dict(
         method="full", dtype="bfloat16", autocast=True, seq_len=8192, batch_size=1, gradient_checkpointing=False,
-        optimizer="adamw", grad_accum=16, attn_implementation="sdpa", loop="sft", liger_kernel=True),
-        {"attn_implementation"}),
+        optimizer="adamw", grad_accum=16, attn_implementation=FA2, padding="none", loop="sft", liger_kernel=True),
+        set()),
+    # packing with TRL's default 'bfd' strategy turns padding_free on: one flattened row of 4 x 2048 tokens
+    "trl_lora_fa2_packing_llama-3.2-1b.yaml": ("llama-3.2-1b", dict(
+        method="lora", dtype="bfloat16", autocast=True, seq_len=2048, batch_size=4, grad_accum=4,
+        attn_implementation=FA2, padding="packed", loop="sft"), set()),
     "axolotl_qlora_llama-3.1-8b.yml": ("llama-3.1-8b", dict(
         method="qlora", dtype="bfloat16", autocast=True, double_quant=True, seq_len=4096, batch_size=2, lora_rank=32,
         lora_alpha=16, lora_targets="all-linear", gradient_checkpointing=True, optimizer="paged_adamw_32bit",
-        grad_accum=4, padding="max_length", loop="trainer"), {"flash_attention", "sample_packing"}),
+        grad_accum=4, attn_implementation=FA2, padding="packed", loop="trainer"), {"sample_packing"}),
     "axolotl_lora_mistral-7b.yml": ("mistral-7b", dict(
         method="lora", dtype="float16", autocast=True, seq_len=2048, batch_size=4, lora_rank=16, lora_alpha=32,
         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), gradient_checkpointing=True, optimizer="adamw_8bit",
@@ -51,7 +58,10 @@ EXPECTED = {
     "llamafactory_qlora_qwen2.5-7b.yaml": ("qwen2.5-7b", dict(
         method="qlora", dtype="bfloat16", autocast=True, double_quant=False, seq_len=4096, batch_size=2,
         lora_rank=64, lora_alpha=16, lora_targets=("q_proj", "v_proj"), optimizer="paged_adamw_8bit", grad_accum=4,
-        liger_kernel=True), {"flash_attn"}),
+        liger_kernel=True, attn_implementation=FA2, padding="none"), {"flash_attn"}),  # padded rows: unpad path
+    "llamafactory_neat_packing_llama-3.2-1b.yaml": ("llama-3.2-1b", dict(
+        method="lora", seq_len=2048, batch_size=4, grad_accum=2, attn_implementation=FA2, padding="packed",
+        loop="trainer"), {"neat_packing"}),
     # LLaMA-Factory up-casts trainable weights to fp32 under bf16: fp32 master weights, bf16 autocast
     "llamafactory_full_llama-3.2-1b.yaml": ("llama-3.2-1b", dict(
         method="full", dtype="bfloat16", autocast=True, seq_len=1024, batch_size=4, grad_accum=2,
@@ -86,6 +96,7 @@ def test_config_maps_field_by_field(name):
     got = {k: getattr(step, k) for k in fields}
     assert got == fields
     assert {n["key"] for n in rep.not_modelled} == not_modelled, rep.not_modelled
+    check_attention(step)  # an attention and rows the kit plans
     # every key of the config is accounted for: mapped, not modelled or ignored (nothing dropped in silence)
     assert not {"learning_rate", "output_dir"} & set(rep.mapped)
     assert set(rep.mapped) | set(rep.defaults) >= set(fields) - {"num_gpus"}
@@ -166,7 +177,8 @@ def test_cli_estimate_from_config_json(name, capsys):
 def test_cli_table_names_what_is_not_modelled(capsys):
     assert main(["estimate", "--from-config", str(CONFIGS / "axolotl_qlora_llama-3.1-8b.yml"), "--gpu", "L4"]) == 0
     out = capsys.readouterr().out
-    assert "NOT MODELLED sample_packing" in out and "NOT MODELLED flash_attention" in out
+    assert "NOT MODELLED sample_packing" in out and "NOT MODELLED flash_attention" not in out
+    assert "attn_implementation     <- flash_attention=True" in out
     assert "does NOT fit" in out or "fits" in out
 
 
@@ -188,3 +200,110 @@ def test_tf32_on_with_fp32_compute_is_not_modelled(tmp_path, tool, lines, flagge
     if flagged:
         assert (step.dtype, step.autocast) == ("float32", False)
         assert tf32[0]["value"] is True and "CUDA cores as PyTorch does by default" in tf32[0]["why"]
+
+
+HEADS = {"trl": "model_name_or_path: Qwen/Qwen2.5-0.5B\nuse_peft: true\nbf16: true\nmax_length: 512\n"
+                "per_device_train_batch_size: 4\n",
+         "axolotl": "base_model: Qwen/Qwen2.5-0.5B\nadapter: lora\nlora_target_linear: true\nbf16: true\n"
+                    "sequence_len: 512\nmicro_batch_size: 4\n",
+         "llamafactory": "model_name_or_path: Qwen/Qwen2.5-0.5B\nfinetuning_type: lora\nbf16: true\ncutoff_len: 512\n"
+                         "per_device_train_batch_size: 4\nuse_reentrant_gc: false\n"}
+
+
+def _imported(tmp_path, tool, lines, **given):
+    cfg = tmp_path / f"{tool}.yml"
+    cfg.write_text(HEADS[tool] + lines)
+    step, rep = settings_from_config(cfg, **given)
+    check_attention(step)  # never a step the kit refuses
+    return step, rep, {n["key"]: n["why"] for n in rep.not_modelled}
+
+
+# (tool, config lines) -> (attn_implementation, padding, the keys listed as not modelled, a phrase of their why)
+ROWS = [
+    # TRL 1.16: packing's default strategy 'bfd' turns padding_free on (sft_trainer.py:916): packed rows
+    ("trl", "attn_implementation: flash_attention_2\npacking: true\n", FA2, "packed", {}),
+    ("trl", "attn_implementation: flash_attention_2\npacking: true\npacking_strategy: bfd_split\n", FA2, "packed", {}),
+    ("trl", "model_init_kwargs:\n  attn_implementation: flash_attention_2\npacking: true\n", FA2, "packed", {}),
+    # 'wrapped' rows are exactly max_length, never padded: unmasked rows, planned exactly
+    ("trl", "attn_implementation: flash_attention_2\npacking: true\npacking_strategy: wrapped\n", FA2, "none", {}),
+    ("trl", "attn_implementation: flash_attention_2\npacking: true\npacking_strategy: wrapped\npadding_free: true\n",
+     FA2, "packed", {}),
+    # no packing: the collator pads 4 rows to the longest; FlashAttention-2 then takes the unpad path
+    ("trl", "attn_implementation: flash_attention_2\n", FA2, "none", {"attn_implementation": "unpad path"}),
+    # packed rows under sdpa (a block-diagonal mask): planned as rows of max_length, and said how to plan them packed
+    ("trl", "packing: true\n", "sdpa", "none", {"packing": "set attn_implementation: flash_attention_2"}),
+    ("trl", "attn_implementation: eager\npacking: true\n", "eager", "none", {"packing": "block-diagonally"}),
+    # flash-attn takes 16-bit q/k/v only: fp32 weights without autocast are planned with sdpa
+    ("trl", "attn_implementation: flash_attention_2\nbf16: false\ndtype: float32\npacking: true\n", "sdpa", "none",
+     {"attn_implementation": "turn bf16 on", "packing": "FlashAttention-2 only"}),
+    ("axolotl", "flash_attention: true\nsample_packing: true\n", FA2, "packed", {"sample_packing": "assumed"}),
+    ("axolotl", "flash_attention: true\nsample_packing: true\npad_to_sequence_len: true\n", FA2, "packed",
+     {"sample_packing": "gathers q/k/v into copies"}),
+    ("axolotl", "flash_attention: true\npad_to_sequence_len: true\n", FA2, "none", {"flash_attention": "unpad path"}),
+    ("axolotl", "sample_packing: true\n", "sdpa", "max_length", {"sample_packing": "set flash_attention: true"}),
+    ("llamafactory", "flash_attn: fa2\nneat_packing: true\n", FA2, "packed", {"neat_packing": "configure_packing"}),
+    ("llamafactory", "flash_attn: fa2\npacking: true\n", FA2, "none", {"flash_attn": "unpad path"}),
+    ("llamafactory", "flash_attn: fa2\n", FA2, "none", {"flash_attn": "unpad path"}),
+    ("llamafactory", "neat_packing: true\n", "sdpa", "max_length", {"neat_packing": "set flash_attn: fa2"}),
+    ("llamafactory", "flash_attn: sdpa\npacking: true\n", "sdpa", "longest", {}),
+]
+
+
+@pytest.mark.parametrize("tool, lines, attn, padding, listed", ROWS)
+def test_flash_attention_and_packing_map_to_the_step(tmp_path, tool, lines, attn, padding, listed):
+    step, rep, nm = _imported(tmp_path, tool, lines)
+    assert (step.attn_implementation, step.padding) == (attn, padding), rep.text()
+    # the same tokens per micro-step: 4 rows (or packs) of 512 tokens, flattened into one row when packed
+    assert (step.seq_len, step.batch_size) == (512, 4)
+    assert set(nm) == set(listed), rep.not_modelled
+    for key, phrase in listed.items():
+        assert phrase in nm[key], nm[key]
+    assert "issue 34" not in rep.text() and "planned as sdpa" not in rep.text()
+
+
+def test_trl_packing_reports_where_it_came_from(tmp_path):
+    step, rep, _ = _imported(tmp_path, "trl", "attn_implementation: flash_attention_2\npacking: true\n")
+    assert rep.mapped["padding"] == "packing=\"packing=True, packing_strategy='bfd': padding_free\""
+    assert any("pack of examples up to max_length" in n for n in rep.notes)
+    assert "packing" not in rep.ignored and "packing_strategy" not in rep.ignored
+    step, rep, _ = _imported(tmp_path, "trl", "attn_implementation: flash_attention_2\nper_device_train_batch_size: 1\n")
+    assert (step.padding, rep.not_modelled) == ("none", [])  # one row a batch: nothing padded, no mask
+    assert rep.mapped["padding"].endswith("-> 'none' under FlashAttention-2")
+
+
+def test_trl_refuses_what_its_trainer_refuses(tmp_path):
+    """SFTTrainer refuses padding_free without packing while max_length truncates nothing (sft_trainer.py:999),
+    and packing without max_length (sft_trainer.py:1468)."""
+    with pytest.raises(ValueError, match="padding_free without packing and max_length=512"):
+        _imported(tmp_path, "trl", "attn_implementation: flash_attention_2\npadding_free: true\n")
+    with pytest.raises(ValueError, match="packing without max_length: TRL's SFTTrainer refuses it"):
+        _imported(tmp_path, "trl", "attn_implementation: flash_attention_2\npacking: true\nmax_length: null\n")
+    step, _, nm = _imported(tmp_path, "trl", "attn_implementation: flash_attention_2\npadding_free: true\n"
+                                              "max_length: null\n")
+    assert (step.padding, step.seq_len, set(nm)) == ("packed", PLANNING.seq_len, {"max_length"})
+
+
+def test_given_fields_win_and_the_step_check_runs(tmp_path):
+    """What the caller gives wins; a refused combination is refused with the kit's message."""
+    step, _, nm = _imported(tmp_path, "axolotl", "flash_attention: true\nsample_packing: true\n",
+                            attn_implementation="sdpa")
+    assert (step.attn_implementation, step.padding) == ("sdpa", "max_length") and "sample_packing" in nm
+    step, _, nm = _imported(tmp_path, "llamafactory", "", attn_implementation=FA2)  # 'auto' -> sdpa, given FA2
+    assert (step.attn_implementation, step.padding, set(nm)) == (FA2, "none", {"attn_implementation"})
+    with pytest.raises(ValueError, match="padding='packed' is planned with attn_implementation='flash_attention_2'"):
+        _imported(tmp_path, "trl", "packing: true\n", padding="packed")
+
+
+def test_an_imported_packed_fa2_step_is_estimated(tmp_path, monkeypatch):
+    """The step an axolotl config with flash_attention and sample_packing maps to runs through estimate (fitted
+    on the spot for the tiny model: no shipped fit holds FlashAttention-2)."""
+    from lora_kit.memory import fits
+    from lora_kit.memory.estimate import estimate
+    monkeypatch.setenv("LORA_KIT_FITS", str(tmp_path / "fits"))
+    monkeypatch.setenv("LORA_KIT_FIT", "auto")
+    fits._MEMO.clear()
+    step, _ = settings_from_config(CONFIGS / "axolotl_qlora_llama-3.1-8b.yml", model="tiny", seq_len=64)
+    assert (step.method, step.attn_implementation, step.padding, step.batch_size) == ("qlora", FA2, "packed", 2)
+    est = estimate("tiny", step)
+    assert est.settings["attn_implementation"] == FA2 and est.settings["padding"] == "packed"
+    assert est.device_total_bytes >= est.peak_allocated_bytes > 0

@@ -18,6 +18,15 @@ for the plan (``ignored``). The format is detected by content (:func:`detect_for
 - **torchtune recipe YAML** -- the model builder (``model._component_``), ``tokenizer.max_seq_len``, the
   optimizer component, ``dtype``, activation checkpointing. Loop ``"kit"`` (torchtune's loop is a plain step).
 
+Attention and rows, as each tool batches them: FlashAttention-2 (TRL's ``attn_implementation``, axolotl's
+``flash_attention``, LLaMA-Factory's ``flash_attn: fa2``) is the Step's ``attn_implementation="flash_attention_2"``;
+padding-free packed rows (TRL's ``padding_free``, which its default ``packing`` strategy turns on; axolotl's
+``sample_packing`` and LLaMA-Factory's ``neat_packing`` with FlashAttention-2) are ``padding="packed"`` at
+``seq_len`` = the tool's row length and ``batch_size`` = its rows per micro-batch (the same tokens per micro-step).
+The kit plans FlashAttention-2 on unpadded or packed rows only: a padded batch under it is planned as full rows
+without a mask (``padding="none"``; transformers' unpad path listed as not modelled unless the batch can hold no
+pad), packed rows under another kernel as the tool's unpacked rows (listed, naming the key that plans them packed).
+
 The planning machine is not the rented GPU: the parsers' checks of the local hardware (bf16 support, a GPU for
 fp16, DeepSpeed installed) are kept out of the parse -- ``use_cpu``, ``deepspeed`` and ``tf32`` are read
 apart. GPU count is never in these files (the launcher sets it): it comes from ``overrides`` (``num_gpus``);
@@ -64,7 +73,7 @@ TORCHTUNE_FAMILIES = {"llama3_3": "llama-3.3", "llama3_2": "llama-3.2", "llama3_
                       "gemma": "gemma", "mistral": "mistral", "phi3": "phi-3", "phi4": "phi-4"}
 DTYPE_WORDS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
                "fp32": "float32", "float32": "float32", "float": "float32"}
-NOT_YET = "no step field for it yet: issue 34, 'What the rented GPU will show', adds it"
+FA2 = "flash_attention_2"
 
 
 @dataclass
@@ -115,6 +124,10 @@ class _Reader:
         self.notes: list = []
         self.used: set = set()
         self.over: dict = {}  # the caller's step values (win over the config)
+        self.attn_key = "attn_implementation"  # the config key that set the attention kernel
+        self.fa2_how = "attn_implementation=flash_attention_2"  # how this tool's config asks for FlashAttention-2
+        self.unpadded = ""  # "always" / "batch1": when the tool's batches hold no pad (FlashAttention-2 runs unmasked)
+        self.packed: dict = {}  # packed rows (_packed): their key; fallback padding and why without FA2; caveat
 
     def has(self, key: str) -> bool:
         return key in self.cfg and self.cfg[key] is not None
@@ -189,6 +202,7 @@ def settings_from_config(path, format: str | None = None, model: str | None = No
     fields) win over the config -- a TrainingArguments JSON needs ``model`` and usually ``seq_len`` and
     ``method``; a multi-GPU job needs ``num_gpus``. The report's ``model`` is what to plan (a catalog name when
     the catalog knows the config's hub id, else the id or folder as given)."""
+    from lora_kit.memory.specs import check_attention
     check_names(overrides, STEP_FIELDS, "step setting")
     path = Path(path).expanduser()
     cfg = _load(path)
@@ -206,6 +220,7 @@ def settings_from_config(path, format: str | None = None, model: str | None = No
                          "a local folder holding config.json, or a hub id.")
     _finish_targets(r, planned)
     _finish_sharding(r, overrides)
+    _finish_attention(r, overrides)
     vals = dict(r.vals)
     if vals.get("method", PLANNING.method) == "full" or overrides.get("method") == "full":
         for k in ("lora_rank", "lora_alpha", "lora_targets", "double_quant"):
@@ -217,6 +232,7 @@ def settings_from_config(path, format: str | None = None, model: str | None = No
         r.src[k] = f"{v!r} (given)"
     try:
         step = PLANNING.replace(**vals)
+        check_attention(step)  # the attention and rows the kit plans: what the caller gives is checked here
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     mapped = {k: r.src[k] for k in STEP_FIELDS if k in r.src}
@@ -343,15 +359,69 @@ def _tf32(r: _Reader, key: str, value, step_dtype: str, autocast: bool) -> None:
         r.used.add(key)
 
 
-def _attention(r: _Reader, key: str, value, default: bool = False) -> None:
+def _attention(r: _Reader, key: str, value, default: bool = False, fa2_how: str | None = None) -> None:
+    """The attention kernel ``value`` names (``fa2_how``: how this tool's config asks for FlashAttention-2)."""
     v = str(value).lower() if value is not None else "sdpa"
-    if v in ("sdpa", "eager"):
-        r.put("attn_implementation", v, key, raw=value, default=default)
-    elif "flash" in v or v in ("fa2", "fa3"):
-        r.not_modelled(key, value, f"FlashAttention is not modelled ({NOT_YET}); planned with SDPA, which "
-                       "also keeps no S x S scores")
+    r.attn_key, r.fa2_how = key, fa2_how or f"{key}: {FA2}"
+    if v in ("sdpa", "eager", FA2, "fa2"):
+        r.put("attn_implementation", FA2 if v == "fa2" else v, key, raw=value, default=default)
+    elif "flash" in v or re.fullmatch(r"fa\d", v):
+        r.put("attn_implementation", FA2, key, raw=value)
+        r.not_modelled(key, value, "this FlashAttention version is not modelled; planned with FlashAttention-2, "
+                       "which transformers runs through the same (varlen) interface")
     else:
         r.not_modelled(key, value, "this attention kernel is not modelled; planned with SDPA")
+
+
+def _packed(r: _Reader, key: str, raw, fallback: str, why_not: str, caveat: str | None = None,
+            note: str | None = None) -> None:
+    """Packed rows from config key ``key``: ``padding='packed'``; without FlashAttention-2, ``fallback`` and a
+    not-modelled line (``why_not``: what the tool runs instead); with it, ``caveat`` listed as not modelled and
+    ``note`` noted (when given)."""
+    r.put("padding", "packed", key, raw=raw)
+    r.packed = {"key": key, "fallback": fallback, "why_not": why_not, "caveat": caveat, "note": note}
+
+
+def _finish_attention(r: _Reader, overrides: dict) -> None:
+    """The attention and the rows as the kit plans them (``lora_kit.memory.specs.check_attention``): FlashAttention-2
+    needs 16-bit q/k/v and unpadded or packed rows; packed rows need FlashAttention-2. A padded batch under
+    FlashAttention-2 is planned unmasked (its pads not counted); packed rows without it as the tool's fallback. What
+    the caller gives is left to the step's own check."""
+    val = {k: overrides.get(k, r.vals.get(k, getattr(PLANNING, k)))
+           for k in ("attn_implementation", "padding", "dtype", "autocast", "batch_size")}
+    given = "attn_implementation" in overrides
+    key = "attn_implementation" if given else r.attn_key  # where FlashAttention-2 was asked for, and how
+    shown = FA2 if given else r.cfg.get(r.attn_key) or FA2
+    if (val["attn_implementation"] == FA2 and val["dtype"] == "float32" and not val["autocast"]
+            and not given):
+        r.put("attn_implementation", "sdpa", key, raw=f"{shown} -> sdpa")
+        r.not_modelled(key, shown, "flash-attn takes fp16 / bf16 q/k/v only and these weights are fp32 "
+                       "without bf16 / fp16 autocast (the run stops in flash-attn); planned with sdpa; turn bf16 on")
+        val["attn_implementation"] = "sdpa"
+    fa2, pad = val["attn_implementation"] == FA2, val["padding"]
+    if "padding" in overrides:
+        return
+    if fa2 and pad in ("longest", "max_length"):
+        r.vals["padding"] = "none"
+        r.src["padding"] = r.src.get("padding", f"padding={pad!r}") + " -> 'none' under FlashAttention-2"
+        if not (r.unpadded == "always" or r.unpadded == "batch1" and val["batch_size"] == 1):
+            r.not_modelled(key, shown, "padded batches under FlashAttention-2 take transformers' unpad path "
+                           "(q/k/v gathered into copies), not modelled; planned as full rows of seq_len with no mask "
+                           "(padding='none'), the path transformers takes when no row is padded")
+    elif pad == "packed" and r.packed:
+        p = r.packed
+        if fa2:
+            if p["caveat"]:
+                r.not_modelled(p["key"], True, p["caveat"])
+            if p["note"]:
+                r.notes.append(p["note"])
+        else:
+            fallback, why = p["fallback"], p["why_not"]
+            r.vals["padding"] = fallback
+            r.src["padding"] = r.src["padding"] + f" -> {fallback!r} without FlashAttention-2"
+            r.not_modelled(p["key"], True, f"{why}, not modelled: the kit plans packed rows with "
+                           f"FlashAttention-2 only; planned as rows of seq_len, padding={fallback!r}; set {r.fa2_how} "
+                           "to plan them packed")
 
 
 def _deepspeed(r: _Reader, key: str, value) -> None:
@@ -489,24 +559,58 @@ def _read_trl(r: _Reader, model_override) -> str | None:
     r.put("grad_accum", int(args.gradient_accumulation_steps), "gradient_accumulation_steps",
           default=not given("gradient_accumulation_steps"))
     _trainer_common(r, args, method, dtype, given)
-    _attention(r, "attn_implementation", mik.get("attn_implementation", m.attn_implementation),
-               default=not (given("attn_implementation") or "attn_implementation" in mik))
+    # trl sft builds model_init_kwargs from ModelConfig, the config's model_init_kwargs winning (scripts/sft.py:76)
+    _attention(r, "model_init_kwargs.attn_implementation" if "attn_implementation" in mik else "attn_implementation",
+               mik.get("attn_implementation", m.attn_implementation),
+               default=not (given("attn_implementation") or "attn_implementation" in mik),
+               fa2_how="attn_implementation: flash_attention_2")
     r.used.add("model_init_kwargs")
-    if args.pad_to_multiple_of and args.max_length and int(args.pad_to_multiple_of) == int(args.max_length):
-        r.put("padding", "max_length", "pad_to_multiple_of", raw=args.pad_to_multiple_of)
-    else:
-        r.put("padding", "longest", "padding", raw="the SFT collator pads to the longest row", default=True)
-    for key, why in (("packing", f"packed rows are not modelled ({NOT_YET}); planned as rows of max_length"),
-                     ("padding_free", f"padding-free batches are not modelled ({NOT_YET})"),
-                     ("activation_offloading", "activations offloaded to the CPU are not modelled")):
-        if getattr(args, key, False):
-            r.not_modelled(key, True, why)
-    r.used |= {"packing", "padding_free", "activation_offloading"}
+    _trl_rows(r, args)
+    if getattr(args, "activation_offloading", False):
+        r.not_modelled("activation_offloading", True, "activations offloaded to the CPU are not modelled")
+    r.used.add("activation_offloading")
     _tf32(r, "tf32", apart.get("tf32"), r.vals["dtype"], r.vals["autocast"])
     if apart.get("deepspeed"):
         _deepspeed(r, "deepspeed", apart["deepspeed"])
     r.used |= {"model_name_or_path"}
     return model_override or m.model_name_or_path
+
+
+def _trl_rows(r: _Reader, args) -> None:
+    """How TRL 1.16's SFTTrainer batches rows. Packing with 'bfd' / 'bfd_split' (the default strategy) turns
+    padding_free on (trl/trainer/sft_trainer.py:916): the batch's packs, each up to max_length tokens, flattened into
+    one row with position_ids restarting per example and no mask -- the step's ``padding='packed'`` at
+    seq_len=max_length, batch_size=per_device_train_batch_size (the same tokens per micro-step). Otherwise the
+    collator pads to the batch's longest row with a mask (to a multiple of ``pad_to_multiple_of`` when set)."""
+    free = bool(args.padding_free) or bool(args.packing) and args.packing_strategy in ("bfd", "bfd_split")
+    r.used |= {"packing", "packing_strategy", "padding_free", "pad_to_multiple_of", "eval_packing"}
+    if args.packing and not args.max_length:  # sft_trainer.py:1468
+        raise ValueError(f"{r.path}: packing without max_length: TRL's SFTTrainer refuses it (\"When packing is "
+                         "enabled, `max_length` can't be `None`\"); set max_length.")
+    if free and not args.packing and args.max_length:  # sft_trainer.py:999
+        raise ValueError(f"{r.path}: padding_free without packing and max_length={args.max_length}: TRL's "
+                         "SFTTrainer refuses it (\"When `padding_free=True` without packing, `max_length` is not "
+                         "enforced\"); set packing: true, or max_length: null.")
+    if free:
+        key = "packing" if args.packing else "padding_free"
+        raw = (f"packing=True, packing_strategy={args.packing_strategy!r}: padding_free" if args.packing
+               else "padding_free=True")
+        _packed(r, key, raw, "none", "TRL flattens each batch into one row (sft_trainer.py:916) that transformers "
+                "masks block-diagonally for sdpa / eager (a tokens x tokens mask from position_ids)",
+                note="packing: each of the batch's rows is a pack of examples up to max_length tokens; the plan "
+                "counts one example per pack (more, shorter examples attend over fewer tokens and add 128 spare "
+                "fp32 rows each to one layer's FlashAttention-2 backward buffers)" if args.packing else None)
+        if args.pad_to_multiple_of:
+            r.not_modelled("pad_to_multiple_of", args.pad_to_multiple_of, "the flattened row is padded up to a "
+                           "multiple of it: pad tokens beyond the plan's rows")
+    elif args.packing:  # 'wrapped': rows cut at exactly max_length, attended across examples
+        r.put("padding", "none", "packing_strategy", raw="wrapped: rows of exactly max_length, nothing padded")
+        r.unpadded = "always"
+    elif args.pad_to_multiple_of and args.max_length and int(args.pad_to_multiple_of) == int(args.max_length):
+        r.put("padding", "max_length", "pad_to_multiple_of", raw=args.pad_to_multiple_of)
+    else:
+        r.put("padding", "longest", "padding", raw="the SFT collator pads to the longest row", default=True)
+        r.unpadded = "" if args.pad_to_multiple_of else "batch1"  # one row: no pad; transformers drops the mask
 
 
 # axolotl's LigerPlugin (axolotl.integrations.liger) applies the kernels whose flag is set; the Trainer's
@@ -662,16 +766,24 @@ def _read_axolotl(r: _Reader, model_override) -> str | None:
         elif k == "eager_attention":
             r.put("attn_implementation", "eager", k, raw=True)
         elif k == "flash_attention":
-            _attention(r, k, "flash_attention_2")
-            r.put("attn_implementation", "sdpa", k, raw="FlashAttention-2 (planned as sdpa)")
+            r.put("attn_implementation", FA2, k, raw=True)
+            r.attn_key = k
         else:
             r.not_modelled(k, True, "this attention kernel is not modelled; planned with SDPA")
+    r.fa2_how = "flash_attention: true"
     pad = bool(r.get("pad_to_sequence_len"))
-    r.put("padding", "max_length" if pad else "longest", "pad_to_sequence_len", raw=pad,
-          default=not r.has("pad_to_sequence_len"))
     if r.get("sample_packing"):
-        r.not_modelled("sample_packing", True, f"packed rows are not modelled ({NOT_YET}); planned as rows of "
-                       "sequence_len")
+        # axolotl's multipack: with flash_attention one row of micro_batch_size x sequence_len tokens, each example
+        # marked in the mask for flash_attn_varlen_func; without it micro_batch_size rows (multipack_real_batches)
+        _packed(r, "sample_packing", f"sample_packing=True, pad_to_sequence_len={pad}", "max_length",
+                "without flash_attention axolotl packs micro_batch_size rows of sequence_len with a per-example "
+                "attention mask", caveat="axolotl's multipack (assumed from its trainer: one row of micro_batch_size "
+                "x sequence_len tokens, examples numbered in the attention mask that its patched _get_unpad_data "
+                "turns into varlen cu_seqlens) gathers q/k/v into copies, not modelled; planned as padding='packed' "
+                "(the same varlen FlashAttention-2 over the same tokens, q/k/v as views)")
+    else:
+        r.put("padding", "max_length" if pad else "longest", "pad_to_sequence_len", raw=pad,
+              default=not r.has("pad_to_sequence_len"))
     _axolotl_liger(r, c)
     for key in ("unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "unsloth_cross_entropy_loss",
                 "torch_compile", "cut_cross_entropy", "activation_offloading"):
@@ -765,11 +877,20 @@ def _read_llamafactory(r: _Reader, model_override) -> str | None:
         r.put("liger_kernel", True, "enable_liger_kernel")
     fa = r.get("flash_attn", "auto")
     _attention(r, "flash_attn", {"auto": "sdpa", "disabled": "eager", "sdpa": "sdpa"}.get(fa, fa),
-               default=not r.has("flash_attn"))
-    r.put("padding", "longest", "padding", raw="LLaMA-Factory's collator pads to the longest row", default=True)
-    for key, why in (("packing", f"packed rows are not modelled ({NOT_YET})"),
-                     ("neat_packing", f"packed rows are not modelled ({NOT_YET})"),
-                     ("use_unsloth", "unsloth's kernels are not modelled"),
+               default=not r.has("flash_attn"), fa2_how="flash_attn: fa2")
+    if r.get("neat_packing"):  # packing without cross-attention between the packed examples (implies packing)
+        _packed(r, "neat_packing", True, "max_length", "without flash_attn: fa2 LLaMA-Factory masks the packed rows "
+                "with a 4D block-diagonal mask (rows x cutoff_len x cutoff_len)", caveat="LLaMA-Factory numbers the "
+                "packed examples in the attention mask and unpads the rows for varlen FlashAttention-2 (its "
+                "configure_packing patches _get_unpad_data): the gathered q/k/v copies are not modelled; planned as "
+                "padding='packed' over the same per_device_train_batch_size x cutoff_len tokens")
+    elif r.get("packing"):
+        r.put("padding", "longest", "packing", raw="examples packed into rows of cutoff_len, attended as one "
+              "sequence (no neat_packing), padded to the longest row")
+    else:
+        r.put("padding", "longest", "padding", raw="LLaMA-Factory's collator pads to the longest row", default=True)
+    r.used.add("packing")
+    for key, why in (("use_unsloth", "unsloth's kernels are not modelled"),
                      ("use_unsloth_gc", "unsloth's offloaded checkpoints are not modelled"),
                      ("shift_attn", "shift short attention is not modelled"),
                      ("mixture_of_depths", "mixture-of-depths is not modelled"),
@@ -863,7 +984,9 @@ def _read_torchtune(r: _Reader, model_override) -> str | None:
         if c.get(key):
             r.not_modelled(key, c[key], why)
     if (c.get("dataset") or {}).get("packed") if isinstance(c.get("dataset"), dict) else False:
-        r.not_modelled("dataset.packed", True, f"packed rows are not modelled ({NOT_YET})")
+        r.not_modelled("dataset.packed", True, "torchtune's packed rows attend through its own block-causal mask, "
+                       "not modelled (the kit plans packed rows with transformers' FlashAttention-2 only); planned "
+                       "as rows of max_seq_len with no mask")
     if c.get("fsdp_cpu_offload"):
         r.put("cpu_offload", True, "fsdp_cpu_offload")
     if "fsdp_cpu_offload" in c or "fsdp_sharding_strategy" in c:
