@@ -76,11 +76,12 @@ def trl_config(model: str, step, dataset: str | None = None) -> dict:
                 "gradient_accumulation_steps": step.grad_accum, "gradient_checkpointing": step.gradient_checkpointing,
                 "gradient_checkpointing_kwargs": {"use_reentrant": False}, "optim": TRAINER_OPTIM[step.optimizer],
                 "bf16": bool(step.autocast and half == "bfloat16"), "fp16": bool(step.autocast and half == "float16"),
-                "packing": False, "use_peft": lora})
+                "packing": step.padding == "packed", "use_peft": lora})
     if step.padding == "max_length":
         cfg["pad_to_multiple_of"] = step.seq_len  # every batch padded to max_length
-    elif step.padding == "packed":
-        cfg["padding_free"] = True  # the batch's rows flattened into one, position_ids restarting per row
+    # padding="packed": TRL packs examples into rows of up to max_length ('bfd', its default strategy), which turns
+    # padding_free on: the micro-batch's rows flattened into one, position_ids restarting per example (TRL 1.16
+    # refuses padding_free without packing when max_length is set)
     if lora:
         cfg.update({"lora_r": step.lora_rank, "lora_alpha": step.lora_alpha, "lora_target_modules": _targets(step)})
     if step.method == "qlora":
@@ -121,7 +122,7 @@ def axolotl_config(model: str, step, dataset: str | None = None) -> dict:
         cfg["fp16" if amp else "float16"] = True
     elif step.autocast:
         cfg["bf16"] = True  # fp32 weights under autocast cannot be asked for: the weights load in bf16 too
-    cfg.update({"sequence_len": step.seq_len, "sample_packing": False,
+    cfg.update({"sequence_len": step.seq_len, "sample_packing": step.padding == "packed",
                 "pad_to_sequence_len": step.padding == "max_length", "micro_batch_size": step.batch_size,
                 "gradient_accumulation_steps": step.grad_accum, "gradient_checkpointing": step.gradient_checkpointing,
                 "gradient_checkpointing_kwargs": {"use_reentrant": False}, "optimizer": TRAINER_OPTIM[step.optimizer]})
@@ -156,6 +157,8 @@ def llamafactory_config(model: str, step, dataset: str | None = None) -> dict:
                 "disable_gradient_checkpointing": not step.gradient_checkpointing, "use_reentrant_gc": False,
                 "optim": TRAINER_OPTIM[step.optimizer],
                 "flash_attn": {"sdpa": "sdpa", "eager": "disabled", "flash_attention_2": "fa2"}[step.attn_implementation]})
+    if step.padding == "packed":
+        cfg["neat_packing"] = True  # packed without attention across examples (FlashAttention-2's varlen path)
     if step.liger_kernel:
         cfg["enable_liger_kernel"] = True
     # bf16: weights in bf16, trainable ones up-cast to fp32, autocast; pure_bf16: bf16 weights, no autocast
