@@ -25,3 +25,16 @@ def test_estimate_prints_the_capacity_it_judges_on(gpu, capsys):
     assert len(line) == 1
     assert line[0].endswith(f"of {fit['cuda_capacity_bytes'] / GIB:.1f} GiB {label})")
     assert f"{fit['headroom_bytes'] / GIB:+.2f} GiB" in line[0]
+
+
+@pytest.mark.parametrize("gpu, workspace", [("H100-SXM", 32 * 2 ** 20), ("L4", 8 * 2 ** 20 + 128 * 1024)])
+def test_estimate_says_what_torch_will_report_on_that_gpu(gpu, workspace, capsys):
+    """max_memory_allocated on CUDA = the step's peak + two cuBLAS workspaces, by the GPU's compute capability
+    (9.0 for an H100: 32 MiB; 8.9 for an L4: PyTorch's ':4096:2:16:8')."""
+    args = ["estimate", "--model", "llama-3.1-8b", "--method", "lora", "--gpu", gpu]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cuda_allocated_bytes"] == out["peak_allocated_bytes"] + 2 * workspace
+    assert main(args) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "torch will report" in ln)
+    assert f"{out['cuda_allocated_bytes'] / GIB:10.3f} GiB" in line and gpu in line

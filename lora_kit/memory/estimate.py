@@ -58,6 +58,13 @@ class Estimate:
     memory_model: str = ""  # "fitted" (the closed form of simulate; with the libraries it was fitted with when they
     # differ from the installed ones) or "arithmetic (not fitted)"
 
+    def cuda_allocated_bytes(self, compute_capability=None) -> int:
+        """What ``torch.cuda.max_memory_allocated()`` will read on a GPU of ``compute_capability`` (e.g. 9.0, the
+        catalog's column; None: a card with the larger, 32 MiB, cuBLAS workspace): the peak plus two cuBLAS
+        workspaces (:func:`lora_kit.memory.device.cuda_allocated_bytes`)."""
+        from lora_kit.memory.device import cuda_allocated_bytes
+        return cuda_allocated_bytes(self.peak_allocated_bytes, compute_capability)
+
     def to_dict(self) -> dict:
         return {"peak_allocated_bytes": self.peak_allocated_bytes, "device_total_bytes": self.device_total_bytes,
                 "breakdown": dict(self.breakdown), "phase": self.phase, "settings": dict(self.settings),

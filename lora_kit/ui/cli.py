@@ -21,6 +21,7 @@ from pathlib import Path
 from lora_kit.memory.estimate import estimate
 from lora_kit.memory.specs import model_is_local, model_spec
 from lora_kit.noise import quiet
+from lora_kit.plan.gpus import get_gpu
 from lora_kit.plan.planner import fit_verdict, model_note
 from lora_kit.results import check_run_name, signal_name
 from lora_kit.settings import (LORA_FIELDS, PLANNING, STEP_FIELDS, as_step, check_names, coerce_value, default_of,
@@ -178,6 +179,8 @@ def cmd_estimate(args) -> int:
             plan, assumed = estimate_plan(given)
         est = estimate(plan["model"], plan["step"])
         fit = fit_verdict(est.device_total_bytes, plan["gpu"], plan["margin"])
+        cc = get_gpu(fit["gpu"]).get("compute_capability")
+        torch_reports = est.cuda_allocated_bytes(float(cc) if cc is not None and str(cc) not in ("", "nan") else None)
         note = model_note(plan["model"], plan["step"])
     except ValueError as exc:
         print(f"lora-kit estimate: {exc}", file=sys.stderr)
@@ -186,7 +189,7 @@ def cmd_estimate(args) -> int:
         out = {"settings": est.settings, "assumed": assumed, "ignored_params": ignored, "gpu": plan["gpu"],
                "margin": plan["margin"],
                "peak_allocated_bytes": est.peak_allocated_bytes, "device_total_bytes": est.device_total_bytes,
-               "breakdown": est.breakdown, "phase": est.phase, "memory_model": est.memory_model, "fit": fit,
+               "cuda_allocated_bytes": torch_reports, "breakdown": est.breakdown, "phase": est.phase, "memory_model": est.memory_model, "fit": fit,
                "note": note}
         if report is not None:  # what the config set that the plan does not model, or that does not matter
             out.update({"model": plan["model"], "not_modelled": report.not_modelled, "ignored": report.ignored,
@@ -213,6 +216,8 @@ def cmd_estimate(args) -> int:
         print(f"  {names[k]:<{width}}{v / GiB:10.3f} GiB")
     print(f"  {'peak allocated':<{width}}{est.peak_allocated_bytes / GiB:10.3f} GiB  (per GPU, in {est.phase})")
     print(f"  {'device total':<{width}}{est.device_total_bytes / GiB:10.3f} GiB  (+ CUDA context, reserved, outside the allocator)")
+    print(f"  {'torch will report':<{width}}{torch_reports / GiB:10.3f} GiB  "
+          f"(max_memory_allocated on {fit['gpu']}: the peak + two cuBLAS workspaces)")
     print(textwrap.fill(f"memory model: {est.memory_model}" + ("" if est.memory_model.startswith("fitted") else
                                                                 "; `lora-kit fit` with the same flags fits it"),
                         width=110, initial_indent="  ", subsequent_indent="    "))
