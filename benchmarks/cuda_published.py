@@ -3,7 +3,9 @@
 Every row of the reference file comes back once. An in-scope row is compared with the kit's figure for the metric
 its source reports, never another:
 
-- ``allocated`` (``torch.cuda.max_memory_allocated``): ``estimate``'s ``peak_allocated_bytes``.
+- ``allocated`` (``torch.cuda.max_memory_allocated``): ``estimate``'s ``peak_allocated_bytes`` plus the two cuBLAS
+  workspaces that counter holds (:func:`lora_kit.memory.device.cuda_allocated_bytes`, by the row's compute
+  capability: its catalog GPU's, or the row's own ``compute_capability``).
 - ``reserved`` (``torch.cuda.max_memory_reserved``): the reserved bytes of PyTorch's caching allocator replayed
   (:mod:`lora_kit.memory.allocator`, the allocator setting the row ran with; the sources name none, so PyTorch's
   default, with ``expandable_segments:True`` shown beside) over ``simulate``'s allocation sequence of the step at
@@ -46,7 +48,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import lora_kit as lk  # noqa: E402
 from lora_kit.memory import sharded as sharded_mod  # noqa: E402
 from lora_kit.memory import simulate as sim_mod  # noqa: E402
-from lora_kit.memory.device import device_kwargs, device_parts  # noqa: E402
+from lora_kit.memory.device import cuda_allocated_bytes, device_kwargs, device_parts  # noqa: E402
 from lora_kit.memory.specs import model_spec  # noqa: E402
 from lora_kit.memory.tracker import LiveBytesTracker  # noqa: E402
 from lora_kit.plan.gpus import get_gpu  # noqa: E402
@@ -136,8 +138,12 @@ def kit_figure(row: dict, est, gpu: dict | None, replay: bool) -> dict:
     b = basis(row, est, gpu)
     out: dict = {"estimate_allocated": est.peak_allocated_bytes, "estimate_device_total": est.device_total_bytes,
                  "device_basis": b}
-    if metric == "allocated":
-        out.update(figure=est.peak_allocated_bytes, basis="estimate.peak_allocated_bytes")
+    if metric == "allocated":  # torch's counter also holds the two cuBLAS workspaces, sized by compute capability
+        cc = gpu.get("compute_capability") if gpu else row.get("compute_capability")
+        cc = float(cc) if cc is not None and cc == cc else None
+        out.update(figure=cuda_allocated_bytes(est.peak_allocated_bytes, cc),
+                   basis="estimate.peak_allocated_bytes + two cuBLAS workspaces "
+                         f"(lora_kit.memory.device.cuda_allocated_bytes, compute capability {cc or 'unknown: 32 MiB'})")
     elif metric == "nvidia-smi":
         share = gpu.get("driver_share_bytes") if gpu else None
         seen = est.device_total_bytes + b["paged_resident"]  # what the process adds to nvidia-smi, paged resident
