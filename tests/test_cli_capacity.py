@@ -38,3 +38,19 @@ def test_estimate_says_what_torch_will_report_on_that_gpu(gpu, workspace, capsys
     assert main(args) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "torch will report" in ln)
     assert f"{out['cuda_allocated_bytes'] / GIB:10.3f} GiB" in line and gpu in line
+
+
+def test_estimate_warns_when_cuda_would_run_the_attention_in_the_math_kernel(capsys):
+    """QLoRA with peft's up-casts gives SDPA fp32 q/k/v with grouped K/V heads: CUDA (torch < 2.14) falls back to
+    the math kernel. `lora-kit estimate` says so, as the planner's check does, and its 'torch will report' line
+    points to it; a LoRA plan (bf16 q/k/v) gets neither."""
+    from lora_kit.plan.planner import check_plan
+    args = ["estimate", "--model", "llama-3.1-8b", "--method", "qlora", "--qlora-prepare", "peft", "--gpu", "H200"]
+    assert main([*args, "--json"]) == 0
+    note = json.loads(capsys.readouterr().out)["note"]
+    assert "runs in the math kernel" in note and "Fix:" in note
+    assert note == check_plan("llama-3.1-8b", "H200", method="qlora", qlora_prepare="peft")["note"]
+    assert main(args) == 0
+    assert "see the note" in next(ln for ln in capsys.readouterr().out.splitlines() if "torch will report" in ln)
+    assert main(["estimate", "--model", "llama-3.1-8b", "--method", "lora", "--gpu", "H200", "--json"]) == 0
+    assert "math kernel" not in (json.loads(capsys.readouterr().out)["note"] or "")

@@ -366,6 +366,19 @@ def model_note(model, step=None) -> str:
     return " ".join(n for n in (moe_note(spec, st.method, st.lora_targets), mla_note(spec, st)) if n)
 
 
+def plan_note(model, step, gpu=None, peak_bytes: int | None = None) -> str:
+    """:func:`model_note`, and on a catalog ``gpu`` (a name) when CUDA would run this step's attention in the math
+    kernel, what that adds to ``peak_bytes`` and the fix (``lora_kit.memory.cuda_kernels.cuda_attention_note``)."""
+    note = model_note(model, step)
+    if isinstance(gpu, str):
+        from lora_kit.memory.cuda_kernels import cuda_attention_note
+        cc = get_gpu(gpu).get("compute_capability")
+        attn = cuda_attention_note(model, step, compute_capability=float(cc) if cc and cc == cc else 8.0,
+                                   peak_bytes=peak_bytes)
+        note = " ".join(n for n in (note, attn) if n)
+    return note
+
+
 def check_plan(model, gpu: str, margin: float = 0.10, step: Step | None = None, **overrides) -> dict:
     """One plan: its estimate, the fit verdict on ``gpu`` and, when it does not fit, the cheapest fix."""
     st = as_step(step, **overrides)
@@ -373,13 +386,7 @@ def check_plan(model, gpu: str, margin: float = 0.10, step: Step | None = None, 
     v = fit_verdict(est.device_total_bytes, gpu, margin)
     fits = bool(v["fits"])
     fix = None if fits else next(iter(fixes(gpu, margin, model=model, first_only=True, step=st)), None)
-    note = model_note(model, st)
-    if isinstance(gpu, str):  # a catalog GPU: say when CUDA would run this step's attention in the math kernel
-        from lora_kit.memory.cuda_kernels import cuda_attention_note
-        cc = get_gpu(gpu).get("compute_capability")
-        attn = cuda_attention_note(model, st, compute_capability=float(cc) if cc and cc == cc else 8.0,
-                                   peak_bytes=est.peak_allocated_bytes)
-        note = " ".join(n for n in (note, attn) if n)
+    note = plan_note(model, st, gpu, est.peak_allocated_bytes)
     return {**v, "fits": fits, "headroom_bytes": float(v["headroom_bytes"]),
             "headroom_pct": float(v["headroom_pct"]), "margin": margin, "estimate": est, "fix": fix, "note": note}
 

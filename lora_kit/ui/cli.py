@@ -22,7 +22,7 @@ from lora_kit.memory.estimate import estimate
 from lora_kit.memory.specs import model_is_local, model_spec
 from lora_kit.noise import quiet
 from lora_kit.plan.gpus import get_gpu
-from lora_kit.plan.planner import fit_verdict, model_note
+from lora_kit.plan.planner import fit_verdict, plan_note
 from lora_kit.results import check_run_name, signal_name
 from lora_kit.settings import (LORA_FIELDS, PLANNING, STEP_FIELDS, as_step, check_names, coerce_value, default_of,
                                field_help, field_names, load_settings, read_params)
@@ -181,7 +181,7 @@ def cmd_estimate(args) -> int:
         fit = fit_verdict(est.device_total_bytes, plan["gpu"], plan["margin"])
         cc = get_gpu(fit["gpu"]).get("compute_capability")
         torch_reports = est.cuda_allocated_bytes(float(cc) if cc is not None and str(cc) not in ("", "nan") else None)
-        note = model_note(plan["model"], plan["step"])
+        note = plan_note(plan["model"], plan["step"], fit["gpu"], est.peak_allocated_bytes)
     except ValueError as exc:
         print(f"lora-kit estimate: {exc}", file=sys.stderr)
         return 2
@@ -216,8 +216,10 @@ def cmd_estimate(args) -> int:
         print(f"  {names[k]:<{width}}{v / GiB:10.3f} GiB")
     print(f"  {'peak allocated':<{width}}{est.peak_allocated_bytes / GiB:10.3f} GiB  (per GPU, in {est.phase})")
     print(f"  {'device total':<{width}}{est.device_total_bytes / GiB:10.3f} GiB  (+ CUDA context, reserved, outside the allocator)")
+    math = " runs in the math kernel" in (note or "")  # the note says what the math kernel adds on top
     print(f"  {'torch will report':<{width}}{torch_reports / GiB:10.3f} GiB  "
-          f"(max_memory_allocated on {fit['gpu']}: the peak + two cuBLAS workspaces)")
+          f"(max_memory_allocated on {fit['gpu']}: the peak + two cuBLAS workspaces"
+          + ("; more where CUDA runs the attention in the math kernel, see the note)" if math else ")"))
     print(textwrap.fill(f"memory model: {est.memory_model}" + ("" if est.memory_model.startswith("fitted") else
                                                                 "; `lora-kit fit` with the same flags fits it"),
                         width=110, initial_indent="  ", subsequent_indent="    "))
