@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 import lora_kit as lk  # noqa: E402
 from lora_kit.memory import simulate as sim_mod  # noqa: E402
 from lora_kit.memory.allocator import replay  # noqa: E402
+from lora_kit.memory.cuda_kernels import math_kernel_extra  # noqa: E402
 from lora_kit.memory.device import cuda_allocated_bytes, device_kwargs, device_parts  # noqa: E402
 from lora_kit.memory.specs import model_spec  # noqa: E402
 from lora_kit.memory.tracker import LiveBytesTracker  # noqa: E402
@@ -86,12 +87,13 @@ def steady_state(events: list, n_live_before: int) -> list:
     return pre + step + second
 
 
-def simulate_with_events(model, **kw):
-    """``lora_kit.simulate(model, **kw)`` and the steady-state allocation sequence of its step (:func:`steady_state`)."""
+def simulate_with_events(model, trace: bool = False, **kw):
+    """``lora_kit.simulate(model, **kw)`` (with its trace when ``trace``) and the steady-state allocation sequence of
+    its step (:func:`steady_state`)."""
     orig = sim_mod.LiveBytesTracker
     sim_mod.LiveBytesTracker = EventTracker
     try:
-        sim = lk.simulate(model, **kw)
+        sim = lk.simulate(model, trace=trace, **kw)
     finally:
         sim_mod.LiveBytesTracker = orig
     tr = EventTracker.last
@@ -130,7 +132,7 @@ def one(row: dict) -> dict:
     est = lk.estimate(model=row["model"], **kw)
     basis = device_basis(row["model"], kw, est)
     t0 = time.perf_counter()
-    sim, events = simulate_with_events(row["model"], **kw)
+    sim, events = simulate_with_events(row["model"], trace=True, **kw)
     seconds = time.perf_counter() - t0
     rep = replayed(events)
     added = row["peak_nvml"] - row["nvml_used_before_context"]
@@ -139,17 +141,22 @@ def one(row: dict) -> dict:
     reserved = rep["expandable" if expandable else "default"]["max_reserved"]
     cuda_alloc = cuda_allocated_bytes(est.peak_allocated_bytes, get_gpu("H200")["compute_capability"],
                                       row["versions"]["torch"])
+    # CUDA's math-kernel fallback for fp32 q/k/v with grouped K/V heads, placed on the simulated step (0: a fused
+    # kernel, or a peak that lies elsewhere)
+    math = math_kernel_extra(row["model"], sim=sim, torch_version_=row["versions"]["torch"],
+                             compute_capability=float(get_gpu("H200")["compute_capability"]), **kw)
     return {
         "case": row["case"], "model": row["model"], "settings": kw, "allocator": "expandable" if expandable else "default",
         "measured": {"max_allocated": row["peak_allocated"], "max_reserved": row["peak_reserved"],
                      "process_added_nvidia_smi": added, "context": row["context_used"]},
         "estimate": {"peak_allocated": est.peak_allocated_bytes, "device_total": est.device_total_bytes,
-                     "cuda_allocated": cuda_alloc},
+                     "cuda_allocated": cuda_alloc, "math_kernel_extra": math},
         "device_basis": basis,
         "simulate": {"peak_allocated": sim.peak_allocated_bytes, "seconds": round(seconds, 1), "events_replayed": len(events)},
         "replay": rep,
         "ratios": {"estimate_allocated": est.peak_allocated_bytes / row["peak_allocated"],
                    "cuda_allocated": cuda_alloc / row["peak_allocated"],
+                   "cuda_allocated_with_math": (cuda_alloc + (math or 0)) / row["peak_allocated"],
                    "replay_reserved": reserved / row["peak_reserved"],
                    "estimate_device_total_vs_added": est.device_total_bytes / added,
                    "basis_reserved_vs_measured": basis["reserved"] / row["peak_reserved"],

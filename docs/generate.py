@@ -516,6 +516,8 @@ def sec_cuda_kit(prov):
     rows, ratios = data.get("rows", []), {}
     cols = [("estimate_allocated", "allocated: estimate / measured"),
             ("cuda_allocated", "allocated: estimate + two cuBLAS workspaces / measured"),
+            ("cuda_allocated_with_math", "allocated: estimate + two cuBLAS workspaces + CUDA's math-kernel fallback "
+                                         "placed on the simulated step / measured"),
             ("replay_reserved", "reserved: replay / measured"),
             ("estimate_device_total_vs_added", "device total: estimate / process added"),
             ("context_plus_replay_vs_added", "context + replay / process added"),

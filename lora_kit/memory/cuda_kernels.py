@@ -498,6 +498,24 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def math_kernel_extra(model, step=None, *, sim, torch_version_: str | tuple | None = None,
+                      compute_capability: float = 9.0, **overrides) -> int | None:
+    """What CUDA's math-kernel fallback adds to the step's peak, placed on ``sim`` (``simulate(..., trace=True)`` of
+    the step, whose attention is a fused kernel): 0 where CUDA picks a fused kernel for this step's SDPA call (torch
+    ``torch_version_``, a GPU of ``compute_capability``) or the peak lies elsewhere; None where the math kernel runs
+    on inputs this arithmetic does not cover (16-bit q/k/v, a mask)."""
+    spec, st = model_spec(model), as_step(step, **overrides)
+    if st.attn_implementation != "sdpa":
+        return 0
+    c = sdpa_call(spec, st)
+    if sdpa_backend(c, torch_version_, compute_capability).backend != "math":
+        return 0
+    if c.dtype != "float32" or c.has_mask:
+        return None
+    fb = math_fallback_bytes(spec, st, torch_version_=torch_version_)
+    return max(0, peak_with_math(sim.trace, fb) - sim.peak_allocated_bytes)
+
+
 def cuda_attention_note(model, step=None, *, torch_version_: str | tuple | None = None,
                         compute_capability: float = 9.0, peak_bytes: int | None = None, sim=None,
                         exact: bool = False, **overrides) -> str | None:
