@@ -200,9 +200,9 @@ def run_one(label, model, kw, device, ctx_bytes):
     row["estimate_total"] = est.device_total_bytes if est else None
     row["closed_form_reserved"] = _closed_form_reserved(model, kw, est) if est else None
     row["notes"] = [why] if why else []
-    t0 = time.perf_counter()
+    t0, sim = time.perf_counter(), None
     try:
-        sim, events = simulate_with_events(model, **kw)
+        sim, events = simulate_with_events(model, trace=device == "cuda", **kw)
         row.update(simulate_peak=sim.peak_allocated_bytes, simulate_total=sim.device_total_bytes,
                    simulate_phase=sim.phase, simulate_seconds=round(time.perf_counter() - t0, 2),
                    replay=replayed(events))  # reserved of PyTorch's caching allocator over simulate's sequence
@@ -229,6 +229,9 @@ def run_one(label, model, kw, device, ctx_bytes):
         row["estimate_cuda_allocated"] = cuda_allocated_bytes(est.peak_allocated_bytes, major + minor / 10,
                                                               torch.__version__)
         row["estimate_cuda_allocated_err_pct"] = _pct(row["estimate_cuda_allocated"], row["measured_peak"])
+        if sim is not None:  # CUDA's math-kernel fallback (fp32 q/k/v with grouped K/V), placed on the step
+            from lora_kit.memory.cuda_kernels import math_kernel_extra
+            row["math_kernel_extra"] = math_kernel_extra(model, sim=sim, compute_capability=major + minor / 10, **kw)
     row["simulate_err_pct"] = _pct(row.get("simulate_peak"), row["measured_peak"])
     row["estimate_total_err_pct"] = _pct(row["estimate_total"], row.get("measured_total"))
     row["closed_form_reserved_err_pct"] = _pct(row.get("closed_form_reserved"), row.get("measured_reserved"))
