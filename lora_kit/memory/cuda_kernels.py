@@ -55,8 +55,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 
+from lora_kit.memory.device import torch_version
 from lora_kit.memory.specs import model_spec
 from lora_kit.settings import as_step
 
@@ -75,17 +75,6 @@ SAFE_SOFTMAX_REUSE_FROM = (2, 6)  # _safe_softmax writes its where() into the so
 FIXED_TORCH = "2.14"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def torch_version(version: str | tuple | None = None) -> tuple:
-    """(major, minor) of ``version`` ("2.11.0+cu130", (2, 11)) or of the installed torch."""
-    if isinstance(version, tuple):
-        return tuple(int(x) for x in version[:2])
-    text = version or metadata.version("torch")
-    try:
-        return tuple(int(x) for x in text.split("+")[0].split(".")[:2])
-    except ValueError as e:
-        raise ValueError(f"torch_version={version!r} is not a version; give e.g. '2.11' or (2, 11).") from e
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ object arrays (or figures past int64's room).
 """
 from __future__ import annotations
 
+from importlib import metadata
+
 import numpy as np
 
 ALLOC_ROUND = 512  # the CUDA caching allocator hands out storages in multiples of 512 bytes
@@ -145,12 +147,22 @@ def device_parts(peak, *, num_gpus, largest=0, method: str | None = None, embedd
             "allocator": "default"}
 
 
+def torch_version(version: str | tuple | None = None) -> tuple:
+    """(major, minor) of ``version`` ("2.11.0+cu130", (2, 11)) or of the installed torch."""
+    if isinstance(version, tuple):
+        return tuple(int(x) for x in version[:2])
+    text = version or metadata.version("torch")
+    try:
+        return tuple(int(x) for x in text.split("+")[0].split(".")[:2])
+    except ValueError as e:
+        raise ValueError(f"torch_version={version!r} is not a version; give e.g. '2.11' or (2, 11).") from e
+
+
 def cublas_workspace_bytes(compute_capability=None, torch_version_: str | tuple | None = None) -> int:
     """One cuBLAS workspace as torch allocates it on a GPU of ``compute_capability`` (e.g. 9.0; None: the larger,
     32 MiB) with torch ``torch_version_`` (default: the installed one): :data:`CUBLAS_WORKSPACE`."""
     if compute_capability is None or compute_capability != compute_capability:  # None or NaN: an unknown card
         return CUBLAS_WORKSPACE["hopper"]
-    from lora_kit.memory.cuda_kernels import torch_version
     major = int(float(compute_capability))
     big = major == 9 or (major in (10, 12) and torch_version(torch_version_) >= (2, 11))
     return CUBLAS_WORKSPACE["hopper" if big else "default"]
