@@ -156,7 +156,8 @@ def one(row: dict) -> dict:
         "replay": rep,
         "ratios": {"estimate_allocated": est.peak_allocated_bytes / row["peak_allocated"],
                    "cuda_allocated": cuda_alloc / row["peak_allocated"],
-                   "cuda_allocated_with_math": (cuda_alloc + (math or 0)) / row["peak_allocated"],
+                   # None where the math kernel runs on inputs math_kernel_extra does not size (16-bit, a mask)
+                   "cuda_allocated_with_math": None if math is None else (cuda_alloc + math) / row["peak_allocated"],
                    "replay_reserved": reserved / row["peak_reserved"],
                    "estimate_device_total_vs_added": est.device_total_bytes / added,
                    "basis_reserved_vs_measured": basis["reserved"] / row["peak_reserved"],

@@ -51,7 +51,7 @@ from lora_kit.memory import simulate as sim_mod  # noqa: E402
 from lora_kit.memory.device import cuda_allocated_bytes, device_kwargs, device_parts  # noqa: E402
 from lora_kit.memory.specs import model_spec  # noqa: E402
 from lora_kit.memory.tracker import LiveBytesTracker  # noqa: E402
-from lora_kit.plan.gpus import get_gpu  # noqa: E402
+from lora_kit.plan.gpus import compute_capability, get_gpu  # noqa: E402
 from lora_kit.results import write_json_atomic  # noqa: E402
 
 from calibrate_accuracy import machine  # noqa: E402
@@ -139,8 +139,7 @@ def kit_figure(row: dict, est, gpu: dict | None, replay: bool) -> dict:
     out: dict = {"estimate_allocated": est.peak_allocated_bytes, "estimate_device_total": est.device_total_bytes,
                  "device_basis": b}
     if metric == "allocated":  # torch's counter also holds the two cuBLAS workspaces, sized by compute capability
-        cc = gpu.get("compute_capability") if gpu else row.get("compute_capability")
-        cc = float(cc) if cc is not None and cc == cc else None
+        cc = compute_capability(gpu) if gpu else row.get("compute_capability")
         out.update(figure=cuda_allocated_bytes(est.peak_allocated_bytes, cc),
                    basis="estimate.peak_allocated_bytes + two cuBLAS workspaces "
                          f"(lora_kit.memory.device.cuda_allocated_bytes, compute capability {cc or 'unknown: 32 MiB'})")

@@ -227,7 +227,8 @@ def run_one(label, model, kw, device, ctx_bytes):
         from lora_kit.memory.device import cuda_allocated_bytes
         major, minor = torch.cuda.get_device_capability()
         row["estimate_cuda_allocated"] = cuda_allocated_bytes(est.peak_allocated_bytes, major + minor / 10,
-                                                              torch.__version__)
+                                                              torch.__version__,
+                                                              os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
         row["estimate_cuda_allocated_err_pct"] = _pct(row["estimate_cuda_allocated"], row["measured_peak"])
         if sim is not None:  # CUDA's math-kernel fallback (fp32 q/k/v with grouped K/V), placed on the step
             from lora_kit.memory.cuda_kernels import math_kernel_extra

@@ -534,7 +534,7 @@ def sec_cuda_kit(prov):
                     f"{q['estimate_device_total_vs_added']:.3f}", f"{q['context_plus_replay_vs_added']:.3f}",
                     gib(r["device_basis"]["nvidia_smi_process"]), f"{q['device_total_vs_added']:.3f}"])
         for k, _ in cols:
-            if k in q:
+            if q.get(k) is not None:
                 ratios.setdefault(k, []).append(q[k])
     body = ("Ratio = the kit's figure / the measured one, step 2 of each row. *allocated*: `estimate`'s peak against "
             "`max_memory_allocated`, alone (the step's tensors, what `simulate` and a CPU step count) and with the two "

@@ -101,7 +101,7 @@ def run_real_loop(net, batch: dict, s, steps: int = 2, tokenizer=None, hooks: Lo
     optimizer runs as its unpaged twin off CUDA (the same state layout). Returns the trainer."""
     from transformers import Trainer, TrainingArguments
     hooks = hooks or LoopHooks()
-    batch = loop_inputs(batch, s.loop)  # SFTTrainer's collator always builds an attention mask
+    batch = loop_inputs(batch, s.loop)  # the collator's batch: an all-ones mask for full rows, none when packed
     callback = _callback(hooks)
 
     def hooked(base):

@@ -242,10 +242,10 @@ ROWS = [
     ("axolotl", "flash_attention: true\npad_to_sequence_len: true\n", FA2, "none", {"flash_attention": "unpad path"}),
     ("axolotl", "sample_packing: true\n", "sdpa", "max_length", {"sample_packing": "set flash_attention: true"}),
     ("llamafactory", "flash_attn: fa2\nneat_packing: true\n", FA2, "packed", {"neat_packing": "configure_packing"}),
-    ("llamafactory", "flash_attn: fa2\npacking: true\n", FA2, "none", {"flash_attn": "unpad path"}),
+    ("llamafactory", "flash_attn: fa2\npacking: true\n", FA2, "none", {}),  # packs filled, mask all ones
     ("llamafactory", "flash_attn: fa2\n", FA2, "none", {"flash_attn": "unpad path"}),
     ("llamafactory", "neat_packing: true\n", "sdpa", "max_length", {"neat_packing": "set flash_attn: fa2"}),
-    ("llamafactory", "flash_attn: sdpa\npacking: true\n", "sdpa", "longest", {}),
+    ("llamafactory", "flash_attn: sdpa\npacking: true\n", "sdpa", "none", {}),
 ]
 
 

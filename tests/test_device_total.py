@@ -101,6 +101,10 @@ def test_cuda_allocated_adds_the_two_cublas_workspaces_by_compute_capability_and
     assert device.cublas_workspace_bytes(10.0, "2.11") == device.cublas_workspace_bytes(12.1, (2, 13)) == 32 * mib
     assert device.cublas_workspace_bytes(None) == device.cublas_workspace_bytes(float("nan")) == 32 * mib
     assert device.cuda_allocated_bytes(10 ** 9, 9.0) == 10 ** 9 + 64 * mib
+    # the machine's CUBLAS_WORKSPACE_CONFIG replaces the default (":4096:8", deterministic runs: 8 x 4 MiB)
+    assert device.cublas_workspace_bytes(9.0, config=":4096:8") == 32 * mib
+    assert device.cublas_workspace_bytes(8.0, config=":16:8") == 128 * 1024
+    assert device.cuda_allocated_bytes(0, 8.0, config=":4096:2:16:8") == 2 * (8 * mib + 128 * 1024)
     arr = device.cuda_allocated_bytes(np.array([1, 2 ** 70], dtype=object), 8.0)
     assert list(arr) == [1 + 2 * (8 * mib + 128 * 1024), 2 ** 70 + 2 * (8 * mib + 128 * 1024)]
 
@@ -136,4 +140,3 @@ def test_cuda_math_fallback_on_the_shared_qlora_row_is_placed_where_the_measurem
     assert math_fallback_bytes(spec, st, torch_version_="2.11").peak_extra > 2 ** 30
     sim = simulate(row["model"], st, trace=True)
     assert math_kernel_extra(row["model"], st, sim=sim, torch_version_="2.11", compute_capability=9.0) == 0
-    assert math_kernel_extra(row["model"], st.replace(method="lora"), sim=sim, torch_version_="2.11") == 0  # bf16

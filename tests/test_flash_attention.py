@@ -206,3 +206,14 @@ def test_trl_sft_loop_with_fa2_is_the_real_sft_step(method, padding):
     real, sim = measure_config("tiny", **kw), simulate("tiny", **kw)
     assert (real.peak_allocated_bytes, real.breakdown, real.phase) == (sim.peak_allocated_bytes, sim.breakdown,
                                                                       sim.phase)
+
+
+def test_the_mask_override_for_unpadded_rows_leaves_transformers_registry_as_it_was():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as masks
+
+    from lora_kit.memory.simulate import _real_mask_decisions
+    model_attn_implementation(FA2)  # registers the emulation's mask function (globally)
+    before = masks[KIT_NAME]
+    with _real_mask_decisions(has_padding=False):
+        assert masks[KIT_NAME] is not before  # overridden while simulating
+    assert masks[KIT_NAME] is before and KIT_NAME not in masks._local_mapping

@@ -95,3 +95,20 @@ def test_prices_user_over_example_and_negative_rejected():
         resolve_prices(["L4"], {"L4": -0.5})
     with pytest.raises(ValueError, match="Unknown GPU"):
         resolve_prices(["L4"], {"Z9": 1.0})
+
+
+def test_compute_capability_is_a_number_or_unknown_and_read_in_one_place():
+    """The attention rules, the time model, the cuBLAS workspace and the CLI read it through gpus.compute_capability:
+    text that is not a number is refused when the GPU is added; empty is unknown, each caller naming its default."""
+    try:
+        with pytest.raises(ValueError, match="compute_capability must be a number"):
+            add_gpu("Odd-1", memory_gb=80, memory_bandwidth_gbs=2000, bf16_tflops=500, compute_capability="sm_90")
+        row = add_gpu("Plain-1", memory_gb=80, memory_bandwidth_gbs=2000, bf16_tflops=500)
+        assert gpus.compute_capability(row) is None and gpus.compute_capability("Plain-1", unknown=8.0) == 8.0
+        add_gpu("Text-1", memory_gb=80, memory_bandwidth_gbs=2000, bf16_tflops=500, compute_capability="9.0")
+        assert gpus.compute_capability("Text-1") == 9.0 == gpus.compute_capability("H200")
+        from lora_kit.plan.planner import check_plan
+        note = check_plan("llama-3.1-8b", "Plain-1", method="qlora", qlora_prepare="peft")["note"]
+        assert "math kernel" in note  # judged as an 8.0 card, without a crash
+    finally:
+        remove_user_gpus()

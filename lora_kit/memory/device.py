@@ -32,6 +32,7 @@ object arrays (or figures past int64's room).
 """
 from __future__ import annotations
 
+import re
 from importlib import metadata
 
 import numpy as np
@@ -158,9 +159,14 @@ def torch_version(version: str | tuple | None = None) -> tuple:
         raise ValueError(f"torch_version={version!r} is not a version; give e.g. '2.11' or (2, 11).") from e
 
 
-def cublas_workspace_bytes(compute_capability=None, torch_version_: str | tuple | None = None) -> int:
+def cublas_workspace_bytes(compute_capability=None, torch_version_: str | tuple | None = None,
+                           config: str | None = None) -> int:
     """One cuBLAS workspace as torch allocates it on a GPU of ``compute_capability`` (e.g. 9.0; None: the larger,
-    32 MiB) with torch ``torch_version_`` (default: the installed one): :data:`CUBLAS_WORKSPACE`."""
+    32 MiB) with torch ``torch_version_`` (default: the installed one): :data:`CUBLAS_WORKSPACE`; ``config``: the
+    machine's ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT`` pairs in KiB, e.g. ``:4096:8``), which replaces it."""
+    pairs = re.findall(r":(\d+):(\d+)", config or "")
+    if pairs:
+        return sum(int(size) * 1024 * int(count) for size, count in pairs)
     if compute_capability is None or compute_capability != compute_capability:  # None or NaN: an unknown card
         return CUBLAS_WORKSPACE["hopper"]
     major = int(float(compute_capability))
@@ -168,14 +174,17 @@ def cublas_workspace_bytes(compute_capability=None, torch_version_: str | tuple 
     return CUBLAS_WORKSPACE["hopper" if big else "default"]
 
 
-def cuda_allocated_bytes(peak, compute_capability=None, torch_version_: str | tuple | None = None):
+def cuda_allocated_bytes(peak, compute_capability=None, torch_version_: str | tuple | None = None,
+                         config: str | None = None):
     """What ``torch.cuda.max_memory_allocated()`` will read for a step whose tensors peak at ``peak`` bytes (the
     kit's ``peak_allocated_bytes``, the same on CPU and CUDA): plus :data:`CUBLAS_THREADS` cuBLAS workspaces
-    (:func:`cublas_workspace_bytes`), which live in torch's allocator from the first matmul on. Not counted: AdamW's
-    0-dim ``step`` tensors, which CUDA keeps on the host (512 bytes each, a few hundred KB in all), and the few
-    buffers bitsandbytes keeps on the card after a 4-bit load (about 4.5 MiB on the shared QLoRA row)."""
+    (:func:`cublas_workspace_bytes`; ``config``: ``CUBLAS_WORKSPACE_CONFIG`` where the run sets it), which live in
+    torch's allocator from the first matmul on. Not taken off: the 0-dim ``step`` tensors of a plain (not fused,
+    not capturable) AdamW, which CUDA keeps on the host while the CPU step counts them (512 bytes each, a few
+    hundred KB in all; a fused AdamW, the Trainer's default, keeps them on the card). Not added: the few buffers
+    bitsandbytes keeps on the card after a 4-bit load (about 4.5 MiB on the shared QLoRA row)."""
     (p,), scalar = _exact(peak)
-    return _out(p + CUBLAS_THREADS * cublas_workspace_bytes(compute_capability, torch_version_), scalar)
+    return _out(p + CUBLAS_THREADS * cublas_workspace_bytes(compute_capability, torch_version_, config), scalar)
 
 
 def device_total(peak, **kw):

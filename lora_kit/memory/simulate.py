@@ -184,6 +184,7 @@ def _real_mask_decisions(has_padding: bool):
     from lora_kit.memory.flash_attention import KIT_NAME
     masks = getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None)
     fa_mask = masks[KIT_NAME] if masks is not None and not has_padding and KIT_NAME in masks else None
+    local = fa_mask is not None and KIT_NAME in getattr(masks, "_local_mapping", {})  # else registered globally
     if fa_mask is not None:
         def no_padding_mask(*args, attention_mask=None, **kw):
             kv_length = kw["kv_length"] if "kv_length" in kw else args[2]
@@ -197,7 +198,10 @@ def _real_mask_decisions(has_padding: bool):
         for k, v in orig.items():
             setattr(masking_utils, k, v)
         if fa_mask is not None:
-            masks[KIT_NAME] = fa_mask
+            if local:
+                masks[KIT_NAME] = fa_mask
+            else:  # the override lived in this instance's local mapping only: the global registration shows again
+                del masks[KIT_NAME]
 
 
 @contextlib.contextmanager

@@ -884,9 +884,10 @@ def _read_llamafactory(r: _Reader, model_override) -> str | None:
                 "packed examples in the attention mask and unpads the rows for varlen FlashAttention-2 (its "
                 "configure_packing patches _get_unpad_data): the gathered q/k/v copies are not modelled; planned as "
                 "padding='packed' over the same per_device_train_batch_size x cutoff_len tokens")
-    elif r.get("packing"):
-        r.put("padding", "longest", "packing", raw="examples packed into rows of cutoff_len, attended as one "
-              "sequence (no neat_packing), padded to the longest row")
+    elif r.get("packing"):  # PackedSupervisedDatasetProcessor: every pack filled to the same length, mask all ones
+        r.put("padding", "none", "packing", raw="examples packed into rows of exactly cutoff_len tokens, attended as "
+              "one sequence (no neat_packing), pads masked as ones: no padding")
+        r.unpadded = "always"  # an all-ones mask: transformers drops it (FlashAttention-2 runs unmasked)
     else:
         r.put("padding", "longest", "padding", raw="LLaMA-Factory's collator pads to the longest row", default=True)
     r.used.add("packing")

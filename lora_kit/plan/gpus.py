@@ -77,6 +77,13 @@ def _finish(df: pd.DataFrame) -> pd.DataFrame:
         bad = df.loc[~(df[c] > 0), "name"].tolist()
         if bad:
             raise ValueError(f"GPU(s) {bad}: {c} must be a positive number.")
+    raw = df["compute_capability"]
+    cc = pd.to_numeric(raw, errors="coerce")
+    bad = df.loc[(raw.notna() & raw.astype(str).str.strip().ne("") & cc.isna()) | (cc <= 0), "name"].tolist()
+    if bad:
+        raise ValueError(f"GPU(s) {bad}: compute_capability must be a number such as 8.9 or 9.0 (leave it empty if "
+                         "unknown).")
+    df["compute_capability"] = cc.astype(float)
     for c in ("fp32_tflops", "l2_mb"):  # optional: empty is unknown, a number must be positive
         bad = df.loc[df[c] <= 0, "name"].tolist()
         if bad:
@@ -153,6 +160,19 @@ def get_gpu(name: str, extra_csv=None) -> dict:
         raise ValueError(f"Unknown GPU {name!r}. Known GPUs: {', '.join(r['name'] for r in rows.values())}. "
                          "Add yours with lora_kit.plan.gpus.add_gpu(...) or gpu_table(extra_csv=...).")
     return dict(rows[_key(name)])
+
+
+def compute_capability(gpu, unknown: float | None = None) -> float | None:
+    """The CUDA compute capability of ``gpu`` (a catalog name or :func:`get_gpu`'s row), ``unknown`` where the catalog
+    has none. Callers name their own ``unknown``: the attention rules assume 8.0 (a card with flash attention), the
+    cuBLAS workspace takes None (its larger size, ``lora_kit.memory.device``)."""
+    row = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    cc = row.get("compute_capability")
+    try:
+        v = float(cc) if not isinstance(cc, bool) else None
+    except (TypeError, ValueError):  # None, or a row dict of the caller's own with text in it
+        v = None
+    return v if v is not None and v == v and v > 0 else unknown
 
 
 def resolve_prices(names, prices: dict | None = None, extra_csv=None) -> dict[str, float]:

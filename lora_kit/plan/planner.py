@@ -40,7 +40,7 @@ from lora_kit.memory.estimate import estimate, estimate_arrays
 from lora_kit.memory.mla import mla_note
 from lora_kit.memory.moe import moe_note
 from lora_kit.memory.specs import model_spec
-from lora_kit.plan.gpus import get_gpu, gpu_table, resolve_prices
+from lora_kit.plan.gpus import compute_capability, get_gpu, gpu_table, resolve_prices
 from lora_kit.plan.timing import TimeModel, step_time
 from lora_kit.settings import (AXIS_FIELDS, LORA_FIELDS, METHODS, STEP_FIELDS, Settings, Step, as_step, check_names,
                                default_of, method_label)
@@ -372,8 +372,7 @@ def plan_note(model, step, gpu=None, peak_bytes: int | None = None) -> str:
     note = model_note(model, step)
     if isinstance(gpu, str):
         from lora_kit.memory.cuda_kernels import cuda_attention_note
-        cc = get_gpu(gpu).get("compute_capability")
-        attn = cuda_attention_note(model, step, compute_capability=float(cc) if cc and cc == cc else 8.0,
+        attn = cuda_attention_note(model, step, compute_capability=compute_capability(gpu, unknown=8.0),
                                    peak_bytes=peak_bytes)
         note = " ".join(n for n in (note, attn) if n)
     return note

@@ -11,7 +11,7 @@ import math
 
 import pandas as pd
 
-from lora_kit.plan.gpus import get_gpu
+from lora_kit.plan.gpus import compute_capability, get_gpu
 from lora_kit.plan.multi_gpu import OUTPUT_DIR, multi_gpu_plan
 from lora_kit.settings import Step, as_step
 
@@ -89,8 +89,7 @@ def _attention_note(rows, model, gpu, method, step: Step) -> str | None:
     if isinstance(b, (int, float)) and b >= 1:
         st = st.replace(batch_size=int(b))
         peak = int(row["peak_gib"] * 2**30) if isinstance(row.get("peak_gib"), (int, float)) else None
-    cc = get_gpu(gpu).get("compute_capability")
-    return cuda_attention_note(model, st, compute_capability=float(cc) if cc and cc == cc else 8.0, peak_bytes=peak)
+    return cuda_attention_note(model, st, compute_capability=compute_capability(gpu, unknown=8.0), peak_bytes=peak)
 
 
 def _multi_gpu(rows, model, margin, gpu, method, output_dir, time_model, step: Step) -> dict:

@@ -67,6 +67,7 @@ from importlib import metadata
 from lora_kit.memory.cuda_kernels import ENABLE_GQA_FROM, flash_attention_dtype, sdpa_backend, sdpa_call
 from lora_kit.memory.specs import check_targets, model_spec
 from lora_kit.plan import time_constants as C
+from lora_kit.plan.gpus import compute_capability
 from lora_kit.settings import Step, as_step
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -220,9 +221,7 @@ def attention_kernel(spec, step: Step, gpu: dict, torch_version: tuple | None = 
     call = sdpa_call(spec, st)
     if call.enable_gqa and tv < ENABLE_GQA_FROM:  # transformers' use_gqa_in_sdpa needs torch 2.5: it repeats K/V
         call = replace(call, enable_gqa=False, kv_heads=call.q_heads)
-    cc = gpu.get("compute_capability")
-    cc = float(cc) if isinstance(cc, (int, float, str)) and str(cc).replace(".", "", 1).isdigit() else 8.0
-    return KERNEL_OF_BACKEND[sdpa_backend(call, tv, cc).backend]
+    return KERNEL_OF_BACKEND[sdpa_backend(call, tv, compute_capability(gpu, unknown=8.0)).backend]
 
 
 def _dtypes(st: Step) -> dict:

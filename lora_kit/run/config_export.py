@@ -123,7 +123,7 @@ def axolotl_config(model: str, step, dataset: str | None = None) -> dict:
     elif step.autocast:
         cfg["bf16"] = True  # fp32 weights under autocast cannot be asked for: the weights load in bf16 too
     cfg.update({"sequence_len": step.seq_len, "sample_packing": step.padding == "packed",
-                "pad_to_sequence_len": step.padding == "max_length", "micro_batch_size": step.batch_size,
+                "pad_to_sequence_len": step.padding in ("max_length", "packed"), "micro_batch_size": step.batch_size,
                 "gradient_accumulation_steps": step.grad_accum, "gradient_checkpointing": step.gradient_checkpointing,
                 "gradient_checkpointing_kwargs": {"use_reentrant": False}, "optimizer": TRAINER_OPTIM[step.optimizer]})
     cfg[{"sdpa": "sdp_attention", "eager": "eager_attention", "flash_attention_2": "flash_attention"}[

@@ -21,7 +21,7 @@ from pathlib import Path
 from lora_kit.memory.estimate import estimate
 from lora_kit.memory.specs import model_is_local, model_spec
 from lora_kit.noise import quiet
-from lora_kit.plan.gpus import get_gpu
+from lora_kit.plan.gpus import compute_capability
 from lora_kit.plan.planner import fit_verdict, plan_note
 from lora_kit.results import check_run_name, signal_name
 from lora_kit.settings import (LORA_FIELDS, PLANNING, STEP_FIELDS, as_step, check_names, coerce_value, default_of,
@@ -179,8 +179,7 @@ def cmd_estimate(args) -> int:
             plan, assumed = estimate_plan(given)
         est = estimate(plan["model"], plan["step"])
         fit = fit_verdict(est.device_total_bytes, plan["gpu"], plan["margin"])
-        cc = get_gpu(fit["gpu"]).get("compute_capability")
-        torch_reports = est.cuda_allocated_bytes(float(cc) if cc is not None and str(cc) not in ("", "nan") else None)
+        torch_reports = est.cuda_allocated_bytes(compute_capability(fit["gpu"]))
         note = plan_note(plan["model"], plan["step"], fit["gpu"], est.peak_allocated_bytes)
     except ValueError as exc:
         print(f"lora-kit estimate: {exc}", file=sys.stderr)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lora_kit.data import LONG_SHARE_WARN, long_examples_line
 from lora_kit.plan import time_constants
-from lora_kit.plan.gpus import get_gpu
+from lora_kit.plan.gpus import compute_capability, get_gpu
 from lora_kit.plan.planner import epoch_from_data, steps_per_epoch
 from lora_kit.plan.records import plan_row
 from lora_kit.plan.timing import calibrate
@@ -375,11 +375,9 @@ def nvidia_smi_view(card: dict) -> dict | None:
     paged = _paged_resident(plan, row)
     process = total + paged
     peak = int(row["peak_gib"] * GiB) if row.get("peak_gib") is not None else None
-    cc = g.get("compute_capability")
-    cc = float(cc) if isinstance(cc, (int, float, str)) and str(cc) not in ("", "nan") else None
     return {"method": row["method"], "gpu": g["name"], "device_total_bytes": total,
             "peak_allocated_bytes": peak,
-            "cuda_allocated_bytes": cuda_allocated_bytes(peak, cc) if peak is not None else None,
+            "cuda_allocated_bytes": cuda_allocated_bytes(peak, compute_capability(g)) if peak is not None else None,
             "context_bytes": context, "context_basis": g["context_basis"], "outside_bytes": outside,
             "reserved_bytes": total - context - outside, "paged_resident_bytes": paged,
             "process_bytes": process,
