@@ -12,7 +12,10 @@ SDPA calls alone, beside ``simulate``'s peak).
 On a machine with a GPU each row also records the backend that GPU's torch picks (``observed_backend``) beside
 the prediction for that torch and card. Then the same figures, without a measurement, for the held-back QLoRA settings issue 34 describes (their measured
 figures are not shared; whoever holds them scores these predictions): the LLaMA-65B config cut to 4 and 8 layers,
-Qwen2.5-7B at 4096 x 2, Gemma-2-9B (eager) at 2048 x 1, Llama-3.1-8B at 4096 x 4.
+Qwen2.5-7B at 4096 x 2, Gemma-2-9B (eager) at 2048 x 1, Llama-3.1-8B at 4096 x 4, and the LoRA / full rows (Mistral-7B
+at 4096 x 4, Llama-3.2-3B full at 2048 x 8). Every row also gives ``cuda_allocated`` (the estimate plus the two cuBLAS
+workspaces torch's counter holds, :func:`lora_kit.memory.device.cuda_allocated_bytes`) and
+``cuda_allocated_plus_placed`` (that plus the placed math-kernel extra): what ``max_memory_allocated`` should read.
 
     python benchmarks/cuda_kernels.py [--rows l8b-qlora-ckpt-s2048,...] [--no-held-back]
                                       [--out benchmarks/results/cuda_kernels.json]
@@ -36,15 +39,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import lora_kit as lk  # noqa: E402
 import torch  # noqa: E402
 from cuda_h200 import REFERENCE, step_kwargs  # noqa: E402
-from lora_kit.memory.cuda_kernels import (math_fallback_bytes, observed_backend, peak_with_math,  # noqa: E402
-                                          sdpa_backend, sdpa_call)
+from lora_kit.memory.cuda_kernels import (math_fallback_bytes, math_kernel_extra, observed_backend,  # noqa: E402
+                                          peak_with_math, sdpa_backend, sdpa_call)
+from lora_kit.memory.device import cuda_allocated_bytes  # noqa: E402
 from lora_kit.plan.gpus import get_gpu  # noqa: E402
 from lora_kit.results import write_json_atomic  # noqa: E402
 
 GIB = 2 ** 30
 QLORA_PAPER = dict(method="qlora", lora_rank=64, lora_alpha=16, lora_targets="all-linear", seq_len=512, batch_size=1,
                    gradient_checkpointing=True, optimizer="paged_adamw_32bit", dtype="bfloat16")
-HELD_BACK = [  # issue 34, "Done when": settings of the held-back H200 QLoRA rows (torch 2.11, like the shared rows)
+HELD_BACK = [  # issue 34, "Done when": settings of the held-back H200 rows (torch 2.11, like the shared rows)
     ("llama-65b-4-layers", ("llama-65b", 4), QLORA_PAPER),
     ("llama-65b-8-layers", ("llama-65b", 8), QLORA_PAPER),
     ("qwen2.5-7b-qlora-s4096-b2", "qwen2.5-7b", dict(method="qlora", lora_rank=16, lora_alpha=32, seq_len=4096,
@@ -53,6 +57,10 @@ HELD_BACK = [  # issue 34, "Done when": settings of the held-back H200 QLoRA row
                                                          batch_size=1, gradient_checkpointing=True)),
     ("l8b-qlora-s4096-b4-paged8", "llama-3.1-8b", dict(method="qlora", seq_len=4096, batch_size=4,
                                                         gradient_checkpointing=True, optimizer="paged_adamw_8bit")),
+    # the two other held-back rows issue 34 names (LoRA, full): the workspaces are their only CUDA-side term
+    ("mistral-7b-lora-s4096-b4", "mistral-7b", dict(method="lora", seq_len=4096, batch_size=4,
+                                                     gradient_checkpointing=True)),
+    ("l3b-full-s2048-b8", "llama-3.2-3b", dict(method="full", seq_len=2048, batch_size=8, gradient_checkpointing=True)),
 ]
 
 
@@ -77,7 +85,8 @@ def figures(model, kw: dict, torch_version: str, cc: float, meas: int | None) ->
     eager = kw.get("attn_implementation", "sdpa") == "eager"  # transformers' own matmul-softmax: no SDPA call
     res = {"settings": kw, "torch": torch_version, "compute_capability": cc,
            "backend": "eager" if eager else choice.backend, "why": "" if eager else choice.why(),
-           "measured_max_allocated": meas, "estimate": est}
+           "measured_max_allocated": meas, "estimate": est,
+           "cuda_allocated": cuda_allocated_bytes(est, cc, torch_version)}  # + the two cuBLAS workspaces
     if torch.cuda.is_available() and not eager:  # on a GPU: what this machine's torch picks, beside the prediction
         here = sdpa_backend(call, torch.__version__, float(".".join(map(str, torch.cuda.get_device_capability()))))
         res["this_gpu"] = {"torch": torch.__version__, "name": torch.cuda.get_device_name(),
@@ -86,17 +95,20 @@ def figures(model, kw: dict, torch_version: str, cc: float, meas: int | None) ->
         fb = math_fallback_bytes(model, torch_version_=torch_version, **kw)
         t0 = time.perf_counter()
         sim = lk.simulate(model, trace=True, **kw)
-        placed = peak_with_math(sim.trace, fb) - sim.peak_allocated_bytes
+        placed = math_kernel_extra(model, sim=sim, torch_version_=torch_version, compute_capability=cc, **kw)
         res.update({"math": {k: v for k, v in fb.to_dict().items() if k != "call"},
                     "simulate": sim.peak_allocated_bytes, "simulate_phase": sim.phase,
                     "simulate_seconds": round(time.perf_counter() - t0, 1), "placed_extra": placed,
                     "math_attention_peak": peak_with_math(sim.trace, fb, attention_only=True),
                     "estimate_plus_peak_extra": est + fb.peak_extra, "estimate_plus_placed": est + placed})
+    # what torch's counter would read: the workspaces, and the math kernel placed where it runs
+    res["cuda_allocated_plus_placed"] = res["cuda_allocated"] + res.get("placed_extra", 0)
     if meas:
         res["ratio_estimate"] = est / meas
         if "math" in res:
             res["ratio_estimate_plus_peak_extra"] = res["estimate_plus_peak_extra"] / meas
             res["ratio_estimate_plus_placed"] = res["estimate_plus_placed"] / meas
+        res["ratio_cuda_allocated_plus_placed"] = res["cuda_allocated_plus_placed"] / meas
     return res
 
 

@@ -653,12 +653,18 @@ def sec_cuda_kernels(prov):
         return [r.get("case", ""), describe({"model": r.get("model", ""), **st}), r.get("torch", ""),
                 r.get("backend", ""), r.get("why", ""), gib(measured) if measured else "held back",
                 gib(r["estimate"]) if r.get("estimate") else "",
-                f"{r['ratio_estimate']:.3f}" if isinstance(r.get("ratio_estimate"), (int, float)) else ""]
+                f"{r['ratio_estimate']:.3f}" if isinstance(r.get("ratio_estimate"), (int, float)) else "",
+                gib(r["cuda_allocated_plus_placed"]) if r.get("cuda_allocated_plus_placed") else "",
+                f"{r['ratio_cuda_allocated_plus_placed']:.4f}"
+                if isinstance(r.get("ratio_cuda_allocated_plus_placed"), (int, float)) else ""]
 
-    head = ["case", "setting", "torch", "SDPA kernel", "why", "allocated GiB", "estimate GiB", "ratio"]
+    head = ["case", "setting", "torch", "SDPA kernel", "why", "allocated GiB", "estimate GiB", "ratio",
+            "+ cuBLAS + placed math GiB", "ratio"]
     body = ("The kernel SDPA's dispatch rules pick for each row's dtype, mask, head size and GQA on the row's torch "
             "and GPU (`lora_kit.memory.cuda_kernels`), beside the measured peak allocated and `estimate`'s; ratio = "
-            "estimate / measured.\n\n" + table(head, [row(r) for r in data.get("rows", [])]))
+            "estimate / measured. The last two columns: what `max_memory_allocated` should read, the estimate plus "
+            "the two cuBLAS workspaces plus the math kernel's extra placed on the simulated step where CUDA runs it "
+            "(`lora_kit.memory.device.cuda_allocated_bytes`, `lora_kit.memory.cuda_kernels.math_kernel_extra`).\n\n" + table(head, [row(r) for r in data.get("rows", [])]))
     held = data.get("held_back_predictions") or []
     if held:
         body += ("\nHeld-back settings: the kernel and the estimate the kit predicts; their measurements are kept "

@@ -537,7 +537,9 @@ def cuda_attention_note(model, step=None, *, torch_version_: str | tuple | None 
         from lora_kit.memory.simulate import simulate
         sim = simulate(model, st, trace=True)
     if sim is not None and getattr(sim, "trace", None):
-        base, extra, bound = sim.peak_allocated_bytes, max(0, peak_with_math(sim.trace, fb) - sim.peak_allocated_bytes), ""
+        extra = math_kernel_extra(model, st, sim=sim, torch_version_=torch_version_,
+                                  compute_capability=compute_capability)
+        base, bound = sim.peak_allocated_bytes, ""
     else:
         base, extra, bound = peak_bytes, fb.peak_extra, "up to "
     fixes = []
