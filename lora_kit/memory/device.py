@@ -32,6 +32,7 @@ object arrays (or figures past int64's room).
 """
 from __future__ import annotations
 
+import functools
 import re
 from importlib import metadata
 
@@ -148,11 +149,17 @@ def device_parts(peak, *, num_gpus, largest=0, method: str | None = None, embedd
             "allocator": "default"}
 
 
+@functools.cache
+def _installed_torch() -> str:
+    """The installed torch's version string, read once (planner sweeps ask per row)."""
+    return metadata.version("torch")
+
+
 def torch_version(version: str | tuple | None = None) -> tuple:
     """(major, minor) of ``version`` ("2.11.0+cu130", (2, 11)) or of the installed torch."""
     if isinstance(version, tuple):
         return tuple(int(x) for x in version[:2])
-    text = version or metadata.version("torch")
+    text = version or _installed_torch()
     try:
         return tuple(int(x) for x in text.split("+")[0].split(".")[:2])
     except ValueError as e:

@@ -59,12 +59,11 @@ smaller one measured for a calibration on the same GPU.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
-from importlib import metadata
 
 from lora_kit.memory.cuda_kernels import ENABLE_GQA_FROM, flash_attention_dtype, sdpa_backend, sdpa_call
+from lora_kit.memory.device import torch_version as installed_torch_version
 from lora_kit.memory.specs import check_targets, model_spec
 from lora_kit.plan import time_constants as C
 from lora_kit.plan.gpus import compute_capability
@@ -195,14 +194,6 @@ def peak_flops(gpu: dict, dtype: str, autocast: bool) -> float:
     return float(fp16 if dtype == "float16" else bf16) * 1e12
 
 
-@functools.lru_cache(maxsize=None)
-def _torch_version() -> tuple:
-    try:
-        return tuple(int(x) for x in metadata.version("torch").split("+")[0].split(".")[:2])
-    except (metadata.PackageNotFoundError, ValueError):
-        return (0, 0)
-
-
 KERNEL_OF_BACKEND = {"flash": "flash", "cudnn": "flash", "efficient": "mem_efficient", "math": "math"}  # cuDNN:
 # a fused 16-bit kernel that keeps what flash keeps, timed as flash
 
@@ -217,7 +208,7 @@ def attention_kernel(spec, step: Step, gpu: dict, torch_version: tuple | None = 
         return "eager"
     if st.attn_implementation == "flash_attention_2":  # flash-attn itself: no SDPA dispatch, no fallback
         return "flash"
-    tv = _torch_version() if torch_version is None else tuple(torch_version)
+    tv = installed_torch_version() if torch_version is None else tuple(torch_version)
     call = sdpa_call(spec, st)
     if call.enable_gqa and tv < ENABLE_GQA_FROM:  # transformers' use_gqa_in_sdpa needs torch 2.5: it repeats K/V
         call = replace(call, enable_gqa=False, kv_heads=call.q_heads)
