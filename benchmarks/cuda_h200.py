@@ -136,15 +136,15 @@ def one(row: dict) -> dict:
     seconds = time.perf_counter() - t0
     rep = replayed(events)
     added = row["peak_nvml"] - row["nvml_used_before_context"]
-    context = get_gpu("H200")["context_bytes"]
+    h200, torch_version = get_gpu("H200"), row["versions"]["torch"]
+    context = h200["context_bytes"]
     expandable = row["settings"].get("alloc") == "expandable_segments:True"
     reserved = rep["expandable" if expandable else "default"]["max_reserved"]
-    cuda_alloc = cuda_allocated_bytes(est.peak_allocated_bytes, get_gpu("H200")["compute_capability"],
-                                      row["versions"]["torch"])
+    cuda_alloc = cuda_allocated_bytes(est.peak_allocated_bytes, h200["compute_capability"], torch_version)
     # CUDA's math-kernel fallback for fp32 q/k/v with grouped K/V heads, placed on the simulated step (0: a fused
     # kernel, or a peak that lies elsewhere)
-    math = math_kernel_extra(row["model"], sim=sim, torch_version_=row["versions"]["torch"],
-                             compute_capability=float(get_gpu("H200")["compute_capability"]), **kw)
+    math = math_kernel_extra(row["model"], sim=sim, torch_version_=torch_version,
+                             compute_capability=h200["compute_capability"], **kw)
     return {
         "case": row["case"], "model": row["model"], "settings": kw, "allocator": "expandable" if expandable else "default",
         "measured": {"max_allocated": row["peak_allocated"], "max_reserved": row["peak_reserved"],
@@ -177,14 +177,14 @@ def main(argv=None) -> int:
         want = a.rows.split(",")
         rows = [r for r in rows if r["case"] in want]
     out = []
-    print(f"{'case':<34}{'alloc est/meas':>15}{'+cuBLAS/meas':>13}{'reserved replay/meas':>22}{'meas GiB':>10}{'dev.total/added':>17}"
-          f"{'ctx+replay/added':>18}{'basis res/meas':>16}{'basis total/added':>19}")
+    print(f"{'case':<34}{'alloc est/meas':>15}{'+cuBLAS/meas':>13}{'reserved replay/meas':>22}{'meas GiB':>10}"
+          f"{'dev.total/added':>17}{'ctx+replay/added':>18}{'basis res/meas':>16}{'basis total/added':>19}")
     for r in rows:
         res = one(r)
         out.append(res)
         q = res["ratios"]
-        print(f"{r['case']:<34}{q['estimate_allocated']:>15.4f}{q['cuda_allocated']:>13.5f}{q['replay_reserved']:>22.4f}"
-              f"{r['peak_reserved'] / GIB:>10.2f}{q['estimate_device_total_vs_added']:>17.4f}"
+        print(f"{r['case']:<34}{q['estimate_allocated']:>15.4f}{q['cuda_allocated']:>13.5f}"
+              f"{q['replay_reserved']:>22.4f}{r['peak_reserved'] / GIB:>10.2f}{q['estimate_device_total_vs_added']:>17.4f}"
               f"{q['context_plus_replay_vs_added']:>18.4f}{q['basis_reserved_vs_measured']:>16.4f}"
               f"{q['device_total_vs_added']:>19.4f}", flush=True)
     band = [r["ratios"]["device_total_vs_added"] for r in out]

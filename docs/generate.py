@@ -538,8 +538,9 @@ def sec_cuda_kit(prov):
                 ratios.setdefault(k, []).append(q[k])
     body = ("Ratio = the kit's figure / the measured one, step 2 of each row. *allocated*: `estimate`'s peak against "
             "`max_memory_allocated`, alone (the step's tensors, what `simulate` and a CPU step count) and with the two "
-            "cuBLAS workspaces torch's allocator holds on CUDA (`lora_kit.memory.device.cuda_allocated_bytes`); *reserved*: PyTorch's caching allocator replayed (`lora_kit.memory.allocator`, "
-            "the row's allocator setting) over `simulate`'s allocation sequence, against `max_memory_reserved`; "
+            "cuBLAS workspaces torch's allocator holds on CUDA (`lora_kit.memory.device.cuda_allocated_bytes`); "
+            "*reserved*: PyTorch's caching allocator replayed (`lora_kit.memory.allocator`, the row's allocator "
+            "setting) over `simulate`'s allocation sequence, against `max_memory_reserved`; "
             "*device total*: `estimate`'s `device_total_bytes` against what the process added to nvidia-smi (its "
             "peak minus what was used before it started); *basis*: `lora_kit.memory.device`'s context (the catalog's) "
             "+ closed-form reserved from `estimate`'s peak + memory outside the allocator + paged optimizer states "
@@ -664,7 +665,8 @@ def sec_cuda_kernels(prov):
             "and GPU (`lora_kit.memory.cuda_kernels`), beside the measured peak allocated and `estimate`'s; ratio = "
             "estimate / measured. The last two columns: what `max_memory_allocated` should read, the estimate plus "
             "the two cuBLAS workspaces plus the math kernel's extra placed on the simulated step where CUDA runs it "
-            "(`lora_kit.memory.device.cuda_allocated_bytes`, `lora_kit.memory.cuda_kernels.math_kernel_extra`).\n\n" + table(head, [row(r) for r in data.get("rows", [])]))
+            "(`lora_kit.memory.device.cuda_allocated_bytes`, `lora_kit.memory.cuda_kernels.math_kernel_extra`).\n\n"
+            + table(head, [row(r) for r in data.get("rows", [])]))
     held = data.get("held_back_predictions") or []
     if held:
         body += ("\nHeld-back settings: the kernel and the estimate the kit predicts; their measurements are kept "
