@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT))
 import lora_kit as lk  # noqa: E402
 from lora_kit.memory import simulate as sim_mod  # noqa: E402
 from lora_kit.memory.allocator import replay  # noqa: E402
-from lora_kit.memory.cuda_kernels import math_kernel_extra  # noqa: E402
+from lora_kit.memory.cuda_kernels import kernel_extra, math_kernel_extra  # noqa: E402
 from lora_kit.memory.device import cuda_allocated_bytes, device_kwargs, device_parts  # noqa: E402
 from lora_kit.memory.specs import model_spec  # noqa: E402
-from lora_kit.memory.tracker import LiveBytesTracker  # noqa: E402
+from lora_kit.memory.tracker import LiveBytesTracker, kernel_temporaries  # noqa: E402
 from lora_kit.plan.gpus import get_gpu  # noqa: E402
 from lora_kit.results import write_json_atomic  # noqa: E402
 
@@ -69,6 +69,16 @@ class EventTracker(LiveBytesTracker):
         if self._live.get(serial):
             self.events.append(("free", serial))
         super()._free(serial, cdata)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """Storages an opaque operator allocates and frees inside itself (``kernel_temporaries``: bitsandbytes' 4-bit
+        matmul dequantising its weight) go to the allocator too: allocated before its output, freed after."""
+        inside = [] if self._paused else [(("inside", len(self.events), i), b)
+                                          for i, b in enumerate(kernel_temporaries(func, args, kwargs, self.block))]
+        self.events.extend(("alloc", serial, b) for serial, b in inside)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.events.extend(("free", serial) for serial, _ in inside)
+        return out
 
 
 def step_kwargs(row: dict) -> dict:
@@ -145,12 +155,15 @@ def one(row: dict) -> dict:
     # kernel, or a peak that lies elsewhere)
     math = math_kernel_extra(row["model"], sim=sim, torch_version_=torch_version,
                              compute_capability=h200["compute_capability"], **kw)
+    # with it, the weights bitsandbytes' 4-bit matmul dequantises inside itself, placed together
+    kernels = kernel_extra(row["model"], sim=sim, torch_version_=torch_version,
+                           compute_capability=h200["compute_capability"], **kw)
     return {
         "case": row["case"], "model": row["model"], "settings": kw, "allocator": "expandable" if expandable else "default",
         "measured": {"max_allocated": row["peak_allocated"], "max_reserved": row["peak_reserved"],
                      "process_added_nvidia_smi": added, "context": row["context_used"]},
         "estimate": {"peak_allocated": est.peak_allocated_bytes, "device_total": est.device_total_bytes,
-                     "cuda_allocated": cuda_alloc, "math_kernel_extra": math},
+                     "cuda_allocated": cuda_alloc, "math_kernel_extra": math, "kernel_extra": kernels},
         "device_basis": basis,
         "simulate": {"peak_allocated": sim.peak_allocated_bytes, "seconds": round(seconds, 1), "events_replayed": len(events)},
         "replay": rep,
@@ -158,6 +171,8 @@ def one(row: dict) -> dict:
                    "cuda_allocated": cuda_alloc / row["peak_allocated"],
                    # None where the math kernel runs on inputs math_kernel_extra does not size (16-bit, a mask)
                    "cuda_allocated_with_math": None if math is None else (cuda_alloc + math) / row["peak_allocated"],
+                   "cuda_allocated_with_kernels": None if kernels is None
+                   else (cuda_alloc + kernels) / row["peak_allocated"],
                    "replay_reserved": reserved / row["peak_reserved"],
                    "estimate_device_total_vs_added": est.device_total_bytes / added,
                    "basis_reserved_vs_measured": basis["reserved"] / row["peak_reserved"],

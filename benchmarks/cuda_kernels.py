@@ -15,7 +15,9 @@ figures are not shared; whoever holds them scores these predictions): the LLaMA-
 Qwen2.5-7B at 4096 x 2, Gemma-2-9B (eager) at 2048 x 1, Llama-3.1-8B at 4096 x 4, and the LoRA / full rows (Mistral-7B
 at 4096 x 4, Llama-3.2-3B full at 2048 x 8). Every row also gives ``cuda_allocated`` (the estimate plus the two cuBLAS
 workspaces torch's counter holds, :func:`lora_kit.memory.device.cuda_allocated_bytes`) and
-``cuda_allocated_plus_placed`` (that plus the placed math-kernel extra): what ``max_memory_allocated`` should read.
+``cuda_allocated_plus_placed`` (that plus, placed on the simulated step, the math-kernel extra and the weights
+bitsandbytes' 4-bit matmul dequantises inside itself: :func:`lora_kit.memory.cuda_kernels.kernel_extra`): what
+``max_memory_allocated`` should read.
 
     python benchmarks/cuda_kernels.py [--rows l8b-qlora-ckpt-s2048,...] [--no-held-back]
                                       [--out benchmarks/results/cuda_kernels.json]
@@ -39,8 +41,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import lora_kit as lk  # noqa: E402
 import torch  # noqa: E402
 from cuda_h200 import REFERENCE, step_kwargs  # noqa: E402
-from lora_kit.memory.cuda_kernels import (math_fallback_bytes, math_kernel_extra, observed_backend,  # noqa: E402
-                                          peak_with_math, sdpa_backend, sdpa_call)
+from lora_kit.memory.cuda_kernels import (kernel_extra, math_fallback_bytes, math_kernel_extra,  # noqa: E402
+                                          observed_backend, peak_with_math, sdpa_backend, sdpa_call)
 from lora_kit.memory.device import cuda_allocated_bytes  # noqa: E402
 from lora_kit.plan.gpus import get_gpu  # noqa: E402
 from lora_kit.results import write_json_atomic  # noqa: E402
@@ -91,18 +93,23 @@ def figures(model, kw: dict, torch_version: str, cc: float, meas: int | None) ->
         here = sdpa_backend(call, torch.__version__, float(".".join(map(str, torch.cuda.get_device_capability()))))
         res["this_gpu"] = {"torch": torch.__version__, "name": torch.cuda.get_device_name(),
                            "predicted": here.backend, "observed": observed_backend(call)}
-    if res["backend"] == "math":
-        fb = math_fallback_bytes(model, torch_version_=torch_version, **kw)
+    sim = None
+    if res["backend"] == "math" or kw.get("method") == "qlora":  # placed on a simulated step
         t0 = time.perf_counter()
         sim = lk.simulate(model, trace=True, **kw)
+        res.update({"simulate": sim.peak_allocated_bytes, "simulate_phase": sim.phase,
+                    "simulate_seconds": round(time.perf_counter() - t0, 1)})
+    if res["backend"] == "math":
+        fb = math_fallback_bytes(model, torch_version_=torch_version, **kw)
         placed = math_kernel_extra(model, sim=sim, torch_version_=torch_version, compute_capability=cc, **kw)
-        res.update({"math": {k: v for k, v in fb.to_dict().items() if k != "call"},
-                    "simulate": sim.peak_allocated_bytes, "simulate_phase": sim.phase,
-                    "simulate_seconds": round(time.perf_counter() - t0, 1), "placed_extra": placed,
+        res.update({"math": {k: v for k, v in fb.to_dict().items() if k != "call"}, "placed_extra": placed,
                     "math_attention_peak": peak_with_math(sim.trace, fb, attention_only=True),
                     "estimate_plus_peak_extra": est + fb.peak_extra, "estimate_plus_placed": est + placed})
-    # what torch's counter would read: the workspaces, and the math kernel placed where it runs
-    res["cuda_allocated_plus_placed"] = res["cuda_allocated"] + res.get("placed_extra", 0)
+    # what torch's counter would read: the workspaces, and placed on the step the math kernel where it runs and the
+    # weights bitsandbytes' 4-bit matmul dequantises inside itself (kernel_extra: both at once)
+    if sim is not None:
+        res["kernel_extra"] = kernel_extra(model, sim=sim, torch_version_=torch_version, compute_capability=cc, **kw)
+    res["cuda_allocated_plus_placed"] = res["cuda_allocated"] + (res.get("kernel_extra") or 0)
     if meas:
         res["ratio_estimate"] = est / meas
         if "math" in res:
@@ -133,7 +140,7 @@ def main(argv=None) -> int:
     out = []
     print(f"torch {torch_version} (the rows'), sm{cc}")
     print(f"{'case':<32}{'backend':>10}{'meas GiB':>10}{'est/meas':>10}{'+upper/meas':>13}{'+placed/meas':>14}"
-          f"{'placed GiB':>12}")
+          f"{'placed GiB':>12}{'cuda+kernels/meas':>19}")
     for r in rows:
         res = one(r, torch_version, cc)
         out.append(res)
@@ -141,11 +148,12 @@ def main(argv=None) -> int:
         pl = f"{res['ratio_estimate_plus_placed']:.4f}" if "math" in res else "-"
         pg = f"{res['placed_extra'] / GIB:.3f}" if "math" in res else "-"
         print(f"{r['case']:<32}{res['backend']:>10}{res['measured_max_allocated'] / GIB:>10.2f}"
-              f"{res['ratio_estimate']:>10.4f}{up:>13}{pl:>14}{pg:>12}", flush=True)
+              f"{res['ratio_estimate']:>10.4f}{up:>13}{pl:>14}{pg:>12}"
+              f"{res['ratio_cuda_allocated_plus_placed']:>19.5f}", flush=True)
     held = []
     if not a.no_held_back:
         print(f"\n{'held back (no measurement here)':<32}{'backend':>10}{'est GiB':>10}{'+upper GiB':>12}"
-              f"{'+placed GiB':>13}{'placed GiB':>12}")
+              f"{'+placed GiB':>13}{'placed GiB':>12}{'kernels GiB':>13}{'cuda+kernels GiB':>18}")
         for case, model, kw in HELD_BACK:
             m = cut(*model) if isinstance(model, tuple) else model
             res = {"case": case, "model": model if isinstance(model, str) else f"{model[0]} cut to {model[1]} layers",
@@ -153,7 +161,8 @@ def main(argv=None) -> int:
             held.append(res)
             f = (lambda k: f"{res[k] / GIB:.2f}" if k in res else "-")
             print(f"{case:<32}{res['backend']:>10}{res['estimate'] / GIB:>10.2f}{f('estimate_plus_peak_extra'):>12}"
-                  f"{f('estimate_plus_placed'):>13}{f('placed_extra'):>12}", flush=True)
+                  f"{f('estimate_plus_placed'):>13}{f('placed_extra'):>12}{f('kernel_extra'):>13}"
+                  f"{f('cuda_allocated_plus_placed'):>18}", flush=True)
     versions = {k: metadata.version(k) for k in ("torch", "transformers", "peft", "bitsandbytes")}
     write_json_atomic(a.out, {
         "_about": __doc__.split("\n\n")[0],

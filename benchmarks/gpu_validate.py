@@ -230,9 +230,11 @@ def run_one(label, model, kw, device, ctx_bytes):
         row["estimate_cuda_allocated"] = cuda_allocated_bytes(est.peak_allocated_bytes, cc, torch.__version__,
                                                               os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
         row["estimate_cuda_allocated_err_pct"] = _pct(row["estimate_cuda_allocated"], row["measured_peak"])
-        if sim is not None:  # CUDA's math-kernel fallback (fp32 q/k/v with grouped K/V), placed on the step
-            from lora_kit.memory.cuda_kernels import math_kernel_extra
+        if sim is not None:  # CUDA's math-kernel fallback (fp32 q/k/v with grouped K/V), placed on the step, and
+            # with it the weights bitsandbytes' 4-bit matmul dequantises inside itself
+            from lora_kit.memory.cuda_kernels import kernel_extra, math_kernel_extra
             row["math_kernel_extra"] = math_kernel_extra(model, sim=sim, compute_capability=cc, **kw)
+            row["kernel_extra"] = kernel_extra(model, sim=sim, compute_capability=cc, **kw)
     row["simulate_err_pct"] = _pct(row.get("simulate_peak"), row["measured_peak"])
     row["estimate_total_err_pct"] = _pct(row["estimate_total"], row.get("measured_total"))
     row["closed_form_reserved_err_pct"] = _pct(row.get("closed_form_reserved"), row.get("measured_reserved"))

@@ -660,12 +660,13 @@ def sec_cuda_kernels(prov):
                 if isinstance(r.get("ratio_cuda_allocated_plus_placed"), (int, float)) else ""]
 
     head = ["case", "setting", "torch", "SDPA kernel", "why", "allocated GiB", "estimate GiB", "ratio",
-            "+ cuBLAS + placed math GiB", "ratio"]
+            "+ cuBLAS + placed kernels GiB", "ratio"]
     body = ("The kernel SDPA's dispatch rules pick for each row's dtype, mask, head size and GQA on the row's torch "
             "and GPU (`lora_kit.memory.cuda_kernels`), beside the measured peak allocated and `estimate`'s; ratio = "
             "estimate / measured. The last two columns: what `max_memory_allocated` should read, the estimate plus "
-            "the two cuBLAS workspaces plus the math kernel's extra placed on the simulated step where CUDA runs it "
-            "(`lora_kit.memory.device.cuda_allocated_bytes`, `lora_kit.memory.cuda_kernels.math_kernel_extra`).\n\n"
+            "the two cuBLAS workspaces plus, placed together on the simulated step, the math kernel's extra where "
+            "CUDA runs it and the weight bitsandbytes' 4-bit matmul dequantises inside itself at each call "
+            "(`lora_kit.memory.device.cuda_allocated_bytes`, `lora_kit.memory.cuda_kernels.kernel_extra`).\n\n"
             + table(head, [row(r) for r in data.get("rows", [])]))
     held = data.get("held_back_predictions") or []
     if held:

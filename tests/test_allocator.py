@@ -142,3 +142,28 @@ def test_replay_of_a_real_cpu_training_step():
         assert s.max_reserved >= s.max_allocated and s.max_reserved % (2 * MIB) == 0
         assert s.num_alloc_retries == 0 and s.allocated >= 0
     assert expandable.max_inactive_split == 0 < default.max_inactive_split
+
+
+def test_the_recorder_sees_what_a_4bit_matmul_holds_inside_itself():
+    """bitsandbytes' ``gemm_4bit`` dequantises its weight inside the operator, unseen by a dispatch mode: the recorder
+    puts those storages (``kernel_temporaries``) before its output and frees them after, so the allocator replay
+    holds them where CUDA does; the tracker's trace records their sum for that operator."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+    packed, qs = F.quantize_4bit(torch.randn(192, 256, dtype=torch.bfloat16), compress_statistics=True)
+    a = torch.randn(8, 256, dtype=torch.bfloat16, requires_grad=True)
+    rec, tr = Recorder(), LiveBytesTracker(trace=True)
+    rec.track([packed, a])  # already live, as weights and inputs are in a step
+    n = len(rec.events)
+    with rec:
+        out = bnb.matmul_4bit(a, packed.t(), qs)
+    with tr:
+        bnb.matmul_4bit(a, packed.t(), qs)
+    step = rec.events[n:]
+    assert [ev[0] for ev in step] == ["alloc"] * 4 + ["free"] * 3
+    sizes = [ev[2] for ev in step[:3]]
+    assert sizes == [qs.absmax.numel() * 4] * 2 + [192 * 256 * 2]  # absmax, absmax + offset, the bf16 weight
+    assert step[3][2] == out.nbytes and [ev[1] for ev in step[4:]] == [ev[1] for ev in step[:3]]
+    assert list(tr.temporaries.values()) == [sum(round_bytes(b) for b in sizes)]
+    before = sum(round_bytes(ev[2]) for ev in rec.events[:n])
+    assert replay(rec.events).max_allocated == before + sum(round_bytes(b) for b in sizes) + round_bytes(out.nbytes)

@@ -23,8 +23,9 @@ def call(**changes) -> SdpaCall:
 
 def tiny(layers=1, **kw):
     from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
-                       num_attention_heads=8, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096, **kw)
+    return LlamaConfig(**{**dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                                 num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                                 max_position_embeddings=4096), **kw})
 
 
 # -- the rules, one by one --------------------------------------------------------------------------------------------
@@ -253,3 +254,76 @@ def test_note_places_the_cost_on_a_simulated_step():
     note = cuda_attention_note(tiny(2), torch_version_="2.12", sim=sim, **kw)
     assert f": +{ck._gib(placed - sim.peak_allocated_bytes)} per GPU (peak {ck._gib(placed)} instead of" in note
     assert note == cuda_attention_note(tiny(2), torch_version_="2.12", exact=True, **kw)  # simulates the same step
+
+
+# -- bitsandbytes' 4-bit matmul dequantising inside itself ------------------------------------------------------------
+def _quantized(n=192, k=256, double_quant=True):
+    import bitsandbytes.functional as F
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    return F.quantize_4bit(w, blocksize=64, compress_statistics=double_quant, quant_type="nf4")
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_gemm_4bit_records_the_tensors_cudas_dequantising_path_holds(double_quant):
+    """What the tracker records for ``bitsandbytes::gemm_4bit`` equals what CUDA's ``_dequant_linear_fallback`` holds
+    beside the output, run op by op on real CPU tensors under a second tracker; CPU's own kernel holds one fp32
+    absmax less (it frees the dequantised absmax before the weight)."""
+    import bitsandbytes as bnb
+    from bitsandbytes.backends.default.ops import _gemm_4bit_default_impl
+    from lora_kit.memory.tracker import LiveBytesTracker
+    packed, qs = _quantized(double_quant=double_quant)
+    a = torch.randn(3, 5, 256, dtype=torch.bfloat16, requires_grad=True)
+    tr = LiveBytesTracker(trace=True)
+    with tr:
+        out = bnb.matmul_4bit(a, packed.t(), qs)
+    (j, recorded), = tr.temporaries.items()
+    assert tr.trace[j][1] == "gemm_4bit.default" and out.shape == (3, 5, 192)
+
+    def held_inside(fn) -> int:
+        t = LiveBytesTracker()
+        with t:
+            o = fn()  # kept alive: everything else made inside has died
+        assert o.shape == (3, 5, 192)
+        return t.peak_bytes - t.current_bytes
+
+    ops = torch.ops.bitsandbytes
+    absmax = (ops.dequantize_blockwise.default(qs.absmax, qs.state2.absmax, qs.state2.code, 256, torch.float32)
+              if double_quant else None)
+
+    def cuda_fallback():  # backends/cuda/ops.py: _dequant_linear_fallback, its allocations in order
+        kept = [absmax, absmax + qs.offset] if double_quant else [qs.absmax]
+        w = ops.dequantize_4bit.default(packed, kept[-1], qs.blocksize, qs.quant_type, qs.shape, a.dtype)
+        return torch.nn.functional.linear(a.detach(), w)
+    extra = -(-absmax.nbytes // 512) * 512 if double_quant else 0  # the fallback makes its first absmax inside
+    assert recorded == held_inside(cuda_fallback) + extra
+    assert recorded >= 192 * 256 * 2  # the dequantised weight, in A's dtype
+    nested = dict(absmax_8bit=qs.absmax, absmax_code=qs.state2.code, absmax_offset=qs.offset) if double_quant else {}
+    cpu = held_inside(lambda: _gemm_4bit_default_impl(a.detach(), packed, qs.shape, qs.state2.absmax if double_quant
+                                                      else qs.absmax, qs.blocksize, qs.quant_type, **nested))
+    assert cpu == recorded - extra
+
+
+def test_simulate_records_what_a_real_step_records_and_places_it():
+    """A fake step and a real CPU step record the same temporaries at the same operators; placed on the trace
+    they raise the peak where weights are large against the activations (few tokens, a wide MLP: the LLaMA-65B
+    rows of the QLoRA paper's step), and ``kernel_extra`` adds the math fallback on top at the same moments."""
+    from lora_kit.memory.measure import measure_config
+    from lora_kit.memory.simulate import simulate
+    model = tiny(2, hidden_size=256, intermediate_size=8192, head_dim=32)
+    kw = dict(method="qlora", dtype="bfloat16", seq_len=16, batch_size=1, gradient_checkpointing=True, lora_rank=4,
+              optimizer="paged_adamw_32bit")  # as the paper's step: no optimizer state at the peak
+    sim = simulate(model, trace=True, **kw)
+    real = measure_config(model, trace=True, **kw)
+    # the moments, in order (a fake step's trace also holds the device queries FakeTensorMode makes)
+    moments = [(r.trace[j][1], r.trace[j][2], b) for r in (sim, real) for j, b in sorted(r.temporaries.items())]
+    assert moments[:len(moments) // 2] == moments[len(moments) // 2:]
+    assert len(sim.temporaries) == 2 * 2 * 7  # 2 layers x 7 linears, run twice under checkpointing
+    assert sim.peak_allocated_bytes == real.peak_allocated_bytes
+    moments = [sim.trace[j][2] + b for j, b in sim.temporaries.items()]
+    assert max(moments) > sim.peak_allocated_bytes  # here a dequantised MLP weight tops the step
+    fused = dict(torch_version_="2.14", compute_capability=9.0)  # fp32 grouped K/V takes a fused kernel there
+    assert ck.math_kernel_extra(model, sim=sim, **fused, **kw) == 0
+    assert ck.kernel_extra(model, sim=sim, **fused, **kw) == max(moments) - sim.peak_allocated_bytes
+    math = dict(torch_version_="2.11", compute_capability=9.0)
+    both = ck.kernel_extra(model, sim=sim, **math, **kw)
+    assert both >= max(ck.math_kernel_extra(model, sim=sim, **math, **kw), max(moments) - sim.peak_allocated_bytes)

@@ -42,6 +42,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
+from lora_kit.memory.tracker import kernel_temporaries
+
 MIB = 1 << 20
 MIN_BLOCK = 512           # kMinBlockSize
 SMALL_SIZE = 1 * MIB      # kSmallSize: largest request of the small pool
@@ -353,7 +355,8 @@ def replay(events, capacity: int | None = None, expandable_segments: bool = Fals
 
 class Recorder(TorchDispatchMode):
     """Record allocation events in the order they happen: every new storage an operator returns (``alloc``) and the
-    death of each (``free``, from a weak-reference callback). :meth:`track` records tensors that exist already
+    death of each (``free``, from a weak-reference callback), and the storages an opaque operator holds inside itself
+    (``lora_kit.memory.tracker.kernel_temporaries``). :meth:`track` records tensors that exist already
     (weights, optimizer states), as allocated before everything else. Real tensors or fake ones alike."""
 
     def __init__(self):
@@ -389,6 +392,9 @@ class Recorder(TorchDispatchMode):
             self._add(t)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        inside = [(("inside", next(self._ids)), b) for b in kernel_temporaries(func, args, kwargs, block=1)]
+        self.events.extend(("alloc", key, b) for key, b in inside)  # an opaque operator's own storages, before its
+        out = func(*args, **(kwargs or {}))  # outputs, freed when it returns
         tree_map_only(torch.Tensor, self._add, out)
+        self.events.extend(("free", key) for key, _ in inside)
         return out

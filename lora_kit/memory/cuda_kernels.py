@@ -424,20 +424,23 @@ SDPA_FORWARD_OPS = ("_scaled_dot_product_flash_attention_for_cpu.default",)
 SDPA_BACKWARD_OPS = ("_scaled_dot_product_flash_attention_for_cpu_backward.default",)
 
 
-def peak_with_math(trace, fb: MathFallback, attention_only: bool = False) -> int:
+def peak_with_math(trace, fb: MathFallback | None, attention_only: bool = False,
+                   temporaries: dict | None = None) -> int:
     """The step's peak if every attention call ran the math kernel: ``simulate(..., trace=True)``'s trace (live
     bytes after each operator of the CPU step, whose SDPA is the flash path) with the math kernel's extra placed
     at each SDPA call -- its forward / backward peak at the kernel, its saved tensors from a kept forward (not the
     first pass of a checkpointed block) to its backward. ``attention_only``: the largest of those moments at the
-    SDPA calls alone (where the math kernel peaks; below the step's peak when that lies elsewhere)."""
+    SDPA calls alone (where the math kernel peaks; below the step's peak when that lies elsewhere). ``fb`` None: no
+    math kernel. ``temporaries`` (``SimResult.temporaries``): what opaque operators hold inside, placed at each."""
     extra = best = 0
-    for phase, op, live, *_ in trace:
-        here = live + extra
-        if op in SDPA_FORWARD_OPS:
+    temps = temporaries or {}
+    for j, (phase, op, live, *_) in enumerate(trace):
+        here = live + extra + temps.get(j, 0)
+        if fb is not None and op in SDPA_FORWARD_OPS:
             here += fb.forward_extra
             if not (fb.checkpointing and phase == "forward"):  # a checkpointed block's first pass keeps nothing
                 extra += fb.saved_per_layer
-        elif op in SDPA_BACKWARD_OPS:  # its forward was a kept one (the recompute, under checkpointing)
+        elif fb is not None and op in SDPA_BACKWARD_OPS:  # its forward was a kept one (the recompute, under ckpt)
             extra -= fb.saved_per_layer
             here = live + extra + fb.backward_extra
         elif attention_only:
@@ -487,6 +490,19 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _math_fallback(spec, st, torch_version_, compute_capability):
+    """(applies, fb): whether CUDA runs this step's SDPA in the math kernel, and its sizes (None where it runs on
+    inputs this arithmetic does not cover: 16-bit q/k/v, a mask)."""
+    if st.attn_implementation != "sdpa":
+        return False, None
+    c = sdpa_call(spec, st)
+    if sdpa_backend(c, torch_version_, compute_capability).backend != "math":
+        return False, None
+    if c.dtype != "float32" or c.has_mask:
+        return True, None
+    return True, math_fallback_bytes(spec, st, torch_version_=torch_version_)
+
+
 def math_kernel_extra(model, step=None, *, sim, torch_version_: str | tuple | None = None,
                       compute_capability: float = 9.0, **overrides) -> int | None:
     """What CUDA's math-kernel fallback adds to the step's peak, placed on ``sim`` (``simulate(..., trace=True)`` of
@@ -494,15 +510,28 @@ def math_kernel_extra(model, step=None, *, sim, torch_version_: str | tuple | No
     ``torch_version_``, a GPU of ``compute_capability``) or the peak lies elsewhere; None where the math kernel runs
     on inputs this arithmetic does not cover (16-bit q/k/v, a mask)."""
     spec, st = model_spec(model), as_step(step, **overrides)
-    if st.attn_implementation != "sdpa":
+    applies, fb = _math_fallback(spec, st, torch_version_, compute_capability)
+    if not applies:
         return 0
-    c = sdpa_call(spec, st)
-    if sdpa_backend(c, torch_version_, compute_capability).backend != "math":
-        return 0
-    if c.dtype != "float32" or c.has_mask:
+    if fb is None:
         return None
-    fb = math_fallback_bytes(spec, st, torch_version_=torch_version_)
     return max(0, peak_with_math(sim.trace, fb) - sim.peak_allocated_bytes)
+
+
+def kernel_extra(model, step=None, *, sim, torch_version_: str | tuple | None = None,
+                 compute_capability: float = 9.0, **overrides) -> int | None:
+    """What CUDA's kernels add to the step's peak beyond the tensors ``sim`` (``simulate(..., trace=True)``) counts,
+    placed together on its trace: the math-kernel fallback (:func:`math_kernel_extra`) and the tensors opaque
+    operators hold inside beside their outputs (``SimResult.temporaries``: bitsandbytes' ``gemm_4bit`` dequantising
+    its weight, which CUDA does for training-sized micro-batches). None where the math kernel runs on inputs this
+    arithmetic does not cover. Not counted: CUDA's fused 4-bit kernel for micro-batches of a few hundred tokens or
+    fewer allocates no dequantised weight (card-dependent: ``_gemm_4bit_use_custom_cuda``), so there this is an upper
+    bound by the largest dequantised weight."""
+    spec, st = model_spec(model), as_step(step, **overrides)
+    applies, fb = _math_fallback(spec, st, torch_version_, compute_capability)
+    if applies and fb is None:
+        return None
+    return max(0, peak_with_math(sim.trace, fb, temporaries=sim.temporaries) - sim.peak_allocated_bytes)
 
 
 def cuda_attention_note(model, step=None, *, torch_version_: str | tuple | None = None,

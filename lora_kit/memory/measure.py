@@ -42,6 +42,7 @@ class MeasureResult:
     losses: list = field(default_factory=list)
     trace: list | None = None  # trace=True (CPU): per operator of the step, (phase, operator, live bytes)
     allocations: list | None = None  # trace=True (CPU): (phase, operator, bytes) per new storage (tracker.allocations)
+    temporaries: dict | None = None  # trace=True (CPU): operator index -> bytes held inside it (SimResult's twin)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,7 +86,7 @@ def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, aut
     wall = time.perf_counter() - t0
     peak, breakdown = tracked_peak(tracker)
     return MeasureResult(peak, None, breakdown, tracker.peak_phase, str(device), wall, losses, tracker.trace,
-                         tracker.allocations() if trace else None)
+                         tracker.allocations() if trace else None, dict(tracker.temporaries) if trace else None)
 
 
 def measure_config(model, step: Step | None = None, *, device: str = "cpu", seed: int = 0, steps: int = 2,

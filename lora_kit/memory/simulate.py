@@ -29,7 +29,9 @@ Limits (stated, measured where possible by ``benchmarks/gpu_validate.py``):
   fp32 logsumexp, like CUDA's flash / memory-efficient kernels); autocast follows the CPU autocast
   op lists, which differ from CUDA's in a few ops;
 - memory allocated inside kernels (cuBLAS / cuDNN workspaces, NCCL buffers) is not a tensor and is
-  not seen; ``device_total_bytes`` adds the CUDA context, reserved and outside memory analytically
+  not seen; nor are the tensors an opaque operator makes and frees inside itself (bitsandbytes' 4-bit matmul
+  dequantises its weight there, on the CPU and in CUDA's path for training-sized micro-batches): ``trace=True``
+  records them per operator (``SimResult.temporaries``), ``lora_kit.memory.cuda_kernels.kernel_extra`` places them; ``device_total_bytes`` adds the CUDA context, reserved and outside memory analytically
   (:mod:`lora_kit.memory.device`);
 - padding: the batch is the one :func:`~lora_kit.memory.measure.step_batch` builds for ``padding``
   (a real attention mask with padded rows, fed as constant fake tensors), so transformers takes the
@@ -83,6 +85,9 @@ class SimResult:
     collectives: dict = field(default_factory=dict)  # sharded: buffer bytes all-gathered / reduce-scattered per step
     trace: list | None = None  # trace=True: per operator of the step, (phase, operator, live bytes, parts): see simulate
     allocations: list | None = None  # trace=True: (phase, operator, bytes) per new storage (tracker.allocations)
+    # trace=True: operator index -> bytes an opaque operator holds inside itself beside its outputs (not in ``trace``'s
+    # live bytes; tracker.KERNEL_TEMPORARIES: bitsandbytes' gemm_4bit dequantising its weight)
+    temporaries: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -335,4 +340,6 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
                                                     s.num_gpus))
     return SimResult(int(peak), total, bd, tracker.peak_phase, time.perf_counter() - t0,
                      {"model": name, **s.to_dict()}, notes,
-                     getattr(tracker, "collectives", {}), steps, tracker.allocations() if tracker.trace is not None else None)
+                     getattr(tracker, "collectives", {}), steps,
+                     tracker.allocations() if tracker.trace is not None else None,
+                     dict(tracker.temporaries) if tracker.trace is not None else None)

@@ -13,7 +13,10 @@ Trade-offs, stated:
   that "counting everything already live" holds.
 - Only storages that pass through the dispatcher are seen. Memory a kernel allocates internally
   (cuBLAS workspaces, bitsandbytes' paged buffers) is not -- neither does
-  ``torch.cuda.max_memory_allocated`` see paged (managed) memory.
+  ``torch.cuda.max_memory_allocated`` see paged (managed) memory. Tensors an opaque operator creates and frees
+  inside itself are not seen either; where the kit knows them (:data:`KERNEL_TEMPORARIES`: bitsandbytes'
+  ``gemm_4bit`` dequantises its weight), ``trace=True`` records their bytes per operator (:attr:`temporaries`),
+  apart from the live bytes, so that a caller can place them (``lora_kit.memory.cuda_kernels.kernel_extra``).
 - Storages resized in place are followed: FSDP2 frees a gathered parameter with
   ``untyped_storage().resize_(0)`` and re-allocates it with ``resize_(nbytes)``, outside the
   dispatcher; while a tracker is active, ``torch.UntypedStorage.resize_`` reports to it (a storage
@@ -44,6 +47,32 @@ def round_bytes(nbytes: int, block: int = BLOCK) -> int:
     return 0 if nbytes <= 0 else -(-nbytes // block) * block
 
 
+def _gemm_4bit_temporaries(args, kwargs, block: int) -> tuple:
+    """``bitsandbytes::gemm_4bit``'s tensors live beside its output, freed before it returns, on the path that
+    dequantises (bitsandbytes 0.50: ``backends/default/ops.py: _gemm_4bit_default_impl``, the CPU kernel, and
+    ``backends/cuda/ops.py: _dequant_linear_fallback``, which CUDA takes above 1,536 rows on every card and above
+    256 to 512 rows for weights of 4 Mi elements or more, by ``_gemm_4bit_use_custom_cuda``), in the order CUDA's
+    fallback allocates them: with double quant the fp32 absmax and absmax + offset, one per block of the weight
+    (CUDA's fallback keeps both to the end), then the weight dequantised to A's dtype, (N, K). CUDA's fused kernel,
+    for fewer rows, allocates none of them."""
+    names = ("A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias", "absmax_8bit")
+    a = {**dict(zip(names, args)), **(kwargs or {})}
+    n, k = a["shapeB"]
+    nested = () if a.get("absmax_8bit") is None else (round_bytes(a["absmax_8bit"].numel() * 4, block),) * 2
+    return nested + (round_bytes(n * k * a["A"].element_size(), block),)
+
+
+# operator -> the storages it allocates and frees inside itself, in order, from (args, kwargs, block)
+KERNEL_TEMPORARIES = {"bitsandbytes::gemm_4bit": _gemm_4bit_temporaries}
+
+
+def kernel_temporaries(func, args, kwargs, block: int = BLOCK) -> tuple:
+    """The bytes of each storage operator ``func`` holds inside itself beside its outputs (:data:`KERNEL_TEMPORARIES`;
+    () for every other operator)."""
+    inside = KERNEL_TEMPORARIES.get(func._schema.name) if getattr(func, "namespace", "aten") != "aten" else None
+    return () if inside is None else inside(args, kwargs, block)
+
+
 class LiveBytesTracker(TorchDispatchMode):
     """Count live storage bytes while active; keep the peak and what was live at the peak.
 
@@ -68,6 +97,7 @@ class LiveBytesTracker(TorchDispatchMode):
     def __init__(self, limit_bytes: int | None = None, block: int = BLOCK, trace: bool = False):
         super().__init__()
         self.trace: list | None = [] if trace else None  # per operator: (phase, name, live bytes with its outputs)
+        self.temporaries: dict[int, int] = {}  # trace: operator index -> bytes it held inside (KERNEL_TEMPORARIES)
         if block < 1:
             raise ValueError(f"block must be a positive number of bytes (512 = CUDA rounding, 1 = exact), got {block!r}.")
         self.block = block
@@ -182,6 +212,9 @@ class LiveBytesTracker(TorchDispatchMode):
         finally:
             self._in_op = False
         if self.trace is not None:
+            inside = kernel_temporaries(func, args, kwargs, self.block)
+            if inside:
+                self.temporaries[len(self.trace)] = sum(inside)
             self.trace.append((self.phase, func.__name__, self.current_bytes))
         return out
 
