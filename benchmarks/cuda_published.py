@@ -148,11 +148,12 @@ def kit_figure(row: dict, est, gpu: dict | None, replay: bool) -> dict:
         seen = est.device_total_bytes + b["paged_resident"]  # what the process adds to nvidia-smi, paged resident
         if share is None or share != share:  # NaN: the catalog lacks nvidia-smi's total or CUDA's for this GPU
             out.update(figure=seen,
-                       basis="device total + paged resident alone: the driver share of this GPU is not in the catalog "
-                             "(the figure is short by it)")
+                       basis="estimate.device_total_bytes + paged resident alone: the driver share of this GPU is "
+                             "not in the catalog (the figure is short by it)")
         else:
             out.update(figure=seen + int(share), driver_share=int(share),
-                       basis=f"device total + paged resident + driver share of {gpu['name']} (lora_kit.plan.gpus)")
+                       basis=f"estimate.device_total_bytes + paged resident + driver share of {gpu['name']} "
+                             "(lora_kit.plan.gpus)")
     elif metric == "reserved":
         fallback, label = estimate_reserved(row, est, gpu)
         if not replay:
