@@ -71,23 +71,31 @@ GPU_CONFIGS = [
 ]
 
 
-def moe_gpu_configs():
-    """Mixture-of-experts catalog entries cut to 2 layers (every expert, real widths): Mixtral's grouped_mm experts and
-    DeepSeek-V2-Lite's multi-head latent attention, whose q/k heads (192) differ from v's (128): the CPU runs SDPA's
-    math path (what estimate / simulate count); the row records the kernel CUDA picks (``sdpa_backend``)."""
+def cut_gpu_configs():
+    """Catalog entries cut to a few layers (every block at its real widths). Mixture-of-experts, 2 layers: Mixtral's
+    grouped_mm experts and DeepSeek-V2-Lite's multi-head latent attention, whose q/k heads (192) differ from v's
+    (128): the CPU runs SDPA's math path (what estimate / simulate count); the row records the kernel CUDA picks
+    (``sdpa_backend``). And the QLoRA paper's step on the LLaMA-65B config cut to 4 layers (512 tokens, r 64, paged
+    32-bit AdamW): large 4-bit weights against few tokens, where the bf16 weight bitsandbytes' matmul dequantises
+    inside itself can top the step (``kernel_extra``)."""
     from transformers import AutoConfig
 
     from lora_kit.memory.specs import catalog_config
     out = []
-    for label, name, kw in (("deepseek-v2-lite 2L lora s2048 (MLA)", "deepseek-v2-lite",
-                             dict(method="lora", seq_len=2048, gradient_checkpointing=False)),
-                            ("deepseek-v2-lite 2L lora ckpt s4096 (MLA)", "deepseek-v2-lite",
-                             dict(method="lora", seq_len=4096, gradient_checkpointing=True)),
-                            ("mixtral 2L lora attn s2048", "mixtral-8x7b",
-                             dict(method="lora", seq_len=2048, lora_targets=["q_proj", "v_proj"]))):
-        c = {**catalog_config(name), "num_hidden_layers": 2}
+    for label, name, layers, kw in (
+            ("deepseek-v2-lite 2L lora s2048 (MLA)", "deepseek-v2-lite", 2,
+             dict(method="lora", seq_len=2048, gradient_checkpointing=False)),
+            ("deepseek-v2-lite 2L lora ckpt s4096 (MLA)", "deepseek-v2-lite", 2,
+             dict(method="lora", seq_len=4096, gradient_checkpointing=True)),
+            ("mixtral 2L lora attn s2048", "mixtral-8x7b", 2,
+             dict(method="lora", seq_len=2048, lora_targets=["q_proj", "v_proj"])),
+            ("llama-65b 4L qlora paper step s512", "llama-65b", 4,
+             dict(method="qlora", seq_len=512, lora_rank=64, lora_alpha=16, gradient_checkpointing=True,
+                  optimizer="paged_adamw_32bit"))):
+        c = {**catalog_config(name), "num_hidden_layers": layers}
+        c = {k: v for k, v in c.items() if k not in ("hub_id", "params")}
         cfg = AutoConfig.for_model(c.pop("model_type"), **c)
-        cfg.name_or_path = f"{name}[2 layers]"
+        cfg.name_or_path = f"{name}[{layers} layers]"
         out.append((label, cfg, kw))
     return out
 
@@ -295,7 +303,7 @@ def main(argv=None):
               "or pass --cpu-dry-run to exercise the script on tiny CPU configs.")
         return 0
     else:
-        device, configs, ctx = "cuda", GPU_CONFIGS + moe_gpu_configs(), context_bytes()
+        device, configs, ctx = "cuda", GPU_CONFIGS + cut_gpu_configs(), context_bytes()
     configs = [c for c in configs if args.only in c[0]]
     t_start = time.perf_counter()
     rows = []
