@@ -109,6 +109,22 @@ def test_smoke_run_runs_the_padding_it_is_given(padding, tmp_path):
     assert abs(sim["error_vs_measured"]) < 0.01 and abs(est["error_vs_measured"]) < 0.02, rec["memory_model"]
 
 
+def test_a_packed_smoke_run_is_described_by_the_tokens_it_packed(tmp_path):
+    """padding="packed": each micro-batch is one row of its examples (FlashAttention-2's varlen path, emulated on a
+    CPU), shorter than batch_size x seq_len when the rows are; the memory model describes the tokens that ran, as
+    batch_size rows of ceil(width / batch_size) tokens, not batch_size full rows."""
+    r = smoke_run(run_dir=str(tmp_path), padding="packed", attn_implementation="flash_attention_2", dtype="bfloat16",
+                  measure_steps=2, progress=False, **FAST)
+    rec = r.record
+    assert r.ok and rec["measurement"]["padding"] == "packed"
+    design = rec["steps"][rec["measurement"]["design_step"]]
+    assert design["seq_len"] == design["tokens"] < FAST["batch_size"] * FAST["seq_len"]  # one row, no padding
+    planned = -(-design["seq_len"] // FAST["batch_size"])
+    for name in ("estimate", "simulate"):
+        m = rec["memory_model"][name]
+        assert m["seq_len"] == planned and abs(m["error_vs_measured"]) < 0.02, rec["memory_model"]
+
+
 @pytest.mark.parametrize("loop,method,autocast,trainer", [("trainer", "lora", False, "Trainer"),
                                                         ("trainer", "lora", True, "Trainer"),
                                                         ("sft", "qlora", False, "SFTTrainer")])

@@ -328,12 +328,16 @@ def _memory_model(s, model_path: str, measured: int | None, world: int, simulate
     They describe the step that ran: one GPU (``sharding="none"``), or, under FSDP2, one GPU of
     ``num_gpus=world`` and ``sharding="fsdp"`` (FSDP2 ran, also for "zero3": ``estimate``'s zero3 is DeepSpeed's,
     with its gradient bucket; simulate, and estimate, which may fit or simulate FSDP2's step, then run in a spawned
-    process: a fake FSDP2 world cannot start in a process that joined the real one). With ``padding="longest"`` the design step's batches were ``width`` tokens
-    wide (their longest row), and the figures are for that width."""
+    process: a fake FSDP2 world cannot start in a process that joined the real one). With ``padding="longest"`` the
+    design step's batches were ``width`` tokens wide (their longest row), and the figures are for that width; with
+    ``padding="packed"`` each micro-batch was one row of its examples' ``width`` tokens at most, planned as
+    ``batch_size`` rows of ``ceil(width / batch_size)`` tokens (the same tokens, fewer than ``batch_size`` over)."""
     step = {"num_gpus": world, "sharding": "fsdp"} if dist_util.runs_sharded(s) else {"num_gpus": 1,
                                                                                       "sharding": "none"}
     if s.padding == "longest" and width:
         step["seq_len"] = width
+    elif s.padding == "packed" and width:
+        step["seq_len"] = -(-width // s.batch_size)
     ran = s.step.replace(**step)
     out = {}
     models = {"estimate": estimate, "simulate": simulate_step} if simulate else {"estimate": estimate}
@@ -444,7 +448,8 @@ def smoke_run(settings=None, *, examples: list[dict] | None = None, control_prom
                   "design_step": 1 if s.max_steps > 1 else 0,
                   "padding": s.padding,
                   "note": "peak of the second step (index 1) is what estimate/simulate describe, at that step's "
-                          "width (each step's seq_len: seq_len, or its longest row with padding='longest'); "
+                          "width (each step's seq_len: seq_len, its longest row with padding='longest', its "
+                          "packed row's tokens over batch_size rows with padding='packed'); "
                           "untracked steps record time, loss and process RSS only"},
               "steps": [], "oom": None, "error": None}
     if world > 1 and s.num_gpus not in (1, world):  # the plan's N is not the launch's: say which one is measured
