@@ -68,3 +68,19 @@ def test_epoch_input_is_checked_and_the_placeholder_is_named(table):
                              epoch={"tokens": 1_000_000, "packed": True}, **STEP)
     assert packed["steps_per_epoch"].iloc[0] == -(-1_000_000 // (2 * 1024))
     assert packed.attrs["epoch"]["source"] == "yours"
+
+
+@pytest.mark.parametrize("padding,width,ran", [("longest", 640, 640), ("packed", 1501, 751)])
+def test_the_calibration_times_the_tokens_the_smoke_step_ran(tmp_path, table, padding, width, ran):
+    """A smoke step padded to its longest row, or packed into one row, ran fewer tokens than batch x seq_len: the
+    calibration prices the step that ran (its recorded width; a packed row as batch rows of ceil(width / batch))."""
+    kw = dict(attn_implementation="flash_attention_2") if padding == "packed" else {}
+    s = Settings(method="lora", gpu="H100-SXM", model="llama-3.2-1b", batch_size=2, dtype="bfloat16",
+                 padding=padding, **kw, **STEP).to_dict()
+    pred = step_time("llama-3.2-1b", get_gpu("H100-SXM"), as_step({**s, "seq_len": ran}))["step_seconds"]
+    full = step_time("llama-3.2-1b", get_gpu("H100-SXM"), as_step(s))["step_seconds"]
+    assert pred < full
+    smoke = {"status": "complete", "data": DATA, "settings": s, "launch": {"device": "cuda:0"},
+             "steps": [{"seconds": 9.0, "seq_len": width}] + [{"seconds": 2.0 * pred, "seq_len": width}] * 3}
+    rep, _ = _run(tmp_path, table, smoke)
+    assert rep["epoch_time"]["calibration"]["scale"] == pytest.approx(2.0)

@@ -160,6 +160,20 @@ def collate(batch, seq_len: int, pad_id: int, padding: str = "max_length") -> di
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
+def ran_seq_len(padding: str, seq_len: int, batch_size: int, width: int | None) -> int:
+    """The ``seq_len`` that describes, as ``batch_size`` rows, a step whose widest micro-batch :func:`collate` made
+    ``width`` tokens wide (what a smoke run records per step): that width with ``"longest"``; with ``"packed"`` the
+    one row of ``width`` tokens, as ``ceil(width / batch_size)`` tokens per row (the same tokens, fewer than
+    ``batch_size`` over); else ``seq_len`` (every row padded or cut to it)."""
+    if not width:
+        return seq_len
+    if padding == "longest":
+        return width
+    if padding == "packed":
+        return -(-width // batch_size)
+    return seq_len
+
+
 def real_tokens(batch: list) -> int:
     """Tokens of the rows in ``batch`` (encoded examples), padding left out."""
     return sum(len(e["input_ids"]) for e in batch)

@@ -334,10 +334,8 @@ def _memory_model(s, model_path: str, measured: int | None, world: int, simulate
     ``batch_size`` rows of ``ceil(width / batch_size)`` tokens (the same tokens, fewer than ``batch_size`` over)."""
     step = {"num_gpus": world, "sharding": "fsdp"} if dist_util.runs_sharded(s) else {"num_gpus": 1,
                                                                                       "sharding": "none"}
-    if s.padding == "longest" and width:
-        step["seq_len"] = width
-    elif s.padding == "packed" and width:
-        step["seq_len"] = -(-width // s.batch_size)
+    if width:
+        step["seq_len"] = smoke_data.ran_seq_len(s.padding, s.seq_len, s.batch_size, width)
     ran = s.step.replace(**step)
     out = {}
     models = {"estimate": estimate, "simulate": simulate_step} if simulate else {"estimate": estimate}

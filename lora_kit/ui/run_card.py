@@ -21,6 +21,7 @@ from lora_kit.plan.records import plan_row
 from lora_kit.plan.timing import calibrate
 from lora_kit.results import (portable, portable_text, read_record, same_run, settled, write_json_atomic,
                               write_text_atomic)
+from lora_kit.run.batches import ran_seq_len
 from lora_kit.settings import as_step, method_label
 from lora_kit.ui.notebook import RUNNING_SUFFIX
 from lora_kit.ui.tables import method_markdown
@@ -250,7 +251,7 @@ def _smoke_calibration(smoke: dict, plan: dict, row: dict) -> dict | None:
     """The smoke run's measured step as a calibration of the plan's GPU, when it ran the planned model on CUDA on
     that GPU: ``{"scale", "error_factor", "source"}``; None otherwise (a CPU or tiny-model smoke run)."""
     ss = smoke.get("settings") or {}
-    steps = [x.get("seconds") for x in (smoke.get("steps") or [])[1:] if x.get("seconds")]
+    steps = [x for x in (smoke.get("steps") or [])[1:] if x.get("seconds")]
     if not steps or not str((smoke.get("launch") or {}).get("device", "")).startswith("cuda"):
         return None
     if ss.get("model") != plan.get("model") or not ss.get("gpu"):
@@ -259,8 +260,11 @@ def _smoke_calibration(smoke: dict, plan: dict, row: dict) -> dict | None:
         gpu = get_gpu(ss["gpu"])
         if gpu["name"] != row["gpu"]:
             return None
-        measured = sorted(steps)[len(steps) // 2]
-        tm = calibrate(measured, ss, gpu)
+        median = sorted(steps, key=lambda x: x["seconds"])[len(steps) // 2]
+        # the tokens that step ran: its width with padding "longest", its packed row with "packed"
+        ran = {**ss, "seq_len": ran_seq_len(ss.get("padding", "none"), ss["seq_len"], ss["batch_size"],
+                                            median.get("seq_len"))}
+        tm = calibrate(median["seconds"], ran, gpu)
     except ValueError:
         return None
     return {"scale": tm.scale, "error_factor": tm.error_factor, "source": tm.source}
