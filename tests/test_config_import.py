@@ -33,8 +33,8 @@ EXPECTED = {
     # a batch: never padded, so FlashAttention-2 runs it unmasked
     "trl_full_qwen2.5-0.5b.yaml": ("qwen2.5-0.5b", dict(
         method="full", dtype="bfloat16", autocast=True, seq_len=8192, batch_size=1, gradient_checkpointing=False,
-        optimizer="adamw", grad_accum=16, attn_implementation=FA2, padding="none", loop="sft", liger_kernel=True),
-        set()),
+        optimizer="adamw", grad_accum=16, attn_implementation=FA2, padding="longest", loop="sft", liger_kernel=True),
+        set()),  # TRL's collator pads to the longest row: one row a batch pads nothing
     # packing with TRL's default 'bfd' strategy turns padding_free on: one flattened row of 4 x 2048 tokens
     "trl_lora_fa2_packing_llama-3.2-1b.yaml": ("llama-3.2-1b", dict(
         method="lora", dtype="bfloat16", autocast=True, seq_len=2048, batch_size=4, grad_accum=4,
@@ -58,7 +58,7 @@ EXPECTED = {
     "llamafactory_qlora_qwen2.5-7b.yaml": ("qwen2.5-7b", dict(
         method="qlora", dtype="bfloat16", autocast=True, double_quant=False, seq_len=4096, batch_size=2,
         lora_rank=64, lora_alpha=16, lora_targets=("q_proj", "v_proj"), optimizer="paged_adamw_8bit", grad_accum=4,
-        liger_kernel=True, attn_implementation=FA2, padding="none"), {"flash_attn"}),  # padded rows: unpad path
+        liger_kernel=True, attn_implementation=FA2, padding="longest"), set()),  # padded rows: unpad path
     "llamafactory_neat_packing_llama-3.2-1b.yaml": ("llama-3.2-1b", dict(
         method="lora", seq_len=2048, batch_size=4, grad_accum=2, attn_implementation=FA2, padding="packed",
         loop="trainer"), {"neat_packing"}),
@@ -228,8 +228,8 @@ ROWS = [
     ("trl", "attn_implementation: flash_attention_2\npacking: true\npacking_strategy: wrapped\n", FA2, "none", {}),
     ("trl", "attn_implementation: flash_attention_2\npacking: true\npacking_strategy: wrapped\npadding_free: true\n",
      FA2, "packed", {}),
-    # no packing: the collator pads 4 rows to the longest; FlashAttention-2 then takes the unpad path
-    ("trl", "attn_implementation: flash_attention_2\n", FA2, "none", {"attn_implementation": "unpad path"}),
+    # no packing: the collator pads 4 rows to the longest; FlashAttention-2 then takes the unpad path, planned
+    ("trl", "attn_implementation: flash_attention_2\n", FA2, "longest", {}),
     # packed rows under sdpa (a block-diagonal mask): planned as rows of max_length, and said how to plan them packed
     ("trl", "packing: true\n", "sdpa", "none", {"packing": "set attn_implementation: flash_attention_2"}),
     ("trl", "attn_implementation: eager\npacking: true\n", "eager", "none", {"packing": "block-diagonally"}),
@@ -239,11 +239,11 @@ ROWS = [
     ("axolotl", "flash_attention: true\nsample_packing: true\n", FA2, "packed", {"sample_packing": "assumed"}),
     ("axolotl", "flash_attention: true\nsample_packing: true\npad_to_sequence_len: true\n", FA2, "packed",
      {"sample_packing": "gathers q/k/v into copies"}),
-    ("axolotl", "flash_attention: true\npad_to_sequence_len: true\n", FA2, "none", {"flash_attention": "unpad path"}),
+    ("axolotl", "flash_attention: true\npad_to_sequence_len: true\n", FA2, "max_length", {}),
     ("axolotl", "sample_packing: true\n", "sdpa", "max_length", {"sample_packing": "set flash_attention: true"}),
     ("llamafactory", "flash_attn: fa2\nneat_packing: true\n", FA2, "packed", {"neat_packing": "configure_packing"}),
     ("llamafactory", "flash_attn: fa2\npacking: true\n", FA2, "none", {}),  # packs filled, mask all ones
-    ("llamafactory", "flash_attn: fa2\n", FA2, "none", {"flash_attn": "unpad path"}),
+    ("llamafactory", "flash_attn: fa2\n", FA2, "longest", {}),
     ("llamafactory", "neat_packing: true\n", "sdpa", "max_length", {"neat_packing": "set flash_attn: fa2"}),
     ("llamafactory", "flash_attn: sdpa\npacking: true\n", "sdpa", "none", {}),
 ]
@@ -267,8 +267,13 @@ def test_trl_packing_reports_where_it_came_from(tmp_path):
     assert any("pack of examples up to max_length" in n for n in rep.notes)
     assert "packing" not in rep.ignored and "packing_strategy" not in rep.ignored
     step, rep, _ = _imported(tmp_path, "trl", "attn_implementation: flash_attention_2\nper_device_train_batch_size: 1\n")
-    assert (step.padding, rep.not_modelled) == ("none", [])  # one row a batch: nothing padded, no mask
-    assert rep.mapped["padding"].endswith("-> 'none' under FlashAttention-2")
+    # the padding TRL's collator uses, under FlashAttention-2 as under any kernel: one row a batch pads nothing
+    assert (step.padding, rep.not_modelled) == ("longest", [])
+    assert rep.mapped["padding"] == "padding='the SFT collator pads to the longest row' (trl default)"
+    import torch
+
+    from lora_kit.memory.measure import step_batch
+    assert bool(step_batch(torch.ones(1, 8, dtype=torch.long), step.padding)["attention_mask"].all())
 
 
 def test_trl_refuses_what_its_trainer_refuses(tmp_path):
@@ -289,7 +294,7 @@ def test_given_fields_win_and_the_step_check_runs(tmp_path):
                             attn_implementation="sdpa")
     assert (step.attn_implementation, step.padding) == ("sdpa", "max_length") and "sample_packing" in nm
     step, _, nm = _imported(tmp_path, "llamafactory", "", attn_implementation=FA2)  # 'auto' -> sdpa, given FA2
-    assert (step.attn_implementation, step.padding, set(nm)) == (FA2, "none", {"attn_implementation"})
+    assert (step.attn_implementation, step.padding, set(nm)) == (FA2, "longest", set())  # padded: the unpad path
     with pytest.raises(ValueError, match="padding='packed' is planned with attn_implementation='flash_attention_2'"):
         _imported(tmp_path, "trl", "packing: true\n", padding="packed")
 

@@ -91,17 +91,23 @@ def test_fa2_keeps_what_cpu_sdpa_keeps_plus_its_rng_state_and_casts_qlora_down()
     assert fa2.peak_allocated_bytes < sdpa.peak_allocated_bytes
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (dict(padding="max_length"), "set padding='none'"),
-    (dict(padding="longest"), "set padding='none'"),
-    (dict(dtype="float32"), "set autocast=True, or dtype='bfloat16'"),
+@pytest.mark.parametrize("model, overrides, match", [
+    ("tiny", dict(dtype="float32"), "set autocast=True, or dtype='bfloat16'"),
+    (dict(GQA, head_dim=36), dict(padding="max_length"), "multiples of 8 up to 256, this model has 36"),
 ])
-def test_what_fa2_is_not_planned_for_says_what_to_change(overrides, match):
+def test_what_fa2_is_not_planned_for_says_what_to_change(model, overrides, match):
+    """Padded batches are planned (the unpad path); fp32 q/k/v and head sizes flash-attn does not take are not, in
+    padded batches as in others."""
     from lora_kit.memory.estimate import estimate
+    from lora_kit.memory.specs import check_attention
+    from lora_kit.settings import Step
     kw = {**STEP, "method": "lora", **overrides}
-    for fn in (simulate, measure_config, estimate):
+    cfg = load_config(dict(model)) if isinstance(model, dict) else model
+    for fn in (simulate, measure_config) + ((estimate,) if model == "tiny" else ()):
         with pytest.raises(ValueError, match=match):
-            fn("tiny", **kw)
+            fn(cfg, **kw)
+    for padding in ("max_length", "longest"):
+        check_attention(Step(**{**STEP, "padding": padding}))  # no longer refused
 
 
 def test_fa2_loads_flash_attn_on_cuda_and_the_emulation_elsewhere():
@@ -166,6 +172,59 @@ def test_packed_rows_take_the_varlen_path_and_simulate_equals_a_real_step(model,
     assert Counter(op for ph, op, _ in real.allocations if ph == "forward")["cat.default"] >= layers
 
 
+@pytest.mark.parametrize("padding", ["max_length", "longest"])
+@pytest.mark.parametrize("method, ckpt", [("lora", False), ("lora", True), ("qlora", False), ("qlora", True)])
+def test_padded_rows_take_the_unpad_path_and_simulate_equals_a_real_step(padding, method, ckpt):
+    kw = dict(STEP, method=method, gradient_checkpointing=ckpt, padding=padding)
+    real, sim = measure_config("tiny", trace=True, **kw), simulate("tiny", trace=True, **kw)
+    assert (real.peak_allocated_bytes, real.breakdown, real.phase) == (sim.peak_allocated_bytes, sim.breakdown,
+                                                                      sim.phase)
+    assert first_divergence(real.allocations, sim.allocations) is None
+    heads, dim, layers = 2, 64, 4
+    B, S = STEP["batch_size"], STEP["seq_len"]
+    # measure.step_batch: the last quarter of every row is padding ('max_length'), of all rows but the first
+    # ('longest'): T real tokens in B examples
+    T = {"max_length": B * (S - S // 4), "longest": S + (B - 1) * (S - S // 4)}[padding]
+    q_bytes, padded_bytes = round_bytes(T * heads * dim * 2), round_bytes(B * S * heads * dim * 2)
+
+    def made(phase, op):
+        return Counter(b for ph, o, b in real.allocations if ph == phase and o == op)
+    assert made("forward", "index.Tensor")[q_bytes] == 3 * layers  # _upad_input: k, v, q gathered (copies)
+    assert made("forward", "zeros.default")[padded_bytes] == layers  # pad_input: zeros (B x S, H, D)
+    assert made("forward", "empty.memory_format")[round_bytes(T * 8)] >= layers  # _get_unpad_data: nonzero int64
+    # index's backward: zeros (B x S, H, D) per gathered tensor, the gradient put in place (as on CUDA: no second
+    # tensor of that size); pad_input's: the T rows of the gradient
+    assert made("backward", "new_zeros.default")[padded_bytes] == 3 * layers
+    assert not made("backward", "index_put.default")
+    assert made("backward", "index.Tensor")[q_bytes] == layers + (3 * layers if ckpt else 0)  # + recomputed gathers
+    # mha_varlen_bwd: softmax_d fp32 (H, T + 128 B) and dq_accum fp32 (T + 128 B, H, D rounded to 32)
+    assert made("backward", "empty.memory_format")[round_bytes((T + 128 * B) * heads * dim * 4)] == layers
+
+
+def test_padded_rows_train_with_sdpas_values_and_gradients():
+    """A right-padded training batch (as measure.step_batch and TRL's collator pad) through the unpad path: loss and
+    gradients equal SDPA's with the same padding mask (within bf16 rounding), q/k/v projections' gradients finite."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    ids = torch.randint(1, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 40:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    res = []
+    for name in ("sdpa", model_attn_implementation(FA2, "cpu")):
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(load_config(dict(GQA)), dtype=torch.bfloat16, attn_implementation=name)
+        loss = m(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        res.append((loss.item(), [p.grad.float() for p in m.parameters()]))
+        for layer in m.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                assert bool(proj.weight.grad.isfinite().all()) and proj.weight.grad.abs().max() > 0
+    (la, ga), (lb, gb) = res
+    assert abs(la - lb) < 1e-3
+    assert max(((x - y).abs().max() / x.abs().max()).item() for x, y in zip(ga, gb)) < 0.05
+
+
 def test_packed_rows_are_planned_with_fa2_only_and_collated_as_transformers_flattens():
     from lora_kit.memory.estimate import estimate
     from lora_kit.run.batches import collate
@@ -177,25 +236,29 @@ def test_packed_rows_are_planned_with_fa2_only_and_collated_as_transformers_flat
                                                       "position_ids": [[0, 1, 2, 0, 1]]}
 
 
-def test_padded_rows_outside_training_get_attention_values_and_training_ones_are_refused():
-    """Adapter checks and generation run padded batches without gradients: the emulation gives SDPA's values there
-    (memory is not planned for them); a padded training batch is refused."""
+def test_padded_rows_outside_training_get_attention_values_unpadded_and_with_a_cache():
+    """Adapter checks and generation run padded batches without gradients: a left-padded prompt (as batched
+    generation pads) takes the unpad path and gives SDPA's values on its real tokens; the next token's step, with a
+    cache (keys longer than queries), gets the attention values only."""
     import torch
     from transformers import AutoModelForCausalLM
     ids = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    mask[1, :5] = 0  # left padding, as batched generation pads
+    mask[1, :5] = 0
+    nxt = torch.randint(1, 256, (2, 1), generator=torch.Generator().manual_seed(2))
     logits = []
     for name in ("sdpa", model_attn_implementation(FA2, "cpu")):
         torch.manual_seed(0)
         m = AutoModelForCausalLM.from_config(load_config(dict(GQA)), dtype=torch.bfloat16, attn_implementation=name)
         with torch.no_grad():
-            logits.append(m(input_ids=ids, attention_mask=mask).logits.float())
-    a, b = logits
+            first = m(input_ids=ids, attention_mask=mask, use_cache=True)
+            step = m(input_ids=nxt, attention_mask=torch.cat((mask, torch.ones_like(nxt)), 1),
+                     past_key_values=first.past_key_values, use_cache=True)
+        logits.append((first.logits.float(), step.logits.float()))
+    (a, a_next), (b, b_next) = logits
     real = mask.bool()
     assert ((a - b).abs()[real].max() / a.abs().max()).item() < 0.02
-    with pytest.raises(ValueError, match="unpadded or packed rows in training"):
-        m(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    assert ((a_next - b_next).abs().max() / a_next.abs().max()).item() < 0.02
 
 
 @pytest.mark.parametrize("method, padding", [("lora", "none"), ("qlora", "packed")])

@@ -173,7 +173,8 @@ def _real_mask_decisions(has_padding: bool):
     padding, a test it cannot run on a fake mask (it builds the mask then): the answer is read from the
     real batch (``has_padding``) and given to it; with padding it builds the mask, as on real tensors.
     FlashAttention-2's mask function drops a 2-D mask that is all ones (``attention_mask.all()``, the same test on
-    values): without padding it is handed no mask, which is what it returns on the real batch."""
+    values): without padding it is handed no mask, which is what it returns on the real batch; with padding it returns
+    the mask's last key-length columns, which it keeps on the real batch (its test's 0-d result still made)."""
     try:
         from transformers import masking_utils
     except ImportError:  # older transformers: nothing to patch
@@ -188,15 +189,19 @@ def _real_mask_decisions(has_padding: bool):
         setattr(masking_utils, k, patches[k])
     from lora_kit.memory.flash_attention import KIT_NAME
     masks = getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None)
-    fa_mask = masks[KIT_NAME] if masks is not None and not has_padding and KIT_NAME in masks else None
+    fa_mask = masks[KIT_NAME] if masks is not None and KIT_NAME in masks else None
     local = fa_mask is not None and KIT_NAME in getattr(masks, "_local_mapping", {})  # else registered globally
     if fa_mask is not None:
-        def no_padding_mask(*args, attention_mask=None, **kw):
+        def real_batch_mask(*args, attention_mask=None, **kw):
             kv_length = kw["kv_length"] if "kv_length" in kw else args[2]
             if attention_mask is not None and attention_mask.shape[-1] == kv_length:
+                if has_padding:  # flash_attention_mask's slice and test, answered from the real batch: kept
+                    attention_mask = attention_mask[:, -kv_length:]
+                    attention_mask.all()
+                    return attention_mask
                 attention_mask = None  # all ones: the real batch has no padding
             return fa_mask(*args, attention_mask=attention_mask, **kw)
-        masks[KIT_NAME] = no_padding_mask
+        masks[KIT_NAME] = real_batch_mask
     try:
         yield
     finally:

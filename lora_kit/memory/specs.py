@@ -339,19 +339,13 @@ SDPA_UNSUPPORTED = ("gemma2",)  # transformers 5.24 refuses sdpa for these (atte
 
 def check_attention(step) -> None:
     """What the kit can plan with ``attn_implementation='flash_attention_2'`` (``lora_kit.memory.flash_attention``):
-    unpadded or packed rows (transformers' unpad path for padded batches is not emulated; packed rows need it) and
-    16-bit q/k/v (flash-attn takes
-    fp16 / bf16 only; fp32 weights without autocast give fp32 q/k/v). ValueError says what to change."""
+    unpadded, padded (transformers' unpad path) or packed rows (planned with it only), and 16-bit q/k/v (flash-attn
+    takes fp16 / bf16 only; fp32 weights without autocast give fp32 q/k/v). ValueError says what to change."""
     if step.attn_implementation != "flash_attention_2":
         if step.padding == "packed":
             raise ValueError("padding='packed' is planned with attn_implementation='flash_attention_2' (transformers' "
                              "varlen path, what TRL's padding_free runs); set it, or padding='none'.")
         return
-    if step.padding not in ("none", "packed"):
-        raise ValueError(f"attn_implementation='flash_attention_2' is planned for unpadded rows: set padding='none' "
-                         "or 'packed' "
-                         f"(a plan sizes full rows of seq_len tokens anyway), not {step.padding!r}, or use "
-                         "attn_implementation='sdpa' for padded batches.")
     if step.dtype == "float32" and not step.autocast:
         raise ValueError("attn_implementation='flash_attention_2' needs fp16 / bf16 q/k/v; with dtype='float32' set "
                          "autocast=True, or dtype='bfloat16'.")

@@ -23,9 +23,9 @@ Attention and rows, as each tool batches them: FlashAttention-2 (TRL's ``attn_im
 padding-free packed rows (TRL's ``padding_free``, which its default ``packing`` strategy turns on; axolotl's
 ``sample_packing`` and LLaMA-Factory's ``neat_packing`` with FlashAttention-2) are ``padding="packed"`` at
 ``seq_len`` = the tool's row length and ``batch_size`` = its rows per micro-batch (the same tokens per micro-step).
-The kit plans FlashAttention-2 on unpadded or packed rows only: a padded batch under it is planned as full rows
-without a mask (``padding="none"``; transformers' unpad path listed as not modelled unless the batch can hold no
-pad), packed rows under another kernel as the tool's unpacked rows (listed, naming the key that plans them packed).
+A padded batch under FlashAttention-2 is planned as the padding the tool uses (transformers' unpad path: the real
+tokens' q/k/v gathered for varlen FlashAttention-2); packed rows are planned with FlashAttention-2 only, under another
+kernel as the tool's unpacked rows (listed, naming the key that plans them packed).
 
 The planning machine is not the rented GPU: the parsers' checks of the local hardware (bf16 support, a GPU for
 fp16, DeepSpeed installed) are kept out of the parse -- ``use_cpu``, ``deepspeed`` and ``tf32`` are read
@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lora_kit.settings import PLANNING, STEP_FIELDS, Step, check_names
+from lora_kit.settings import PLANNING, STEP_FIELDS, check_names
 
 FORMATS = ("trl", "axolotl", "llamafactory", "torchtune", "trainer")
 FORMAT_NAMES = {"trl": "TRL SFT config", "axolotl": "axolotl config", "llamafactory": "LLaMA-Factory config",
@@ -126,7 +126,6 @@ class _Reader:
         self.over: dict = {}  # the caller's step values (win over the config)
         self.attn_key = "attn_implementation"  # the config key that set the attention kernel
         self.fa2_how = "attn_implementation=flash_attention_2"  # how this tool's config asks for FlashAttention-2
-        self.unpadded = ""  # "always" / "batch1": when the tool's batches hold no pad (FlashAttention-2 runs unmasked)
         self.packed: dict = {}  # packed rows (_packed): their key; fallback padding and why without FA2; caveat
 
     def has(self, key: str) -> bool:
@@ -384,11 +383,10 @@ def _packed(r: _Reader, key: str, raw, fallback: str, why_not: str, caveat: str 
 
 def _finish_attention(r: _Reader, overrides: dict) -> None:
     """The attention and the rows as the kit plans them (``lora_kit.memory.specs.check_attention``): FlashAttention-2
-    needs 16-bit q/k/v and unpadded or packed rows; packed rows need FlashAttention-2. A padded batch under
-    FlashAttention-2 is planned unmasked (its pads not counted); packed rows without it as the tool's fallback. What
-    the caller gives is left to the step's own check."""
+    needs 16-bit q/k/v; packed rows need FlashAttention-2 (without it, the tool's fallback). A padded batch keeps
+    its padding under any kernel. What the caller gives is left to the step's own check."""
     val = {k: overrides.get(k, r.vals.get(k, getattr(PLANNING, k)))
-           for k in ("attn_implementation", "padding", "dtype", "autocast", "batch_size")}
+           for k in ("attn_implementation", "padding", "dtype", "autocast")}
     given = "attn_implementation" in overrides
     key = "attn_implementation" if given else r.attn_key  # where FlashAttention-2 was asked for, and how
     shown = FA2 if given else r.cfg.get(r.attn_key) or FA2
@@ -401,14 +399,7 @@ def _finish_attention(r: _Reader, overrides: dict) -> None:
     fa2, pad = val["attn_implementation"] == FA2, val["padding"]
     if "padding" in overrides:
         return
-    if fa2 and pad in ("longest", "max_length"):
-        r.vals["padding"] = "none"
-        r.src["padding"] = r.src.get("padding", f"padding={pad!r}") + " -> 'none' under FlashAttention-2"
-        if not (r.unpadded == "always" or r.unpadded == "batch1" and val["batch_size"] == 1):
-            r.not_modelled(key, shown, "padded batches under FlashAttention-2 take transformers' unpad path "
-                           "(q/k/v gathered into copies), not modelled; planned as full rows of seq_len with no mask "
-                           "(padding='none'), the path transformers takes when no row is padded")
-    elif pad == "packed" and r.packed:
+    if pad == "packed" and r.packed:
         p = r.packed
         if fa2:
             if p["caveat"]:
@@ -605,12 +596,10 @@ def _trl_rows(r: _Reader, args) -> None:
                            "multiple of it: pad tokens beyond the plan's rows")
     elif args.packing:  # 'wrapped': rows cut at exactly max_length, attended across examples
         r.put("padding", "none", "packing_strategy", raw="wrapped: rows of exactly max_length, nothing padded")
-        r.unpadded = "always"
     elif args.pad_to_multiple_of and args.max_length and int(args.pad_to_multiple_of) == int(args.max_length):
         r.put("padding", "max_length", "pad_to_multiple_of", raw=args.pad_to_multiple_of)
     else:
         r.put("padding", "longest", "padding", raw="the SFT collator pads to the longest row", default=True)
-        r.unpadded = "" if args.pad_to_multiple_of else "batch1"  # one row: no pad; transformers drops the mask
 
 
 # axolotl's LigerPlugin (axolotl.integrations.liger) applies the kernels whose flag is set; the Trainer's
@@ -887,7 +876,6 @@ def _read_llamafactory(r: _Reader, model_override) -> str | None:
     elif r.get("packing"):  # PackedSupervisedDatasetProcessor: every pack filled to the same length, mask all ones
         r.put("padding", "none", "packing", raw="examples packed into rows of exactly cutoff_len tokens, attended as "
               "one sequence (no neat_packing), pads masked as ones: no padding")
-        r.unpadded = "always"  # an all-ones mask: transformers drops it (FlashAttention-2 runs unmasked)
     else:
         r.put("padding", "longest", "padding", raw="LLaMA-Factory's collator pads to the longest row", default=True)
     r.used.add("packing")
