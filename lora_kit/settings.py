@@ -215,7 +215,8 @@ class Step:
                            "mask) | 'longest' / 'max_length' (padded rows with a mask) | 'packed' (padding-free: "
                            "the batch's rows concatenated into one, position_ids restarting per row, no mask, as "
                            "TRL's padding_free; with attn_implementation='flash_attention_2'). Default 'none': a plan "
-                           "sizes full rows of seq_len tokens, the worst case, and padding adds only the mask.",
+                           "sizes full rows of seq_len tokens, the worst case, and padding adds only the mask (under "
+                           "flash_attention_2, the unpad path's gathered copies of the real tokens).",
                            choices=PADDINGS)
     loop: str = setting("kit", "Training loop the figures describe and the smoke run runs: 'kit' (lora_kit's step) | "
                         "'trainer' (transformers' Trainer, its train()) | 'sft' (TRL's SFTTrainer, its train()), "

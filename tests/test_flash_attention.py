@@ -52,9 +52,11 @@ def test_simulate_equals_a_real_cpu_step_byte_for_byte(model, method, ckpt):
     assert made("backward", "empty_like.default") == Counter([q_bytes, kv_bytes, kv_bytes] * layers)  # dq, dk, dv
 
 
-@pytest.mark.parametrize("method, padding", [("qlora", "none"), ("lora", "packed")])
+@pytest.mark.parametrize("method, padding", [("qlora", "none"), ("lora", "packed"), ("lora", "max_length"),
+                                             ("qlora", "longest")])
 def test_estimate_of_a_fitted_fa2_step_equals_simulate_at_a_held_out_shape(tmp_path, monkeypatch, method, padding):
-    """Packed rows' varlen buffers have 128 rows per example: their fit has a term in B (calibrate's per_row)."""
+    """Packed rows' varlen buffers have 128 rows per example, and so have padded rows' (transformers' unpad path):
+    their fit has a term in B (calibrate's per_row)."""
     from lora_kit.memory import fits
     from lora_kit.memory.estimate import estimate
     d = tmp_path / "my-glm4"

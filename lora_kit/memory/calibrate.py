@@ -242,7 +242,7 @@ class Fit:
     unfitted: dict
     tile: int | None = None  # a tiled loop's positions per tile: regimes are then on B * (S - 1), not S
     depth0: int = 2  # the shallowest stack's blocks (:func:`_stacks`)
-    per_row: bool = False  # storages with a term per row (packed rows' varlen buffers): the basis has B and R·B
+    per_row: bool = False  # storages with a term per row (varlen buffers: packed, FA2 padded): basis has B, R·B
 
     @property
     def aligned(self) -> bool:
@@ -429,7 +429,8 @@ def fit(cfg, step, progress=None) -> Fit:
         raise ValueError("loop 'sft' is not fitted for a model with a sliding window (two kinds of regime).")
     step = step.replace(sharding="fsdp") if fsdp_step(step) else step.one_gpu()
     lora = rank_is_variable(step)
-    per_row = step.padding == "packed"  # varlen buffers: (B * S + 128 * B) rows
+    # varlen buffers, (T + 128 * B) rows: packed rows, and padded ones under FlashAttention-2 (its unpad path)
+    per_row = step.padding == "packed" or (step.attn_implementation == "flash_attention_2" and step.padding != "none")
     depth0 = 3 if step.sharding == "fsdp" else 2
     s_regimes, stacks, raw, unfitted = _t_regimes(tile) if tile else _s_regimes(cfg), _stacks(cfg, depth0), {}, {}
     plan = [(s, b, st) for s in s_regimes for b in B_REGIMES for st in stacks]
