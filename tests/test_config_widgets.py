@@ -31,7 +31,9 @@ def test_load_button_replaces_the_plan_and_bad_config_says_why(tmp_path):
     p.load_button.click()
     step, _ = settings_from_config(CONFIGS / "llamafactory_qlora_qwen2.5-7b.yaml")
     assert p.plan_kwargs() == {"model": "qwen2.5-7b", "step": step}
-    assert tuple(p.targets.value) == ("q_proj", "v_proj") and "flash_attn" in p.config_report.value
+    assert tuple(p.targets.value) == ("q_proj", "v_proj") and (step.attn_implementation, step.padding) == (
+        "flash_attention_2", "longest")  # LLaMA-Factory's fa2 on its padded batches: the unpad path, planned
+    assert "Every field that changes memory or time is planned" in p.config_report.value
     assert p.settings().model == "tiny"  # the model the later steps train is left alone
 
 
