@@ -31,7 +31,8 @@ Limits (stated, measured where possible by ``benchmarks/gpu_validate.py``):
 - memory allocated inside kernels (cuBLAS / cuDNN workspaces, NCCL buffers) is not a tensor and is
   not seen; nor are the tensors an opaque operator makes and frees inside itself (bitsandbytes' 4-bit matmul
   dequantises its weight there, on the CPU and in CUDA's path for training-sized micro-batches): ``trace=True``
-  records them per operator (``SimResult.temporaries``), ``lora_kit.memory.cuda_kernels.kernel_extra`` places them; ``device_total_bytes`` adds the CUDA context, reserved and outside memory analytically
+  records them per operator (``SimResult.temporaries``), ``lora_kit.memory.cuda_kernels.kernel_extra`` places
+  them; ``device_total_bytes`` adds the CUDA context, reserved and outside memory analytically
   (:mod:`lora_kit.memory.device`);
 - padding: the batch is the one :func:`~lora_kit.memory.measure.step_batch` builds for ``padding``
   (a real attention mask with padded rows, fed as constant fake tensors), so transformers takes the

@@ -69,7 +69,8 @@ KERNEL_TEMPORARIES = {"bitsandbytes::gemm_4bit": _gemm_4bit_temporaries}
 def kernel_temporaries(func, args, kwargs, block: int = BLOCK) -> tuple:
     """The bytes of each storage operator ``func`` holds inside itself beside its outputs (:data:`KERNEL_TEMPORARIES`;
     () for every other operator)."""
-    inside = KERNEL_TEMPORARIES.get(func._schema.name) if getattr(func, "namespace", "aten") != "aten" else None
+    schema = getattr(func, "_schema", None)  # operator overloads have one; higher-order operators do not
+    inside = KERNEL_TEMPORARIES.get(schema.name) if schema is not None and func.namespace != "aten" else None
     return () if inside is None else inside(args, kwargs, block)
 
 

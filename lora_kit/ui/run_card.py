@@ -262,8 +262,8 @@ def _smoke_calibration(smoke: dict, plan: dict, row: dict) -> dict | None:
             return None
         median = sorted(steps, key=lambda x: x["seconds"])[len(steps) // 2]
         # the tokens that step ran: its width with padding "longest", its packed row with "packed"
-        ran = {**ss, "seq_len": ran_seq_len(ss.get("padding", "none"), ss["seq_len"], ss["batch_size"],
-                                            median.get("seq_len"))}
+        st = as_step(ss)
+        ran = {**ss, "seq_len": ran_seq_len(st.padding, st.seq_len, st.batch_size, median.get("seq_len"))}
         tm = calibrate(median["seconds"], ran, gpu)
     except ValueError:
         return None
