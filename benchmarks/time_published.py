@@ -31,6 +31,7 @@ from pathlib import Path
 
 from transformers import LlamaConfig
 
+from lora_kit.memory.specs import model_spec
 from lora_kit.plan import time_constants as C
 from lora_kit.plan.gpus import get_gpu
 from lora_kit.plan.timing import TimeModel, step_time
@@ -66,7 +67,17 @@ def split_rule(path=ROWS) -> str:
 
 def predict(row: dict, tm: TimeModel) -> dict:
     model = LlamaConfig(**row["model_config"]) if row.get("model_config") else row["model"]
+    if row.get("fused_qkv"):
+        model = fused_qkv(model_spec(model))
     return step_time(model, get_gpu(row["gpu"]), time_model=tm, **row.get("timing", {}), **row["settings"])
+
+
+def fused_qkv(spec):
+    """``spec`` with q, k and v as one linear (Qwen-1's ``c_attn``): one LoRA adapter, one cast of its input,
+    where a Llama block has three."""
+    qkv = [lin for lin in spec.linears if lin.kind == "attn_in"]
+    fused = replace(qkv[0], name="c_attn", out_features=sum(lin.out_features for lin in qkv))
+    return replace(spec, linears=(fused,) + tuple(lin for lin in spec.linears if lin.kind != "attn_in"))
 
 
 # fractions of a peak, each at most what the kernel is published to reach: cuBLAS large bf16 GEMMs 80-87 % of the
@@ -133,8 +144,24 @@ def nelder_mead(f, x0, step=0.3, iters=400, tol=1e-7):
 
 
 def fit(rows, roles=("fit",)) -> TimeModel:
+    """Least squares on log(predicted / measured) from :data:`START`. A constant no fitted row depends on (e.g.
+    ``dequant_factor`` without a QLoRA row) keeps its starting value: the simplex would otherwise carry it
+    anywhere, at no cost to the fit."""
     fit_rows = [r for r in rows if r["role"] in roles]
-    x, _ = nelder_mead(lambda v: _loss(v, fit_rows), [_param(k, START[k]) for k in NAMES], iters=1500)
+    x0 = [_param(k, START[k]) for k in NAMES]
+    base = _loss(x0, fit_rows)
+    free = [i for i in range(len(NAMES))
+            if abs(_loss([v + (1.0 if j == i else 0.0) for j, v in enumerate(x0)], fit_rows) - base) > 1e-12]
+
+    def loss(v):
+        full = list(x0)
+        for i, vi in zip(free, v):
+            full[i] = vi
+        return _loss(full, fit_rows)
+    xf, _ = nelder_mead(loss, [x0[i] for i in free], iters=1500)
+    x = list(x0)
+    for i, vi in zip(free, xf):
+        x[i] = vi
     return TimeModel(**{k: float(f"{_value(k, v):.3g}") for k, v in zip(NAMES, x)})
 
 
@@ -143,8 +170,8 @@ def leave_one_source_out(rows) -> dict:
     sources (fit and judged) predict that source's rows (a plan is made for a machine and software stack no row
     measured). A constant the other sources do not pin down lands wherever the fit leaves it (``at_a_bound``)."""
     out = {}
-    for src in sorted({r["source"] for r in rows}):
-        tm = fit([r for r in rows if r["source"] != src], roles=("fit", "judged"))
+    for src in sorted({r["source"] for r in rows}):  # a judged-only source is never fitted, here either
+        tm = fit([r for r in rows if r["source"] != src and not r.get("judged_only")], roles=("fit", "judged"))
         ratios = {r["id"]: predict(r, tm)["step_seconds"] / r["measured"]["step_seconds"]
                   for r in rows if r["source"] == src}
         out[src] = {**_stats(list(ratios.values())), "constants": {k: getattr(tm, k) for k in NAMES},

@@ -24,7 +24,16 @@ PEFT_URL = "https://github.com/huggingface/peft/blob/main/method_comparison/Meta
 QWEN_TABLE = Path(__file__).parent / "reference" / "qwen_readme_speed.json"  # the README table, every cell
 SPLIT_RULE = ("within each source and method, in the source's own order (the H200 file's row order, PEFT's result "
               "files sorted by name, the Qwen README table row by row), the 1st, 3rd, 5th ... in-scope row is "
-              "fitted and the 2nd, 4th ... judged")
+              "fitted and the 2nd, 4th ... judged; a source added after the constants were first fitted "
+              "(fms-acceleration's A100 runs) is judged only, never fitted")
+FMS_CSV = Path(__file__).parent / "reference" / "fms_acceleration_a100_80gb.csv"
+FMS_COMMIT = "24bdadb228e2d55bc0c69deec034b86a73da6917"
+FMS_SOURCE = "foundation-model-stack/fms-acceleration reference benchmarks (A100-80GB, fms-hf-tuning / TRL SFTTrainer)"
+FMS_URL = f"https://github.com/foundation-model-stack/fms-acceleration/blob/{FMS_COMMIT}/scripts/benchmarks/refs/a100_80gb.csv"
+# Mistral-7B-v0.1's config (the catalog's mistral-7b is v0.3: 32,768 tokens); the time model reads the shapes
+MISTRAL_7B_V01 = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768)
+FMS_MODELS = {"mistralai/Mistral-7B-v0.1": None, "NousResearch/Llama-2-70b-hf": "llama-2-70b"}
 PEFT_LORA_LIKE = {"rank64-rslora": "rsLoRA only changes the scale alpha/sqrt(r): the same kernels as LoRA"}
 
 
@@ -140,7 +149,7 @@ def qwen_rows(table: Path = QWEN_TABLE) -> list:
                                       lora_targets="all-linear", gradient_checkpointing=True, grad_accum=8,
                                       autocast=True, loop="trainer"),
                 "measured": {"step_seconds": secs, "tokens_per_step": 8 * seq},
-                "timing": {"reentrant_checkpointing": True}, "out_of_scope": why,
+                "timing": {"reentrant_checkpointing": True}, "fused_qkv": True, "out_of_scope": why,
                 "notes": ("HF Trainer --bf16 (autocast over bf16 weights: Qwen's remote code casts the model to bf16; "
                           "peft of 2023 created adapters in the base dtype), FlashAttention 2, PyTorch 2.0, CUDA 11.8, "
                           "lora_dropout 0.05, logging every step; checkpointing reentrant (modeling_qwen.py's QWenModel.forward calls "
@@ -150,12 +159,66 @@ def qwen_rows(table: Path = QWEN_TABLE) -> list:
     return rows
 
 
+def fms_rows(path: Path = FMS_CSV) -> list:
+    """fms-acceleration's reference A100-80GB benchmark (the committed CSV, verbatim at :data:`FMS_COMMIT`): 100 steps
+    of fms-hf-tuning's ``sft_trainer`` (TRL 0.13 SFTTrainer, transformers 4.48.1, peft 0.13.2, bitsandbytes 0.43.3,
+    torch 2.4.1, flash-attn 2.7.3; ``scripts/benchmarks/refs/requirements.txt``) on rows packed to 4096 tokens
+    (``benchmark.py``: packing True, max_seq_len 4096: every step holds batch x 4096 tokens, which
+    tokens/s x runtime / 100 confirms), FlashAttention-2, checkpointing as the Trainer sets it,
+    AdamW, no accumulation (``defaults.yaml``); full and LoRA in pure bf16 (torch_dtype bfloat16, no bf16 flag),
+    QLoRA with ``bf16: True`` (``scenarios.yaml``). Seconds per step = train_runtime / 100. Judged only."""
+    import csv
+    rows = []
+    for i, r in enumerate(csv.DictReader(path.open())):
+        model, gpus, fw = r["model_name_or_path"], int(r["num_gpus"]), r["framework_config"]
+        method = "qlora" if fw == "baseline-peft-bnb" else ("lora" if r["peft_method"] == "lora" else "full")
+        b = int(r["per_device_train_batch_size"])
+        slug = f"{model.split('/')[-1]}-{fw or 'none'}-{method}-g{gpus}-b{b}"
+        lora = {} if method == "full" else dict(lora_rank=int(r["r"]), lora_targets=r["target_modules"].split())
+        settings = _settings(method=method, seq_len=4096, batch_size=b, attn_implementation="flash_attention_2",
+                             autocast=r["bf16"].upper() == "TRUE", **lora)
+        if method == "qlora":
+            settings["qlora_prepare"] = "peft"  # TRL 0.13 SFTTrainer: prepare_model_for_kbit_training on a 4-bit model
+        why = None
+        if fw not in ("", "none", "baseline-peft-bnb"):
+            why = f"framework_config {fw}: fms-acceleration's fused kernels or GPTQ (not the plain HF stack)"
+        elif gpus != 1:
+            why = f"{gpus} GPUs: this benchmark judges the one-GPU step (multi-GPU time is lora_kit.plan.multi_gpu's)"
+        elif model not in FMS_MODELS:
+            why = f"{model} is not a model the kit plans here" + (" (mixture-of-experts: the time model counts no "
+                                                                  "expert matmuls)" if "Mixtral" in model else "")
+        elif not r["train_runtime"]:
+            why = "ran out of memory (no time published): a verdict for the memory benchmarks, not a time"
+        if not why:
+            steps = round(float(r["train_runtime"]) * float(r["train_steps_per_second"]))
+            tokens = float(r["train_tokens_per_second"]) * float(r["train_runtime"]) / steps
+        row = {"id": f"fms:{slug}", "source": FMS_SOURCE, "url": FMS_URL,
+               "field": f"row {i + 1}: train_runtime / (train_runtime x train_steps_per_second)",
+               "model": FMS_MODELS.get(model) or model, "gpu": "A100-80GB", "settings": settings,
+               "measured": ({"step_seconds": float(r["train_runtime"]) / steps, "tokens_per_step": tokens}
+                            if not why else {"note": f"train_runtime {r['train_runtime'] or 'none'}"}),
+               "out_of_scope": why, "judged_only": True,
+               "notes": "TRL 0.13 SFTTrainer, rows packed to 4096 tokens (no position reset: planned as padding "
+               "'none'); LoRA dropout " + (r["lora_dropout"] or "-") + " (the kit plans dropout 0: a mask per "
+               "adapter input it does not time)" + ("; QLoRA: bf16=True (autocast); TRL also casts the adapters, "
+                                                   "lm_head and embeddings to bf16 (peft_module_casting_to_bf16)"
+                                                   if method == "qlora" else "")}
+        if FMS_MODELS.get(model, "") is None:
+            row["model_config"] = MISTRAL_7B_V01
+        rows.append(row)
+    return rows
+
+
 def assign_roles(rows: list) -> list:
-    """``role`` by :data:`SPLIT_RULE`: alternate in-scope rows within each (source, method), in the given order."""
+    """``role`` by :data:`SPLIT_RULE`: alternate in-scope rows within each (source, method), in the given order;
+    rows marked ``judged_only`` are judged."""
     seen: dict = {}
     for r in rows:
         if r["out_of_scope"]:
             r["role"] = None  # not evaluated; listed with its reason
+            continue
+        if r.get("judged_only"):
+            r["role"] = "judged"
             continue
         key = (r["source"], r["settings"]["method"])
         r["role"] = "fit" if seen.get(key, 0) % 2 == 0 else "judged"
@@ -227,7 +290,7 @@ def main(argv=None):
     ref = Path(a.reference)
     if not (ref / "cuda_h200.json").is_file():
         raise SystemExit(f"{ref} has no cuda_h200.json: pass --reference with the shared reference folder.")
-    rows = assign_roles(h200_rows(ref) + peft_rows(ref) + qwen_rows() + published_rows(ref))
+    rows = assign_roles(h200_rows(ref) + peft_rows(ref) + qwen_rows() + published_rows(ref) + fms_rows())
     doc = {"_about": __doc__.split("\n\n")[1].replace("\n", " "), "split_rule": SPLIT_RULE, "rows": rows}
     Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
     ins = [r for r in rows if not r["out_of_scope"]]

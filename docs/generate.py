@@ -861,7 +861,42 @@ def time_model_md(prov: dict) -> str:
                        ["row", "measured (s/step)", "predicted (s/step)", "ratio"],
                        [[r["id"], f"{r['shown']['measured_seconds']:.3f}", f"{r['shown']['predicted_seconds']:.3f}",
                          f"{r['shown']['ratio']:.2f}"] for r in shown]))
+    counts = RESULTS / "time_counts.json"
+    if counts.is_file():
+        out.append("\n" + time_counts_md(counts, prov))
     return "".join(out)
+
+
+def time_counts_md(src: Path, prov: dict) -> str:
+    """The model's counts beside a real step's operators (benchmarks/time_counts.py)."""
+    d = json.loads(src.read_text())
+    sec = Section("What the model counts, against a real step's operators", src, "", prov)
+    cfg, shape = d["_meta"]["config"], d["_meta"]["shape"]
+    rows = []
+    for r in d["rows"]:
+        s = r["settings"]
+        label = ", ".join([s["method"]] + (["autocast"] if s.get("autocast") else [])
+                          + ([] if s.get("gradient_checkpointing") else ["no checkpointing"])
+                          + ([f"qlora_prepare {s['qlora_prepare']}"] if s.get("qlora_prepare") not in (None, "auto")
+                             else [])
+                          + ([f"targets {', '.join(s['lora_targets'])}"] if isinstance(s.get("lora_targets"), list)
+                             and s["method"] != "full" else []))
+        fr = r["flops_ratio"]
+        rows.append([label, f"{fr.get('16-bit', 0):.3f}" if "16-bit" in fr else "-",
+                     f"{fr.get('float32', 0):.3f}" if "float32" in fr else "-", f"{r['bytes_ratio']:.3f}"]
+                    + [f"{r['stage_bytes_ratio'][k]:.3f}" if r["stage_bytes_ratio"].get(k) else "-"
+                       for k in ("forward", "recompute", "backward")])
+    return (sec.head() + "The prices above rest on counts the model derives in closed form: each matmul's FLOPs in "
+            "the dtype it runs in and the bytes of every element-wise kernel. A real step (transformers, peft, "
+            "bitsandbytes, random init, on this CPU) runs under a dispatch mode that sees every operator eager "
+            "PyTorch launches (one kernel each on CUDA too); the table sets the model's counts beside them, "
+            "model / real. Attention and bitsandbytes' dequantisation are priced apart and left out of both sides; "
+            f"a Llama block of {cfg['hidden_size']} x {cfg['intermediate_size']}, {cfg['num_attention_heads']} / "
+            f"{cfg['num_key_value_heads']} heads, {cfg['num_hidden_layers']} layer(s), a {cfg['vocab_size']:,}-token "
+            f"vocabulary, {shape['batch_size']} x {shape['seq_len']} tokens. `tests/test_time_counts.py` checks the "
+            "same on a smaller block in CI.\n\n" + table(
+                ["settings", "16-bit FLOPs", "fp32 FLOPs", "element-wise bytes", "forward", "recompute", "backward"],
+                rows) + "\n")
 
 
 def cli_md() -> str:

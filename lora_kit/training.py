@@ -203,11 +203,54 @@ def sft_loss(model, batch: dict):
 
 
 def autocast_context(autocast: bool, dtype: str, device_type: str = "cpu"):
-    """Mixed precision as the Trainer's bf16/fp16 flags do (bf16 compute when ``dtype`` is float32)."""
+    """Mixed precision as the Trainer's bf16/fp16 flags do (bf16 compute when ``dtype`` is float32), with
+    :class:`autocast_query` inside it. Reusable: each ``with`` enters it afresh."""
     if not autocast:
         return contextlib.nullcontext()
     compute = DTYPE_MAP[dtype] if dtype != "float32" else torch.bfloat16
-    return torch.autocast(device_type=device_type, dtype=compute)
+    return _Autocast(device_type, compute)
+
+
+class _Autocast:
+    def __init__(self, device_type: str, dtype):
+        self.device_type, self.dtype = device_type, dtype
+        self._stack = None
+
+    def __enter__(self):
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(torch.autocast(device_type=self.device_type, dtype=self.dtype))
+        self._stack.enter_context(autocast_query())
+        return self
+
+    def __exit__(self, *exc):
+        stack, self._stack = self._stack, None
+        return stack.__exit__(*exc)
+
+
+class autocast_query:  # noqa: N801 (used as a context, like torch.autocast)
+    """Inside it, ``torch.is_autocast_enabled()`` without a device also answers True under the CPU's autocast
+    (restored on exit).
+
+    That no-argument query reports CUDA's autocast only, and peft's 4-bit LoRA layers decide by it whether to
+    cast the adapters' input to fp32 and their output back (peft 0.21 ``tuners/lora/bnb.py``
+    ``Linear4bit.forward``: ``requires_conversion = not torch.is_autocast_enabled()``). Without this a CPU step
+    under the CPU's autocast takes the path of a CUDA step *without* autocast (an fp32 copy of every adapter
+    output), not the path of the CUDA step it stands for. :func:`train_step` holds it over backward too, where
+    checkpointing's recompute re-enters the autocast and must take the forward's path."""
+
+    def __enter__(self):
+        self._original = original = torch.is_autocast_enabled
+
+        def is_autocast_enabled(*args, **kwargs):
+            if args or kwargs:
+                return original(*args, **kwargs)
+            return original() or original("cpu")
+        torch.is_autocast_enabled = is_autocast_enabled
+        return self
+
+    def __exit__(self, *exc):
+        torch.is_autocast_enabled = self._original
+        return False
 
 
 @dataclass
@@ -234,16 +277,17 @@ def train_step(model, micro_batches, optimizer, *, tracker=None, on_grads=None, 
         if tracker is not None:
             tracker.phase = name
     losses, tokens, padded = [], 0, 0
-    for batch in batches:
-        phase("forward")
-        with autocast_ctx or contextlib.nullcontext():
-            loss = model(**batch).loss if loss_fn is None else loss_fn(model, batch)
-        phase("backward")
-        (loss / len(batches)).backward() if len(batches) > 1 or accelerate_backward else loss.backward()
-        losses.append(loss.detach())
-        padded += batch["input_ids"].numel()
-        tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
-        del loss, batch
+    with autocast_query() if autocast_ctx is not None else contextlib.nullcontext():
+        for batch in batches:
+            phase("forward")
+            with autocast_ctx or contextlib.nullcontext():
+                loss = model(**batch).loss if loss_fn is None else loss_fn(model, batch)
+            phase("backward")
+            (loss / len(batches)).backward() if len(batches) > 1 or accelerate_backward else loss.backward()
+            losses.append(loss.detach())
+            padded += batch["input_ids"].numel()
+            tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+            del loss, batch
     if on_grads is not None:
         on_grads()
     phase("optimizer")

@@ -90,12 +90,15 @@ def test_rows_alternate_fit_and_judged_within_each_source_and_method():
     doc = json.loads((ROOT / "benchmarks/reference/time_rows.json").read_text())
     assert doc["split_rule"].startswith("within each source and method")  # the rule is written down with the rows
     groups: dict = {}
+    judged_only = [r for r in doc["rows"] if r.get("judged_only") and not r["out_of_scope"]]
     for r in doc["rows"]:
-        if not r["out_of_scope"]:
+        if not r["out_of_scope"] and not r.get("judged_only"):
             groups.setdefault((r["source"], r["settings"]["method"]), []).append(r["role"])
     assert sum(len(g) for g in groups.values()) >= 25
     for roles in groups.values():
         assert roles == [("fit", "judged")[i % 2] for i in range(len(roles))]
+    # a source added after the first fit is judged, never fitted, and the rule says so
+    assert judged_only and {r["role"] for r in judged_only} == {"judged"} and "judged only" in doc["split_rule"]
 
 
 def test_fitted_efficiencies_stay_within_what_the_kernels_reach():

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 # --- fitted (benchmarks/time_published.py from its fixed START; results in benchmarks/results/time_published.json)
 FITTED = {
-    "matmul_efficiency": 0.866,  # fraction of the dtype's dense peak a large matmul reaches (fit bounded by 0.87: MAMF)
-    "attention_efficiency": 0.726,  # fraction of the 16-bit tensor peak FlashAttention / mem-efficient reach (<= 0.73)
-    "bandwidth_efficiency": 0.555,  # fraction of datasheet bandwidth element-wise kernels reach
+    "matmul_efficiency": 0.87,  # fraction of the dtype's dense peak a large matmul reaches (fit bounded by 0.87: MAMF)
+    "attention_efficiency": 0.73,  # fraction of the 16-bit tensor peak FlashAttention / mem-efficient reach (<= 0.73)
+    "bandwidth_efficiency": 0.572,  # fraction of datasheet bandwidth element-wise kernels reach
     # host (Python + dispatcher) seconds per kernel launched; a pass whose kernels finish sooner waits for it
-    "host_seconds_per_kernel": 1.88e-05,
+    "host_seconds_per_kernel": 2.23e-05,
     # bitsandbytes NF4 dequantisation / its bandwidth bound (published measurements say 2-6x; only one QLoRA row is
     # fitted, so this one is loosely pinned: docs/time-model.md)
-    "dequant_factor": 5.75,
-    "l2_speedup": 2.52,  # L2 bandwidth / DRAM bandwidth for element-wise traffic that stays in L2
+    "dequant_factor": 6.06,
+    "l2_speedup": 2.42,  # L2 bandwidth / DRAM bandwidth for element-wise traffic that stays in L2
 }
 
 # Measured error of the model (benchmarks/results/time_published.json): the planner's interval is
@@ -29,8 +29,8 @@ FITTED = {
 # predicted from the other sources' fit (a plan is made for a machine and software stack no row measured); after the smoke run's
 # calibration on the rented GPU: the largest miss of a one-row calibration predicting another row of the same
 # GPU, model, method and checkpointing (a smoke run measures the planned settings).
-ERROR_FACTOR_UNCALIBRATED = 1.47  # fitted x1.19, judged x1.10, one source left out x1.47
-ERROR_FACTOR_CALIBRATED = 1.15  # worst pair of the same model, method, checkpointing (median 5.4 %)
+ERROR_FACTOR_UNCALIBRATED = 1.3  # fitted x1.15, judged x1.11, one source left out x1.30
+ERROR_FACTOR_CALIBRATED = 1.21  # worst pair of the same model, method, checkpointing (median 6.3 %)
 
 # --- non-reentrant checkpointing (torch.utils.checkpoint, use_reentrant=False; counted from its code, not fitted):
 # a block is recomputed from inside backward when the autograd engine first unpacks one of its saved tensors, and
@@ -87,17 +87,28 @@ FLASH_BACKWARD_FLOPS = 2.5  # FlashAttention-2 backward = 2.5x its forward FLOPs
 MATH_SCORE_PASSES_FWD = 6  # math kernel, per S x S element: write QK^T, read+write mask add, read+write softmax, read for AV
 MATH_SCORE_PASSES_BWD = 7  # grad of probs (write), softmax backward (read p, dp; write ds), ds read by two matmuls
 
-# --- element-wise traffic per decoder block, forward (HF Llama-family modelling code) ------------------------
-# RMSNorm: to(fp32), pow, mean, rsqrt*, mul, to(dtype), weight mul -> bytes per element of the hidden state:
-NORM_BYTES = lambda a: 32 + 4 * a  # noqa: E731  (a = activation bytes; fp32 internals = 4 B reads/writes)
+# --- element-wise traffic per decoder block, forward (HF Llama-family modelling code; transformers 5.24) ------
+# Counted operator by operator on a real step (benchmarks/time_counts.py: every operator's tensor bytes read and
+# written, per element of the tensor it runs over, a = bytes of an activation element).
+# RMSNorm: to(fp32) and to(dtype) (each a + 4; none when the stream is fp32), pow (8), mean (4), * rsqrt (8),
+# weight * (2a):
+NORM_BYTES = lambda a: 20 + 2 * a + (2 * (a + 4) if a != 4 else 0)  # noqa: E731
 NORM_KERNELS = 7
-ROTARY_PASSES = 10  # q*cos, rotate_half (slice, neg, cat), *sin, add; for q and k: passes over q+k elements
+# q*cos and rotate_half(q)*sin (2a each), rotate_half's neg and cat (a + 4a, measured), the add (3a): per element
+# of q and k
+ROTARY_PASSES = 12
 ROTARY_KERNELS = 12
 RESIDUAL_PASSES = 3  # two reads, one write, per residual add (two adds per block)
-MLP_ACT_PASSES = 6  # silu(gate) (read, write) then * up (two reads, one write) + one re-read: per ffn element
+MLP_ACT_PASSES = 5  # silu(gate) (read, write) then * up (two reads, one write): per ffn element
 BLOCK_OTHER_KERNELS = 8  # reshapes that copy (transpose().contiguous()), residual adds, activation
-ATTN_LAYOUT_PASSES = 4  # q/k/v/out transposes to and from the heads layout (read + write of the hidden state)
-BACKWARD_ELEMENTWISE = 2.0  # backward of an element-wise op reads the saved input and the gradient, writes one
+# q/k/v/out to and from the heads layout: views for the fused kernels (flash, memory-efficient: they take strided
+# q/k/v and write the output in the layout transpose(1, 2) makes contiguous); copies around the math kernel and
+# eager attention (read + write of the hidden state, four times)
+ATTN_LAYOUT_PASSES = 4
+# backward bytes of the block's element-wise operators per forward byte: a gradient op reads the saved input(s)
+# and the gradient and writes one or two gradients; measured on a real full fine-tuning step without
+# checkpointing (benchmarks/time_counts.py: 2.2 with the embedding's gradient left out)
+BACKWARD_ELEMENTWISE = 2.2
 BACKWARD_KERNELS = 1.5  # backward kernels per forward kernel (element-wise grads fuse less than they launch)
 
 # --- LoRA (peft tuners/lora/layer.py Linear.forward) --------------------------------------------------------
@@ -111,7 +122,12 @@ DEQUANT_WRITE_BYTES = 2  # the compute-dtype (bf16) copy written per element, th
 QLORA_EXTRA_KERNELS = 4  # dequantize (+ absmax dequant with double quant), cast in, cast out
 
 # --- loss (transformers ForCausalLMLoss: logits.float(), shift, cross_entropy) ------------------------------
-LOSS_PASSES = 8  # fp32 passes over T x V: upcast, shift copy, log_softmax (r+w), nll, backward (r+w+cast)
+# fp32 passes over T x V (transformers 5 shifts the labels, not the logits): forward log_softmax (r+w) and nll (r);
+# backward nll (zeros + scatter: w+w) and log_softmax's backward (r+r+w). Logits in 16-bit add the upcast
+# (2 + 4 bytes) in forward and the gradient's cast back in backward.
+LOSS_PASSES_FWD = 3
+LOSS_PASSES_BWD = 5
+LOSS_CAST_BYTES = 6
 # Liger's fused linear cross-entropy (use_liger_kernel): liger-kernel 0.6.4 ops/cross_entropy.py
 # liger_cross_entropy_kernel reads each row of the logits chunk twice (online softmax, then the gradient) and writes
 # the gradient over it once, in the logits' dtype

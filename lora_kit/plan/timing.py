@@ -221,13 +221,16 @@ def _dtypes(st: Step) -> dict:
     (``qlora_prepare="none"``) everything but the 4-bit weights runs in ``dtype``, the adapters in bf16."""
     half = st.dtype if st.dtype != "float32" else "bfloat16"
     if st.method == "qlora" and not st.kbit_prepared:
-        return {"base": half, "activations": st.dtype, "head": st.dtype, "adapters": "bfloat16", "weights": half}
+        return {"base": half, "activations": st.dtype, "stream": st.dtype, "head": st.dtype, "adapters": "bfloat16",
+                "adapter_weights": "bfloat16", "weights": half}
     if st.method == "qlora":
-        return {"base": half, "activations": "float32", "head": half if st.autocast else "float32",
-                "adapters": half if st.autocast else "float32", "weights": half}
+        return {"base": half, "activations": "float32", "stream": "float32", "head": half if st.autocast else "float32",
+                "adapters": half if st.autocast else "float32", "adapter_weights": "float32", "weights": half}
     base = half if st.autocast else st.dtype
-    return {"base": base, "activations": base, "head": base, "adapters": base if st.autocast else "float32",
-            "weights": st.dtype}
+    weights = "float32" if st.method == "full" and st.autocast else st.dtype  # autocast: fp32 master weights
+    # the residual stream (embeddings, norms, residual adds) stays in the weights' dtype under autocast
+    return {"base": base, "activations": base, "stream": weights, "head": base,
+            "adapters": base if st.autocast else "float32", "adapter_weights": "float32", "weights": weights}
 
 
 class _Clock:
@@ -242,6 +245,11 @@ class _Clock:
         self.kernels = 0.0
         self.l2 = l2_bytes(gpu)
         self._mark = (0.0, 0.0)
+        # what the kernels do, apart from how long they take: FLOPs by the dtype class they run at ("float32" on
+        # CUDA cores, "16-bit" on tensor cores) and bytes of the kernels without FLOPs, by part (what
+        # benchmarks/time_counts.py sets beside a real step's operators)
+        self.f32_peak = fp32_flops(gpu)[0]
+        self.flops, self.bytes, self.stage = {}, {}, "forward"
 
     def _bw(self, working_set):
         """Element-wise kernels read what the previous kernel just wrote: a working set that fits in L2 moves at
@@ -251,8 +259,15 @@ class _Clock:
             return self.bw
         return self.bw * self.tm.l2_speedup
 
-    def add(self, part, flops=0.0, peak=1.0, eff=None, bytes_=0.0, kernels=1.0, times=1.0, working_set=None):
+    def add(self, part, flops=0.0, peak=1.0, eff=None, bytes_=0.0, kernels=1.0, times=1.0, working_set=None,
+            fp32=None):
         dev = max(flops / (peak * (eff or self.tm.matmul_efficiency)), bytes_ / self._bw(working_set))
+        if flops:
+            key = f'{part}/{"float32" if (peak == self.f32_peak if fp32 is None else fp32) else "16-bit"}'
+            self.flops[key] = self.flops.get(key, 0.0) + times * flops
+        elif bytes_:
+            key = f"{self.stage}/{part}"
+            self.bytes[key] = self.bytes.get(key, 0.0) + times * bytes_
         self.seconds[part] += times * max(dev, kernels * C.KERNEL_MIN_SECONDS)
         self.kernels += times * kernels
 
@@ -262,7 +277,7 @@ class _Clock:
         waves = math.ceil(T / C.GEMM_TILE) * math.ceil(n / C.GEMM_TILE) / sms if sms else 0
         filled = waves / math.ceil(waves) if waves else 1.0
         self.add(part, 2.0 * T * k * n, peak * filled, bytes_=T * (k + n) * act_bytes + k * n * weight_bytes,
-                 times=times)
+                 times=times, fp32=peak == self.f32_peak)
 
     def device_seconds(self) -> float:
         return sum(v for k, v in self.seconds.items() if k != "host_wait")
@@ -279,11 +294,67 @@ class _Clock:
         self.seconds["host_wait"] += max(0.0, host - dev) + extra_kernels * extra_host_per_kernel
 
 
-def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: float, adapted: set, kernel: str):
-    """One pass over the decoder blocks: ``kind`` = "forward" or "backward" (a recompute is another forward)."""
+def _adapter_bytes(k: int, n: int, ax: int, ro: int, aw: int, autocast: bool, bnb: bool,
+                   backward: bool = False, x_grad: bool = True) -> float:
+    """Bytes per token one LoRA-adapted linear's element-wise kernels move in forward (peft 0.21), the matmuls
+    aside. ``ax``: bytes of an element of the input x; ``ro``: of the base layer's output; ``aw``: of the
+    adapter weights (fp32: peft's ``autocast_adapter_dtype``). ``tuners/lora/layer.py`` ``Linear.forward``: x cast
+    to the adapter dtype, ``lora_B(lora_A(x)) * scaling`` added to the result, the sum cast back to the result's
+    dtype. ``tuners/lora/bnb.py`` ``Linear4bit.forward`` (``bnb``): the result cloned, and under CUDA's autocast
+    neither the input nor the output cast (``requires_conversion = not torch.is_autocast_enabled()``). Under
+    autocast, ``lora_A`` casts its fp32 input to 16-bit and ``lora_B`` returns 16-bit. Counted operator by operator
+    against a real step (``benchmarks/time_counts.py``)."""
+    half = 2
+    convert = not (bnb and autocast)
+    xa = aw if convert else ax  # the dtype lora_A receives
+    b = k * (ax + aw) if convert and ax != aw else 0  # x.to(lora_A.weight.dtype)
+    if autocast and xa != half:
+        b += k * (xa + half)  # autocast's cast of lora_A's input
+    if backward and not x_grad:  # an input that needs no gradient: neither cast runs backward
+        b = 0
+    lo = half if autocast else aw  # lora_B's output
+    b += 2 * n * lo  # * scaling
+    if backward:  # each cast's gradient cast back, the scaling's gradient, the sum's gradient cast to each input's
+        # dtype (the autograd engine's), and x's gradient added to the base layer's (a clone's gradient is free)
+        out = max(ro, lo)
+        if bnb and convert and lo != ro:
+            b += n * (lo + ro)  # output.to(expected_dtype)'s gradient
+            lo = ro
+        elif not bnb and out != ro:
+            b += n * (out + ro)  # result.to(torch_result_dtype)'s gradient
+        b += (n * (out + ro) if out != ro else 0) + (n * (out + lo) if out != lo else 0)
+        return b + (3 * k * ax if x_grad else 0)
+    if bnb:
+        b += 2 * n * ro  # result.clone()
+        if convert and lo != ro:
+            b, lo = b + n * (lo + ro), ro  # output.to(expected_dtype)
+        return b + n * (ro + lo + max(ro, lo))  # result + output
+    out = max(ro, lo)
+    b += n * (ro + lo + out)  # result + lora_B(...) * scaling
+    return b + (n * (out + ro) if out != ro else 0)  # result.to(torch_result_dtype)
+
+
+def _last_saving_linear(spec):
+    """The block's last linear, where non-reentrant checkpointing's recompute stops, or None where the kit does
+    not know the block's last operator (mixture-of-experts: the experts come after the linears of the spec).
+
+    The recompute ends as soon as it has re-saved every tensor the block saved (early stop), and autograd saves a
+    matmul's inputs before it runs the matmul: the block's last matmul that saves an input never runs again
+    (full fine-tuning, and LoRA's frozen base: ``down_proj``; an adapted ``down_proj``: its ``lora_B``).
+    bitsandbytes' 4-bit matmul saves after it computes (``MatMul4Bit.forward``), so it runs."""
+    last = spec.linears[-1] if spec.linears else None
+    return last if last is not None and last.name == "down_proj" and not last.layers else None
+
+
+def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: float, adapted: set, kernel: str,
+                recompute: bool = False):
+    """One pass over the decoder blocks: ``kind`` = "forward" or "backward"; ``recompute``: checkpointing's
+    forward again, inside backward (it stops at :func:`_last_saving_linear`)."""
     dt = _dtypes(st)
     a = DTYPE_BYTES[dt["activations"]]
+    a_s = DTYPE_BYTES[dt["stream"]]
     mm_b = DTYPE_BYTES[dt["base"]]
+    stop = _last_saving_linear(spec) if recompute else None
     base_peak = peak_flops(gpu, dt["base"], False)
     f32_peak = fp32_flops(gpu)[0]
     bwd = kind == "backward"
@@ -294,9 +365,13 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
         n_l = times * (lin.layers or L)
         k, n = lin.in_features, lin.out_features
         if not bwd:
-            c.matmul("matmul", T, k, n, base_peak, mm_b, mm_b, times=n_l)
+            if not (lin is stop and lin.name not in adapted and st.method != "qlora"):
+                c.matmul("matmul", T, k, n, base_peak, mm_b, mm_b, times=n_l)
         else:  # the input gradient (T x k out); with full fine-tuning the weight gradient (k x n out)
-            c.matmul("matmul", T, n, k, base_peak, mm_b, mm_b, times=n_l)
+            # (none into the first block, whose input needs no gradient without checkpointing's
+            # enable_input_require_grads when the embeddings are frozen)
+            first_free = st.method != "full" and not st.gradient_checkpointing and lin.kind == "attn_in"
+            c.matmul("matmul", T, n, k, base_peak, mm_b, mm_b, times=n_l - (times if first_free else 0))
             if trained_base:
                 c.matmul("matmul", k, T, n, base_peak, mm_b, mm_b, times=n_l)
         if st.autocast and dt["weights"] == "float32":  # fp32 master weight cast to 16-bit per use
@@ -312,15 +387,34 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
             r, ab = st.lora_rank, DTYPE_BYTES[dt["adapters"]]
             ap = f32_peak if dt["adapters"] == "float32" else base_peak
             per = 2 if bwd else 1  # A and B: input and weight gradients in backward
-            c.matmul("adapters", T, k, r, ap, ab, ab, times=n_l * per)
+            first_free = bwd and st.method != "full" and not st.gradient_checkpointing and lin.kind == "attn_in"
+            c.matmul("adapters", T, k, r, ap, ab, ab, times=n_l * per - (times if first_free else 0))
+            if lin is stop:  # the recompute stops before lora_B: only x's casts ran
+                aw = DTYPE_BYTES[dt["adapter_weights"]]
+                ew = T * k * (a + aw) if a != aw else 0
+                c.add("adapters", bytes_=ew, kernels=1, times=n_l)
+                continue
             c.matmul("adapters", T, r, n, ap, ab, ab, times=n_l * per)
-            ew = (T * k * (a + ab) if a != ab else 0) + T * n * (2 * ab + 2 * a + ab)
-            c.add("adapters", bytes_=ew * (C.BACKWARD_ELEMENTWISE if bwd else 1), working_set=T * n * (ab + a),
+            ro = a if st.method == "qlora" else mm_b  # Linear4bit returns its input's dtype
+            args = (k, n, a, ro, DTYPE_BYTES[dt["adapter_weights"]], st.autocast, st.method == "qlora", bwd)
+            ew = T * _adapter_bytes(*args)
+            if first_free:  # one block of n_l without x's gradient
+                ew -= T * (_adapter_bytes(*args) - _adapter_bytes(*args, x_grad=False)) * times / n_l
+            c.add("adapters", bytes_=ew, working_set=T * n * (ab + a),
                   kernels=C.LORA_ELEMENTWISE_KERNELS * (C.BACKWARD_KERNELS if bwd else 1), times=n_l)
     # element-wise traffic of one block
     q_k = T * (spec.num_heads + spec.num_kv_heads) * spec.head_dim
-    ew = (spec.norms_per_layer * T * H * C.NORM_BYTES(a) + q_k * a * C.ROTARY_PASSES
-          + T * H * a * (C.ATTN_LAYOUT_PASSES + 2 * C.RESIDUAL_PASSES) + T * F * a * C.MLP_ACT_PASSES)
+    layout = 0 if kernel in ("flash", "mem_efficient") else C.ATTN_LAYOUT_PASSES
+    # under autocast the rotary tables are in the stream's dtype, which q and k take on (promotion)
+    a_rot = max(a, a_s) if st.autocast else a
+    ew = (spec.norms_per_layer * T * H * C.NORM_BYTES(a_s) + q_k * a_rot * C.ROTARY_PASSES
+          + T * H * (a * layout + 2 * a_s * C.RESIDUAL_PASSES) + T * F * a * C.MLP_ACT_PASSES)
+    if st.autocast:
+        if st.method != "qlora" and a_s != mm_b:  # each linear fed by the stream casts it (activations: no cache)
+            ew += T * sum(lin.in_features for lin in spec.linears if lin.kind in ("attn_in", "mlp_in")) * (a_s + mm_b)
+        if a_rot != mm_b and st.attn_implementation == "sdpa":  # SDPA's q/k (and v) cast to 16-bit
+            v_el = T * spec.num_kv_heads * spec.head_dim
+            ew += q_k * (a_rot + mm_b) + (v_el * (a + mm_b) if a != mm_b else 0)
     kn = spec.norms_per_layer * C.NORM_KERNELS + C.ROTARY_KERNELS + C.BLOCK_OTHER_KERNELS
     c.add("elementwise", bytes_=ew * (C.BACKWARD_ELEMENTWISE if bwd else 1), working_set=T * max(H, F) * 2 * a,
           kernels=kn * (C.BACKWARD_KERNELS if bwd else 1), times=times * L)
@@ -373,28 +467,38 @@ def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeMode
     hb = DTYPE_BYTES[dt["head"]]
     hp = peak_flops(gpu, dt["head"], False)
     H, V = spec.hidden_size, spec.vocab_size
-    a = DTYPE_BYTES[dt["activations"]]
-    c.begin_pass()  # forward: the blocks, lm_head and the loss (logits in fp32), its backward's traffic
+    a_s = DTYPE_BYTES[dt["stream"]]
+    c.begin_pass()  # forward: the blocks, the final norm, lm_head and the loss
     _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
-    head_cast = V * H * 6 if st.kbit_prepared and st.autocast else 0  # autocast casts the fp32 lm_head per use
+    # autocast casts an fp32 lm_head weight to 16-bit per use (QLoRA's recipe; full fine-tuning's master weights)
+    head_cast = V * H * 6 if st.autocast and (st.kbit_prepared or dt["weights"] == "float32") else 0
     if st.liger_kernel:
-        _liger_loss_head(c, st, T, H, V, hp, hb, head_cast, 2 * T * H * C.NORM_BYTES(a))
+        _liger_loss_head(c, st, T, H, V, hp, hb, head_cast, 2 * T * H * C.NORM_BYTES(a_s))
     else:
         c.matmul("lm_head_loss", T, H, V, hp, hb, hb)
         c.add("lm_head_loss", bytes_=head_cast, kernels=1 if head_cast else 0)
-        c.add("lm_head_loss", bytes_=T * V * 4 * C.LOSS_PASSES + 2 * T * H * C.NORM_BYTES(a),
-              kernels=12 + 2 * C.NORM_KERNELS)
+        cast = C.LOSS_CAST_BYTES if hb != 4 else 0  # 16-bit logits: .float() (and the gradient's cast back)
+        c.add("lm_head_loss", bytes_=T * V * (4 * C.LOSS_PASSES_FWD + cast) + T * H * C.NORM_BYTES(a_s),
+              kernels=6 + C.NORM_KERNELS)
     c.end_pass()
     c.begin_pass()  # backward: lm_head's gradients, then the blocks' (after each block's recompute when checkpointing)
+    c.stage = "backward"
     if not st.liger_kernel:  # Liger's fused cross-entropy computed them in forward
+        c.add("lm_head_loss", bytes_=T * V * (4 * C.LOSS_PASSES_BWD + cast)
+              + T * H * C.NORM_BYTES(a_s) * C.BACKWARD_ELEMENTWISE, kernels=6 + C.NORM_KERNELS)
         c.matmul("lm_head_loss", T, V, H, hp, hb, hb)  # the input gradient (T x H out)
         if st.method == "full":
             c.matmul("lm_head_loss", H, T, V, hp, hb, hb)  # the weight gradient (H x V out)
-        c.add("lm_head_loss", bytes_=head_cast, kernels=1 if head_cast else 0)
+            # its 16-bit gradient cast back to the fp32 master weight's dtype (autocast); the embedding's
+            # gradient, a dense V x H table written per micro-step (embedding_dense_backward)
+            c.add("lm_head_loss", bytes_=head_cast + V * H * DTYPE_BYTES[dt["weights"]],
+                  kernels=2 if head_cast else 1)
     before = c.kernels
     if st.gradient_checkpointing:  # the blocks' forward again, inside backward (its Python re-runs too)
-        _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
+        c.stage = "recompute"  # reentrant checkpointing reruns the whole forward (no early stop)
+        _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel, recompute=not reentrant_checkpointing)
     recomputed = c.kernels - before
+    c.stage = "backward"
     _block_pass(c, spec, st, gpu, "backward", T, 1.0, adapted, kernel)
     stall = tm.host_seconds_per_kernel * recompute_host_calls(st.method)  # the device waits (module docstring)
     c.end_pass(0.0 if reentrant_checkpointing else stall, recomputed)
@@ -402,7 +506,9 @@ def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeMode
     opt_s, opt_k = _optimizer_seconds(spec, st, c)
     parts = {k: v * st.grad_accum for k, v in c.seconds.items()}
     parts["optimizer"] = opt_s
+    counts = {"flops": dict(c.flops), "bytes": dict(c.bytes)}  # one micro-step: "part/dtype", "stage/part"
     return {"parts": parts, "micro_step_seconds": micro, "kernels": c.kernels * st.grad_accum + opt_k,
+            "counts": counts,
             "attention_kernel": kernel, "dtypes": dt, "fp32_source": fp32_flops(gpu)[1]}
 
 
