@@ -84,6 +84,11 @@ class Census(TorchDispatchMode):
             batch = a.shape[0] if a.dim() == 3 else 1
             self.flops[(stage, str(a.dtype).removeprefix("torch."))] += 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
             return out
+        if name == "_grouped_mm":  # experts: (S, K) x (E, K, N) by offsets, or (K, S) x (S, N) per group (weight grad)
+            a, b = args[0], args[1]
+            f = 2 * a.shape[0] * a.shape[1] * b.shape[-1]
+            self.flops[(stage, str(a.dtype).removeprefix("torch."))] += f
+            return out
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         moved = sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))

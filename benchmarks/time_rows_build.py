@@ -185,8 +185,10 @@ def fms_rows(path: Path = FMS_CSV) -> list:
         elif gpus != 1:
             why = f"{gpus} GPUs: this benchmark judges the one-GPU step (multi-GPU time is lora_kit.plan.multi_gpu's)"
         elif model not in FMS_MODELS:
-            why = f"{model} is not a model the kit plans here" + (" (mixture-of-experts: the time model counts no "
-                                                                  "expert matmuls)" if "Mixtral" in model else "")
+            why = f"{model} is not a model the kit plans here" + (
+                " (transformers 4.48's Mixtral loops over per-expert nn.Linear layers, which bitsandbytes quantizes "
+                "under QLoRA; the kit times transformers 5's fused grouped_mm experts)"
+                if "Mixtral" in model else "")
         elif not r["train_runtime"]:
             why = "ran out of memory (no time published): a verdict for the memory benchmarks, not a time"
         if not why:

@@ -121,9 +121,12 @@ class TimeModel:
 
 
 def _targets(spec, step: Step) -> list:
-    """The adapted linears, checked by the one model check (as ``estimate`` does)."""
+    """The adapted linears, checked by the one model check (as ``estimate`` does); on a mixture-of-experts model
+    without the linears peft moves to the experts (``lora_kit.memory.moe.expert_lora``'s ``dropped``)."""
+    from lora_kit.memory.moe import expert_lora
     names = check_targets(spec, "lora", step.lora_rank, step.lora_targets, "eager")  # attention is not checked here
-    return [lin for lin in spec.linears if lin.name in names]
+    dropped = set(expert_lora(spec, names)["dropped"]) if spec.moe else set()
+    return [lin for lin in spec.linears if lin.name in names and lin.name not in dropped]
 
 
 def flops_per_step(spec, step: Step | None = None, **overrides) -> dict:
@@ -131,7 +134,12 @@ def flops_per_step(spec, step: Step | None = None, **overrides) -> dict:
     (default ``PLANNING``) with ``overrides``."""
     spec, st = model_spec(spec), as_step(step, **overrides)
     seq_len, T = int(st.seq_len), int(st.batch_size) * int(st.seq_len)  # Python ints: exact at any size
-    p_lin = sum(lin.in_features * lin.out_features for lin in spec.linears) * spec.num_layers
+    p_lin = sum(lin.in_features * lin.out_features * (lin.layers or spec.num_layers) for lin in spec.linears)
+    if spec.moe:  # the parameters a token runs through: its k experts and the router, per expert block
+        m = spec.moe
+        i = m["expert_intermediate_size"]
+        p_lin += len(m["moe_layers"]) * (m["experts_per_token"] * 3 * spec.hidden_size * i
+                                         + spec.hidden_size * m["experts"])
     p_head = spec.vocab_size * spec.hidden_size
     causal = 0.5 if st.attn_implementation in ("sdpa", "flash_attention_2") else 1.0
     attn = 4.0 * T * seq_len * spec.num_heads * spec.head_dim * spec.num_layers * causal
@@ -142,9 +150,10 @@ def flops_per_step(spec, step: Step | None = None, **overrides) -> dict:
         bwd = 2 * (fwd_blocks + fwd_head)
         recompute_adapters = 0.0
     else:
-        ad = sum(st.lora_rank * (lin.in_features + lin.out_features) for lin in _targets(spec, st))
-        adapters = 6.0 * T * ad * spec.num_layers
-        recompute_adapters = 2.0 * T * ad * spec.num_layers
+        ad = sum(st.lora_rank * (lin.in_features + lin.out_features) * (lin.layers or spec.num_layers)
+                 for lin in _targets(spec, st))
+        adapters = 6.0 * T * ad
+        recompute_adapters = 2.0 * T * ad
         bwd = 2.0 * T * (p_lin + p_head) + 2 * attn
     parts = {"forward": fwd_blocks + fwd_head, "backward": bwd, "adapters": adapters,
              "recompute": (fwd_blocks + recompute_adapters) if st.gradient_checkpointing else 0.0}
@@ -419,6 +428,55 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
     c.add("elementwise", bytes_=ew * (C.BACKWARD_ELEMENTWISE if bwd else 1), working_set=T * max(H, F) * 2 * a,
           kernels=kn * (C.BACKWARD_KERNELS if bwd else 1), times=times * L)
     _attention(c, spec, st, gpu, kernel, bwd, times * L)
+    if spec.moe:
+        _experts(c, spec, st, gpu, bwd, T, times, recompute)
+
+
+def _experts(c: _Clock, spec, st: Step, gpu: dict, bwd: bool, T: int, times: float, recompute: bool = False):
+    """The routed experts of each mixture-of-experts block, as transformers 5.24 runs them
+    (``experts_implementation="grouped_mm"``, :mod:`lora_kit.memory.moe`): the router's matmul and top-k, the
+    ``S = T * k`` (token, expert) rows gathered, one grouped matmul for gate and up, the activation, one for
+    down, the routing weights (fp32) applied and the rows summed back per token. FLOPs do not depend on the
+    routing (every token runs ``k`` experts). Backward: the input gradients; full fine-tuning also the experts'
+    weight gradients. LoRA on the experts (peft's ``ParamWrapper``: "all-linear" on Mixtral-like models)
+    materializes ``W + B @ A`` for every expert stack in each forward (``baddbmm``) and takes the stack's weight
+    gradient in backward to reach A and B. Shared experts are ordinary linears of the spec. Under QLoRA's
+    recipe the experts are not quantized and stay fp32 (CUDA cores)."""
+    from lora_kit.memory.moe import expert_lora
+    m = spec.moe
+    E, k, i, n = m["experts"], m["experts_per_token"], m["expert_intermediate_size"], times * len(m["moe_layers"])
+    h, S = spec.hidden_size, T * k
+    dt = _dtypes(st)
+    a = DTYPE_BYTES[dt["activations"]]
+    xp = "float32" if st.method == "qlora" and st.kbit_prepared and not st.autocast else dt["base"]
+    xb, peak = DTYPE_BYTES[xp], peak_flops(gpu, xp, False)
+    lora = expert_lora(spec, check_targets(spec, "lora", st.lora_rank, st.lora_targets, "eager")) \
+        if st.method != "full" else {}
+    trained = st.method == "full" or lora.get("gate_up") or lora.get("down")
+    r = st.lora_rank
+    c.matmul("matmul", T, h, E, peak, xb, xb, times=n * (1 + bwd))  # the router (and its input gradient)
+    for kk, nn in ((h, 2 * i), (i, h)):  # gate_up, down: (S, K) x (E, K, N)
+        if not bwd:
+            c.matmul("matmul", S, kk, nn, peak, xb, xb, times=n)
+        else:
+            c.matmul("matmul", S, nn, kk, peak, xb, xb, times=n)  # the input gradient
+            if trained:  # the stack's weight gradient: full fine-tuning, or LoRA's way to A and B
+                c.matmul("matmul", kk, S, nn, peak, xb, xb, times=n)
+    for role, kk, nn, rank in (("gate_up", h, 2 * i, 2 * r), ("down", i, h, r)):
+        if lora.get(role):  # W + B @ A per expert stack (baddbmm: W read, W' written), twice per forward as peft
+            # 0.21.2 runs it (counted: benchmarks/time_counts.py); backward: A's and B's gradients (two bmm
+            # through the stack's gradient)
+            c.add("adapters", flops=2.0 * E * nn * rank * kk, peak=peak, bytes_=2 * E * nn * kk * xb, kernels=1,
+                  times=2 * n)
+    if lora.get("router"):  # the router's W + B @ A (E x h, in the adapters' dtype), materialized the same way
+        ap = fp32_flops(gpu)[0] if dt["adapters"] == "float32" else peak_flops(gpu, dt["adapters"], False)
+        c.add("adapters", flops=2.0 * E * r * h, peak=ap, bytes_=2 * E * h * 4, kernels=1, times=2 * n)
+    # gather (S x h), activation and product (S x i), routing weights and the sum back per token (fp32 weights;
+    # checkpointing's recompute stops before these last two: early stop)
+    tail = 0 if recompute else S * h * (a + 4 + 4) + T * h * (4 + a)
+    ew = 2 * S * h * a + 5 * S * i * a + tail + T * E * 4 * 6 + S * 8 * 6
+    c.add("elementwise", bytes_=ew * (C.BACKWARD_ELEMENTWISE if bwd else 1), kernels=12 * (C.BACKWARD_KERNELS if bwd else 1),
+          times=n, working_set=S * max(h, 2 * i) * a)
 
 
 def _attention(c: _Clock, spec, st: Step, gpu: dict, kernel: str, bwd: bool, times: float):
