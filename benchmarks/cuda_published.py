@@ -194,6 +194,56 @@ def verdict(row: dict, est, gpu: dict | None) -> dict:
             "predicted": "fits" if fits else "oom", "happened": happened, "right": (happened == "oom") != fits}
 
 
+FMS_MODELS = {"mistralai/Mistral-7B-v0.1": "mistral-7b", "NousResearch/Llama-2-70b-hf": "llama-2-70b"}
+
+
+def fms_rows() -> list[dict]:
+    """fms-acceleration's single-GPU A100-80GB runs of the plain HF stack (the CSV ``benchmarks/time_rows_build.py``
+    reads, committed verbatim; the settings are its ``fms_rows``'): each run that finished gives two rows, torch's
+    peak allocated (``mem_peak_torch_mem_alloc_in_bytes``, the Trainer's memory tracker over init and train) and
+    nvidia-smi's peak used memory (``mem_nvidia_mem_reserved``, MiB, polled by nvidia-smi during the run); each
+    run that did not finish (no runtime, no torch peak: out of memory) one row with ``"outcome": "oom"``."""
+    import csv
+
+    from time_rows_build import FMS_COMMIT, FMS_CSV, FMS_URL
+    rows = []
+    for i, r in enumerate(csv.DictReader(FMS_CSV.open())):
+        model, fw = r["model_name_or_path"], r["framework_config"]
+        if int(r["num_gpus"]) != 1 or fw not in ("", "none", "baseline-peft-bnb") or model not in FMS_MODELS:
+            continue  # other stacks, several GPUs (planned elsewhere) and models outside the catalog: time_rows'
+        method = "qlora" if fw == "baseline-peft-bnb" else ("lora" if r["peft_method"] == "lora" else "full")
+        b = int(r["per_device_train_batch_size"])
+        plan = {"method": method, "seq_len": 4096, "batch_size": b, "gradient_checkpointing": True,
+                "attn_implementation": "flash_attention_2", "padding": "none", "optimizer": "adamw",
+                "dtype": "bfloat16", "loop": "kit"}  # transformers 4.48's Trainer: optim adamw_torch (foreach)
+        if method != "full":
+            plan.update(lora_rank=int(r["r"]), lora_alpha=int(float(r["lora_alpha"])),
+                        lora_targets=r["target_modules"].split())
+        if method == "qlora":
+            plan.update(autocast=True, qlora_prepare="peft", double_quant=True)
+        base = {"source": "foundation-model-stack/fms-acceleration reference benchmarks (A100-80GB)", "url": FMS_URL,
+                "model_as_published": model, "method_as_published": fw or "none", "gpu_as_published": "A100-80GB",
+                "in_scope": True, "model": FMS_MODELS[model], "gpu": "A100-80GB", "plan": plan,
+                "caveats": f"CSV row {i + 1} at {FMS_COMMIT[:7]}: TRL 0.13 SFTTrainer (its loss is the model's), "
+                "transformers 4.48.1 (whose Trainer defaulted to optim adamw_torch: torch's foreach AdamW, what the "
+                "kit's own loop runs; loop 'trainer' follows transformers 5.24's adamw_torch_fused), torch 2.4.1, "
+                "rows packed to 4096 tokens; LoRA dropout 0.1 "
+                "(not planned); QLoRA: TRL also casts adapters, lm_head and embeddings to bf16; mistral-7b in the "
+                "catalog is v0.3 (32,768-token vocabulary, v0.1 has 32,000)"}
+        slug = f"fms:{model.split('/')[-1]}-{method}-b{b}"
+        if not r["train_runtime"]:
+            rows.append({**base, "id": slug, "metric": "nvidia-smi", "unit": "MiB",
+                         "value_as_published": r["mem_nvidia_mem_reserved"], "value_bytes": None, "outcome": "oom"})
+            continue
+        rows.append({**base, "id": f"{slug}-allocated", "metric": "allocated", "unit": "B",
+                     "value_as_published": r["mem_peak_torch_mem_alloc_in_bytes"],
+                     "value_bytes": int(float(r["mem_peak_torch_mem_alloc_in_bytes"]))})
+        rows.append({**base, "id": f"{slug}-nvidia-smi", "metric": "nvidia-smi", "unit": "MiB",
+                     "value_as_published": r["mem_nvidia_mem_reserved"],
+                     "value_bytes": int(float(r["mem_nvidia_mem_reserved"]) * 2 ** 20)})
+    return rows
+
+
 def compare(rows: list[dict], replay: bool = True) -> list[dict]:
     """One result per reference row, in order: in-scope rows compared with the kit's figure of their metric,
     out-of-scope rows with their reason."""
@@ -207,9 +257,9 @@ def compare(rows: list[dict], replay: bool = True) -> list[dict]:
         est = lk.estimate(model=row["model"], **row["plan"])
         gpu = get_gpu(row["gpu"]) if row.get("gpu") else None
         kit = kit_figure(row, est, gpu, replay)
-        measured = int(row["value_bytes"])
+        measured = int(row["value_bytes"]) if row.get("value_bytes") is not None else None  # None: ran out of memory
         out.append({**base, "model": row["model"], "plan": row["plan"], "gpu": row.get("gpu"),
-                    "measured": measured, "kit": kit, "ratio": kit["figure"] / measured,
+                    "measured": measured, "kit": kit, "ratio": kit["figure"] / measured if measured else None,
                     "verdict": verdict(row, est, gpu), "caveats": row.get("caveats")})
     return out
 
@@ -217,7 +267,8 @@ def compare(rows: list[dict], replay: bool = True) -> list[dict]:
 def summary(results: list[dict]) -> dict:
     """Ratios per metric and the verdict count, with issue 34's targets (stated for the device total) said met or
     not on the figure each row is compared with."""
-    inscope = [r for r in results if r["in_scope"]]
+    verdicts = [r for r in results if r["in_scope"]]
+    inscope = [r for r in verdicts if r["ratio"] is not None]  # an out-of-memory row has a verdict, no figure
     per_metric = {}
     for m in METRICS:
         q = sorted(r["ratio"] for r in inscope if r["metric"] == m)
@@ -225,19 +276,19 @@ def summary(results: list[dict]) -> dict:
             per_metric[m] = {"rows": len(q), "min": q[0], "median": statistics.median(q), "max": q[-1],
                              "short_over_3pct": sum(x < SHORT for x in q)}
     ratios = [r["ratio"] for r in inscope]
-    judged = [r["verdict"] for r in inscope if r["verdict"]["judged"]]
+    judged = [r["verdict"] for r in verdicts if r["verdict"]["judged"]]
     closed = sorted(r["kit"]["device_basis"]["reserved"] / r["measured"] for r in inscope if r["metric"] == "reserved")
     spread = {"rows": len(closed), "min": closed[0], "median": statistics.median(closed), "max": closed[-1],
               "short_over_3pct": sum(x < SHORT for x in closed)} if closed else None
     basis = {"closed_form_reserved_vs_measured": spread,
              "verdicts_right": sum(v["basis_right"] for v in judged), "verdicts_judged": len(judged),
-             "wrong": [r["id"] for r in inscope if r["verdict"]["judged"] and not r["verdict"]["basis_right"]]}
-    return {"rows": len(results), "in_scope": len(inscope), "out_of_scope": len(results) - len(inscope),
+             "wrong": [r["id"] for r in verdicts if r["verdict"]["judged"] and not r["verdict"]["basis_right"]]}
+    return {"rows": len(results), "in_scope": len(verdicts), "out_of_scope": len(results) - len(verdicts),
             "device_basis": basis,
             "per_metric": per_metric,
             "replayed": sum("replay" in r["kit"] for r in inscope),
             "verdicts_judged": len(judged), "verdicts_right": sum(v["right"] for v in judged),
-            "verdicts_not_judged": len(inscope) - len(judged),
+            "verdicts_not_judged": len(verdicts) - len(judged),
             "targets_on_compared_figure": {"never_more_than_3pct_short": bool(ratios) and min(ratios) >= SHORT,
                         "median_at_most_15pct_over": bool(ratios) and statistics.median(ratios) <= OVER_MEDIAN,
                         "every_judged_verdict_right": all(v["right"] for v in judged)}}
@@ -255,6 +306,10 @@ def table(results: list[dict]) -> str:
             said = f"{v['predicted']} / {v['happened']} {'ok' if v['right'] else 'WRONG'}"
             bsaid = f"{v['basis_predicted']} / {v['happened']} {'ok' if v['basis_right'] else 'WRONG'}"
         k = r["kit"]
+        if r["measured"] is None:  # out of memory: the verdict only
+            lines.append(f"{r['id']:<26}{r['metric']:<11}{r['model']:<14}{str(r['gpu']):<10}{'oom':>13}"
+                         f"{k['figure'] / GIB:>9.2f}{'':>9}{'':>15}{'':>15}  {said:<22}{bsaid:<22}{k['basis']}")
+            continue
         lines.append(f"{r['id']:<26}{r['metric']:<11}{r['model']:<14}{str(r['gpu']):<10}{r['measured'] / GIB:>13.2f}"
                      f"{k['figure'] / GIB:>9.2f}{r['ratio']:>9.3f}{k['estimate_allocated'] / r['measured']:>15.3f}"
                      f"{k['device_basis']['reserved'] / r['measured']:>15.3f}  {said:<22}{bsaid:<22}{k['basis']}")
@@ -271,7 +326,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args(argv)
     ref = json.loads(REFERENCE.read_text())
-    rows = ref["rows"]
+    rows = ref["rows"] + fms_rows()
     if a.rows:
         want = a.rows.split(",")
         unknown = sorted(set(want) - {r["id"] for r in rows})

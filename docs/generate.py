@@ -609,7 +609,8 @@ def sec_cuda_published(prov):
     data = json.loads(src.read_text())
     sec = Section(PUBLISHED_CUDA_TITLE, src, "python benchmarks/cuda_published.py", prov)
     rows = data.get("rows", [])
-    scoped = sorted((r for r in rows if r.get("in_scope")), key=lambda r: -abs(math.log(r["ratio"])))
+    scoped = sorted((r for r in rows if r.get("in_scope")),
+                    key=lambda r: -abs(math.log(r["ratio"])) if r.get("ratio") else 0.0)
     body = ("Ratio = the kit's figure / the published one, for the metric the row reports (*basis* says which figure "
             "of the kit's was compared). *Verdict*: `estimate`'s device total against the GPU's CUDA-visible "
             "capacity at margin 0, beside what happened; a GPU outside the catalog is not judged.\n\n")
@@ -619,7 +620,8 @@ def sec_cuda_published(prov):
         verdict = (f"{v.get('predicted')} / {v.get('happened')}: {'right' if v.get('right') else '**wrong**'}"
                    if v.get("judged") else f"not judged ({v.get('why_not', 'no reason given')})")
         out.append([_ref_link(r), describe({"model": r.get("model", ""), **(r.get("plan") or {})}), r.get("gpu") or "",
-                    r.get("metric", ""), gib(r["measured"]), gib(k["figure"]), f"{r['ratio']:.3f}",
+                    r.get("metric", ""), gib(r["measured"]) if r.get("measured") else "out of memory",
+                    gib(k["figure"]), f"{r['ratio']:.3f}" if r.get("ratio") else "",
                     k.get("basis", ""), verdict])
     body += table(["row", "setting", "GPU", "metric", "published GiB", "kit GiB", "ratio", "basis", "verdict"], out)
     lines = []

@@ -93,7 +93,7 @@ def test_a_metric_the_kit_has_no_figure_for_names_the_row():
 def test_committed_results_match_the_reference_rows():
     res = json.loads((ROOT / "benchmarks" / "results" / "cuda_published.json").read_text())
     assert [(r["id"], r["metric"], r["in_scope"]) for r in res["rows"]] == \
-        [(r["id"], r["metric"], r["in_scope"]) for r in ROWS]
+        [(r["id"], r["metric"], r["in_scope"]) for r in ROWS + bench.fms_rows()]
     for r in (r for r in res["rows"] if r["in_scope"] and r["metric"] == "reserved"):
         k = r["kit"]  # replayed at full depth, or the estimate's figure with simulate's reason
         assert "replay" in k or "simulate cannot run this step" in k["basis"], r["id"]
@@ -107,3 +107,19 @@ def test_replayed_fsdp2_sequence_is_complete(random_llama_dir):
     sim, events = bench.simulate_events(str(random_llama_dir), plan)
     assert any(isinstance(e[1], tuple) and "resized" in e[1] for e in events)
     assert replay(events, expandable_segments=True).max_allocated == sim.peak_allocated_bytes
+
+
+def test_fms_acceleration_runs_give_both_metrics_or_an_out_of_memory_verdict():
+    """Each finished single-GPU run of the committed CSV gives its allocated and nvidia-smi peaks; each run that
+    did not finish is an out-of-memory verdict with no figure, and the committed results judge every one."""
+    rows = bench.fms_rows()
+    oom = [r for r in rows if r.get("outcome") == "oom"]
+    ran = [r for r in rows if r.get("outcome") is None]
+    assert oom and all(r["value_bytes"] is None for r in oom)
+    assert sorted(r["metric"] for r in ran) == sorted(["allocated", "nvidia-smi"] * (len(ran) // 2))
+    assert all(r["value_bytes"] > 2 ** 30 for r in ran)
+    res = {r["id"]: r for r in json.loads((ROOT / "benchmarks/results/cuda_published.json").read_text())["rows"]}
+    for r in rows:
+        got = res[r["id"]]
+        assert got["verdict"]["judged"] and got["verdict"]["happened"] == r.get("outcome", "ran")
+        assert (got["ratio"] is None) == (r.get("outcome") == "oom")
