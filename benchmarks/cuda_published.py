@@ -17,6 +17,8 @@ its source reports, never another:
 - ``nvidia-smi`` (the device's used memory): the device total on the basis of :mod:`lora_kit.memory.device`
   (context + reserved + outside the allocator, what the process adds), the paged optimizer states resident, plus the
   GPU's driver share (``lora_kit.plan.gpus``: nvidia-smi's total minus CUDA's), labelled where the share is unknown.
+  Where ``simulate`` runs the step at full depth, the reserved part is the allocator replay's (as for ``reserved``
+  rows), the estimate's closed-form figure kept beside it (``estimate_seen``).
 
 Per row also the ratio kit / measured, the closed-form reserved of :mod:`lora_kit.memory.device` / measured, and the
 verdict at margin 0 twice: ``estimate``'s ``device_total_bytes`` as the tree computes it, and the device total on the
@@ -146,14 +148,26 @@ def kit_figure(row: dict, est, gpu: dict | None, replay: bool) -> dict:
     elif metric == "nvidia-smi":
         share = gpu.get("driver_share_bytes") if gpu else None
         seen = est.device_total_bytes + b["paged_resident"]  # what the process adds to nvidia-smi, paged resident
+        total = "estimate.device_total_bytes"
+        if replay:  # the device total with the allocator replay's reserved in place of the closed form's
+            try:
+                sim, events = simulate_events(row["model"], row["plan"])
+            except ValueError:  # simulate cannot run this step at full depth (it says why on a reserved row)
+                pass
+            else:
+                rep = replayed(events)
+                seen += rep[ALLOCATOR]["max_reserved"] - b["reserved"]
+                total = (f"the device total with the allocator replay's reserved ({ALLOCATOR} setting, simulate's "
+                         "step at full depth) for the closed form's")
+                out.update(estimate_seen=est.device_total_bytes + b["paged_resident"],
+                           replay_reserved=rep[ALLOCATOR]["max_reserved"])
         if share is None or share != share:  # NaN: the catalog lacks nvidia-smi's total or CUDA's for this GPU
             out.update(figure=seen,
-                       basis="estimate.device_total_bytes + paged resident alone: the driver share of this GPU is "
+                       basis=f"{total} + paged resident alone: the driver share of this GPU is "
                              "not in the catalog (the figure is short by it)")
         else:
             out.update(figure=seen + int(share), driver_share=int(share),
-                       basis=f"estimate.device_total_bytes + paged resident + driver share of {gpu['name']} "
-                             "(lora_kit.plan.gpus)")
+                       basis=f"{total} + paged resident + driver share of {gpu['name']} (lora_kit.plan.gpus)")
     elif metric == "reserved":
         fallback, label = estimate_reserved(row, est, gpu)
         if not replay:
