@@ -27,7 +27,12 @@ tokens) and long ones device-bound; the host-bound excess is the part ``host_wai
   receives (:func:`lora_kit.memory.cuda_kernels.flash_attention_dtype`: 16-bit), plus, for fp32 q/k/v (QLoRA's
   recipe), their casts to 16-bit and the gradients' casts back at bandwidth.
 - **Element-wise and norm traffic** (RMSNorm in fp32 internally, rotary, residual adds, SiLU x up, LoRA's casts
-  and adds, the loss's fp32 logits) at bandwidth; activations are fp32 under QLoRA's recipe.
+  and adds operator by operator, the loss's fp32 logits) at bandwidth; activations are fp32 under QLoRA's recipe,
+  the residual stream stays in the weights' dtype under autocast. What is counted (FLOPs by dtype, bytes per
+  stage) is checked against the operators of a real step (``benchmarks/time_counts.py``,
+  ``device_parts(...)["counts"]``).
+- **Mixture-of-experts blocks** (:func:`_experts`): the router, the grouped expert matmuls over tokens x top-k,
+  the gather and the sum back; LoRA on the experts materializes ``W + B @ A`` per expert stack.
 - **QLoRA under autocast** (HF Trainer ``bf16=True``): every linear, ``lm_head`` included, runs in 16-bit (the
   fp32 ``lm_head`` weight cast per use); without autocast ``lm_head`` and the adapters run in fp32.
 - **QLoRA dequantisation**: every pass through a 4-bit linear (forward, backward, the recomputed forward)
@@ -40,8 +45,9 @@ tokens) and long ones device-bound; the host-bound excess is the part ``host_wai
   tensors' metadata, the unpack hook). The device waits for that host work (the H200 rows show it is not hidden
   even at 8k tokens): :func:`recompute_host_calls` host dispatches per recomputed kernel (``time_constants``:
   counted from checkpoint.py and the saved tensors of a block, not fitted), at the same ``host_seconds_per_kernel``
-  as every other dispatch (in ``host_wait``). Reentrant checkpointing
-  (``reentrant_checkpointing=True``) recomputes with a plain forward, without those hooks.
+  as every other dispatch (in ``host_wait``). The recompute stops early, before the block's last matmul that saves
+  an input (:func:`_last_saving_linear`). Reentrant checkpointing (``reentrant_checkpointing=True``) recomputes
+  the whole block with a plain forward, without those hooks.
 - **L2 cache**: element-wise traffic whose working set fits in the GPU's L2 (``time_constants.L2_MB``) moves at
   ``l2_speedup`` x DRAM bandwidth (Ada's large L2 matters at short sequences); a larger one streams at DRAM's.
 - **Optimizer**: ``torch.optim.AdamW(foreach=True)`` moves 20 state-sized passes per trainable element (in the
