@@ -379,13 +379,13 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
     for lin in spec.linears:
         n_l = times * (lin.layers or L)
         k, n = lin.in_features, lin.out_features
+        # no input gradient into the first block, whose input needs none without checkpointing's
+        # enable_input_require_grads when the embeddings are frozen
+        first_free = bwd and st.method != "full" and not st.gradient_checkpointing and lin.kind == "attn_in"
         if not bwd:
             if not (lin is stop and lin.name not in adapted and st.method != "qlora"):
                 c.matmul("matmul", T, k, n, base_peak, mm_b, mm_b, times=n_l)
         else:  # the input gradient (T x k out); with full fine-tuning the weight gradient (k x n out)
-            # (none into the first block, whose input needs no gradient without checkpointing's
-            # enable_input_require_grads when the embeddings are frozen)
-            first_free = st.method != "full" and not st.gradient_checkpointing and lin.kind == "attn_in"
             c.matmul("matmul", T, n, k, base_peak, mm_b, mm_b, times=n_l - (times if first_free else 0))
             if trained_base:
                 c.matmul("matmul", k, T, n, base_peak, mm_b, mm_b, times=n_l)
@@ -402,7 +402,6 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
             r, ab = st.lora_rank, DTYPE_BYTES[dt["adapters"]]
             ap = f32_peak if dt["adapters"] == "float32" else base_peak
             per = 2 if bwd else 1  # A and B: input and weight gradients in backward
-            first_free = bwd and st.method != "full" and not st.gradient_checkpointing and lin.kind == "attn_in"
             c.matmul("adapters", T, k, r, ap, ab, ab, times=n_l * per - (times if first_free else 0))
             if lin is stop:  # the recompute stops before lora_B: only x's casts ran
                 aw = DTYPE_BYTES[dt["adapter_weights"]]
@@ -412,9 +411,10 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
             c.matmul("adapters", T, r, n, ap, ab, ab, times=n_l * per)
             ro = a if st.method == "qlora" else mm_b  # Linear4bit returns its input's dtype
             args = (k, n, a, ro, DTYPE_BYTES[dt["adapter_weights"]], st.autocast, st.method == "qlora", bwd)
-            ew = T * _adapter_bytes(*args)
+            per_token = _adapter_bytes(*args)
+            ew = T * per_token
             if first_free:  # one block of n_l without x's gradient
-                ew -= T * (_adapter_bytes(*args) - _adapter_bytes(*args, x_grad=False)) * times / n_l
+                ew -= T * (per_token - _adapter_bytes(*args, x_grad=False)) * times / n_l
             c.add("adapters", bytes_=ew, working_set=T * n * (ab + a),
                   kernels=C.LORA_ELEMENTWISE_KERNELS * (C.BACKWARD_KERNELS if bwd else 1), times=n_l)
     # element-wise traffic of one block
