@@ -40,6 +40,7 @@ from lora_kit.memory.specs import model_spec  # noqa: E402
 from lora_kit.memory.tracker import LiveBytesTracker, kernel_temporaries  # noqa: E402
 from lora_kit.plan.gpus import get_gpu  # noqa: E402
 from lora_kit.results import write_json_atomic  # noqa: E402
+from lora_kit.settings import as_step  # noqa: E402
 
 REFERENCE = ROOT / "benchmarks" / "reference" / "cuda_h200.json"
 GIB = 2 ** 30
@@ -127,8 +128,7 @@ def device_basis(model: str, kw: dict, est, gpu: str = "H200") -> dict:
     the optimizer less its own states)."""
     g = get_gpu(gpu)
     parts = device_parts(est.peak_allocated_bytes, context=int(g["context_bytes"]),
-                         **device_kwargs(model_spec(model), kw["method"], kw["seq_len"] * kw["batch_size"],
-                                         kw.get("loop", "kit"), kw.get("num_gpus", 1)))
+                         **device_kwargs(model_spec(model), as_step(None, **kw)))
     opt = kw.get("optimizer", "adamw")
     paged = 0
     if opt.startswith("paged_"):

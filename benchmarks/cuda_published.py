@@ -6,19 +6,19 @@ its source reports, never another:
 - ``allocated`` (``torch.cuda.max_memory_allocated``): ``estimate``'s ``peak_allocated_bytes`` plus the two cuBLAS
   workspaces that counter holds (:func:`lora_kit.memory.device.cuda_allocated_bytes`, by the row's compute
   capability: its catalog GPU's, or the row's own ``compute_capability``).
-- ``reserved`` (``torch.cuda.max_memory_reserved``): the reserved bytes of PyTorch's caching allocator replayed
-  (:mod:`lora_kit.memory.allocator`, the allocator setting the row ran with; the sources name none, so PyTorch's
-  default, with ``expandable_segments:True`` shown beside) over ``simulate``'s allocation sequence of the step at
-  the row's full depth (the weights and optimizer states, then the step twice, as ``benchmarks/cuda_h200.py``
-  replays it). A published row is never simulated at reduced depth: where ``simulate`` cannot run the step (it
-  says why) or ``--no-replay`` is given, the figure is the closed-form reserved bytes of
-  :mod:`lora_kit.memory.device` from the estimate's peak, labelled as such. The
-  estimate's ``peak_allocated_bytes`` is shown beside (reserved is never below allocated).
-- ``nvidia-smi`` (the device's used memory): the device total on the basis of :mod:`lora_kit.memory.device`
-  (context + reserved + outside the allocator, what the process adds), the paged optimizer states resident, plus the
-  GPU's driver share (``lora_kit.plan.gpus``: nvidia-smi's total minus CUDA's), labelled where the share is unknown.
-  Where ``simulate`` runs the step at full depth, the reserved part is the allocator replay's (as for ``reserved``
-  rows), the estimate's closed-form figure kept beside it (``estimate_seen``).
+- ``reserved`` (``torch.cuda.max_memory_reserved``): the estimate's reserved bytes (the closed form of
+  :mod:`lora_kit.memory.device` from its peak: the reserved part of ``device_total_bytes``). The estimate's
+  ``peak_allocated_bytes`` is shown beside (reserved is never below allocated).
+- ``nvidia-smi`` (the device's used memory): ``estimate``'s ``device_total_bytes`` (context + reserved + outside
+  the allocator, what the process adds), the paged optimizer states resident, plus the GPU's driver share
+  (``lora_kit.plan.gpus``: nvidia-smi's total minus CUDA's), labelled where the share is unknown.
+
+Beside the figure of a ``reserved`` or ``nvidia-smi`` row, the cross-check ``replay_figure``: the same with the
+reserved bytes of PyTorch's caching allocator replayed (:mod:`lora_kit.memory.allocator`, the setting the row ran
+with; the sources name none, so PyTorch's default, ``expandable_segments:True`` shown beside) over ``simulate``'s
+allocation sequence of the step at the row's full depth (the weights and optimizer states, then the step twice, as
+``benchmarks/cuda_h200.py`` replays it). A published row is never simulated at reduced depth: where ``simulate``
+cannot run the step, ``replay_not_run`` says why.
 
 Per row also the ratio kit / measured, the closed-form reserved of :mod:`lora_kit.memory.device` / measured, and the
 verdict at margin 0 twice: ``estimate``'s ``device_total_bytes`` as the tree computes it, and the device total on the
@@ -55,6 +55,7 @@ from lora_kit.memory.specs import model_spec  # noqa: E402
 from lora_kit.memory.tracker import LiveBytesTracker  # noqa: E402
 from lora_kit.plan.gpus import compute_capability, get_gpu  # noqa: E402
 from lora_kit.results import write_json_atomic  # noqa: E402
+from lora_kit.settings import as_step  # noqa: E402
 
 from calibrate_accuracy import machine  # noqa: E402
 from cuda_h200 import EventTracker, replayed, steady_state  # noqa: E402
@@ -118,10 +119,8 @@ def basis(row: dict, est, gpu: dict | None) -> dict:
     estimate's peak, memory outside the allocator (NCCL per rank when ``num_gpus`` > 1), and the paged optimizer
     states resident beside them (the estimate with the unpaged twin less its own states)."""
     plan = row["plan"]
-    tokens = plan.get("seq_len", 2048) * plan.get("batch_size", 1)
     parts = device_parts(est.peak_allocated_bytes, context=int(gpu["context_bytes"]) if gpu else None,
-                         **device_kwargs(model_spec(row["model"]), plan["method"], tokens, plan.get("loop", "kit"),
-                                         plan.get("num_gpus", 1)))
+                         **device_kwargs(model_spec(row["model"]), as_step(None, **plan)))
     opt, paged = plan.get("optimizer", "adamw"), 0
     if opt.startswith("paged_"):
         twin = lk.estimate(model=row["model"], **{**plan, "optimizer": opt.removeprefix("paged_")})
@@ -132,6 +131,22 @@ def basis(row: dict, est, gpu: dict | None) -> dict:
 def estimate_reserved(row: dict, est, gpu: dict | None) -> tuple[int, str]:
     """The estimate's reserved bytes (the closed form of :mod:`lora_kit.memory.device`) and its label."""
     return basis(row, est, gpu)["reserved"], "closed-form reserved (lora_kit.memory.device.reserved_bytes)"
+
+
+def _replay(row: dict, replay: bool) -> tuple[dict | None, str | None]:
+    """The allocator replay (both settings, :func:`cuda_h200.replayed`) of ``simulate``'s step at the row's full
+    depth, with what was simulated, and None; or None and why not (``replay`` off, or what ``simulate`` says of a
+    step it cannot run)."""
+    if not replay:
+        return None, "replay not run (--no-replay)"
+    t0 = time.perf_counter()
+    try:
+        sim, events = simulate_events(row["model"], row["plan"])
+    except ValueError as e:  # simulate says which steps it cannot run, and what to use instead
+        return None, f"simulate cannot run this step at full depth: {e}"
+    return {**replayed(events), "simulate": {"peak_allocated": sim.peak_allocated_bytes,
+                                             "events_replayed": len(events),
+                                             "seconds": round(time.perf_counter() - t0, 1)}}, None
 
 
 def kit_figure(row: dict, est, gpu: dict | None, replay: bool) -> dict:
@@ -147,45 +162,26 @@ def kit_figure(row: dict, est, gpu: dict | None, replay: bool) -> dict:
                          f"(lora_kit.memory.device.cuda_allocated_bytes, compute capability {cc or 'unknown: 32 MiB'})")
     elif metric == "nvidia-smi":
         share = gpu.get("driver_share_bytes") if gpu else None
+        known = not (share is None or share != share)  # NaN: the catalog lacks nvidia-smi's total or CUDA's
         seen = est.device_total_bytes + b["paged_resident"]  # what the process adds to nvidia-smi, paged resident
-        total = "estimate.device_total_bytes"
-        if replay:  # the device total with the allocator replay's reserved in place of the closed form's
-            try:
-                sim, events = simulate_events(row["model"], row["plan"])
-            except ValueError:  # simulate cannot run this step at full depth (it says why on a reserved row)
-                pass
-            else:
-                rep = replayed(events)
-                seen += rep[ALLOCATOR]["max_reserved"] - b["reserved"]
-                total = (f"the device total with the allocator replay's reserved ({ALLOCATOR} setting, simulate's "
-                         "step at full depth) for the closed form's")
-                out.update(estimate_seen=est.device_total_bytes + b["paged_resident"],
-                           replay_reserved=rep[ALLOCATOR]["max_reserved"])
-        if share is None or share != share:  # NaN: the catalog lacks nvidia-smi's total or CUDA's for this GPU
-            out.update(figure=seen,
-                       basis=f"{total} + paged resident alone: the driver share of this GPU is "
-                             "not in the catalog (the figure is short by it)")
+        add = int(share) if known else 0
+        out.update(figure=seen + add, driver_share=int(share) if known else None,
+                   basis="estimate.device_total_bytes + paged resident + " +
+                         (f"driver share of {gpu['name']} (lora_kit.plan.gpus)" if known else
+                          "no driver share: this GPU's is not in the catalog (the figure is short by it)"))
+        rep, why = _replay(row, replay)
+        if rep:  # the same with the allocator replay's reserved in place of the closed form's
+            out.update(replay_figure=seen + rep[ALLOCATOR]["max_reserved"] - b["reserved"] + add, replay=rep)
         else:
-            out.update(figure=seen + int(share), driver_share=int(share),
-                       basis=f"{total} + paged resident + driver share of {gpu['name']} (lora_kit.plan.gpus)")
+            out.update(replay_not_run=why)
     elif metric == "reserved":
         fallback, label = estimate_reserved(row, est, gpu)
-        if not replay:
-            out.update(figure=fallback, basis=label + "; replay not run (--no-replay)")
-            return out
-        t0 = time.perf_counter()
-        try:
-            sim, events = simulate_events(row["model"], row["plan"])
-        except ValueError as e:  # simulate says which steps it cannot run, and what to use instead
-            out.update(figure=fallback, basis=f"{label}; simulate cannot run this step at full depth: {e}")
-            return out
-        rep = replayed(events)
-        out.update(figure=rep[ALLOCATOR]["max_reserved"],
-                   basis=f"reserved of the allocator replay ({ALLOCATOR} setting) of simulate's step at full depth",
-                   estimate_reserved=fallback, estimate_reserved_basis=label,
-                   simulate={"peak_allocated": sim.peak_allocated_bytes, "events_replayed": len(events),
-                             "seconds": round(time.perf_counter() - t0, 1)},
-                   replay=rep)
+        out.update(figure=fallback, basis=label)
+        rep, why = _replay(row, replay)
+        if rep:
+            out.update(replay_figure=rep[ALLOCATOR]["max_reserved"], replay=rep)
+        else:
+            out.update(replay_not_run=why)
     else:
         raise ValueError(f"row {row['id']}: metric {metric!r} is not one of {', '.join(METRICS)}; fix the reference "
                          "file or move the row out of scope with a reason.")
@@ -283,12 +279,15 @@ def summary(results: list[dict]) -> dict:
     not on the figure each row is compared with."""
     verdicts = [r for r in results if r["in_scope"]]
     inscope = [r for r in verdicts if r["ratio"] is not None]  # an out-of-memory row has a verdict, no figure
-    per_metric = {}
+    per_metric, per_metric_replay = {}, {}
     for m in METRICS:
-        q = sorted(r["ratio"] for r in inscope if r["metric"] == m)
-        if q:
-            per_metric[m] = {"rows": len(q), "min": q[0], "median": statistics.median(q), "max": q[-1],
-                             "short_over_3pct": sum(x < SHORT for x in q)}
+        for into, rs in ((per_metric, [r["ratio"] for r in inscope if r["metric"] == m]),
+                         (per_metric_replay, [r["kit"]["replay_figure"] / r["measured"] for r in inscope
+                                              if r["metric"] == m and "replay_figure" in r["kit"]])):
+            q = sorted(rs)
+            if q:
+                into[m] = {"rows": len(q), "min": q[0], "median": statistics.median(q), "max": q[-1],
+                           "short_over_3pct": sum(x < SHORT for x in q)}
     ratios = [r["ratio"] for r in inscope]
     judged = [r["verdict"] for r in verdicts if r["verdict"]["judged"]]
     closed = sorted(r["kit"]["device_basis"]["reserved"] / r["measured"] for r in inscope if r["metric"] == "reserved")
@@ -299,7 +298,7 @@ def summary(results: list[dict]) -> dict:
              "wrong": [r["id"] for r in verdicts if r["verdict"]["judged"] and not r["verdict"]["basis_right"]]}
     return {"rows": len(results), "in_scope": len(verdicts), "out_of_scope": len(results) - len(verdicts),
             "device_basis": basis,
-            "per_metric": per_metric,
+            "per_metric": per_metric, "per_metric_replay": per_metric_replay,
             "replayed": sum("replay" in r["kit"] for r in inscope),
             "verdicts_judged": len(judged), "verdicts_right": sum(v["right"] for v in judged),
             "verdicts_not_judged": len(verdicts) - len(judged),
@@ -310,7 +309,7 @@ def summary(results: list[dict]) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = [f"{'row':<26}{'metric':<11}{'model':<14}{'gpu':<10}{'measured GiB':>13}{'kit GiB':>9}{'kit/meas':>9}"
-             f"{'est.alloc/meas':>15}{'basis res/meas':>15}  {'verdict':<22}{'basis verdict':<22}kit figure"]
+             f"{'replay/meas':>12}{'est.alloc/meas':>15}  {'verdict':<22}{'basis verdict':<22}kit figure"]
     for r in results:
         if not r["in_scope"]:
             continue
@@ -322,11 +321,12 @@ def table(results: list[dict]) -> str:
         k = r["kit"]
         if r["measured"] is None:  # out of memory: the verdict only
             lines.append(f"{r['id']:<26}{r['metric']:<11}{r['model']:<14}{str(r['gpu']):<10}{'oom':>13}"
-                         f"{k['figure'] / GIB:>9.2f}{'':>9}{'':>15}{'':>15}  {said:<22}{bsaid:<22}{k['basis']}")
+                         f"{k['figure'] / GIB:>9.2f}{'':>9}{'':>12}{'':>15}  {said:<22}{bsaid:<22}{k['basis']}")
             continue
         lines.append(f"{r['id']:<26}{r['metric']:<11}{r['model']:<14}{str(r['gpu']):<10}{r['measured'] / GIB:>13.2f}"
-                     f"{k['figure'] / GIB:>9.2f}{r['ratio']:>9.3f}{k['estimate_allocated'] / r['measured']:>15.3f}"
-                     f"{k['device_basis']['reserved'] / r['measured']:>15.3f}  {said:<22}{bsaid:<22}{k['basis']}")
+                     f"{k['figure'] / GIB:>9.2f}{r['ratio']:>9.3f}"
+                     f"{k['replay_figure'] / r['measured'] if 'replay_figure' in k else float('nan'):>12.3f}"
+                     f"{k['estimate_allocated'] / r['measured']:>15.3f}  {said:<22}{bsaid:<22}{k['basis']}")
     lines.append("out of scope:")
     lines += [f"  {r['id']:<26}{r['metric']:<11}{r['reason']}" for r in results if not r["in_scope"]]
     return "\n".join(lines)
@@ -335,7 +335,7 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--no-replay", action="store_true",
-                   help="skip simulate + allocator replay; reserved rows take the estimate's figure, labelled")
+                   help="skip simulate + allocator replay (the cross-check beside reserved and nvidia-smi rows)")
     p.add_argument("--rows", default=None, help="comma-separated row ids (default: every row of the reference file)")
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args(argv)

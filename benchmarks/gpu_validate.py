@@ -174,9 +174,9 @@ def _closed_form_reserved(model, kw, est) -> int:
     from lora_kit.memory.specs import model_spec
     from lora_kit.settings import as_step
     st = as_step(None, **kw)
-    d = device_kwargs(model_spec(model), st.method, st.seq_len * st.batch_size, st.loop, st.num_gpus)
-    return int(reserved_bytes(est.peak_allocated_bytes, largest=d["largest"], method=d["method"],
-                              embedding_bytes=d["embedding_bytes"]))
+    d = device_kwargs(model_spec(model), st)
+    d.pop("num_gpus")
+    return int(reserved_bytes(est.peak_allocated_bytes, **d))
 
 
 def in_effect():

@@ -585,19 +585,20 @@ def sec_cuda_reserved_fit(prov):
     for r in data.get("rows", []):
         rep = r["replayed_reserved"]
         out.append([describe({"model": r["model"], **r["settings"]}), gib(r["peak_allocated"]), gib(r["largest"]),
-                    gib(rep["default"]), gib(rep["expandable"]), gib(r["closed_form_reserved"]),
-                    f"{r['closed_form_reserved'] / rep['default']:.3f}"])
+                    gib(r["layer"]) if "layer" in r else "-", gib(rep["default"]), gib(rep["expandable"]),
+                    gib(r["closed_form_reserved"]), f"{r['closed_form_reserved'] / rep['default']:.3f}"])
     body = ("Reserved = PyTorch's caching allocator replayed (`lora_kit.memory.allocator`) over `simulate`'s step "
             "(what was live before it, then the step twice; QLoRA with its load's 16-bit embedding blocks); *closed "
             "form* = `lora_kit.memory.device.reserved_bytes` from the same peak (PyTorch's default setting).\n\n")
-    body += table(["step", "peak GiB", "largest allocation GiB", "replay GiB (default)", "replay GiB (expandable)",
-                   "closed form GiB", "closed form / replay"], out)
+    body += table(["step", "peak GiB", "largest allocation GiB", "one layer's MLP activation GiB",
+                   "replay GiB (default)", "replay GiB (expandable)", "closed form GiB", "closed form / replay"], out)
     lines = []
     for name, v in (data.get("summary") or {}).items():
         ls = v.get("least_squares", {})
+        terms = " + ".join(f"{ls[k]:.{4 if k == 'peak' else 3}f} x {k}" for k in ("largest", "peak", "layer") if k in ls)
         lines.append(f"- closed form / replay ({name} setting): {v['rows']} rows, median {v['median']:.3f}, from "
-                     f"{v['min']:.3f} to {v['max']:.3f}; least squares of the replays' reserved - peak: "
-                     f"{ls.get('largest', float('nan')):.3f} x largest + {ls.get('peak', float('nan')):.4f} x peak")
+                     f"{v['min']:.3f} to {v['max']:.3f}; least squares of the replays' reserved - peak (less QLoRA's "
+                     f"cached embedding block): {terms}")
     return sec.head() + body + "\n" + "\n".join(lines) + "\n", {}
 
 
@@ -612,7 +613,9 @@ def sec_cuda_published(prov):
     scoped = sorted((r for r in rows if r.get("in_scope")),
                     key=lambda r: -abs(math.log(r["ratio"])) if r.get("ratio") else 0.0)
     body = ("Ratio = the kit's figure / the published one, for the metric the row reports (*basis* says which figure "
-            "of the kit's was compared). *Verdict*: `estimate`'s device total against the GPU's CUDA-visible "
+            "of the kit's was compared: what `estimate` prints). *Replay*: the same with the reserved bytes of "
+            "PyTorch's caching allocator replayed over `simulate`'s step at full depth (a cross-check; blank where "
+            "`simulate` cannot run the step). *Verdict*: `estimate`'s device total against the GPU's CUDA-visible "
             "capacity at margin 0, beside what happened; a GPU outside the catalog is not judged.\n\n")
     out = []
     for r in scoped:
@@ -622,12 +625,16 @@ def sec_cuda_published(prov):
         out.append([_ref_link(r), describe({"model": r.get("model", ""), **(r.get("plan") or {})}), r.get("gpu") or "",
                     r.get("metric", ""), gib(r["measured"]) if r.get("measured") else "out of memory",
                     gib(k["figure"]), f"{r['ratio']:.3f}" if r.get("ratio") else "",
+                    f"{k['replay_figure'] / r['measured']:.3f}" if r.get("measured") and "replay_figure" in k else "",
                     k.get("basis", ""), verdict])
-    body += table(["row", "setting", "GPU", "metric", "published GiB", "kit GiB", "ratio", "basis", "verdict"], out)
+    body += table(["row", "setting", "GPU", "metric", "published GiB", "kit GiB", "ratio", "replay ratio", "basis",
+                   "verdict"], out)
     lines = []
     for metric, m in (data.get("summary", {}).get("per_metric") or {}).items():
+        rep = (data.get("summary", {}).get("per_metric_replay") or {}).get(metric)
         lines.append(f"- {metric}: {m['rows']} rows, median ratio {m['median']:.3f}, from {m['min']:.3f} to "
-                     f"{m['max']:.3f}")
+                     f"{m['max']:.3f}" + (f" (replay: {rep['rows']} rows, median {rep['median']:.3f}, from "
+                                          f"{rep['min']:.3f} to {rep['max']:.3f})" if rep else ""))
     summ = data.get("summary", {})
     if "verdicts_judged" in summ:
         lines.append(f"- verdicts: {summ['verdicts_right']} of {summ['verdicts_judged']} judged right; "

@@ -50,9 +50,10 @@ def test_in_scope_rows_compared_with_the_metric_they_report(compared):
         assert r["measured"] == row["value_bytes"] > 0
         assert BASIS[r["metric"]] in r["kit"]["basis"]
         assert r["ratio"] == r["kit"]["figure"] / r["measured"]
-        if r["metric"] == "reserved":  # without the replay the estimate's figure stands in, and says so
-            assert "replay not run" in r["kit"]["basis"]
-            assert r["kit"]["figure"] >= r["kit"]["estimate_allocated"]
+        if r["metric"] in ("reserved", "nvidia-smi"):  # the estimate's figure; the replay beside it when it ran
+            assert r["kit"]["replay_not_run"] == "replay not run (--no-replay)" and "replay_figure" not in r["kit"]
+        if r["metric"] == "reserved":
+            assert r["kit"]["figure"] == r["kit"]["device_basis"]["reserved"] >= r["kit"]["estimate_allocated"]
 
 
 def test_verdicts_use_the_catalogs_cuda_capacity_or_say_why_not(compared):
@@ -94,9 +95,10 @@ def test_committed_results_match_the_reference_rows():
     res = json.loads((ROOT / "benchmarks" / "results" / "cuda_published.json").read_text())
     assert [(r["id"], r["metric"], r["in_scope"]) for r in res["rows"]] == \
         [(r["id"], r["metric"], r["in_scope"]) for r in ROWS + bench.fms_rows()]
-    for r in (r for r in res["rows"] if r["in_scope"] and r["metric"] == "reserved"):
-        k = r["kit"]  # replayed at full depth, or the estimate's figure with simulate's reason
-        assert "replay" in k or "simulate cannot run this step" in k["basis"], r["id"]
+    for r in (r for r in res["rows"] if r["in_scope"] and r["metric"] in ("reserved", "nvidia-smi")):
+        k = r["kit"]  # the estimate's figure; beside it the replay at full depth, or simulate's reason why not
+        assert ("replay" in k and "replay_figure" in k) or "simulate cannot run this step" in k["replay_not_run"], \
+            r["id"]
 
 
 def test_replayed_fsdp2_sequence_is_complete(random_llama_dir):

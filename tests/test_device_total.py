@@ -13,6 +13,7 @@ from lora_kit.memory.specs import model_spec
 from lora_kit.plan.gpus import get_gpu
 from lora_kit.plan.headline import PAPER_STEP
 from lora_kit.plan.planner import fit_verdict
+from lora_kit.settings import as_step
 
 H200 = json.loads((Path(__file__).parents[1] / "benchmarks" / "reference" / "cuda_h200.json").read_text())["rows"]
 STEPS = [r for r in H200 if "settings" in r]
@@ -29,8 +30,9 @@ def test_parts_add_up_and_every_kind_of_integer_stays_exact():
     assert arr.dtype == np.int64 and obj.dtype == object and list(arr) == list(obj)
     assert int(arr[0]) == device_total(12_641_234_432, **kw)
     huge = 2 ** 70  # past int64: Python ints, exact
+    n, d = device.FRAGMENTATION["peak"]
     assert device_total(huge, num_gpus=1) == huge + CUDA_CONTEXT_BYTES + max(OUTSIDE_BYTES.values()) + \
-        -(-(-(-huge // 20)) // (2 * 2 ** 20)) * (2 * 2 ** 20)
+        -(-(-(-(n * huge) // d)) // (2 * 2 ** 20)) * (2 * 2 ** 20)
     assert not hasattr(device, "RESERVE_FRACTION")  # the fixed 8 % is gone
 
 
@@ -53,22 +55,39 @@ def test_closed_form_on_the_shared_h200_rows_from_the_measured_peak():
     ctx = int(get_gpu("H200")["context_bytes"])
     for r in STEPS:
         st = r["settings"]
-        kw = device_kwargs(model_spec(r["model"]), st["method"], st["seq"] * st["batch"], "kit", 1)
+        kw = device_kwargs(model_spec(r["model"]), as_step(None, method=st["method"], seq_len=st["seq"],
+                                                         batch_size=st["batch"]))
         added = r["peak_nvml"] - r["nvml_used_before_context"]
         total = device_total(r["peak_allocated"], context=ctx, **kw)
         assert 0.97 <= total / added <= 1.10, (r["case"], total / added)
-        assert reserved_bytes(r["peak_allocated"], **{k: kw[k] for k in ("largest", "method", "embedding_bytes")}) \
+        assert reserved_bytes(r["peak_allocated"], **{k: kw[k] for k in ("largest", "layer", "method",
+                                                                          "embedding_bytes")}) \
             >= r["peak_allocated"]
 
 
 def test_qlora_keeps_one_16_bit_block_only_when_embeddings_are_untied():
     untied, tied = model_spec("llama-3.1-8b"), model_spec("llama-3.2-1b")
-    assert device_kwargs(untied, "qlora", 2048, "kit", 1)["embedding_bytes"] == untied.vocab_size * untied.hidden_size * 2
-    assert device_kwargs(tied, "qlora", 2048, "kit", 1)["embedding_bytes"] == 0
-    assert device_kwargs(untied, "lora", 2048, "kit", 1)["embedding_bytes"] == 0
-    assert device_kwargs(untied, "lora", np.array([512, 2048]), "kit", 1)["largest"].tolist() == \
+    qlora, lora = as_step(None, method="qlora"), as_step(None, method="lora")
+    assert device_kwargs(untied, qlora)["embedding_bytes"] == untied.vocab_size * untied.hidden_size * 2
+    assert device_kwargs(tied, qlora)["embedding_bytes"] == 0
+    assert device_kwargs(untied, lora)["embedding_bytes"] == 0
+    assert device_kwargs(untied, lora, np.array([512, 2048]))["largest"].tolist() == \
         [512 * untied.vocab_size * 4, 2048 * untied.vocab_size * 4]
-    assert device_kwargs(untied, "lora", 8192, "sft", 1)["largest"] == 4096 * 32768 * 4  # TRL's head tile
+    assert device_kwargs(untied, lora.replace(loop="sft"), 8192)["largest"] == 4096 * 32768 * 4  # TRL's head tile
+
+
+def test_layer_term_is_one_mlp_activation_in_the_dtype_the_layers_run():
+    """QLoRA readied by prepare_model_for_kbit_training runs its layers in fp32 (4 bytes), also under autocast;
+    without it, and LoRA in bf16, 2 bytes; fp32 weights without autocast 4."""
+    spec = model_spec("mistral-7b")
+    one = 4096 * spec.intermediate_size
+    assert device_kwargs(spec, as_step(None, method="qlora", autocast=True), 4096)["layer"] == one * 4
+    assert device_kwargs(spec, as_step(None, method="qlora", qlora_prepare="none"), 4096)["layer"] == one * 2
+    assert device_kwargs(spec, as_step(None, method="lora"), 4096)["layer"] == one * 2
+    assert device_kwargs(spec, as_step(None, method="full", dtype="float32"), 4096)["layer"] == one * 4
+    assert device_kwargs(spec, as_step(None, method="full", dtype="float32", autocast=True), 4096)["layer"] == one * 2
+    peak = 20 * 2 ** 30
+    assert reserved_bytes(peak, layer=one * 4) - reserved_bytes(peak) == 4 * one * 4  # LAYER = 4 blocks
 
 
 def test_paged_states_are_resident_when_room_but_never_in_the_verdict():
@@ -78,7 +97,7 @@ def test_paged_states_are_resident_when_room_but_never_in_the_verdict():
     paged = estimate("llama-65b", PAPER_STEP, optimizer="adamw").breakdown[
         "optimizer_states"] - e.breakdown["optimizer_states"]
     spec = model_spec("llama-65b")
-    total = device_total(e.peak_allocated_bytes, **device_kwargs(spec, "qlora", 512, "kit", 1))
+    total = device_total(e.peak_allocated_bytes, **device_kwargs(spec, PAPER_STEP))
     assert fit_verdict(total, "L40S", 0.0)["fits"]
     assert not fit_verdict(total + paged, "L40S", 0.0)["fits"]
     from lora_kit.memory.static import trainable_tensors

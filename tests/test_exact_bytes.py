@@ -14,6 +14,7 @@ from lora_kit.memory.device import device_kwargs, device_total
 from lora_kit.memory.specs import model_spec
 from lora_kit.plan.planner import max_fit, sweep
 from lora_kit.plan.timing import flops_per_step
+from lora_kit.settings import as_step
 
 HUGE = dict(seq_len=5_000_000, batch_size=64, attn_implementation="eager", gradient_checkpointing=False)
 
@@ -31,8 +32,7 @@ def test_eager_scores_do_not_wrap():
     assert isinstance(e.peak_allocated_bytes, int) and e.peak_allocated_bytes > 2 ** 63
     assert e.peak_allocated_bytes > spec.num_layers * scores
     assert e.peak_allocated_bytes == sum(e.breakdown.values())
-    kw = device_kwargs(spec, e.settings["method"], HUGE["seq_len"] * HUGE["batch_size"], e.settings["loop"],
-                       e.settings["num_gpus"])
+    kw = device_kwargs(spec, as_step(None, **{k: v for k, v in e.settings.items() if k != "model"}))
     assert e.device_total_bytes == device_total(e.peak_allocated_bytes, **kw) > e.peak_allocated_bytes
     sdpa = _quiet_estimate("llama-3.1-8b", **{**HUGE, "attn_implementation": "sdpa"})
     assert e.peak_allocated_bytes > sdpa.peak_allocated_bytes  # eager holds S x S scores: never below sdpa

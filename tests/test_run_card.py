@@ -59,8 +59,9 @@ def test_every_fitting_row_cheapest_first_with_currency(card):
     rows = [line for line in request.splitlines() if line.startswith("| ") and "✓" in line]
     fits = card["table"][card["table"]["fits"]]
     # QLoRA on L4 and A10G included; with torch's reserved and the memory outside the allocator in the device total
-    # (issue 34), LoRA on the RTX-4090 and QLoRA on the T4 no longer fit at the 10 % margin
-    assert len(rows) == len(fits) == 9
+    # (issue 34), QLoRA on the T4 does not fit at the 10 % margin (LoRA on the RTX-4090 does since the reserved term
+    # fitted on long-row replays gives a 2,048-token step less cache: a 3 % share of the peak, not 5 %)
+    assert len(rows) == len(fits) == 10
     assert {r.split("|")[1].strip() for r in rows} == {"LoRA", "QLoRA"}
     assert "cost per epoch (USD, example)" in request and "★ cheapest" in rows[0]
     assert not re.search(r"\bL?Q?LORA\b|\blora\b", request.replace("lora_kit", ""))  # one spelling

@@ -9,12 +9,14 @@
   CUDA 13.0, ``benchmarks/reference/cuda_h200.json``; public readings put other cards at 0.1-0.6 GiB).
 - *reserved*: what torch's caching allocator holds at the peak (``max_memory_reserved``), in closed form
   (:func:`reserved_bytes`): the peak allocated bytes plus a fragmentation term fitted on replays of PyTorch's
-  caching allocator (:mod:`lora_kit.memory.allocator`) over ``simulate``'s allocation sequences of 38 steps (six
-  models of five architectures, LoRA / QLoRA / full, 512-4,096 tokens, with and without checkpointing;
+  caching allocator (:mod:`lora_kit.memory.allocator`) over ``simulate``'s allocation sequences of 49 steps (ten
+  models of six architectures, LoRA / QLoRA / full, 512-32,768 tokens, with and without checkpointing;
   ``benchmarks/cuda_reserved_fit.py``): a share of the largest single allocation of the step (in a causal LM, the
-  fp32 logits) and a share of the peak, under PyTorch's default setting. QLoRA adds the 16-bit embedding block
-  that ``prepare_model_for_kbit_training`` frees into the cache when it up-casts it to fp32 (fitted on the shared
-  H200 QLoRA row).
+  fp32 logits), a share of the peak, and a multiple of one decoder layer's MLP activation (tokens x intermediate
+  size, in the activations' dtype: on long rows a layer's blocks of hundreds of MiB stay cached while the loss and
+  the backward ask for others), under PyTorch's default setting. QLoRA adds the 16-bit embedding block that
+  ``prepare_model_for_kbit_training`` frees into the cache when it up-casts it to fp32 (fitted on the shared H200
+  QLoRA row).
 - *outside*: memory outside torch's allocator once the first kernels ran (cuBLAS / cuDNN handles and workspaces,
   kernel images): :data:`OUTSIDE_BYTES`, fitted on (equal on) every shared H200 row of ``cuda_h200.json`` (6 rows).
 - *NCCL*: a rank of a multi-GPU job holds NCCL's communicator buffers outside torch: :data:`NCCL_RANK_BYTES`.
@@ -49,11 +51,12 @@ OUTSIDE_BYTES = {"lora": 149_684_224, "full": 149_684_224, "qlora": 132_907_008}
 # NCCL's buffers per rank, outside torch (nvidia-smi): 544 MB for a 2-GPU group, 688 MB for more (4 x A100 with
 # NVLink, PyTorch, one 4 MB all-reduce per group: NVIDIA/nccl issue 964); taken as MiB, the unit nvidia-smi prints
 NCCL_RANK_BYTES = {2: 544 * MIB, 3: 688 * MIB}
-# reserved = peak + ceil(LARGEST x the step's largest allocation + PEAK x peak), rounded up to the 2 MiB of a large
-# segment (+ QLoRA's cached 16-bit embedding block); least squares on the 38 replays of
-# benchmarks/results/cuda_reserved_fit.json gives 0.56 and 0.027 (PyTorch's default setting); rounded up to exact
-# fractions that put the shared H200 rows at 1.00-1.07 x what the process added (benchmarks/cuda_h200.py)
-FRAGMENTATION = {"largest": (3, 5), "peak": (1, 20)}
+# reserved = peak + ceil(LARGEST x the step's largest allocation + PEAK x peak + LAYER x one layer's MLP activation),
+# rounded up to the 2 MiB of a large segment (+ QLoRA's cached 16-bit embedding block); exact fractions chosen on the
+# 49 replays of benchmarks/results/cuda_reserved_fit.json (PyTorch's default setting) for the smallest spread with
+# no replay more than 5 % above the closed form: 0.95-1.11 x the replays, median 1.00 (least squares without the
+# bound: 0.49 x largest + 4.2 x layer, 0.94-1.11)
+FRAGMENTATION = {"largest": (2, 5), "peak": (3, 100), "layer": (4, 1)}
 SEGMENT = 2 * MIB  # kRoundLarge: a large segment is a multiple of 2 MiB
 # DeepSpeed ZeRO-2 / ZeRO-3 allocate one gradient bucket of ``reduce_bucket_size`` elements (default 5e8, which the
 # accelerate config lora_kit writes leaves as is), in the trained dtype, whatever the model's size
@@ -103,45 +106,58 @@ def outside_bytes(method: str | None, num_gpus):
     return _out(base + nccl, scalar)
 
 
-def reserved_bytes(peak, *, largest=0, method: str | None = None, embedding_bytes=0):
+def reserved_bytes(peak, *, largest=0, layer=0, method: str | None = None, embedding_bytes=0):
     """torch's ``max_memory_reserved`` for a step of ``peak`` allocated bytes, in closed form (module doc), for
     PyTorch's default allocator setting (with ``expandable_segments:True`` the replays reserve 1-5 % less; the one
     measured pair, Llama-3.1-8B LoRA on the H200, showed 0.2 %, so the verdict keeps this figure for both).
 
-    ``largest``: the step's largest single allocation (:func:`device_kwargs`; default 0); ``embedding_bytes``: for
+    ``largest``: the step's largest single allocation; ``layer``: one decoder layer's MLP activation (both from
+    :func:`device_kwargs`; default 0); ``embedding_bytes``: for
     QLoRA, the 16-bit embedding / ``lm_head`` block ``prepare_model_for_kbit_training`` leaves in the cache that
     the step does not take back (:func:`device_kwargs`; fitted on the shared H200 QLoRA row, where nvidia-smi
     showed both 16-bit blocks cached after load and the step reused one)."""
-    (p, big, emb), scalar = _exact(peak, largest, embedding_bytes)
-    (ln, ld), (pn, pd) = FRAGMENTATION["largest"], FRAGMENTATION["peak"]
-    frag = -(-(ln * big * pd + pn * p * ld) // (ld * pd))
+    (p, big, lay, emb), scalar = _exact(peak, largest, layer, embedding_bytes)
+    frag = sum(-(-(n * x) // d) for x, (n, d) in ((big, FRAGMENTATION["largest"]), (p, FRAGMENTATION["peak"]),
+                                                   (lay, FRAGMENTATION["layer"])))
     if method == "qlora":
         frag = frag + emb
     frag = -(-frag // SEGMENT) * SEGMENT
     return _out(p + frag, scalar)
 
 
-def device_kwargs(spec, method: str, tokens, loop: str, num_gpus) -> dict:
-    """The keywords of :func:`device_total` for a step of ``tokens`` (batch x sequence; int or array) on a model of
-    ``spec`` (``vocab_size``, ``hidden_size``, ``tied_embeddings``): ``largest`` = the fp32 logits (``tokens x
-    vocab x 4``; TRL's SFT head, ``loop="sft"``, never builds them: its 4,096 x 32,768 fp32 tile instead);
+def activation_bytes(step) -> int:
+    """Bytes per element of a decoder layer's activations in ``step``: 4 where they are fp32 (QLoRA readied by
+    ``prepare_model_for_kbit_training``, whose fp32 norms feed every layer fp32; ``dtype="float32"`` without
+    autocast), else 2."""
+    fp32 = (step.method == "qlora" and step.kbit_prepared) or (step.dtype == "float32" and not step.autocast)
+    return 4 if fp32 else 2
+
+
+def device_kwargs(spec, step, tokens=None, num_gpus=None) -> dict:
+    """The keywords of :func:`device_total` for ``step`` (a :class:`lora_kit.settings.Step`) on a model of ``spec``
+    (``vocab_size``, ``hidden_size``, ``intermediate_size``, ``tied_embeddings``), ``tokens`` per micro-step (batch
+    x sequence; int or array; default the step's) on ``num_gpus`` (default the step's): ``largest`` = the fp32
+    logits (``tokens x vocab x 4``; TRL's SFT head, ``loop="sft"``, never builds them: its 4,096 x 32,768 fp32 tile
+    instead); ``layer`` = one layer's MLP activation, ``tokens x intermediate_size x`` :func:`activation_bytes`;
     ``embedding_bytes`` for QLoRA = one 16-bit ``vocab x hidden`` block when the embedding and ``lm_head`` are
     untied (two blocks cached after load, the step reuses one), else 0; ``method``; ``num_gpus``."""
-    (T,), _ = _exact(tokens)
-    V, h = int(spec.vocab_size), int(spec.hidden_size)
-    largest = alloc_bytes(np.minimum(T, 4096) * 32768 * 4) if loop == "sft" else alloc_bytes(T * V * 4)
+    method = step.method
+    (T,), _ = _exact(step.seq_len * step.batch_size if tokens is None else tokens)
+    V, h, inter = int(spec.vocab_size), int(spec.hidden_size), int(spec.intermediate_size)
+    largest = alloc_bytes(np.minimum(T, 4096) * 32768 * 4) if step.loop == "sft" else alloc_bytes(T * V * 4)
+    layer = alloc_bytes(T * inter * activation_bytes(step))
     emb = alloc_bytes(V * h * 2) if method == "qlora" and not spec.tied_embeddings else 0
-    return {"largest": largest if np.ndim(largest) else int(largest), "method": method, "embedding_bytes": emb,
-            "num_gpus": num_gpus}
+    return {"largest": largest if np.ndim(largest) else int(largest), "layer": layer if np.ndim(layer) else int(layer),
+            "method": method, "embedding_bytes": emb, "num_gpus": step.num_gpus if num_gpus is None else num_gpus}
 
 
-def device_parts(peak, *, num_gpus, largest=0, method: str | None = None, embedding_bytes=0,
+def device_parts(peak, *, num_gpus, largest=0, layer=0, method: str | None = None, embedding_bytes=0,
                  context: int | None = None) -> dict:
     """The device total's parts, labelled: ``context``, ``reserved`` (torch's, ``peak`` allocated inside it),
     ``outside`` (kernel workspaces and, on a multi-GPU rank, NCCL) and ``total`` = context + reserved + outside.
     ``context``: the GPU's CUDA context (``lora_kit.plan.gpus``' ``context_bytes``), default
     :data:`CUDA_CONTEXT_BYTES`; the other keywords as :func:`reserved_bytes` and :func:`outside_bytes`."""
-    reserved = reserved_bytes(peak, largest=largest, method=method, embedding_bytes=embedding_bytes)
+    reserved = reserved_bytes(peak, largest=largest, layer=layer, method=method, embedding_bytes=embedding_bytes)
     outside = outside_bytes(method, num_gpus)
     ctx = CUDA_CONTEXT_BYTES if context is None else int(context)
     (r, o), scalar = _exact(reserved, outside)

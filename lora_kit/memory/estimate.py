@@ -273,7 +273,7 @@ def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitt
     out = {k: np.asarray(v, dtype=kind).reshape(S.shape) for k, v in out.items()}
     out["peak_allocated_bytes"] = np.asarray(peak, dtype=kind).reshape(S.shape)
     out["device_total_bytes"] = np.asarray(device_total(out["peak_allocated_bytes"], **device_kwargs(
-        spec, s.method, (S * B).astype(kind), s.loop, N.astype(kind))), dtype=kind)
+        spec, s, (S * B).astype(kind), N.astype(kind))), dtype=kind)
     out["phase"] = phase.astype(str).reshape(S.shape)
     note = fits.version_note(info)
     how = label(s, fitted_optimizer) if not sharded else "fitted" if s.sharding == "fsdp" else \

@@ -342,8 +342,7 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
     if trace:
         parts = tracker.trace_parts(BREAKDOWN_KEYS[:5] + ("paged_optimizer_states",))
         steps = [(ph, op, live - p[-1], p[:-1]) for (ph, op, live), p in zip(tracker.trace, parts)]
-    total = device_total(int(peak), **device_kwargs(model_spec(model), s.method, s.seq_len * s.batch_size, s.loop,
-                                                    s.num_gpus))
+    total = device_total(int(peak), **device_kwargs(model_spec(model), s))
     return SimResult(int(peak), total, bd, tracker.peak_phase, time.perf_counter() - t0,
                      {"model": name, **s.to_dict()}, notes,
                      getattr(tracker, "collectives", {}), steps,

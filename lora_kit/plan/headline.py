@@ -52,8 +52,7 @@ def _row(case: str, model, gpu, margin, minus: int = 0, **change) -> dict:
     e = estimate(model, PAPER_STEP, **change)
     peak = e.peak_allocated_bytes - minus
     s = PAPER_STEP.replace(**change)
-    total = device_total(peak, **device_kwargs(model_spec(model), s.method, s.seq_len * s.batch_size, s.loop,
-                                                           s.num_gpus)) \
+    total = device_total(peak, **device_kwargs(model_spec(model), s)) \
         if minus else e.device_total_bytes
     return {"case": case, "model": model, "change": ", ".join(f"{k}={v}" for k, v in change.items()) or "-",
             "peak_allocated_bytes": peak, "device_total_bytes": total, "phase": e.phase,
