@@ -121,13 +121,14 @@ def replayed(events: list) -> dict:
     return out
 
 
-def device_basis(model: str, kw: dict, est, gpu: str = "H200") -> dict:
+def device_basis(model: str, kw: dict, est, gpu: str = "H200", allocator: str = "default") -> dict:
     """The device total on the stated basis (:func:`lora_kit.memory.device.device_parts`) for ``est``: the GPU's
-    context from the catalog, torch's reserved in closed form, memory outside the allocator, and the paged optimizer
+    context from the catalog, torch's reserved in closed form for the ``allocator`` setting the row ran with (the
+    estimate's own device total is the default setting's), memory outside the allocator, and the paged optimizer
     states resident beside them (what nvidia-smi shows while there is room: the estimate with the unpaged twin of
     the optimizer less its own states)."""
     g = get_gpu(gpu)
-    parts = device_parts(est.peak_allocated_bytes, context=int(g["context_bytes"]),
+    parts = device_parts(est.peak_allocated_bytes, context=int(g["context_bytes"]), allocator=allocator,
                          **device_kwargs(model_spec(model), as_step(None, **kw)))
     opt = kw.get("optimizer", "adamw")
     paged = 0
@@ -140,7 +141,8 @@ def device_basis(model: str, kw: dict, est, gpu: str = "H200") -> dict:
 def one(row: dict) -> dict:
     kw = step_kwargs(row)
     est = lk.estimate(model=row["model"], **kw)
-    basis = device_basis(row["model"], kw, est)
+    expandable = row["settings"].get("alloc") == "expandable_segments:True"
+    basis = device_basis(row["model"], kw, est, allocator="expandable" if expandable else "default")
     t0 = time.perf_counter()
     sim, events = simulate_with_events(row["model"], trace=True, **kw)
     seconds = time.perf_counter() - t0
@@ -148,7 +150,6 @@ def one(row: dict) -> dict:
     added = row["peak_nvml"] - row["nvml_used_before_context"]
     h200, torch_version = get_gpu("H200"), row["versions"]["torch"]
     context = h200["context_bytes"]
-    expandable = row["settings"].get("alloc") == "expandable_segments:True"
     reserved = rep["expandable" if expandable else "default"]["max_reserved"]
     cuda_alloc = cuda_allocated_bytes(est.peak_allocated_bytes, h200["compute_capability"], torch_version)
     # CUDA's math-kernel fallback for fp32 q/k/v with grouped K/V heads, placed on the simulated step (0: a fused

@@ -106,8 +106,7 @@ def one(case) -> dict:
 
 def scored(rows: list[dict]) -> dict:
     """The closed form (``lora_kit.memory.device.reserved_bytes`` with ``device_kwargs``, from ``simulate``'s peak)
-    against each replay: the ratio per row and setting, and min / median / max. The closed form is for PyTorch's
-    default setting; the expandable column shows how far the replays of ``expandable_segments:True`` sit below it.
+    of each allocator setting against that setting's replay: the ratio per row and setting, and min / median / max.
     Also the least-squares fit of the replays' reserved - peak on (largest allocation, peak), the data the constants
     were rounded from."""
     from lora_kit.memory.device import device_kwargs, reserved_bytes
@@ -117,9 +116,10 @@ def scored(rows: list[dict]) -> dict:
         kw = device_kwargs(model_spec(r["model"]), as_step(None, **r["settings"]))
         r["layer"], r["embedding_bytes"] = kw["layer"], kw["embedding_bytes"]
         kw.pop("num_gpus")
-        r["closed_form_reserved"] = int(reserved_bytes(r["peak_allocated"], **kw))
+        r["closed_form_reserved"] = {name: int(reserved_bytes(r["peak_allocated"], allocator=name, **kw))
+                                     for name in ("default", "expandable")}
     for name in ("default", "expandable"):
-        q = [r["closed_form_reserved"] / r["replayed_reserved"][name] for r in rows]
+        q = [r["closed_form_reserved"][name] / r["replayed_reserved"][name] for r in rows]
         x = np.array([[r["largest"], r["peak_allocated"], r["layer"]] for r in rows], dtype=float)
         y = np.array([r["replayed_reserved"][name] - r["peak_allocated"] - r["embedding_bytes"] for r in rows],
                      dtype=float)

@@ -583,15 +583,19 @@ def sec_cuda_reserved_fit(prov):
                   "python benchmarks/cuda_reserved_fit.py", prov, machine=data.get("_meta", {}).get("machine"))
     out = []
     for r in data.get("rows", []):
-        rep = r["replayed_reserved"]
+        rep, cf = r["replayed_reserved"], r["closed_form_reserved"]
         out.append([describe({"model": r["model"], **r["settings"]}), gib(r["peak_allocated"]), gib(r["largest"]),
-                    gib(r["layer"]) if "layer" in r else "-", gib(rep["default"]), gib(rep["expandable"]),
-                    gib(r["closed_form_reserved"]), f"{r['closed_form_reserved'] / rep['default']:.3f}"])
+                    gib(r["layer"]) if "layer" in r else "-", gib(rep["default"]), gib(cf["default"]),
+                    f"{cf['default'] / rep['default']:.3f}", gib(rep["expandable"]), gib(cf["expandable"]),
+                    f"{cf['expandable'] / rep['expandable']:.3f}"])
     body = ("Reserved = PyTorch's caching allocator replayed (`lora_kit.memory.allocator`) over `simulate`'s step "
             "(what was live before it, then the step twice; QLoRA with its load's 16-bit embedding blocks); *closed "
-            "form* = `lora_kit.memory.device.reserved_bytes` from the same peak (PyTorch's default setting).\n\n")
+            "form* = `lora_kit.memory.device.reserved_bytes` from the same peak, per allocator setting (PyTorch's default, "
+            "which the verdict counts; `expandable_segments:True`, which the kit's GPU path sets).\n\n")
     body += table(["step", "peak GiB", "largest allocation GiB", "one layer's MLP activation GiB",
-                   "replay GiB (default)", "replay GiB (expandable)", "closed form GiB", "closed form / replay"], out)
+                   "replay GiB (default)", "closed form GiB (default)", "closed form / replay (default)",
+                   "replay GiB (expandable)", "closed form GiB (expandable)", "closed form / replay (expandable)"],
+                  out)
     lines = []
     for name, v in (data.get("summary") or {}).items():
         ls = v.get("least_squares", {})

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from lora_kit.memory import device
 from lora_kit.memory.device import (CUDA_CONTEXT_BYTES, NCCL_RANK_BYTES, OUTSIDE_BYTES, device_kwargs, device_parts,
@@ -30,7 +31,7 @@ def test_parts_add_up_and_every_kind_of_integer_stays_exact():
     assert arr.dtype == np.int64 and obj.dtype == object and list(arr) == list(obj)
     assert int(arr[0]) == device_total(12_641_234_432, **kw)
     huge = 2 ** 70  # past int64: Python ints, exact
-    n, d = device.FRAGMENTATION["peak"]
+    n, d = device.FRAGMENTATION["default"]["peak"]
     assert device_total(huge, num_gpus=1) == huge + CUDA_CONTEXT_BYTES + max(OUTSIDE_BYTES.values()) + \
         -(-(-(-(n * huge) // d)) // (2 * 2 ** 20)) * (2 * 2 ** 20)
     assert not hasattr(device, "RESERVE_FRACTION")  # the fixed 8 % is gone
@@ -163,3 +164,17 @@ def test_cuda_math_fallback_on_the_shared_qlora_row_is_placed_where_the_measurem
     assert math_kernel_extra(row["model"], st, sim=sim, torch_version_="2.11", compute_capability=9.0) == 0
     assert max(sim.temporaries.values()) >= 4096 * 14336 * 2
     assert kernel_extra(row["model"], st, sim=sim, torch_version_="2.11", compute_capability=9.0) == 0
+
+
+def test_each_allocator_setting_has_its_own_closed_form():
+    """expandable_segments:True maps pages on demand: no layer term, less reserved on a long row; a setting the
+    allocator does not have is refused by name."""
+    spec = model_spec("mistral-7b")
+    kw = device_kwargs(spec, as_step(None, method="qlora", autocast=True, seq_len=4096, batch_size=4))
+    kw.pop("num_gpus")
+    peak = 20 * 2 ** 30
+    default, expandable = (reserved_bytes(peak, allocator=a, **kw) for a in ("default", "expandable"))
+    assert peak < expandable < default
+    assert device_parts(peak, num_gpus=1, allocator="expandable", **kw)["allocator"] == "expandable"
+    with pytest.raises(ValueError, match="allocator='expandible'.*default, expandable"):
+        reserved_bytes(peak, allocator="expandible")

@@ -51,3 +51,22 @@ def test_card_parts_add_up_and_paged_states_are_shown_apart(tmp_path):
     v, md = _card(tmp_path / "plain", "adamw")
     assert v["paged_resident_bytes"] == 0 and "resident when room" not in md
     assert v["nvidia_smi_used_bytes"] == v["device_total_bytes"] + v["driver_share_bytes"]
+
+
+def test_card_shows_reserved_with_expandable_segments_beside_the_default_setting(tmp_path):
+    """The kit's GPU path sets expandable_segments:True: the card gives that setting's reserved (its own closed form
+    from the plan's peak) and device total beside the default setting's, which *fits* keeps counting."""
+    from lora_kit.memory.device import device_kwargs, reserved_bytes
+    from lora_kit.memory.specs import model_spec
+    from lora_kit.settings import as_step
+    v, md = _card(tmp_path, "adamw")
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    (row,) = [r for r in plan["rows"] if r["method"] == "qlora" and r["gpu"] == "H200"]
+    step = as_step(None, **{**plan["assumptions"], "method": "qlora", "batch_size": int(row["batch_size"])})
+    kw = device_kwargs(model_spec("llama-3.1-8b"), step)
+    kw.pop("num_gpus")
+    want = reserved_bytes(v["peak_allocated_bytes"], allocator="expandable", **kw)
+    assert v["reserved_expandable_bytes"] == want < v["reserved_bytes"]
+    assert v["device_total_expandable_bytes"] == v["context_bytes"] + want + v["outside_bytes"] < v["device_total_bytes"]
+    section = md.split("### What nvidia-smi will show")[1].split("##")[0]
+    assert "torch's reserved with expandable segments" in section and "*fits* counts the default setting's" in section

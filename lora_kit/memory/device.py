@@ -14,7 +14,9 @@
   ``benchmarks/cuda_reserved_fit.py``): a share of the largest single allocation of the step (in a causal LM, the
   fp32 logits), a share of the peak, and a multiple of one decoder layer's MLP activation (tokens x intermediate
   size, in the activations' dtype: on long rows a layer's blocks of hundreds of MiB stay cached while the loss and
-  the backward ask for others), under PyTorch's default setting. QLoRA adds the 16-bit embedding block that
+  the backward ask for others), under PyTorch's default setting, which the device total counts (a user's own
+  trainer may run it); ``expandable_segments:True`` (the kit's GPU path) has its own fitted constants, shown
+  beside (:func:`reserved_bytes`). QLoRA adds the 16-bit embedding block that
   ``prepare_model_for_kbit_training`` frees into the cache when it up-casts it to fp32 (fitted on the shared H200
   QLoRA row).
 - *outside*: memory outside torch's allocator once the first kernels ran (cuBLAS / cuDNN handles and workspaces,
@@ -52,11 +54,14 @@ OUTSIDE_BYTES = {"lora": 149_684_224, "full": 149_684_224, "qlora": 132_907_008}
 # NVLink, PyTorch, one 4 MB all-reduce per group: NVIDIA/nccl issue 964); taken as MiB, the unit nvidia-smi prints
 NCCL_RANK_BYTES = {2: 544 * MIB, 3: 688 * MIB}
 # reserved = peak + ceil(LARGEST x the step's largest allocation + PEAK x peak + LAYER x one layer's MLP activation),
-# rounded up to the 2 MiB of a large segment (+ QLoRA's cached 16-bit embedding block); exact fractions chosen on the
-# 49 replays of benchmarks/results/cuda_reserved_fit.json (PyTorch's default setting) for the smallest spread with
-# no replay more than 5 % above the closed form: 0.95-1.11 x the replays, median 1.00 (least squares without the
-# bound: 0.49 x largest + 4.2 x layer, 0.94-1.11)
-FRAGMENTATION = {"largest": (2, 5), "peak": (3, 100), "layer": (4, 1)}
+# rounded up to the 2 MiB of a large segment (+ QLoRA's cached 16-bit embedding block), per allocator setting; exact
+# fractions chosen on the 49 replays of benchmarks/results/cuda_reserved_fit.json for the smallest spread with no
+# replay more than 5 % above the closed form. PyTorch's default: 0.95-1.11 x the replays, median 1.00 (least squares
+# without the bound: 0.49 x largest + 4.2 x layer). expandable_segments:True maps pages where a request needs them,
+# so a layer's cached blocks cost nothing: 0.95-1.11 x, median 1.00 (least squares: 0.33 x largest + 0.011 x peak)
+FRAGMENTATION = {"default": {"largest": (2, 5), "peak": (3, 100), "layer": (4, 1)},
+                 "expandable": {"largest": (7, 20), "peak": (1, 40), "layer": (0, 1)}}
+ALLOCATORS = tuple(FRAGMENTATION)
 SEGMENT = 2 * MIB  # kRoundLarge: a large segment is a multiple of 2 MiB
 # DeepSpeed ZeRO-2 / ZeRO-3 allocate one gradient bucket of ``reduce_bucket_size`` elements (default 5e8, which the
 # accelerate config lora_kit writes leaves as is), in the trained dtype, whatever the model's size
@@ -106,19 +111,23 @@ def outside_bytes(method: str | None, num_gpus):
     return _out(base + nccl, scalar)
 
 
-def reserved_bytes(peak, *, largest=0, layer=0, method: str | None = None, embedding_bytes=0):
-    """torch's ``max_memory_reserved`` for a step of ``peak`` allocated bytes, in closed form (module doc), for
-    PyTorch's default allocator setting (with ``expandable_segments:True`` the replays reserve 1-5 % less; the one
-    measured pair, Llama-3.1-8B LoRA on the H200, showed 0.2 %, so the verdict keeps this figure for both).
+def reserved_bytes(peak, *, largest=0, layer=0, method: str | None = None, embedding_bytes=0,
+                   allocator: str = "default"):
+    """torch's ``max_memory_reserved`` for a step of ``peak`` allocated bytes, in closed form (module doc), under
+    ``allocator``: "default" (PyTorch's default setting; what the verdict counts, as a user's own trainer may run
+    it) or "expandable" (``expandable_segments:True``, what the kit's GPU path sets: on long rows several GiB less;
+    the one measured pair, Llama-3.1-8B LoRA at 2,048 tokens on the H200, showed 0.2 % less).
 
     ``largest``: the step's largest single allocation; ``layer``: one decoder layer's MLP activation (both from
     :func:`device_kwargs`; default 0); ``embedding_bytes``: for
     QLoRA, the 16-bit embedding / ``lm_head`` block ``prepare_model_for_kbit_training`` leaves in the cache that
     the step does not take back (:func:`device_kwargs`; fitted on the shared H200 QLoRA row, where nvidia-smi
     showed both 16-bit blocks cached after load and the step reused one)."""
+    if allocator not in FRAGMENTATION:
+        raise ValueError(f"allocator={allocator!r}: give one of {', '.join(ALLOCATORS)}.")
     (p, big, lay, emb), scalar = _exact(peak, largest, layer, embedding_bytes)
-    frag = sum(-(-(n * x) // d) for x, (n, d) in ((big, FRAGMENTATION["largest"]), (p, FRAGMENTATION["peak"]),
-                                                   (lay, FRAGMENTATION["layer"])))
+    c = FRAGMENTATION[allocator]
+    frag = sum(-(-(n * x) // d) for x, (n, d) in ((big, c["largest"]), (p, c["peak"]), (lay, c["layer"])))
     if method == "qlora":
         frag = frag + emb
     frag = -(-frag // SEGMENT) * SEGMENT
@@ -152,17 +161,18 @@ def device_kwargs(spec, step, tokens=None, num_gpus=None) -> dict:
 
 
 def device_parts(peak, *, num_gpus, largest=0, layer=0, method: str | None = None, embedding_bytes=0,
-                 context: int | None = None) -> dict:
+                 context: int | None = None, allocator: str = "default") -> dict:
     """The device total's parts, labelled: ``context``, ``reserved`` (torch's, ``peak`` allocated inside it),
     ``outside`` (kernel workspaces and, on a multi-GPU rank, NCCL) and ``total`` = context + reserved + outside.
     ``context``: the GPU's CUDA context (``lora_kit.plan.gpus``' ``context_bytes``), default
     :data:`CUDA_CONTEXT_BYTES`; the other keywords as :func:`reserved_bytes` and :func:`outside_bytes`."""
-    reserved = reserved_bytes(peak, largest=largest, layer=layer, method=method, embedding_bytes=embedding_bytes)
+    reserved = reserved_bytes(peak, largest=largest, layer=layer, method=method, embedding_bytes=embedding_bytes,
+                              allocator=allocator)
     outside = outside_bytes(method, num_gpus)
     ctx = CUDA_CONTEXT_BYTES if context is None else int(context)
     (r, o), scalar = _exact(reserved, outside)
     return {"context": ctx, "reserved": reserved, "outside": outside, "total": _out(ctx + r + o, scalar),
-            "allocator": "default"}
+            "allocator": allocator}
 
 
 @functools.cache

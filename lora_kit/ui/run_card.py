@@ -354,6 +354,24 @@ def _paged_resident(plan: dict, row: dict) -> int:
     return max(0, twin.breakdown["optimizer_states"] - own.breakdown["optimizer_states"])
 
 
+def _reserved_expandable(plan: dict, row: dict, peak: int | None) -> int | None:
+    """torch's reserved for the plan's ``row`` with ``expandable_segments:True`` (what the kit's GPU path sets), in
+    the closed form of ``lora_kit.memory.device`` from the row's peak; None where the step cannot be read here."""
+    if peak is None or not plan.get("model"):
+        return None
+    from lora_kit.memory.device import device_kwargs, reserved_bytes
+    from lora_kit.memory.specs import model_spec
+    from lora_kit.settings import as_step
+    try:
+        step = as_step(None, **{**(plan.get("assumptions") or {}), "method": row["method"],
+                                "batch_size": int(row.get("batch_size") or plan.get("batch_size") or 1)})
+        kw = device_kwargs(model_spec(plan["model"]), step)
+    except (ValueError, OSError, TypeError):  # a model or setting this process cannot plan
+        return None
+    kw.pop("num_gpus")
+    return int(reserved_bytes(peak, allocator="expandable", **kw))
+
+
 def nvidia_smi_view(card: dict) -> dict | None:
     """What nvidia-smi will show for the planned row (``method`` on ``gpu`` of the settings, else the recommended
     row), on the basis of ``lora_kit.memory.device``: the plan's device total (what the training process adds to the
@@ -379,7 +397,10 @@ def nvidia_smi_view(card: dict) -> dict | None:
     paged = _paged_resident(plan, row)
     process = total + paged
     peak = int(row["peak_gib"] * GiB) if row.get("peak_gib") is not None else None
+    expandable = _reserved_expandable(plan, row, peak)
     return {"method": row["method"], "gpu": g["name"], "device_total_bytes": total,
+            "reserved_expandable_bytes": expandable,
+            "device_total_expandable_bytes": None if expandable is None else context + expandable + outside,
             "peak_allocated_bytes": peak,
             "cuda_allocated_bytes": cuda_allocated_bytes(peak, compute_capability(g)) if peak is not None else None,
             "context_bytes": context, "context_basis": g["context_basis"], "outside_bytes": outside,
@@ -410,6 +431,11 @@ def nvidia_smi_lines(view: dict | None) -> list[str]:
            f"| outside the allocator | {view['outside_bytes'] / GiB:.2f} | kernel workspaces (and NCCL on a "
            "multi-GPU rank) |",
            f"| **device total** | **{view['device_total_bytes'] / GiB:.2f}** | what *fits* counts |"]
+    if view.get("reserved_expandable_bytes") is not None:
+        out.append(f"| torch's reserved with expandable segments | {view['reserved_expandable_bytes'] / GiB:.2f} | "
+                   "`expandable_segments:True`, what the kit's GPU path sets (closed form fitted on replays of that "
+                   f"setting); device total with it {view['device_total_expandable_bytes'] / GiB:.2f}; *fits* "
+                   "counts the default setting's, which a trainer of your own may run |")
     if view.get("paged_resident_bytes"):
         out.append(f"| paged optimizer states, resident when room | {view['paged_resident_bytes'] / GiB:.2f} | CUDA "
                    "managed memory: on the card while it fits, paged to the host when it does not; not counted in "
