@@ -14,7 +14,8 @@ the fitted constants and the two measured error factors (the planner's intervals
 into ``lora_kit/plan/time_constants.py``, so the shipped figures are the measured ones (``--no-write``: don't).
 
     .venv/bin/python benchmarks/time_published.py            # fit, then judge
-    .venv/bin/python benchmarks/time_published.py --no-fit   # judge the shipped constants as they are
+    .venv/bin/python benchmarks/time_published.py --no-fit   # judge the shipped constants as they are (prints;
+                                                             # --json PATH to save)
 
 Runs on a CPU in seconds (no GPU needed: it evaluates the model, the measurements are in the rows).
 """
@@ -322,7 +323,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--no-fit", action="store_true", help="judge the shipped constants without fitting")
     ap.add_argument("--rows", default=str(ROWS))
-    ap.add_argument("--json", default=str(OUT))
+    ap.add_argument("--json", default=None,
+                    help="where the results go (default benchmarks/results/time_published.json after a fit; with "
+                         "--no-fit none: the committed results hold the fit's leave-one-source-out, which --no-fit "
+                         "does not run)")
     ap.add_argument("--no-write", action="store_true",
                     help="do not write the fitted constants and error factors into lora_kit/plan/time_constants.py")
     a = ap.parse_args(argv)
@@ -335,8 +339,10 @@ def main(argv=None):
         res["uncalibrated_error_factor"] = uncalibrated_factor(res)
     _print(res)
     _print_sources(res)
-    write_json_atomic(a.json, res)
-    print(f"-> {a.json}")
+    out = a.json or (None if a.no_fit else str(OUT))
+    if out:
+        write_json_atomic(out, res)
+        print(f"-> {out}")
     if not a.no_fit and a.rows == str(ROWS) and not a.no_write:
         write_constants(res)
         print(f"-> {CONSTANTS} (FITTED and the error factors)")
