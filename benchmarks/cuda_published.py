@@ -204,53 +204,44 @@ def verdict(row: dict, est, gpu: dict | None) -> dict:
             "predicted": "fits" if fits else "oom", "happened": happened, "right": (happened == "oom") != fits}
 
 
+# the catalog's names; mistral-7b is v0.3 (32,768-token vocabulary; v0.1's 32,000 make the logits 2.3 % smaller)
 FMS_MODELS = {"mistralai/Mistral-7B-v0.1": "mistral-7b", "NousResearch/Llama-2-70b-hf": "llama-2-70b"}
 
 
 def fms_rows() -> list[dict]:
-    """fms-acceleration's single-GPU A100-80GB runs of the plain HF stack (the CSV ``benchmarks/time_rows_build.py``
-    reads, committed verbatim; the settings are its ``fms_rows``'): each run that finished gives two rows, torch's
-    peak allocated (``mem_peak_torch_mem_alloc_in_bytes``, the Trainer's memory tracker over init and train) and
-    nvidia-smi's peak used memory (``mem_nvidia_mem_reserved``, MiB, polled by nvidia-smi during the run); each
-    run that did not finish (no runtime, no torch peak: out of memory) one row with ``"outcome": "oom"``."""
-    import csv
-
-    from time_rows_build import FMS_COMMIT, FMS_CSV, FMS_URL
+    """fms-acceleration's single-GPU A100-80GB runs of the plain HF stack (``time_rows_build.fms_runs``: the
+    committed CSV read once for the time and the memory rows): each run that finished gives two rows, torch's peak
+    allocated (``mem_peak_torch_mem_alloc_in_bytes``, the Trainer's memory tracker over init and train) and
+    nvidia-smi's peak used memory (``mem_nvidia_mem_reserved``, MiB, polled by nvidia-smi during the run); each run
+    that did not finish (no runtime, no torch peak: out of memory) one row with ``"outcome": "oom"``."""
+    from time_rows_build import FMS_COMMIT, FMS_URL, fms_runs
     rows = []
-    for i, r in enumerate(csv.DictReader(FMS_CSV.open())):
-        model, fw = r["model_name_or_path"], r["framework_config"]
-        if int(r["num_gpus"]) != 1 or fw not in ("", "none", "baseline-peft-bnb") or model not in FMS_MODELS:
+    for run in fms_runs():
+        if run["out_of_scope"]:
             continue  # other stacks, several GPUs (planned elsewhere) and models outside the catalog: time_rows'
-        method = "qlora" if fw == "baseline-peft-bnb" else ("lora" if r["peft_method"] == "lora" else "full")
-        b = int(r["per_device_train_batch_size"])
-        plan = {"method": method, "seq_len": 4096, "batch_size": b, "gradient_checkpointing": True,
-                "attn_implementation": "flash_attention_2", "padding": "none", "optimizer": "adamw",
-                "dtype": "bfloat16", "loop": "kit"}  # transformers 4.48's Trainer: optim adamw_torch (foreach)
-        if method != "full":
-            plan.update(lora_rank=int(r["r"]), lora_alpha=int(float(r["lora_alpha"])),
-                        lora_targets=r["target_modules"].split())
-        if method == "qlora":
-            plan.update(autocast=True, qlora_prepare="peft", double_quant=True)
+        model, method = run["model"], run["method"]
+        plan = {k: v for k, v in run["step"].items() if method != "full" or not k.startswith("lora")}
+        plan["loop"] = "kit"  # transformers 4.48's Trainer ran torch's foreach AdamW, as the kit's own loop does
         base = {"source": "foundation-model-stack/fms-acceleration reference benchmarks (A100-80GB)", "url": FMS_URL,
-                "model_as_published": model, "method_as_published": fw or "none", "gpu_as_published": "A100-80GB",
-                "in_scope": True, "model": FMS_MODELS[model], "gpu": "A100-80GB", "plan": plan,
-                "caveats": f"CSV row {i + 1} at {FMS_COMMIT[:7]}: TRL 0.13 SFTTrainer (its loss is the model's), "
-                "transformers 4.48.1 (whose Trainer defaulted to optim adamw_torch: torch's foreach AdamW, what the "
-                "kit's own loop runs; loop 'trainer' follows transformers 5.24's adamw_torch_fused), torch 2.4.1, "
-                "rows packed to 4096 tokens; LoRA dropout 0.1 "
-                "(not planned); QLoRA: TRL also casts adapters, lm_head and embeddings to bf16; mistral-7b in the "
-                "catalog is v0.3 (32,768-token vocabulary, v0.1 has 32,000)"}
-        slug = f"fms:{model.split('/')[-1]}-{method}-b{b}"
-        if not r["train_runtime"]:
+                "model_as_published": model, "method_as_published": run["framework"],
+                "gpu_as_published": "A100-80GB", "in_scope": True, "model": FMS_MODELS[model], "gpu": "A100-80GB",
+                "plan": plan,
+                "caveats": f"CSV row {run['csv_row']} at {FMS_COMMIT[:7]}: TRL 0.13 SFTTrainer (its loss is the "
+                "model's), transformers 4.48.1 (whose Trainer defaulted to optim adamw_torch: torch's foreach AdamW, "
+                "what the kit's own loop runs; loop 'trainer' follows transformers 5.24's adamw_torch_fused), torch "
+                f"2.4.1, rows packed to 4096 tokens; LoRA dropout {run['lora_dropout'] or '-'} (not planned); QLoRA: "
+                "TRL also casts adapters, lm_head and embeddings to bf16; mistral-7b in the catalog is v0.3 "
+                "(32,768-token vocabulary, v0.1 has 32,000)"}
+        slug = f"fms:{model.split('/')[-1]}-{method}-b{plan['batch_size']}"
+        if run["runtime"] is None:
             rows.append({**base, "id": slug, "metric": "nvidia-smi", "unit": "MiB",
-                         "value_as_published": r["mem_nvidia_mem_reserved"], "value_bytes": None, "outcome": "oom"})
+                         "value_as_published": run["nvidia_smi_mib"], "value_bytes": None, "outcome": "oom"})
             continue
         rows.append({**base, "id": f"{slug}-allocated", "metric": "allocated", "unit": "B",
-                     "value_as_published": r["mem_peak_torch_mem_alloc_in_bytes"],
-                     "value_bytes": int(float(r["mem_peak_torch_mem_alloc_in_bytes"]))})
+                     "value_as_published": run["allocated"], "value_bytes": int(float(run["allocated"]))})
         rows.append({**base, "id": f"{slug}-nvidia-smi", "metric": "nvidia-smi", "unit": "MiB",
-                     "value_as_published": r["mem_nvidia_mem_reserved"],
-                     "value_bytes": int(float(r["mem_nvidia_mem_reserved"]) * 2 ** 20)})
+                     "value_as_published": run["nvidia_smi_mib"],
+                     "value_bytes": int(float(run["nvidia_smi_mib"]) * 2 ** 20)})
     return rows
 
 

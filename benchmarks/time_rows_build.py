@@ -159,26 +159,36 @@ def qwen_rows(table: Path = QWEN_TABLE) -> list:
     return rows
 
 
-def fms_rows(path: Path = FMS_CSV) -> list:
-    """fms-acceleration's reference A100-80GB benchmark (the committed CSV, verbatim at :data:`FMS_COMMIT`): 100 steps
-    of fms-hf-tuning's ``sft_trainer`` (TRL 0.13 SFTTrainer, transformers 4.48.1, peft 0.13.2, bitsandbytes 0.43.3,
-    torch 2.4.1, flash-attn 2.7.3; ``scripts/benchmarks/refs/requirements.txt``) on rows packed to 4096 tokens
-    (``benchmark.py``: packing True, max_seq_len 4096: every step holds batch x 4096 tokens, which
-    tokens/s x runtime / 100 confirms), FlashAttention-2, checkpointing as the Trainer sets it,
-    AdamW, no accumulation (``defaults.yaml``); full and LoRA in pure bf16 (torch_dtype bfloat16, no bf16 flag),
-    QLoRA with ``bf16: True`` (``scenarios.yaml``). Seconds per step = train_runtime / 100. Judged only."""
+def fms_runs(path: Path = FMS_CSV) -> list[dict]:
+    """fms-acceleration's reference A100-80GB benchmark (the committed CSV, verbatim at :data:`FMS_COMMIT`), each run
+    read once, the one reading both the time rows (:func:`fms_rows`) and the memory rows
+    (``benchmarks/cuda_published.py``) use: 100 steps of fms-hf-tuning's ``sft_trainer`` (TRL 0.13 SFTTrainer,
+    transformers 4.48.1, peft 0.13.2, bitsandbytes 0.43.3, torch 2.4.1, flash-attn 2.7.3;
+    ``scripts/benchmarks/refs/requirements.txt``) on rows packed to 4096 tokens (``benchmark.py``: packing True,
+    max_seq_len 4096: every step holds batch x 4096 tokens, which tokens/s x runtime / 100 confirms),
+    FlashAttention-2, checkpointing as the Trainer sets it, AdamW (transformers 4.48's Trainer: ``adamw_torch``,
+    torch's foreach AdamW, what the kit's own loop runs), no accumulation (``defaults.yaml``); full and LoRA in pure
+    bf16 (torch_dtype bfloat16, no bf16 flag), QLoRA with ``bf16: True`` (``scenarios.yaml``), readied by
+    ``prepare_model_for_kbit_training``, double quantisation.
+
+    Per run: ``csv_row``, the model as published, ``framework`` (``framework_config``), ``gpus``, ``method``,
+    ``step`` (the :class:`lora_kit.settings.Step` fields), ``out_of_scope`` (the reason the kit does not plan the
+    run: another stack, several GPUs, a model it does not plan here; None otherwise), ``runtime`` (seconds, None
+    when the run did not finish), ``steps``, ``tokens_per_step``, ``allocated`` (torch's peak, bytes),
+    ``nvidia_smi_mib`` and ``lora_dropout`` as published."""
     import csv
-    rows = []
+    runs = []
     for i, r in enumerate(csv.DictReader(path.open())):
         model, gpus, fw = r["model_name_or_path"], int(r["num_gpus"]), r["framework_config"]
         method = "qlora" if fw == "baseline-peft-bnb" else ("lora" if r["peft_method"] == "lora" else "full")
         b = int(r["per_device_train_batch_size"])
-        slug = f"{model.split('/')[-1]}-{fw or 'none'}-{method}-g{gpus}-b{b}"
-        lora = {} if method == "full" else dict(lora_rank=int(r["r"]), lora_targets=r["target_modules"].split())
-        settings = _settings(method=method, seq_len=4096, batch_size=b, attn_implementation="flash_attention_2",
-                             autocast=r["bf16"].upper() == "TRUE", **lora)
-        if method == "qlora":
-            settings["qlora_prepare"] = "peft"  # TRL 0.13 SFTTrainer: prepare_model_for_kbit_training on a 4-bit model
+        step = _settings(method=method, seq_len=4096, batch_size=b, attn_implementation="flash_attention_2",
+                         padding="none", autocast=r["bf16"].upper() == "TRUE")
+        if method != "full":
+            step.update(lora_rank=int(r["r"]), lora_alpha=int(float(r["lora_alpha"])),
+                        lora_targets=r["target_modules"].split())
+        if method == "qlora":  # TRL 0.13 SFTTrainer: prepare_model_for_kbit_training on a 4-bit model
+            step.update(qlora_prepare="peft", double_quant=True)
         why = None
         if fw not in ("", "none", "baseline-peft-bnb"):
             why = f"framework_config {fw}: fms-acceleration's fused kernels or GPTQ (not the plain HF stack)"
@@ -189,19 +199,33 @@ def fms_rows(path: Path = FMS_CSV) -> list:
                 " (transformers 4.48's Mixtral loops over per-expert nn.Linear layers, which bitsandbytes quantizes "
                 "under QLoRA; the kit times transformers 5's fused grouped_mm experts)"
                 if "Mixtral" in model else "")
-        elif not r["train_runtime"]:
+        runtime = float(r["train_runtime"]) if r["train_runtime"] else None
+        steps = round(runtime * float(r["train_steps_per_second"])) if runtime else None
+        runs.append({"csv_row": i + 1, "model": model, "framework": fw or "none", "gpus": gpus, "method": method,
+                     "step": step, "out_of_scope": why, "runtime": runtime, "steps": steps,
+                     "tokens_per_step": float(r["train_tokens_per_second"]) * runtime / steps if steps else None,
+                     "allocated": r["mem_peak_torch_mem_alloc_in_bytes"] or None,
+                     "nvidia_smi_mib": r["mem_nvidia_mem_reserved"] or None, "lora_dropout": r["lora_dropout"] or None})
+    return runs
+
+
+def fms_rows(path: Path = FMS_CSV) -> list:
+    """The time rows of :func:`fms_runs`: seconds per step = train_runtime / 100 steps. Judged only."""
+    rows = []
+    for run in fms_runs(path):
+        model, method, b = run["model"], run["method"], run["step"]["batch_size"]
+        slug = f"{model.split('/')[-1]}-{run['framework']}-{method}-g{run['gpus']}-b{b}"
+        why = run["out_of_scope"]
+        if not why and run["runtime"] is None:
             why = "ran out of memory (no time published): a verdict for the memory benchmarks, not a time"
-        if not why:
-            steps = round(float(r["train_runtime"]) * float(r["train_steps_per_second"]))
-            tokens = float(r["train_tokens_per_second"]) * float(r["train_runtime"]) / steps
         row = {"id": f"fms:{slug}", "source": FMS_SOURCE, "url": FMS_URL,
-               "field": f"row {i + 1}: train_runtime / (train_runtime x train_steps_per_second)",
-               "model": FMS_MODELS.get(model) or model, "gpu": "A100-80GB", "settings": settings,
-               "measured": ({"step_seconds": float(r["train_runtime"]) / steps, "tokens_per_step": tokens}
-                            if not why else {"note": f"train_runtime {r['train_runtime'] or 'none'}"}),
+               "field": f"row {run['csv_row']}: train_runtime / (train_runtime x train_steps_per_second)",
+               "model": FMS_MODELS.get(model) or model, "gpu": "A100-80GB", "settings": run["step"],
+               "measured": ({"step_seconds": run["runtime"] / run["steps"], "tokens_per_step": run["tokens_per_step"]}
+                            if not why else {"note": f"train_runtime {run['runtime'] or 'none'}"}),
                "out_of_scope": why, "judged_only": True,
                "notes": "TRL 0.13 SFTTrainer, rows packed to 4096 tokens (no position reset: planned as padding "
-               "'none'); LoRA dropout " + (r["lora_dropout"] or "-") + " (the kit plans dropout 0: a mask per "
+               "'none'); LoRA dropout " + (run["lora_dropout"] or "-") + " (the kit plans dropout 0: a mask per "
                "adapter input it does not time)" + ("; QLoRA: bf16=True (autocast); TRL also casts the adapters, "
                                                    "lm_head and embeddings to bf16 (peft_module_casting_to_bf16)"
                                                    if method == "qlora" else "")}
