@@ -24,9 +24,14 @@ def test_shipped_params_files_are_estimated_with_what_they_do_not_use_listed(pat
     assert {k: out["settings"][k] for k in given if k in STEP_FIELDS} == {k: v for k, v in given.items()
                                                                          if k in STEP_FIELDS}
     assert out["settings"]["model"] == given["model"] and out["peak_allocated_bytes"] > 0
+    # the verdict's device total is PyTorch's default allocator setting; expandable segments' is shown beside it
+    assert out["allocator"] == "default"
+    assert out["peak_allocated_bytes"] < out["device_total_expandable_bytes"] <= out["device_total_bytes"]
     assert main(["estimate", "--params", str(path)]) == 0
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("ignored from")]
+    text = capsys.readouterr().out
+    lines = [ln for ln in text.splitlines() if ln.strip().startswith("ignored from")]
     assert len(lines) == 1 and all(k in lines[0] for k in out["ignored_params"])
+    assert "reserved under PyTorch's default allocator setting" in text and "with expandable segments" in text
 
 
 def _settings_json_estimate(path, capsys):

@@ -18,6 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from lora_kit.memory.device import device_kwargs, device_total
 from lora_kit.memory.estimate import estimate
 from lora_kit.memory.specs import model_is_local, model_spec
 from lora_kit.noise import quiet
@@ -180,6 +181,8 @@ def cmd_estimate(args) -> int:
         est = estimate(plan["model"], plan["step"])
         fit = fit_verdict(est.device_total_bytes, plan["gpu"], plan["margin"])
         torch_reports = est.cuda_allocated_bytes(compute_capability(fit["gpu"]))
+        expandable = device_total(est.peak_allocated_bytes, allocator="expandable",
+                                  **device_kwargs(model_spec(plan["model"]), plan["step"]))
         note = plan_note(plan["model"], plan["step"], fit["gpu"], est.peak_allocated_bytes)
     except ValueError as exc:
         print(f"lora-kit estimate: {exc}", file=sys.stderr)
@@ -188,6 +191,7 @@ def cmd_estimate(args) -> int:
         out = {"settings": est.settings, "assumed": assumed, "ignored_params": ignored, "gpu": plan["gpu"],
                "margin": plan["margin"],
                "peak_allocated_bytes": est.peak_allocated_bytes, "device_total_bytes": est.device_total_bytes,
+               "allocator": "default", "device_total_expandable_bytes": expandable,
                "cuda_allocated_bytes": torch_reports, "breakdown": est.breakdown, "phase": est.phase, "memory_model": est.memory_model, "fit": fit,
                "note": note}
         if report is not None:  # what the config set that the plan does not model, or that does not matter
@@ -214,7 +218,10 @@ def cmd_estimate(args) -> int:
     for k, v in est.breakdown.items():
         print(f"  {names[k]:<{width}}{v / GiB:10.3f} GiB")
     print(f"  {'peak allocated':<{width}}{est.peak_allocated_bytes / GiB:10.3f} GiB  (per GPU, in {est.phase})")
-    print(f"  {'device total':<{width}}{est.device_total_bytes / GiB:10.3f} GiB  (+ CUDA context, reserved, outside the allocator)")
+    print(f"  {'device total':<{width}}{est.device_total_bytes / GiB:10.3f} GiB  (+ CUDA context, reserved under "
+          "PyTorch's default allocator setting, outside the allocator)")
+    print(f"  {'  with expandable segments':<{width}}{expandable / GiB:10.3f} GiB  (expandable_segments:True, what "
+          "lora-kit's GPU path sets; fits counts the default setting's)")
     math = " runs in the math kernel" in (note or "")  # the note says what the math kernel adds on top
     print(f"  {'torch will report':<{width}}{torch_reports / GiB:10.3f} GiB  "
           f"(max_memory_allocated on {fit['gpu']}: the peak + two cuBLAS workspaces"
