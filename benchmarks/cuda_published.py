@@ -229,9 +229,8 @@ def fms_rows() -> list[dict]:
                 "caveats": f"CSV row {run['csv_row']} at {FMS_COMMIT[:7]}: TRL 0.13 SFTTrainer (its loss is the "
                 "model's), transformers 4.48.1 (whose Trainer defaulted to optim adamw_torch: torch's foreach AdamW, "
                 "what the kit's own loop runs; loop 'trainer' follows transformers 5.24's adamw_torch_fused), torch "
-                f"2.4.1, rows packed to 4096 tokens; LoRA dropout {run['lora_dropout'] or '-'} (not planned); QLoRA: "
-                "TRL also casts adapters, lm_head and embeddings to bf16; mistral-7b in the catalog is v0.3 "
-                "(32,768-token vocabulary, v0.1 has 32,000)"}
+                "2.4.1, rows packed to 4096 tokens; QLoRA: TRL also casts adapters, lm_head and embeddings to bf16; "
+                "mistral-7b in the catalog is v0.3 (32,768-token vocabulary, v0.1 has 32,000)"}
         slug = f"fms:{model.split('/')[-1]}-{method}-b{plan['batch_size']}"
         if run["runtime"] is None:
             rows.append({**base, "id": slug, "metric": "nvidia-smi", "unit": "MiB",

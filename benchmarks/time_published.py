@@ -144,8 +144,12 @@ def nelder_mead(f, x0, step=0.3, iters=400, tol=1e-7):
     return pts[i], vals[i]
 
 
+RESTARTS = 4  # Nelder-Mead restarted from its own optimum until it stops improving (at most this many times)
+
+
 def fit(rows, roles=("fit",)) -> TimeModel:
-    """Least squares on log(predicted / measured) from :data:`START`. A constant no fitted row depends on (e.g.
+    """Least squares on log(predicted / measured) from :data:`START`, the simplex restarted from its optimum
+    (:data:`RESTARTS`). A constant no fitted row depends on (e.g.
     ``dequant_factor`` without a QLoRA row) keeps its starting value: the simplex would otherwise carry it
     anywhere, at no cost to the fit."""
     fit_rows = [r for r in rows if r["role"] in roles]
@@ -159,7 +163,12 @@ def fit(rows, roles=("fit",)) -> TimeModel:
         for i, vi in zip(free, v):
             full[i] = vi
         return _loss(full, fit_rows)
-    xf, _ = nelder_mead(loss, [x0[i] for i in free], iters=1500)
+    xf, best = nelder_mead(loss, [x0[i] for i in free], iters=1500)
+    for _ in range(RESTARTS):  # a fresh simplex around the optimum: a collapsed one stops short of it
+        xr, val = nelder_mead(loss, xf, iters=1500)
+        if val >= best - 1e-12:
+            break
+        xf, best = xr, val
     x = list(x0)
     for i, vi in zip(free, xf):
         x[i] = vi

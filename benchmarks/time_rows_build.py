@@ -146,13 +146,13 @@ def qwen_rows(table: Path = QWEN_TABLE) -> list:
                 "url": t["url"], "field": f"table row {r['model']} / {r['method']}, column {seq}: {cell!r}",
                 "model": f"{r['model'].lower()} (as a Llama of its shapes)", "model_config": cfg, "gpu": "A100-80GB",
                 "settings": _settings(method="lora", seq_len=seq, batch_size=1, lora_rank=64, lora_alpha=16,
-                                      lora_targets="all-linear", gradient_checkpointing=True, grad_accum=8,
-                                      autocast=True, loop="trainer"),
+                                      lora_targets="all-linear", lora_dropout=0.05, gradient_checkpointing=True,
+                                      grad_accum=8, autocast=True, loop="trainer"),
                 "measured": {"step_seconds": secs, "tokens_per_step": 8 * seq},
                 "timing": {"reentrant_checkpointing": True}, "fused_qkv": True, "out_of_scope": why,
                 "notes": ("HF Trainer --bf16 (autocast over bf16 weights: Qwen's remote code casts the model to bf16; "
                           "peft of 2023 created adapters in the base dtype), FlashAttention 2, PyTorch 2.0, CUDA 11.8, "
-                          "lora_dropout 0.05, logging every step; checkpointing reentrant (modeling_qwen.py's QWenModel.forward calls "
+                          "logging every step; checkpointing reentrant (modeling_qwen.py's QWenModel.forward calls "
                           "torch.utils.checkpoint.checkpoint without use_reentrant: PyTorch 2.0's default); Qwen's modelling code calls flash-attn's fused "
                           "rotary and rms_norm kernels when they are installed (not stated); 1 iteration = 8 "
                           "micro-steps of batch 1 + one optimizer step (adamw_torch)")})
@@ -175,7 +175,7 @@ def fms_runs(path: Path = FMS_CSV) -> list[dict]:
     ``step`` (the :class:`lora_kit.settings.Step` fields), ``out_of_scope`` (the reason the kit does not plan the
     run: another stack, several GPUs, a model it does not plan here; None otherwise), ``runtime`` (seconds, None
     when the run did not finish), ``steps``, ``tokens_per_step``, ``allocated`` (torch's peak, bytes),
-    ``nvidia_smi_mib`` and ``lora_dropout`` as published."""
+    and ``nvidia_smi_mib`` as published."""
     import csv
     runs = []
     for i, r in enumerate(csv.DictReader(path.open())):
@@ -186,7 +186,7 @@ def fms_runs(path: Path = FMS_CSV) -> list[dict]:
                          padding="none", autocast=r["bf16"].upper() == "TRUE")
         if method != "full":
             step.update(lora_rank=int(r["r"]), lora_alpha=int(float(r["lora_alpha"])),
-                        lora_targets=r["target_modules"].split())
+                        lora_targets=r["target_modules"].split(), lora_dropout=float(r["lora_dropout"] or 0))
         if method == "qlora":  # TRL 0.13 SFTTrainer: prepare_model_for_kbit_training on a 4-bit model
             step.update(qlora_prepare="peft", double_quant=True)
         why = None
@@ -205,7 +205,7 @@ def fms_runs(path: Path = FMS_CSV) -> list[dict]:
                      "step": step, "out_of_scope": why, "runtime": runtime, "steps": steps,
                      "tokens_per_step": float(r["train_tokens_per_second"]) * runtime / steps if steps else None,
                      "allocated": r["mem_peak_torch_mem_alloc_in_bytes"] or None,
-                     "nvidia_smi_mib": r["mem_nvidia_mem_reserved"] or None, "lora_dropout": r["lora_dropout"] or None})
+                     "nvidia_smi_mib": r["mem_nvidia_mem_reserved"] or None})
     return runs
 
 
@@ -225,8 +225,7 @@ def fms_rows(path: Path = FMS_CSV) -> list:
                             if not why else {"note": f"train_runtime {run['runtime'] or 'none'}"}),
                "out_of_scope": why, "judged_only": True,
                "notes": "TRL 0.13 SFTTrainer, rows packed to 4096 tokens (no position reset: planned as padding "
-               "'none'); LoRA dropout " + (run["lora_dropout"] or "-") + " (the kit plans dropout 0: a mask per "
-               "adapter input it does not time)" + ("; QLoRA: bf16=True (autocast); TRL also casts the adapters, "
+               "'none')" + ("; QLoRA: bf16=True (autocast); TRL also casts the adapters, "
                                                    "lm_head and embeddings to bf16 (peft_module_casting_to_bf16)"
                                                    if method == "qlora" else "")}
         if FMS_MODELS.get(model, "") is None:

@@ -128,7 +128,7 @@ def setting(default, doc: str, *, choices=None, kind: str | None = None, most: i
             lora: bool = False, factory=None):
     """A settings field: its default and its documentation (meaning, unit, allowed values, why this default),
     plus the rule :class:`Step` validates it by (``kind``: "choice" | "bool" | "int" (1 .. ``most``) |
-    "targets"). ``lora``: the field only applies to LoRA / QLoRA."""
+    "targets" | "fraction" (a number in [0, 1)). ``lora``: the field only applies to LoRA / QLoRA."""
     kind = "choice" if choices else kind
     meta = {"doc": doc, "kind": kind, "choices": choices, "most": most, "lora": lora}
     if factory is not None:
@@ -146,6 +146,10 @@ def _check_field(f: dataclasses.Field, value):
         return _check_int(f.name, value, 1, m["most"])
     elif m["kind"] == "targets":
         return _check_targets(value)
+    elif m["kind"] == "fraction":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise ValueError(f"{f.name} must be a number in [0, 1), e.g. 0.05; got {value!r}.")
+        return float(value)
     return value
 
 
@@ -190,6 +194,10 @@ class Step:
                                 "of the blocks, as peft; lm_head excluded) or a list of module names, e.g. "
                                 "['q_proj', 'v_proj']. Default 'all-linear': the QLoRA paper's finding that adapting "
                                 "every linear matters most.", kind="targets", lora=True)
+    lora_dropout: float = setting(0.0, "Dropout on each LoRA adapter's input (LoRA/QLoRA only), 0 to below 1. Above "
+                                  "0 every adapted linear keeps a dropped copy of its input and the dropout's mask "
+                                  "for backward, and the step runs those kernels. Default 0.0, peft's (the QLoRA "
+                                  "paper used 0.05-0.1).", kind="fraction", lora=True)
     gradient_checkpointing: bool = setting(True, "Recompute each block's activations in backward (non-reentrant, as "
                                            "the HF Trainer): much less memory, about 30 % more time. Default true: "
                                            "the first saving a plan makes, at no cost in quality.", kind="bool")
@@ -342,7 +350,6 @@ class RunFields:
     model: str = setting("tiny", "catalog name, local directory, hub id, or \"tiny\" (the embedded default)")
     trust_remote_code: bool = setting(False, "run model code from the hub; off unless you trust the repo")
     # --- adapter -------------------------------------------------------------------------
-    lora_dropout: float = setting(0.0, "dropout on the LoRA input")
     learning_rate: float = setting(2e-3, "peak learning rate")
     # --- planning ------------------------------------------------------------------------
     plan_model: str = setting("", "model the planning notebooks size GPUs for; empty: the model you train (the "
@@ -480,16 +487,12 @@ def validate(s) -> None:
     lr = s.learning_rate
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or not 0 < lr < 1:
         raise ValueError(f"learning_rate must be a number in (0, 1), e.g. 2e-4; got {lr!r}.")
-    if s.method == "full" and s.lora_dropout != 0.0:
-        raise ValueError("lora_dropout only applies to method='lora' or 'qlora'; leave it at 0 with method='full'.")
     if not 0 <= s.margin < 1:
         raise ValueError(f"margin must be in [0, 1), e.g. 0.10 for a 10 % safety margin; got {s.margin!r}.")
     for name in ("base_mix", "compare_base_mix"):
         if not 0 <= getattr(s, name) < 1:
             raise ValueError(f"{name} must be in [0, 1), e.g. 0.25 for a quarter of base-task rows; "
                              f"got {getattr(s, name)!r}.")
-    if not 0 <= s.lora_dropout < 1:
-        raise ValueError(f"lora_dropout must be in [0, 1), got {s.lora_dropout!r}.")
     for name, choices in (("data_format", DATA_FORMATS), ("heldout_data_format", DATA_FORMATS),
                           ("control_data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES),
                           ("train_on", TRAIN_ON), ("think", THINK)):

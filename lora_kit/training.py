@@ -48,6 +48,32 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+class FusedDropout(torch.nn.Dropout):
+    """``nn.Dropout`` through ``torch.native_dropout``: the fused kernel CUDA's ``F.dropout`` runs, whatever the
+    device. It saves a bool mask for backward (1 byte per element); a CPU's ``F.dropout`` instead saves a noise
+    tensor in the input's dtype, so without this a CPU step would keep 2-4 times the mask a GPU keeps. The same
+    distribution and scaling (kept elements times 1 / (1 - p)); in eval, or at p = 0, the input unchanged."""
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        return torch.native_dropout(x, self.p, True)[0]
+
+
+def fuse_lora_dropout(model) -> int:
+    """Replace peft's LoRA dropout modules (``lora_dropout[adapter]``, ``nn.Dropout`` when p > 0) by
+    :class:`FusedDropout` of the same p; returns how many."""
+    n = 0
+    for module in model.modules():
+        drops = getattr(module, "lora_dropout", None)
+        if isinstance(drops, torch.nn.ModuleDict):
+            for name, d in list(drops.items()):
+                if type(d) is torch.nn.Dropout:
+                    drops[name] = FusedDropout(d.p)
+                    n += 1
+    return n
+
+
 def attach_adapter(model, method: str, seed: int, rank: int = 16, alpha: int = 32, dropout: float = 0.0,
                    targets="all-linear", gradient_checkpointing: bool = False, kbit_prepared: bool = True):
     """Prepare ``model`` for ``method`` and return the model that trains (a PeftModel for LoRA/QLoRA).
@@ -76,6 +102,7 @@ def attach_adapter(model, method: str, seed: int, rank: int = 16, alpha: int = 3
         raise ValueError(f"lora_targets={targets!r} does not fit this model ({e}); use 'all-linear' or "
                          "names of its linear layers, e.g. ['q_proj', 'v_proj'].") from e
     fix_bnb_cpu_repack(peft_model)
+    fuse_lora_dropout(peft_model)  # the mask CUDA keeps, on every device
     if method == "qlora" and not kbit_prepared:
         for p in peft_model.parameters():
             if p.requires_grad:

@@ -56,7 +56,7 @@ def test_every_field_is_documented_and_validated_by_its_own_rule():
     for f in dataclasses.fields(Step):
         doc = Step.doc(f.name)
         assert len(doc) > 40 and "Default" in doc, f.name  # meaning, allowed values, default and why
-        assert f.metadata["kind"] in ("choice", "bool", "int", "targets"), f.name
+        assert f.metadata["kind"] in ("choice", "bool", "int", "targets", "fraction"), f.name
     assert Step() == PLANNING and hash(PLANNING) == hash(Step())
     with pytest.raises(dataclasses.FrozenInstanceError):
         PLANNING.seq_len = 1

@@ -61,7 +61,9 @@ def categorical(step) -> dict:
     # QLoRA without peft's up-casts (sharded QLoRA's recipe) is its own step; the usual one keeps its old key
     bare = {"qlora_prepare": "none"} if step.method == "qlora" and not step.kbit_prepared else {}
     liger = {"liger_kernel": True} if step.liger_kernel else {}  # its own step; without it the keys stay as they were
-    return {**fixed_rank, **sharded, **bare, **liger, "method": step.method, "dtype": step.dtype, "autocast": step.autocast,
+    # LoRA dropout above 0 keeps a mask and a dropped input per adapter (its rate changes no size): its own step
+    dropout = {"lora_dropout": True} if lora and step.lora_dropout > 0 else {}
+    return {**fixed_rank, **sharded, **bare, **liger, **dropout, "method": step.method, "dtype": step.dtype, "autocast": step.autocast,
             "double_quant": step.double_quant if step.method == "qlora" else None,
             "lora_targets": list(step.lora_targets) if lora and not isinstance(step.lora_targets, str)
             else (step.lora_targets if lora else None),

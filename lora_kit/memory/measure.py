@@ -152,7 +152,7 @@ def build_real_model(cfg, s, device: str = "cpu", seed: int = 0):
             net = load_model(d, method="qlora", dtype=s.dtype, double_quant=s.double_quant,
                              attn_implementation=model_attn_implementation(s.attn_implementation, device), device=device,
                              storage_in_dtype=not s.kbit_prepared)
-    net = attach_adapter(net, s.method, seed, s.lora_rank, s.lora_alpha, 0.0, s.lora_targets,
+    net = attach_adapter(net, s.method, seed, s.lora_rank, s.lora_alpha, s.lora_dropout, s.lora_targets,
                          s.gradient_checkpointing, s.kbit_prepared)
     net.train()  # from_pretrained returns eval mode, where checkpointing is off
     if s.liger_kernel:

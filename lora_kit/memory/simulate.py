@@ -283,7 +283,7 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
         check_liger(cfg, s)
     net = _meta_model(cfg, s)
     with torch.device("meta"):
-        net = attach_adapter(net, method, 0, s.lora_rank, s.lora_alpha, 0.0, s.lora_targets,
+        net = attach_adapter(net, method, 0, s.lora_rank, s.lora_alpha, s.lora_dropout, s.lora_targets,
                              s.gradient_checkpointing, s.kbit_prepared)
     net.train()
     if s.liger_kernel:

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lora_kit.settings import PLANNING, STEP_FIELDS, check_names
+from lora_kit.settings import LORA_FIELDS, PLANNING, STEP_FIELDS, check_names
 
 FORMATS = ("trl", "axolotl", "llamafactory", "torchtune", "trainer")
 FORMAT_NAMES = {"trl": "TRL SFT config", "axolotl": "axolotl config", "llamafactory": "LLaMA-Factory config",
@@ -222,7 +222,7 @@ def settings_from_config(path, format: str | None = None, model: str | None = No
     _finish_attention(r, overrides)
     vals = dict(r.vals)
     if vals.get("method", PLANNING.method) == "full" or overrides.get("method") == "full":
-        for k in ("lora_rank", "lora_alpha", "lora_targets", "double_quant"):
+        for k in ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "double_quant"):
             if k in vals and k not in overrides:
                 vals.pop(k)
                 r.src.pop(k, None)
@@ -235,8 +235,7 @@ def settings_from_config(path, format: str | None = None, model: str | None = No
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     mapped = {k: r.src[k] for k in STEP_FIELDS if k in r.src}
-    defaults = [k for k in STEP_FIELDS if k not in mapped and not (step.method == "full" and k in
-                                                                    ("lora_rank", "lora_alpha", "lora_targets"))]
+    defaults = [k for k in STEP_FIELDS if k not in mapped and not (step.method == "full" and k in LORA_FIELDS)]
     ignored = sorted(k for k in cfg if k not in r.used and k not in {n["key"].split(".")[0] for n in r.nm})
     rep = ConfigReport(path=str(path), format=fmt, model=planned, model_in_config=given_model, mapped=mapped,
                        defaults=defaults, not_modelled=r.nm, ignored=ignored, notes=r.notes)
@@ -521,6 +520,7 @@ def _read_trl(r: _Reader, model_override) -> str | None:
     if lora:
         r.put("lora_rank", int(m.lora_r), "lora_r", default=not given("lora_r"))
         r.put("lora_alpha", int(m.lora_alpha), "lora_alpha", default=not given("lora_alpha"))
+        r.put("lora_dropout", float(m.lora_dropout), "lora_dropout", default=not given("lora_dropout"))
         t = m.lora_target_modules
         if t is None:
             r.put("lora_targets", "peft-default", "lora_target_modules", raw=None, default=True)
@@ -713,6 +713,7 @@ def _read_axolotl(r: _Reader, model_override) -> str | None:
     if method != "full":
         r.put("lora_rank", int(r.get("lora_r", 8)), "lora_r", default=not r.has("lora_r"))
         r.put("lora_alpha", int(r.get("lora_alpha", 16)), "lora_alpha", default=not r.has("lora_alpha"))
+        r.put("lora_dropout", float(r.get("lora_dropout", 0.0)), "lora_dropout", default=not r.has("lora_dropout"))
         if r.get("lora_target_linear"):
             r.put("lora_targets", "all-linear", "lora_target_linear", raw=True)
         elif r.get("lora_target_modules"):
@@ -836,6 +837,7 @@ def _read_llamafactory(r: _Reader, model_override) -> str | None:
         rank = int(r.get("lora_rank", 8))
         r.put("lora_rank", rank, "lora_rank", default=not r.has("lora_rank"))
         r.put("lora_alpha", int(r.get("lora_alpha") or 2 * rank), "lora_alpha", default=not r.has("lora_alpha"))
+        r.put("lora_dropout", float(r.get("lora_dropout", 0.0)), "lora_dropout", default=not r.has("lora_dropout"))
         t = r.get("lora_target", "all")
         r.put("lora_targets", "all-linear" if t in ("all", ["all"]) else _targets_list(t), "lora_target", raw=t,
               default=not r.has("lora_target"))
@@ -932,6 +934,8 @@ def _read_torchtune(r: _Reader, model_override) -> str | None:
     if method != "full":
         r.put("lora_rank", int(mdl.get("lora_rank", 8)), "model.lora_rank")
         r.put("lora_alpha", int(mdl.get("lora_alpha", 16)), "model.lora_alpha")
+        r.put("lora_dropout", float(mdl.get("lora_dropout", 0.0)), "model.lora_dropout",
+              default="lora_dropout" not in mdl)
         attn = list(mdl.get("lora_attn_modules", ["q_proj", "v_proj"]))
         mlp = bool(mdl.get("apply_lora_to_mlp", False))
         names = [TORCHTUNE_MODULES.get(a, a) for a in attn] + (["gate_proj", "up_proj", "down_proj"] if mlp else [])
@@ -1027,7 +1031,7 @@ def trl_config(path) -> dict:
 def run_settings(path, **overrides):
     """``(Settings, ConfigReport)`` for a smoke run of the job a TRL SFT config describes: the step
     :func:`settings_from_config` maps (loop ``"sft"``), the model as the config names it (a local folder or hub id:
-    the run loads it), its ``learning_rate``, ``seed`` and, with ``use_peft``, ``lora_dropout``, and ``from_config``
+    the run loads it), its ``learning_rate``, ``seed`` and ``from_config``
     set to ``path`` -- so the smoke run's SFTTrainer also takes the config's other trainer fields (scheduler, warm-up,
     weight decay, clipping ...). ``overrides`` (any Settings field: ``dataset``, ``max_steps``, ``run_dir`` ...) win."""
     from lora_kit.settings import field_names, from_dict
@@ -1037,9 +1041,7 @@ def run_settings(path, **overrides):
     step_over = {k: v for k, v in overrides.items() if k in STEP_FIELDS}
     model = overrides.get("model")
     step, report = settings_from_config(path, format="trl", model=model, **step_over)
-    args, margs, _ = _parse_trl(_Reader(_load(path), "trl", path))
+    args, _, _ = _parse_trl(_Reader(_load(path), "trl", path))
     run = {"model": model or report.model_in_config, "learning_rate": float(args.learning_rate), "seed": int(args.seed),
            "from_config": str(path)}
-    if margs.use_peft:
-        run["lora_dropout"] = float(margs.lora_dropout)
     return from_dict({**step.to_dict(), **run, **overrides}), report

@@ -403,6 +403,11 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
             ap = f32_peak if dt["adapters"] == "float32" else base_peak
             per = 2 if bwd else 1  # A and B: input and weight gradients in backward
             c.matmul("adapters", T, k, r, ap, ab, ab, times=n_l * per - (times if first_free else 0))
+            if st.lora_dropout > 0:  # peft's nn.Dropout on x cast to lora_A's dtype: reads it, writes the dropped
+                # copy and a bool mask; backward (where x takes a gradient) reads the gradient and the mask, writes one
+                xd = a if st.method == "qlora" and st.autocast else DTYPE_BYTES[dt["adapter_weights"]]
+                c.add("adapters", bytes_=T * k * (2 * xd + 1), kernels=1, times=n_l - (times if bwd and first_free
+                                                                                         else 0))
             if lin is stop:  # the recompute stops before lora_B: only x's casts ran
                 aw = DTYPE_BYTES[dt["adapter_weights"]]
                 ew = T * k * (a + aw) if a != aw else 0

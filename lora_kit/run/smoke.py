@@ -235,6 +235,8 @@ RUNS = {
     "lora_rank": ("the adapter's r", None),
     "lora_alpha": ("the adapter's lora_alpha", None),
     "lora_targets": ("the adapter's target_modules", None),
+    "lora_dropout": ("the adapter's lora_dropout, through the fused dropout kernel CUDA runs (a bool mask kept for "
+                     "backward, lora_kit.training.FusedDropout)", None),
     "gradient_checkpointing": ("non-reentrant checkpointing, enabled as the HF Trainer enables it", None),
     "attn_implementation": ("the model's attention kernel", None),
     "optimizer": ("the optimizer class (a paged one runs unpaged off CUDA: same states)", None),
