@@ -12,7 +12,8 @@ from lora_kit.settings import PLANNING
 
 STEPS = {
     "qlora": PLANNING.replace(method="qlora", autocast=True, optimizer="paged_adamw_8bit", seq_len=4096, batch_size=2,
-                              grad_accum=8, lora_rank=32, lora_alpha=64, padding="longest", double_quant=False),
+                              grad_accum=8, lora_rank=32, lora_alpha=64, lora_dropout=0.05, padding="longest",
+                              double_quant=False),
     "lora_zero3_offload": PLANNING.replace(method="lora", autocast=True, lora_targets=("q_proj", "v_proj"),
                                            padding="longest", num_gpus=4, sharding="zero3", cpu_offload=True,
                                            optimizer="adamw_8bit"),

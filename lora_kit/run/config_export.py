@@ -83,7 +83,8 @@ def trl_config(model: str, step, dataset: str | None = None) -> dict:
     # padding_free on: the micro-batch's rows flattened into one, position_ids restarting per example (TRL 1.16
     # refuses padding_free without packing when max_length is set)
     if lora:
-        cfg.update({"lora_r": step.lora_rank, "lora_alpha": step.lora_alpha, "lora_target_modules": _targets(step)})
+        cfg.update({"lora_r": step.lora_rank, "lora_alpha": step.lora_alpha, "lora_dropout": step.lora_dropout,
+                    "lora_target_modules": _targets(step)})
     if step.method == "qlora":
         cfg.update({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "use_bnb_nested_quant": step.double_quant})
     if step.liger_kernel:
@@ -107,7 +108,8 @@ def axolotl_config(model: str, step, dataset: str | None = None) -> dict:
         cfg["datasets"] = [{"path": dataset, "type": "alpaca"}]
     cfg["output_dir"] = "./output"
     if step.method != "full":
-        cfg.update({"adapter": step.method, "lora_r": step.lora_rank, "lora_alpha": step.lora_alpha})
+        cfg.update({"adapter": step.method, "lora_r": step.lora_rank, "lora_alpha": step.lora_alpha,
+                    "lora_dropout": step.lora_dropout})
         if step.lora_targets == "all-linear":
             cfg["lora_target_linear"] = True
         else:
@@ -146,7 +148,7 @@ def llamafactory_config(model: str, step, dataset: str | None = None) -> dict:
     cfg = {"model_name_or_path": hub_id(model), "stage": "sft", "do_train": True,
            "finetuning_type": "full" if step.method == "full" else "lora"}
     if step.method != "full":
-        cfg.update({"lora_rank": step.lora_rank, "lora_alpha": step.lora_alpha,
+        cfg.update({"lora_rank": step.lora_rank, "lora_alpha": step.lora_alpha, "lora_dropout": step.lora_dropout,
                     "lora_target": "all" if step.lora_targets == "all-linear" else ",".join(step.lora_targets)})
     if step.method == "qlora":
         cfg.update({"quantization_bit": 4, "quantization_method": "bnb", "double_quantization": step.double_quant})
