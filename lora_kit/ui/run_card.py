@@ -336,16 +336,21 @@ def _hardware_line(hw: dict) -> str:
     return f"CPU {hw.get('cpu_architecture', '?')} ({hw.get('cpu_count', '?')} cores), {hw.get('os', '?')}; {gpu}"
 
 
+def _row_step(plan: dict, row: dict) -> dict:
+    """The step fields of the plan's ``row``: plan.json's ``assumptions`` with the row's method and micro-batch."""
+    return {**(plan.get("assumptions") or {}), "method": row["method"],
+            "batch_size": int(row.get("batch_size") or plan.get("batch_size") or 1)}
+
+
 def _paged_resident(plan: dict, row: dict) -> int:
     """Bytes a paged optimizer keeps in CUDA managed memory for the plan's ``row`` (0 for other optimizers): the
     estimate of the plan's step with the optimizer's unpaged twin less its own states; 0 where it cannot be
     estimated here."""
-    step = dict(plan.get("assumptions") or {})
+    step = _row_step(plan, row)
     opt = str(step.get("optimizer") or "")
     if not opt.startswith("paged_") or not plan.get("model"):
         return 0
     from lora_kit.memory.estimate import estimate
-    step.update(method=row["method"], batch_size=int(row.get("batch_size") or plan.get("batch_size") or 1))
     try:
         own = estimate(plan["model"], **step)
         twin = estimate(plan["model"], **{**step, "optimizer": opt.removeprefix("paged_")})
@@ -363,9 +368,7 @@ def _reserved_expandable(plan: dict, row: dict, peak: int | None) -> int | None:
     from lora_kit.memory.specs import model_spec
     from lora_kit.settings import as_step
     try:
-        step = as_step(None, **{**(plan.get("assumptions") or {}), "method": row["method"],
-                                "batch_size": int(row.get("batch_size") or plan.get("batch_size") or 1)})
-        kw = device_kwargs(model_spec(plan["model"]), step)
+        kw = device_kwargs(model_spec(plan["model"]), as_step(None, **_row_step(plan, row)))
     except (ValueError, OSError, TypeError):  # a model or setting this process cannot plan
         return None
     kw.pop("num_gpus")
