@@ -68,6 +68,24 @@ def test_targets_rank_method_and_margin(panel):
     panel.margin.value = 10
 
 
+def test_lora_dropout_and_lora_controls_under_full(panel):
+    """Dropout is a control of the plan; switching to full fine-tuning greys the LoRA controls out and plans
+    without them, and switching back restores what the user set."""
+    panel.method.value = "lora"
+    before = panel.last_plan["estimate"].peak_allocated_bytes
+    panel.lora_rank.value, panel.lora_dropout.value = 32, 0.1
+    s = panel.settings()
+    assert (s.lora_rank, s.lora_dropout) == (32, 0.1) and panel.error is None
+    assert panel.last_plan["estimate"].peak_allocated_bytes == estimate(**panel.plan_kwargs()).peak_allocated_bytes
+    assert panel.last_plan["estimate"].peak_allocated_bytes > before
+    panel.method.value = "full"
+    assert panel.error is None and panel.settings().lora_dropout == 0.0 and panel.settings().lora_rank != 32
+    assert panel.lora_rank.disabled and panel.lora_dropout.disabled and panel.targets.disabled
+    panel.method.value = "lora"
+    assert (panel.settings().lora_rank, panel.settings().lora_dropout) == (32, 0.1) and not panel.lora_dropout.disabled
+    panel.lora_rank.value, panel.lora_dropout.value = 16, 0.0
+
+
 def test_inconsistent_choice_shows_what_to_change(panel):
     panel.sharding.value = "zero3"  # with 1 GPU
     assert "Cannot plan" in panel.verdict.value and "num_gpus" in panel.verdict.value

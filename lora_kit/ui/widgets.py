@@ -34,7 +34,7 @@ from lora_kit.plan.figures import PART_COLORS
 from lora_kit.plan.gpus import get_gpu, known_gpus
 from lora_kit.plan.config_import import settings_from_config
 from lora_kit.plan.planner import check_plan, verdict_text
-from lora_kit.settings import DTYPES, METHODS, OPTIMIZERS, SHARDINGS, Settings
+from lora_kit.settings import DTYPES, LORA_FIELDS, METHODS, OPTIMIZERS, PLANNING, SHARDINGS, Settings
 
 GIB = 2 ** 30
 PARTS = ("weights", "quant_constants", "adapters", "gradients", "optimizer_states", "activations")
@@ -79,6 +79,8 @@ class PlannerPanel:
         self.seq_len = num(s.seq_len, 1, 1 << 20, "seq_len (tokens)")
         self.batch_size = num(s.batch_size, 1, 1 << 14, "micro-batch / GPU")
         self.lora_rank = num(s.lora_rank, 1, 4096, "LoRA rank r")
+        self.lora_dropout = w.BoundedFloatText(value=s.lora_dropout, min=0, max=0.95, step=0.05,
+                                               description="LoRA dropout", style=_STYLE, layout=_LAYOUT)
         self.targets = w.SelectMultiple(options=[], description="LoRA targets", rows=4,
                                         style=_STYLE, layout=_LAYOUT)
         self.checkpointing = w.Checkbox(value=s.gradient_checkpointing, description="gradient checkpointing",
@@ -98,20 +100,21 @@ class PlannerPanel:
         self._show_report(report)
         self.figure = self._make_figure()
         left = w.VBox([self.model, self.method, self.dtype, self.gpu, self.margin, self.num_gpus, self.sharding])
-        right = w.VBox([self.seq_len, self.batch_size, self.lora_rank, self.targets, self.checkpointing,
-                        self.optimizer])
+        right = w.VBox([self.seq_len, self.batch_size, self.lora_rank, self.lora_dropout, self.targets,
+                        self.checkpointing, self.optimizer])
         self.widget = w.VBox([w.HBox([self.config_path, self.load_button]), self.config_report,
                               w.HBox([left, right], layout=w.Layout(width="960px", justify_content="space-between")),
                               self.verdict, self.figure], layout=w.Layout(width="980px"))
         self.batch_size.tooltip = "examples per GPU per step; gradient accumulation does not change peak memory"
         self.targets.tooltip = "modules that get LoRA adapters; all selected = 'all-linear'"
         self.num_gpus.tooltip = "memory is per GPU: without zero/fsdp sharding every GPU holds everything"
+        self.lora_dropout.tooltip = "dropout on each adapter's input: a 1-byte mask per adapted input for backward"
         # stable CSS hooks for the real-browser test and for user styling
         self.widget.add_class("lk-panel")
         self.verdict.add_class("lk-verdict")
         self.figure.add_class("lk-figure")
-        for name in ("model", "method", "dtype", "gpu", "margin", "seq_len", "batch_size", "lora_rank", "targets",
-                     "checkpointing", "optimizer", "num_gpus", "sharding"):
+        for name in ("model", "method", "dtype", "gpu", "margin", "seq_len", "batch_size", "lora_rank", "lora_dropout",
+                     "targets", "checkpointing", "optimizer", "num_gpus", "sharding"):
             getattr(self, name).add_class("lk-" + name.replace("_", "-"))
         for c in self.controls():
             c.observe(self._on_change, names="value")
@@ -147,6 +150,7 @@ class PlannerPanel:
             self.model.value = report.model
             for name, value in (("method", step.method), ("dtype", step.dtype), ("seq_len", step.seq_len),
                                 ("batch_size", step.batch_size), ("lora_rank", step.lora_rank),
+                                ("lora_dropout", step.lora_dropout),
                                 ("checkpointing", step.gradient_checkpointing), ("optimizer", step.optimizer),
                                 ("num_gpus", step.num_gpus), ("sharding", step.sharding)):
                 getattr(self, name).value = value
@@ -158,7 +162,8 @@ class PlannerPanel:
 
     def controls(self) -> list:
         return [self.model, self.method, self.dtype, self.gpu, self.margin, self.seq_len, self.batch_size,
-                self.lora_rank, self.targets, self.checkpointing, self.optimizer, self.num_gpus, self.sharding]
+                self.lora_rank, self.lora_dropout, self.targets, self.checkpointing, self.optimizer, self.num_gpus,
+                self.sharding]
 
     def _set_target_options(self, lora_targets) -> None:
         try:
@@ -190,16 +195,19 @@ class PlannerPanel:
         return fig
 
     def settings(self) -> Settings:
-        """The current values as a validated :class:`Settings` (raises ValueError if inconsistent)."""
+        """The current values as a validated :class:`Settings` (raises ValueError if inconsistent). With
+        ``method="full"`` the LoRA controls keep their values for a switch back, and the plan leaves them out."""
         names = list(self.targets.options)
         chosen = list(self.targets.value)
         targets = "all-linear" if not names or set(chosen) == set(names) or not chosen else chosen
+        full = self.method.value == "full"
+        lora = {k: getattr(PLANNING, k) for k in LORA_FIELDS} if full else dict(
+            lora_rank=int(self.lora_rank.value), lora_targets=targets, lora_dropout=float(self.lora_dropout.value))
         return self._base.replace(
             **{self._plan_field: self.model.value}, method=self.method.value, dtype=self.dtype.value, gpu=self.gpu.value,
             margin=float(self.margin.value) / 100, seq_len=int(self.seq_len.value),
-            batch_size=int(self.batch_size.value), lora_rank=int(self.lora_rank.value), lora_targets=targets,
-            gradient_checkpointing=bool(self.checkpointing.value), optimizer=self.optimizer.value,
-            num_gpus=int(self.num_gpus.value), sharding=self.sharding.value)
+            batch_size=int(self.batch_size.value), gradient_checkpointing=bool(self.checkpointing.value),
+            optimizer=self.optimizer.value, num_gpus=int(self.num_gpus.value), sharding=self.sharding.value, **lora)
 
     def plan_kwargs(self) -> dict:
         """The plan on screen: ``model`` (the panel's, not necessarily ``settings().model``) and its ``step``."""
@@ -214,6 +222,8 @@ class PlannerPanel:
 
     def update(self) -> None:
         """Recompute the plan from the widgets and refresh the verdict and the figure in place."""
+        for c in (self.lora_rank, self.lora_dropout, self.targets):  # full fine-tuning has no adapters
+            c.disabled = self.method.value == "full"
         try:
             s = self.settings()
             plan = check_plan(gpu=s.gpu, margin=s.margin, **self.plan_kwargs())
