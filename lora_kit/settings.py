@@ -271,6 +271,15 @@ class Step:
         """QLoRA readied by peft's ``prepare_model_for_kbit_training`` (:attr:`qlora_recipe` "peft")."""
         return self.method == "qlora" and self.qlora_recipe == "peft"
 
+    @property
+    def activation_dtype(self) -> str:
+        """The dtype a decoder layer's activations are in: fp32 where QLoRA is readied by
+        ``prepare_model_for_kbit_training`` (its fp32 norms feed every layer fp32) or ``dtype="float32"`` runs
+        without autocast; else the 16-bit dtype the matmuls compute in (bf16 under autocast of fp32 weights)."""
+        if self.kbit_prepared or (self.dtype == "float32" and not self.autocast):
+            return "float32"
+        return self.dtype if self.dtype != "float32" else "bfloat16"
+
     def one_gpu(self) -> "Step":
         """This step on one GPU (what sharding is composed from), QLoRA still readied as it is here."""
         prepare = self.qlora_recipe if self.method == "qlora" else self.qlora_prepare

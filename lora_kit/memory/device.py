@@ -134,27 +134,19 @@ def reserved_bytes(peak, *, largest=0, layer=0, method: str | None = None, embed
     return _out(p + frag, scalar)
 
 
-def activation_bytes(step) -> int:
-    """Bytes per element of a decoder layer's activations in ``step``: 4 where they are fp32 (QLoRA readied by
-    ``prepare_model_for_kbit_training``, whose fp32 norms feed every layer fp32; ``dtype="float32"`` without
-    autocast), else 2."""
-    fp32 = (step.method == "qlora" and step.kbit_prepared) or (step.dtype == "float32" and not step.autocast)
-    return 4 if fp32 else 2
-
-
 def device_kwargs(spec, step, tokens=None, num_gpus=None) -> dict:
     """The keywords of :func:`device_total` for ``step`` (a :class:`lora_kit.settings.Step`) on a model of ``spec``
     (``vocab_size``, ``hidden_size``, ``intermediate_size``, ``tied_embeddings``), ``tokens`` per micro-step (batch
     x sequence; int or array; default the step's) on ``num_gpus`` (default the step's): ``largest`` = the fp32
     logits (``tokens x vocab x 4``; TRL's SFT head, ``loop="sft"``, never builds them: its 4,096 x 32,768 fp32 tile
-    instead); ``layer`` = one layer's MLP activation, ``tokens x intermediate_size x`` :func:`activation_bytes`;
-    ``embedding_bytes`` for QLoRA = one 16-bit ``vocab x hidden`` block when the embedding and ``lm_head`` are
+    instead); ``layer`` = one layer's MLP activation, ``tokens x intermediate_size`` in the step's
+    ``activation_dtype``; ``embedding_bytes`` for QLoRA = one 16-bit ``vocab x hidden`` block when the embedding and ``lm_head`` are
     untied (two blocks cached after load, the step reuses one), else 0; ``method``; ``num_gpus``."""
     method = step.method
     (T,), _ = _exact(step.seq_len * step.batch_size if tokens is None else tokens)
     V, h, inter = int(spec.vocab_size), int(spec.hidden_size), int(spec.intermediate_size)
     largest = alloc_bytes(np.minimum(T, 4096) * 32768 * 4) if step.loop == "sft" else alloc_bytes(T * V * 4)
-    layer = alloc_bytes(T * inter * activation_bytes(step))
+    layer = alloc_bytes(T * inter * (4 if step.activation_dtype == "float32" else 2))
     emb = alloc_bytes(V * h * 2) if method == "qlora" and not spec.tied_embeddings else 0
     return {"largest": largest if np.ndim(largest) else int(largest), "layer": layer if np.ndim(layer) else int(layer),
             "method": method, "embedding_bytes": emb, "num_gpus": step.num_gpus if num_gpus is None else num_gpus}
