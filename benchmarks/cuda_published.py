@@ -280,11 +280,7 @@ def summary(results: list[dict]) -> dict:
                            "short_over_3pct": sum(x < SHORT for x in q)}
     ratios = [r["ratio"] for r in inscope]
     judged = [r["verdict"] for r in verdicts if r["verdict"]["judged"]]
-    closed = sorted(r["kit"]["device_basis"]["reserved"] / r["measured"] for r in inscope if r["metric"] == "reserved")
-    spread = {"rows": len(closed), "min": closed[0], "median": statistics.median(closed), "max": closed[-1],
-              "short_over_3pct": sum(x < SHORT for x in closed)} if closed else None
-    basis = {"closed_form_reserved_vs_measured": spread,
-             "verdicts_right": sum(v["basis_right"] for v in judged), "verdicts_judged": len(judged),
+    basis = {"verdicts_right": sum(v["basis_right"] for v in judged), "verdicts_judged": len(judged),
              "wrong": [r["id"] for r in verdicts if r["verdict"]["judged"] and not r["verdict"]["basis_right"]]}
     return {"rows": len(results), "in_scope": len(verdicts), "out_of_scope": len(results) - len(verdicts),
             "device_basis": basis,

@@ -44,7 +44,8 @@ CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_k
 GRID = [dict(method="lora"), dict(method="lora", autocast=True), dict(method="lora", gradient_checkpointing=False),
         dict(method="lora", lora_targets=["q_proj", "v_proj"]), dict(method="qlora"),
         dict(method="qlora", autocast=True), dict(method="qlora", qlora_prepare="none"), dict(method="full"),
-        dict(method="full", gradient_checkpointing=False), dict(method="full", autocast=True)]
+        dict(method="full", gradient_checkpointing=False), dict(method="full", autocast=True),
+        dict(method="lora", lora_dropout=0.1), dict(method="qlora", autocast=True, lora_dropout=0.1)]
 
 
 def _nbytes(t) -> int:

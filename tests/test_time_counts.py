@@ -24,6 +24,8 @@ SHAPE = dict(seq_len=64, batch_size=2)
     dict(method="qlora", qlora_prepare="none"),
     dict(method="full"),
     dict(method="full", autocast=True),
+    dict(method="lora", lora_dropout=0.1),
+    dict(method="qlora", autocast=True, lora_dropout=0.1),
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_model_counts_match_the_real_steps_operators(kw):
     """Matmul FLOPs by dtype class exactly (checkpointing's early stop, the first block's free input gradients,
@@ -101,3 +103,17 @@ def test_mixture_of_experts_blocks_are_timed(kw):
     for cls, v in r["real"]["flops"].items():
         assert r["model"]["flops"].get(cls, 0.0) == pytest.approx(v, rel=5e-3), cls
     assert 0.9 <= r["bytes_ratio"] <= 1.12, r["bytes_ratio"]
+
+
+@pytest.mark.parametrize("kw", [dict(method="lora"), dict(method="qlora", autocast=True)],
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_lora_dropout_bytes_are_the_real_kernels_bytes(kw):
+    """What LoRA dropout adds to a step, per stage, is what the real step's dropout kernels move (the fused
+    ``native_dropout`` and its backward, on each adapter's input in the dtype it arrives in: the attention
+    output's 16-bit under QLoRA's autocast, the stream's fp32 elsewhere)."""
+    rows = [time_counts.compare(CFG, as_step(None, **SHAPE, gradient_checkpointing=True, lora_dropout=d, **kw))
+            for d in (0.0, 0.1)]
+    for stage in ("forward", "recompute", "backward"):
+        real = rows[1]["real"]["bytes"][stage] - rows[0]["real"]["bytes"][stage]
+        model = rows[1]["model"]["bytes"][stage] - rows[0]["model"]["bytes"][stage]
+        assert real > 0 and model == pytest.approx(real, rel=1e-9), stage

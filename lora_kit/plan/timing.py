@@ -234,17 +234,17 @@ def _dtypes(st: Step) -> dict:
     """The dtype each part runs in. QLoRA's usual recipe (prepare_model_for_kbit_training) up-casts every
     non-quantised tensor to fp32: activations, norms, lm_head; its 4-bit matmuls compute in ``dtype``. Without it
     (``qlora_prepare="none"``) everything but the 4-bit weights runs in ``dtype``, the adapters in bf16."""
-    half = st.dtype if st.dtype != "float32" else "bfloat16"
+    half, act = (st.dtype if st.dtype != "float32" else "bfloat16"), st.activation_dtype
     if st.method == "qlora" and not st.kbit_prepared:
-        return {"base": half, "activations": st.dtype, "stream": st.dtype, "head": st.dtype, "adapters": "bfloat16",
+        return {"base": half, "activations": act, "stream": st.dtype, "head": st.dtype, "adapters": "bfloat16",
                 "adapter_weights": "bfloat16", "weights": half}
     if st.method == "qlora":
-        return {"base": half, "activations": "float32", "stream": "float32", "head": half if st.autocast else "float32",
+        return {"base": half, "activations": act, "stream": "float32", "head": half if st.autocast else "float32",
                 "adapters": half if st.autocast else "float32", "adapter_weights": "float32", "weights": half}
     base = half if st.autocast else st.dtype
     weights = "float32" if st.method == "full" and st.autocast else st.dtype  # autocast: fp32 master weights
     # the residual stream (embeddings, norms, residual adds) stays in the weights' dtype under autocast
-    return {"base": base, "activations": base, "stream": weights, "head": base,
+    return {"base": base, "activations": act, "stream": weights, "head": base,
             "adapters": base if st.autocast else "float32", "adapter_weights": "float32", "weights": weights}
 
 
@@ -376,9 +376,11 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
     L = spec.num_layers
     H, F = spec.hidden_size, spec.intermediate_size
     trained_base = st.method == "full"
+    a_attn = DTYPE_BYTES[_attention_dtypes(spec, st, kernel)[1]]
     for lin in spec.linears:
         n_l = times * (lin.layers or L)
         k, n = lin.in_features, lin.out_features
+        xa = a_attn if lin.kind == "attn_out" else a  # the linear's input: the attention output's dtype or the stream's
         # no input gradient into the first block, whose input needs none without checkpointing's
         # enable_input_require_grads when the embeddings are frozen
         first_free = bwd and st.method != "full" and not st.gradient_checkpointing and lin.kind == "attn_in"
@@ -394,10 +396,10 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
         if st.method == "qlora":
             c.add("dequant", bytes_=k * n * (C.NF4_READ_BYTES + C.DEQUANT_WRITE_BYTES) * c.tm.dequant_factor,
                   kernels=2, times=n_l)
-            if a != mm_b:  # Linear4bit casts its input to the compute dtype and its output back (a no-op without
+            if xa != mm_b:  # Linear4bit casts its input to the compute dtype and its output back (a no-op without
                 # prepare_model_for_kbit_training's fp32 stream: qlora_prepare "none")
-                c.add("elementwise", bytes_=T * (k + n) * (a + mm_b), kernels=C.QLORA_EXTRA_KERNELS - 2, times=n_l,
-                      working_set=T * max(k, n) * (a + mm_b))
+                c.add("elementwise", bytes_=T * (k + n) * (xa + mm_b), kernels=C.QLORA_EXTRA_KERNELS - 2, times=n_l,
+                      working_set=T * max(k, n) * (xa + mm_b))
         if lin.name in adapted:
             r, ab = st.lora_rank, DTYPE_BYTES[dt["adapters"]]
             ap = f32_peak if dt["adapters"] == "float32" else base_peak
@@ -405,7 +407,7 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
             c.matmul("adapters", T, k, r, ap, ab, ab, times=n_l * per - (times if first_free else 0))
             if st.lora_dropout > 0:  # peft's nn.Dropout on x cast to lora_A's dtype: reads it, writes the dropped
                 # copy and a bool mask; backward (where x takes a gradient) reads the gradient and the mask, writes one
-                xd = a if st.method == "qlora" and st.autocast else DTYPE_BYTES[dt["adapter_weights"]]
+                xd = xa if st.method == "qlora" and st.autocast else DTYPE_BYTES[dt["adapter_weights"]]
                 c.add("adapters", bytes_=T * k * (2 * xd + 1), kernels=1, times=n_l - (times if bwd and first_free
                                                                                          else 0))
             if lin is stop:  # the recompute stops before lora_B: only x's casts ran
@@ -414,8 +416,8 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
                 c.add("adapters", bytes_=ew, kernels=1, times=n_l)
                 continue
             c.matmul("adapters", T, r, n, ap, ab, ab, times=n_l * per)
-            ro = a if st.method == "qlora" else mm_b  # Linear4bit returns its input's dtype
-            args = (k, n, a, ro, DTYPE_BYTES[dt["adapter_weights"]], st.autocast, st.method == "qlora", bwd)
+            ro = xa if st.method == "qlora" else mm_b  # Linear4bit returns its input's dtype
+            args = (k, n, xa, ro, DTYPE_BYTES[dt["adapter_weights"]], st.autocast, st.method == "qlora", bwd)
             per_token = _adapter_bytes(*args)
             ew = T * per_token
             if first_free:  # one block of n_l without x's gradient
@@ -490,13 +492,22 @@ def _experts(c: _Clock, spec, st: Step, gpu: dict, bwd: bool, T: int, times: flo
           times=n, working_set=S * max(h, 2 * i) * a)
 
 
+def _attention_dtypes(spec, st: Step, kernel: str) -> tuple[str, str]:
+    """The dtype attention's q/k/v arrive in and the one its kernel runs in (and returns, the attention output
+    projection's input): SDPA's by its call (QLoRA's recipe: fp32; CUDA's autocast casts SDPA's inputs to 16-bit),
+    FlashAttention-2's after peft's casts, eager's the activations' (its matmuls under autocast: 16-bit)."""
+    if kernel == "eager":
+        act = _dtypes(st)["activations"]
+        return act, (_dtypes(st)["base"] if st.autocast else act)
+    act = sdpa_call(spec, st).dtype
+    return act, (flash_attention_dtype(st) if st.attn_implementation == "flash_attention_2" else act)
+
+
 def _attention(c: _Clock, spec, st: Step, gpu: dict, kernel: str, bwd: bool, times: float):
     B, s = st.batch_size, st.seq_len
     width = spec.num_heads * spec.head_dim
-    # the dtype of SDPA's q/k/v (QLoRA's recipe: fp32; CUDA's autocast casts SDPA's inputs to 16-bit)
-    act = _dtypes(st)["activations"] if kernel == "eager" else sdpa_call(spec, st).dtype
+    act, fa = _attention_dtypes(spec, st, kernel)
     if st.attn_implementation == "flash_attention_2":
-        fa = flash_attention_dtype(st)
         if act != fa:  # fa_peft_integration_check's casts of q/k/v (forward), their gradients' casts back (backward)
             qkv = B * s * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
             c.add("attention", bytes_=qkv * (DTYPE_BYTES[act] + DTYPE_BYTES[fa]), kernels=3, times=times)
