@@ -45,12 +45,12 @@ def test_trainer_fused_adamw_makes_no_foreach_copy():
 
 def test_run_card_says_where_your_trainer_run_will_peak():
     from lora_kit.settings import PLANNING
-    from lora_kit.ui.run_card import _gib, loop_lines
+    from lora_kit.ui.run_card import _gib, loop_lines, loop_view
     a = {k: v for k, v in PLANNING.replace(seq_len=2048).to_dict().items()
          if k not in ("method", "batch_size", "lora_alpha", "grad_accum")}
     plan = {"model": "llama-3.1-8b", "batch_size": 1, "assumptions": a, "rows": [{"method": "full"}]}
-    text = "\n".join(loop_lines(plan))
+    text = "\n".join(loop_lines(loop_view(plan)))
     trainer = estimate("llama-3.1-8b", method="full", batch_size=1, seq_len=2048, loop="trainer").peak_allocated_bytes
     kit = estimate("llama-3.1-8b", method="full", batch_size=1, seq_len=2048).peak_allocated_bytes
     assert f"your Trainer run will peak at **{_gib(trainer)}**" in text and trainer < kit  # fused AdamW
-    assert loop_lines(None) == [] and loop_lines({"rows": []}) == []
+    assert loop_lines(loop_view(None)) == [] and loop_view({"rows": []}) is None

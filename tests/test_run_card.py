@@ -200,3 +200,27 @@ def test_request_says_when_cuda_runs_attention_in_the_math_kernel(tmp_path):
     else:
         assert "attention on CUDA" not in request
     assert mds["lora"][1]["attention_note"] is None and "attention on CUDA" not in mds["lora"][0]
+
+
+def test_card_of_a_local_model_folder_plans_every_section(tmp_path):
+    """A model in a local folder: the card names it by its folder, and the sections that read the model (the loop
+    you run next, what nvidia-smi will show) are made from its path before the card drops local paths."""
+    import shutil
+    from pathlib import Path
+    import lora_kit
+    model = tmp_path / "models" / "my-model"
+    model.mkdir(parents=True)
+    shutil.copy(Path(lora_kit.__file__).parent / "embedded" / "tiny" / "config.json", model / "config.json")
+    d = tmp_path / "run"
+    d.mkdir()
+    s = Settings(model=str(model), method="lora", gpu="L4", run_dir=str(d))
+    (d / "settings.json").write_text(json.dumps(s.to_dict()))
+    step = dict(seq_len=128, lora_rank=8, gradient_checkpointing=True)
+    table = compare_methods(str(model), gpus=["L4"], methods=("lora",), batch_size=2, margin=0.1, **step)
+    (d / "plan.json").write_text(json.dumps(plan_record(table, str(model), margin=0.1, **step)))
+    build_report(d)
+    md, rep = (d / "report.md").read_text(), json.loads((d / "report.json").read_text())
+    assert "my-model" in md and str(tmp_path) not in md and str(tmp_path) not in json.dumps(rep)
+    assert "no estimate" not in md and "your Trainer run will peak at" in md
+    assert rep["loops"]["model"] == "my-model" and all("error" not in r for r in rep["loops"]["rows"])
+    assert "with expandable segments" in md.split("### What nvidia-smi will show")[1].split("##")[0]

@@ -39,11 +39,11 @@ def test_the_loop_section_uses_each_rows_micro_batch(tmp_path):
 
 def test_a_method_without_figures_says_why_instead_of_vanishing():
     from lora_kit.settings import PLANNING
-    from lora_kit.ui.run_card import loop_lines
+    from lora_kit.ui.run_card import loop_lines, loop_view
     a = {k: v for k, v in PLANNING.to_dict().items() if k not in ("method", "batch_size")}
     plan = {"model": "llama-3.1-8b", "batch_size": PLAN_BATCH, "assumptions": a,
             "rows": [{"method": "lora", "gpu": "A100-80GB", "fits": True, "batch_size": 2},
                      {"method": "qlora", "gpu": "A100-80GB", "fits": True}]}  # a row without its micro-batch
-    text = "\n".join(loop_lines(plan, "A100-80GB"))
+    text = "\n".join(loop_lines(loop_view(plan, "A100-80GB")))
     assert "- LoRA on A100-80GB, micro-batch 2: your Trainer run will peak at" in text
     assert f"- QLoRA on A100-80GB, micro-batch {PLAN_BATCH}: no estimate (" in text

@@ -512,20 +512,21 @@ def smoke_lines(smoke: dict) -> list[str]:
     return lines
 
 
-def loop_lines(plan: dict | None, gpu: str | None = None) -> list[str]:
+def loop_view(plan: dict | None, gpu: str | None = None) -> dict | None:
     """The loop users run next: per method, the plan's step at the micro-batch of that method's row in the plan
     (on ``gpu``, the run's planned GPU, else its recommended row: :func:`lora_kit.plan.records.plan_row`), under
     transformers' Trainer and TRL's SFTTrainer with their defaults (``estimate(loop=...)``: fused AdamW, clipping,
-    SFT's fused LM head), beside lora_kit's step. A method whose figures cannot be made says why, in its line."""
+    SFT's fused LM head), beside lora_kit's step. A method whose figures cannot be made says why. Made from the
+    plan as the run wrote it (a local model by its path), before the card drops local paths."""
     if not (plan and plan.get("rows") and plan.get("assumptions")):
-        return []
+        return None
     from lora_kit.memory.estimate import estimate
     from lora_kit.memory.loops import sft_cpu_tiles
     from lora_kit.memory.specs import model_spec
     from lora_kit.plan.records import plan_row
     from lora_kit.settings import LOOPS, as_step
     a = plan["assumptions"]
-    out, batches = [], []
+    rows, batches = [], []
     for method in dict.fromkeys(r["method"] for r in plan["rows"] if r.get("method")):
         try:
             row = plan_row(plan["rows"], gpu, method)
@@ -539,21 +540,28 @@ def loop_lines(plan: dict | None, gpu: str | None = None) -> list[str]:
             peak = {loop: estimate(plan["model"], step, batch_size=int(batch), loop=loop).peak_allocated_bytes
                     for loop in LOOPS}
         except (TypeError, ValueError) as exc:
-            out.append(f"- {where}: no estimate ({exc})")
+            rows.append({"where": where, "error": str(exc)})
             continue
         batches.append(int(batch))
-        out.append(f"- {where}: your Trainer run will peak at **{_gib(peak['trainer'])}**, TRL's SFTTrainer at "
-                   f"**{_gib(peak['sft'])}** (lora_kit's step: {_gib(peak['kit'])})")
-    if not out:
+        rows.append({"where": where, **{f"{loop}_bytes": int(v) for loop, v in peak.items()}})
+    tiles = int(sft_cpu_tiles(max(batches), a["seq_len"], model_spec(plan["model"]).vocab_size)) if batches else None
+    return {"model": plan["model"], "rows": rows, "sft_cpu_tiles_bytes": tiles} if rows else None
+
+
+def loop_lines(view: dict | None) -> list[str]:
+    """:func:`loop_view` in words."""
+    if not view:
         return []
-    lines = ["## The loop you run next", "", f"Peak allocated per GPU (estimate) of the planned step ({plan['model']}, "
+    out = [f"- {r['where']}: no estimate ({r['error']})" if "error" in r else
+           f"- {r['where']}: your Trainer run will peak at **{_gib(r['trainer_bytes'])}**, TRL's SFTTrainer at "
+           f"**{_gib(r['sft_bytes'])}** (lora_kit's step: {_gib(r['kit_bytes'])})" for r in view["rows"]]
+    lines = ["## The loop you run next", "", f"Peak allocated per GPU (estimate) of the planned step ({view['model']}, "
              "same settings, each method at its micro-batch in the request) in the loop you will train with, at its "
              "defaults:", "", *out, ""]
-    if batches:
-        tiles = int(sft_cpu_tiles(max(batches), a["seq_len"], model_spec(plan["model"]).vocab_size))
+    if view.get("sft_cpu_tiles_bytes") is not None:
         lines += [f"SFTTrainer's figure is its CPU path; on CUDA its Triton head scores the vocabulary in place, up "
-                  f"to {_gib(tiles)} less. Set gradient checkpointing and autocast as your config has them (SFTConfig "
-                  "turns both on by default).", ""]
+                  f"to {_gib(view['sft_cpu_tiles_bytes'])} less. Set gradient checkpointing and autocast as your "
+                  "config has them (SFTConfig turns both on by default).", ""]
     return lines
 
 
@@ -699,7 +707,7 @@ def render_markdown(card: dict) -> str:
     lines += run_lines(card)
     lines += request_lines(card["plan"], card["sweeps"])
     lines += epoch_time_lines(card.get("epoch_time"))
-    lines += loop_lines(card["plan"], s.get("gpu"))
+    lines += loop_lines(card["loops"] if "loops" in card else loop_view(card["plan"], s.get("gpu")))
     # --- settings ----------------------------------------------------------------------------
     lines += ["## Settings", "", "The run's settings (the names and values of a params file):", "",
               "| setting | value |", "|---|---|"]
@@ -799,10 +807,12 @@ def build_report(run_dir: str | Path) -> dict:
     card = collect(d)
     card["name"] = d.resolve().name
     card["figures"] = _figures(d, card["pipeline"])
-    card = portable(card, d)  # the card is sent when renting a GPU: no absolute local path (relative to run_dir)
-    card["next_checks"] = next_checks(card)
+    # what reads the model (a local folder by its path) is made first; then the card loses its local paths
     card["epoch_time"] = epoch_time(card)
     card["nvidia_smi"] = nvidia_smi_view(card)
+    card["loops"] = loop_view(card["plan"], (card["settings"] or {}).get("gpu"))
+    card = portable(card, d)  # the card is sent when renting a GPU: no absolute local path (relative to run_dir)
+    card["next_checks"] = next_checks(card)
     write_json_atomic(d / "report.json", card)
     write_text_atomic(d / "report.md", portable_text(render_markdown(card), d))
     return {"md": str(d / "report.md"), "json": str(d / "report.json")}
