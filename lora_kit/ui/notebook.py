@@ -48,6 +48,21 @@ def setup(namespace: dict) -> Settings:
     return settings
 
 
+def tutorial_claims(settings: Settings) -> str | None:
+    """None where the tutorial's claims about its adapter apply to this run (the embedded model on its dates task,
+    a LoRA method, trained at least as long as the tutorial at its learning rate, evaluated on at least its
+    examples), else why not, in one sentence: the notebooks then report the figures without asserting them."""
+    d = Settings()
+    s = settings
+    if not (s.model in TINY_ALIASES and s.dataset == d.dataset and s.method in ("lora", "qlora")):
+        return "the tutorial's claims are about the embedded model on its dates task with a LoRA method"
+    short = [f"{k}={getattr(s, k)!r} (the tutorial's: {getattr(d, k)!r})" for k in ("max_steps", "learning_rate")
+             if getattr(s, k) != getattr(d, k) and not (k == "max_steps" and s.max_steps > d.max_steps)]
+    if 0 < s.eval_examples < d.eval_examples:
+        short.append(f"eval_examples={s.eval_examples} (the tutorial's: {d.eval_examples})")
+    return f"this run differs from the tutorial's training: {', '.join(short)}" if short else None
+
+
 def runs_base() -> Path:
     """The folder a relative ``run_dir`` is taken from: ``LORA_KIT_RUNS_BASE`` when set; the kit's checkout
     when the kernel runs in its ``notebooks/`` folder (JupyterLab's working directory there), so that
