@@ -312,3 +312,21 @@ def test_an_imported_packed_fa2_step_is_estimated(tmp_path, monkeypatch):
     est = estimate("tiny", step)
     assert est.settings["attn_implementation"] == FA2 and est.settings["padding"] == "packed"
     assert est.device_total_bytes >= est.peak_allocated_bytes > 0
+
+
+@pytest.mark.parametrize("name, typo, meant", [("axolotl_lora_mistral-7b.yml", "lora_droput", "lora_dropout"),
+                                               ("trl_lora_qwen2.5-7b.yaml", "lora_dropuot", "lora_dropout"),
+                                               ("llamafactory_lora_llama-3.1-8b.yaml", "cutof_len", "cutoff_len")])
+def test_a_mistyped_key_is_named_with_what_it_likely_meant(tmp_path, name, typo, meant):
+    """A near miss of a key the kit reads is a typo the user's tool may ignore too: the report names it with "did
+    you mean", and the step keeps that field at its tool's default (what the real run would do)."""
+    import yaml
+    cfg = yaml.safe_load((CONFIGS / name).read_text())
+    cfg.pop(meant, None)
+    cfg[typo] = 0.05 if "dropout" in meant else 1024
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    _, rep = settings_from_config(path)
+    assert typo in rep.ignored
+    assert sum(f"{typo!r}" in n and f"did you mean {meant!r}" in n for n in rep.notes) == 1, rep.notes
+    assert "ignored (not read by the plan)" in rep.text()

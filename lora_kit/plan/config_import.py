@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lora_kit.settings import LORA_FIELDS, PLANNING, STEP_FIELDS, check_names
+from lora_kit.settings import LORA_FIELDS, PLANNING, STEP_FIELDS, check_names, did_you_mean
 
 FORMATS = ("trl", "axolotl", "llamafactory", "torchtune", "trainer")
 FORMAT_NAMES = {"trl": "TRL SFT config", "axolotl": "axolotl config", "llamafactory": "LLaMA-Factory config",
@@ -105,7 +105,7 @@ class ConfigReport:
         for n in self.not_modelled:
             lines.append(f"  NOT MODELLED {n['key']}={n['value']!r}: {n['why']}")
         if self.ignored:
-            lines.append(f"  ignored (no effect on memory or time): {', '.join(self.ignored)}")
+            lines.append(f"  ignored (not read by the plan): {', '.join(self.ignored)}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -123,15 +123,19 @@ class _Reader:
         self.nm: list = []
         self.notes: list = []
         self.used: set = set()
+        self.known: set = set()  # every key the reader looked for (a typo is near one of them)
+        self.tool_unknown: set = set()  # keys the tool's own parser named as unknown (with their hints)
         self.over: dict = {}  # the caller's step values (win over the config)
         self.attn_key = "attn_implementation"  # the config key that set the attention kernel
         self.fa2_how = "attn_implementation=flash_attention_2"  # how this tool's config asks for FlashAttention-2
         self.packed: dict = {}  # packed rows (_packed): their key; fallback padding and why without FA2; caveat
 
     def has(self, key: str) -> bool:
+        self.known.add(key.split(".")[0])
         return key in self.cfg and self.cfg[key] is not None
 
     def get(self, key: str, default=None):
+        self.known.add(key.split(".")[0])
         self.used.add(key.split(".")[0])
         return self.cfg.get(key, default) if self.cfg.get(key) is not None else default
 
@@ -237,6 +241,10 @@ def settings_from_config(path, format: str | None = None, model: str | None = No
     mapped = {k: r.src[k] for k in STEP_FIELDS if k in r.src}
     defaults = [k for k in STEP_FIELDS if k not in mapped and not (step.method == "full" and k in LORA_FIELDS)]
     ignored = sorted(k for k in cfg if k not in r.used and k not in {n["key"].split(".")[0] for n in r.nm})
+    for k in ignored:  # a near miss of a key the kit reads is most likely a typo that changes the real run
+        hint = "" if k in r.tool_unknown else did_you_mean(k, sorted(r.known - set(cfg)))
+        if hint:
+            r.notes.append(f"{k!r} is not a key the kit reads{hint}; the plan ignored it, and so may your tool")
     rep = ConfigReport(path=str(path), format=fmt, model=planned, model_in_config=given_model, mapped=mapped,
                        defaults=defaults, not_modelled=r.nm, ignored=ignored, notes=r.notes)
     return step, rep
@@ -491,8 +499,12 @@ def _parse_trl(r: _Reader):
         script, args, margs, *_ = parser.parse_args_into_dataclasses(args=[], return_remaining_strings=True)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{r.path}: trl sft rejects this config: {e}") from None
+    known = sorted({a.dest for a in parser._actions})
     if unknown:
-        r.notes.append(f"trl sft does not know {', '.join(str(u) for u in unknown)} (it ignores them)")
+        keys = [str(u)[2:] for u in unknown if str(u).startswith("--")] or [str(u) for u in unknown]
+        r.tool_unknown |= set(keys)
+        named = ", ".join(f"{k!r}{did_you_mean(k, known)}" for k in keys)
+        r.notes.append(f"trl sft does not know {named} (it ignores {'them' if len(keys) != 1 else 'it'})")
     return args, margs, apart
 
 
