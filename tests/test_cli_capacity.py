@@ -54,3 +54,28 @@ def test_estimate_warns_when_cuda_would_run_the_attention_in_the_math_kernel(cap
     assert "see the note" in next(ln for ln in capsys.readouterr().out.splitlines() if "torch will report" in ln)
     assert main(["estimate", "--model", "llama-3.1-8b", "--method", "lora", "--gpu", "H200", "--json"]) == 0
     assert "math kernel" not in (json.loads(capsys.readouterr().out)["note"] or "")
+
+
+def test_a_plan_that_fits_only_with_expandable_segments_says_so(capsys):
+    """*Fits* counts PyTorch's default allocator setting; where only expandable segments (what the kit's GPU path
+    sets) fit, the planner's verdict and `lora-kit estimate` both say so, with that setting's device total."""
+    from lora_kit.plan.planner import check_plan, verdict_text
+    kw = dict(method="lora", seq_len=2048)
+    base = check_plan("llama-3.1-8b", "RTX-4090", margin=0.0, **kw)
+    default, expandable = base["estimate"].device_total_bytes, base["expandable"]["device_total_bytes"]
+    assert expandable < default
+    margin = 1 - (default + expandable) / 2 / base["cuda_capacity_bytes"]  # between the two settings' totals
+    plan = check_plan("llama-3.1-8b", "RTX-4090", margin=margin, **kw)
+    assert not plan["fits"] and plan["expandable"]["fits"]
+    text = verdict_text(plan)
+    assert text.startswith("Does NOT fit") and f"With expandable_segments:True" in text
+    assert f"needs {expandable / GIB:.2f} GiB and fits" in text
+    assert "expandable_segments" not in verdict_text(base) or base["fits"]
+    args = ["estimate", "--model", "llama-3.1-8b", "--method", "lora", "--seq-len", "2048", "--gpu", "RTX-4090",
+            "--margin", str(margin)]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert not out["fit"]["fits"] and out["fit_expandable"]["fits"]
+    assert out["fit_expandable"]["device_total_bytes"] == out["device_total_expandable_bytes"] == expandable
+    assert main(args) == 0
+    assert "With expandable_segments:True, which lora-kit's GPU path sets" in capsys.readouterr().out

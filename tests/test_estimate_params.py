@@ -31,7 +31,7 @@ def test_shipped_params_files_are_estimated_with_what_they_do_not_use_listed(pat
     text = capsys.readouterr().out
     lines = [ln for ln in text.splitlines() if ln.strip().startswith("ignored from")]
     assert len(lines) == 1 and all(k in lines[0] for k in out["ignored_params"])
-    assert "reserved under PyTorch's default allocator setting" in text and "with expandable segments" in text
+    assert "torch's reserve, default allocator" in text and "with expandable segments" in text
 
 
 def _settings_json_estimate(path, capsys):

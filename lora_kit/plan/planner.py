@@ -378,8 +378,32 @@ def plan_note(model, step, gpu=None, peak_bytes: int | None = None) -> str:
     return note
 
 
+def expandable_fit(model, step: Step, est, gpu: str, margin: float) -> dict:
+    """The device total of ``est`` (``estimate(model, step)``) with ``expandable_segments:True``, the setting the
+    kit's own GPU path runs with, and its fit verdict on ``gpu``: ``{"device_total_bytes", "fits",
+    "headroom_bytes"}``. *Fits* counts PyTorch's default setting (a user's own trainer may run it); this says when
+    the plan fits only with expandable segments."""
+    from lora_kit.memory.device import device_kwargs, device_total
+    total = int(device_total(est.peak_allocated_bytes, allocator="expandable",
+                             **device_kwargs(model_spec(model), step)))
+    v = fit_verdict(total, gpu, margin)
+    return {"device_total_bytes": total, "fits": bool(v["fits"]), "headroom_bytes": float(v["headroom_bytes"])}
+
+
+def expandable_sentence(plan: dict) -> str:
+    """One sentence, or "": a plan that does not fit under the default allocator setting but fits with expandable
+    segments (``plan["expandable"]`` of :func:`check_plan`)."""
+    ex = plan.get("expandable") or {}
+    if plan["fits"] or not ex.get("fits"):
+        return ""
+    return (f"With expandable_segments:True, which lora-kit's GPU path sets, it needs "
+            f"{ex['device_total_bytes'] / GIB:.2f} GiB and fits (headroom {ex['headroom_bytes'] / GIB:.2f} GiB): "
+            "set it in your own trainer too (PYTORCH_ALLOC_CONF, or PYTORCH_CUDA_ALLOC_CONF before torch 2.9).")
+
+
 def check_plan(model, gpu: str, margin: float = 0.10, step: Step | None = None, **overrides) -> dict:
-    """One plan: its estimate, the fit verdict on ``gpu`` and, when it does not fit, the cheapest fix."""
+    """One plan: its estimate, the fit verdict on ``gpu`` (PyTorch's default allocator setting; ``expandable``:
+    the same with expandable segments) and, when it does not fit, the cheapest fix."""
     st = as_step(step, **overrides)
     est = estimate(model, st)
     v = fit_verdict(est.device_total_bytes, gpu, margin)
@@ -387,7 +411,8 @@ def check_plan(model, gpu: str, margin: float = 0.10, step: Step | None = None, 
     fix = None if fits else next(iter(fixes(gpu, margin, model=model, first_only=True, step=st)), None)
     note = plan_note(model, st, gpu, est.peak_allocated_bytes)
     return {**v, "fits": fits, "headroom_bytes": float(v["headroom_bytes"]),
-            "headroom_pct": float(v["headroom_pct"]), "margin": margin, "estimate": est, "fix": fix, "note": note}
+            "headroom_pct": float(v["headroom_pct"]), "margin": margin, "estimate": est, "fix": fix, "note": note,
+            "expandable": expandable_fit(model, st, est, gpu, margin)}
 
 
 def _capacity_label(v: dict) -> str:
@@ -411,7 +436,8 @@ def verdict_text(plan: dict) -> str:
     fix = plan["fix"]
     tail = (f" Cheapest change that fits: {fix['change']} ({fix['device_total_bytes'] / GIB:.2f} GiB) - {fix['why']}."
             if fix else " No single change fits: combine changes, shard across GPUs, or pick a bigger GPU.")
-    return f"Does NOT fit on {plan['gpu']}: {need}; short by {head}.{tail}{note}"
+    ex = expandable_sentence(plan)
+    return f"Does NOT fit on {plan['gpu']}: {need}; short by {head}.{' ' + ex if ex else ''}{tail}{note}"
 
 
 def epoch_from_data(data: dict, packed: bool = False) -> dict:

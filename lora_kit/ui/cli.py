@@ -18,12 +18,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-from lora_kit.memory.device import device_kwargs, device_total
 from lora_kit.memory.estimate import estimate
 from lora_kit.memory.specs import model_is_local, model_spec
 from lora_kit.noise import quiet
 from lora_kit.plan.gpus import compute_capability
-from lora_kit.plan.planner import fit_verdict, plan_note
+from lora_kit.plan.planner import expandable_fit, expandable_sentence, fit_verdict, plan_note
 from lora_kit.results import check_run_name, signal_name
 from lora_kit.settings import (LORA_FIELDS, PLANNING, STEP_FIELDS, as_step, check_names, coerce_value, default_of,
                                field_help, field_names, load_settings, read_params)
@@ -181,8 +180,7 @@ def cmd_estimate(args) -> int:
         est = estimate(plan["model"], plan["step"])
         fit = fit_verdict(est.device_total_bytes, plan["gpu"], plan["margin"])
         torch_reports = est.cuda_allocated_bytes(compute_capability(fit["gpu"]))
-        expandable = device_total(est.peak_allocated_bytes, allocator="expandable",
-                                  **device_kwargs(model_spec(plan["model"]), plan["step"]))
+        expandable = expandable_fit(plan["model"], plan["step"], est, fit["gpu"], plan["margin"])
         note = plan_note(plan["model"], plan["step"], fit["gpu"], est.peak_allocated_bytes)
     except ValueError as exc:
         print(f"lora-kit estimate: {exc}", file=sys.stderr)
@@ -191,7 +189,8 @@ def cmd_estimate(args) -> int:
         out = {"settings": est.settings, "assumed": assumed, "ignored_params": ignored, "gpu": plan["gpu"],
                "margin": plan["margin"],
                "peak_allocated_bytes": est.peak_allocated_bytes, "device_total_bytes": est.device_total_bytes,
-               "allocator": "default", "device_total_expandable_bytes": expandable,
+               "allocator": "default", "device_total_expandable_bytes": expandable["device_total_bytes"],
+               "fit_expandable": expandable,
                "cuda_allocated_bytes": torch_reports, "breakdown": est.breakdown, "phase": est.phase, "memory_model": est.memory_model, "fit": fit,
                "note": note}
         if report is not None:  # what the config set that the plan does not model, or that does not matter
@@ -218,10 +217,10 @@ def cmd_estimate(args) -> int:
     for k, v in est.breakdown.items():
         print(f"  {names[k]:<{width}}{v / GiB:10.3f} GiB")
     print(f"  {'peak allocated':<{width}}{est.peak_allocated_bytes / GiB:10.3f} GiB  (per GPU, in {est.phase})")
-    print(f"  {'device total':<{width}}{est.device_total_bytes / GiB:10.3f} GiB  (+ CUDA context, reserved under "
-          "PyTorch's default allocator setting, outside the allocator)")
-    print(f"  {'  with expandable segments':<{width}}{expandable / GiB:10.3f} GiB  (expandable_segments:True, what "
-          "lora-kit's GPU path sets; fits counts the default setting's)")
+    print(f"  {'device total':<{width}}{est.device_total_bytes / GiB:10.3f} GiB  (the process on the GPU: peak + CUDA "
+          "context + torch's reserve, default allocator + outside torch)")
+    print(f"  {'  with expandable segments':<{width}}{expandable['device_total_bytes'] / GiB:10.3f} GiB  "
+          "(expandable_segments:True, what lora-kit's GPU path sets; fits counts the default setting's)")
     math = " runs in the math kernel" in (note or "")  # the note says what the math kernel adds on top
     print(f"  {'torch will report':<{width}}{torch_reports / GiB:10.3f} GiB  "
           f"(max_memory_allocated on {fit['gpu']}: the peak + two cuBLAS workspaces"
@@ -233,6 +232,9 @@ def cmd_estimate(args) -> int:
     basis = "from the vendor's GB" if fit["capacity_basis"].startswith("fallback") else "CUDA-visible"  # judged on
     print(f"  {fit['gpu']}: {verdict} with a {plan['margin']:.0%} margin "
           f"(headroom {fit['headroom_bytes'] / GiB:+.2f} GiB of {fit['cuda_capacity_bytes'] / GiB:.1f} GiB {basis})")
+    ex = expandable_sentence({"fits": fit["fits"], "expandable": expandable})
+    if ex:
+        print(textwrap.fill(ex, width=110, initial_indent="  ", subsequent_indent="    "))
     if note:
         print(textwrap.fill(f"note: {note}", width=110, initial_indent="  ", subsequent_indent="    "))
     return 0
