@@ -175,6 +175,11 @@ def test_card_says_what_nvidia_smi_will_show_and_the_allocator_to_keep(tmp_path)
     assert rep["nvidia_smi"]["driver_share_bytes"] is None and rep["nvidia_smi"]["nvidia_smi_used_bytes"] is None
     assert "a fallback: the catalog has no CUDA reading" in md and "catalog cannot give for this GPU" in md
     assert "expandable segments **off**" in md and "set in your environment" in md
+    (tmp_path / "cpu").mkdir()  # a smoke run on a CPU: the setting had no effect there, and the card says so
+    _, md, _ = _card_dir(tmp_path / "cpu", "H200", {"status": "complete", "allocator": alloc,
+                                                    "launch": {"world_size": 1, "device": "cpu"}})
+    smoke = md.split("## Smoke run")[1].split("## ")[0]
+    assert "ran on a CPU, where the setting has no effect" in smoke and "Keep this setting" not in smoke
 
 
 def test_request_says_when_cuda_runs_attention_in_the_math_kernel(tmp_path):

@@ -472,6 +472,11 @@ def allocator_lines(smoke: dict | None) -> list[str]:
     who = {"lora_kit": "set by lora_kit", "environment": "set in your environment"}.get(a.get("set_by"),
                                                                                        "set by an unknown source")
     var = f"`{a['variable']}={a.get('value', '')}`" if a.get("variable") else "no allocator variable set"
+    if str(((smoke or {}).get("launch") or {}).get("device", "")).startswith("cpu"):
+        return [f"- CUDA allocator: expandable segments {'on' if on else 'off'} ({var}, {who}); this smoke run ran "
+                "on a CPU, where the setting has no effect. On the rented GPU the kit's GPU path turns expandable "
+                "segments on unless the variable is set; what nvidia-smi will show (above) gives torch's reserve "
+                "under both settings, and *fits* counts the default's."]
     out = [f"- CUDA allocator: expandable segments **{'on' if on else 'off'}** ({var}, {who}). Keep this setting "
            "on the rented GPU, set before CUDA starts: the smoke run's memory was measured with it"
            + ("." if on else "; the kit's own GPU path turns expandable segments on unless the variable is set, "
