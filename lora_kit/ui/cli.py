@@ -37,6 +37,10 @@ def _add_setting_flags(p: argparse.ArgumentParser, names=None, defaults=None, ti
     g = p.add_argument_group(title or "settings (defaults: the embedded tiny model on CPU)")
     for name in names or field_names():
         shown = f" [default: {defaults[name]!r}]" if name in defaults else ""
+        planning = getattr(PLANNING, name, defaults.get(name))
+        if name in defaults and name in STEP_FIELDS and planning != defaults[name]:  # the text's "Default" is the
+            # planning default (a real model on a GPU); this command's is the embedded model's on a CPU
+            shown = f" [default here: {defaults[name]!r}, for the embedded model on a CPU; planning: {planning!r}]"
         g.add_argument("--" + name.replace("_", "-"), dest="s_" + name, default=None, metavar="VALUE",
                        help=f"{helps.get(name, '')}{shown}".replace("%", "%%"))  # argparse formats %
 
