@@ -704,10 +704,13 @@ def _log_failures(record: dict, logs: list, wait_s: float = 5.0) -> None:
 
 def _build_report_safely(out: Path, log) -> None:
     from lora_kit.ui.run_card import build_report
+    log("building the run card (its first time for a model and step, estimate fits the Trainer's and TRL's loops "
+        "on the spot: up to a few minutes on a CPU)")
+    t0 = time.monotonic()
     for _ in range(2):
         try:
             paths = build_report(out)
-            log(f"run card: {paths['md']}")
+            log(f"run card: {paths['md']} ({time.monotonic() - t0:.0f} s)")
             return
         except NotWritten as exc:  # a full disk: the run's reserve makes room for the card once
             if not (disk_full(exc) and release_space(out)):
