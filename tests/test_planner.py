@@ -234,3 +234,13 @@ def test_a_plan_says_when_cuda_runs_attention_in_the_math_kernel():
     else:
         assert qlora["note"] == ""
     assert check_plan("llama-3.1-8b", "H100-SXM", method="lora", seq_len=2048)["note"] == ""
+
+
+def test_a_seq_len_beyond_the_models_context_is_said():
+    """The memory is planned as asked, and the note says the model's context (max_position_embeddings) is shorter;
+    within the context there is no note."""
+    from lora_kit.plan.planner import check_plan, verdict_text
+    long = check_plan("tiny", "L4", method="lora", seq_len=2048)
+    assert "seq_len 2,048 is longer than this model's context (256 positions" in long["note"]
+    assert long["note"] in verdict_text(long)
+    assert "context" not in check_plan("tiny", "L4", method="lora", seq_len=256)["note"]

@@ -41,6 +41,9 @@ def test_epoch_is_the_users_data_with_the_uncalibrated_interval(tmp_path, table)
     assert et["error_factor"] == C.ERROR_FACTOR_UNCALIBRATED and et["calibration"] is None
     assert et["hours_low"] < et["hours"] < et["hours_high"] and et["cost_low"] < et["cost"] < et["cost_high"]
     assert "1,200 rows" in md and "before calibration" in md and "Time and cost per epoch" in md
+    # the request's table was planned before the smoke run read the data: its epoch is said to be a placeholder
+    request = md.split("## The request")[1].split("\n## ")[0]
+    assert "one epoch in this table" in request and "the plan's placeholder" in request
 
 
 def test_smoke_run_on_the_planned_gpu_calibrates_and_narrows(tmp_path, table):

@@ -361,9 +361,21 @@ def fixes(gpu, margin: float = 0.10, model=None, first_only: bool = False, step:
 def model_note(model, step=None) -> str:
     """What an estimate on ``model`` assumes beyond its step (a Step, or ``estimate``'s ``settings``): every
     expert resident and what LoRA reaches on a mixture-of-experts, the attention kernel counted for multi-head
-    latent attention; empty for other models."""
+    latent attention; a ``seq_len`` beyond the model's context; empty for other models and steps."""
     spec, st = model_spec(model), as_step(step)
-    return " ".join(n for n in (moe_note(spec, st.method, st.lora_targets), mla_note(spec, st)) if n)
+    return " ".join(n for n in (moe_note(spec, st.method, st.lora_targets), mla_note(spec, st),
+                                context_note(spec, st.seq_len)) if n)
+
+
+def context_note(spec, seq_len: int) -> str:
+    """One sentence, or "": ``seq_len`` is longer than the model's context (its config's
+    ``max_position_embeddings``)."""
+    ctx = (spec.config or {}).get("max_position_embeddings") if isinstance(spec.config, dict) else None
+    if not isinstance(ctx, int) or seq_len <= ctx:
+        return ""
+    return (f"seq_len {seq_len:,} is longer than this model's context ({ctx:,} positions, max_position_embeddings): "
+            "the memory is planned as asked, but the model never saw positions that far, and a tokenizer whose "
+            "model_max_length is the context cuts rows there; plan at most its context unless you extend it.")
 
 
 def plan_note(model, step, gpu=None, peak_bytes: int | None = None) -> str:

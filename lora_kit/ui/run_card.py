@@ -192,8 +192,10 @@ def _on(v) -> str:
     return "on" if v else "off"
 
 
-def assumption_lines(plan: dict) -> list[str]:
-    """What the plan's numbers assume, in words: plan.json's ``assumptions``, ``epoch`` and ``attention_note``."""
+def assumption_lines(plan: dict, epoch_time_: dict | None = None) -> list[str]:
+    """What the plan's numbers assume, in words: plan.json's ``assumptions``, ``epoch`` and ``attention_note``;
+    with the card's :func:`epoch_time` made from other data (the smoke run read the user's dataset after the plan),
+    the epoch line says the table's epoch is the plan's placeholder and where the user's is."""
     a, ep = plan.get("assumptions") or {}, plan.get("epoch") or {}
     out = [f"- model: **{plan.get('model')}**; sequence length: {plan.get('seq_len', a.get('seq_len')):,} tokens per "
            f"example; micro-batch per GPU: {plan.get('batch_size')}"]
@@ -214,7 +216,13 @@ def assumption_lines(plan: dict) -> list[str]:
                    f"(a {plan['margin']:.0%} safety margin)")
     if ep:
         size = (f"{ep['examples']:,} examples = " if ep.get("examples") else "") + f"{ep.get('tokens', 0):,} tokens"
-        out.append(f"- one epoch: {size} ({ep.get('note', '')})")
+        mine = (epoch_time_ or {}).get("epoch") or {}
+        if ep.get("source") != "yours" and mine and (mine.get("examples"), mine.get("tokens")) != (
+                ep.get("examples"), ep.get("tokens")):
+            out.append(f"- one epoch in this table: {size}, the plan's placeholder (the plan was made before the smoke "
+                       "run read your data); your data's epoch is in *Time and cost per epoch* below")
+        else:
+            out.append(f"- one epoch: {size} ({ep.get('note', '')})")
     if plan.get("time_model"):
         out.append(f"- time: {plan['time_model']}")
     if plan.get("attention_note"):
@@ -233,13 +241,13 @@ def longest_line(sweeps: dict | None) -> str | None:
             f"notebook 02): {per}.")
 
 
-def request_lines(plan: dict | None, sweeps: dict | None = None) -> list[str]:
+def request_lines(plan: dict | None, sweeps: dict | None = None, epoch_time_: dict | None = None) -> list[str]:
     """The request: what the plan assumes, every option that fits (cheapest first), the recommendation."""
     lines = ["## The request", ""]
     if not (plan and plan.get("rows")):
         return lines + ["_No plan in this run (notebook 01 did not run)._", ""]
     lines += ["Every method x GPU option that fits, cheapest first. The numbers assume:", ""]
-    lines += assumption_lines(plan) + ["", method_markdown(plan["rows"], fits_only=True, cheapest_first=True)]
+    lines += assumption_lines(plan, epoch_time_) + ["", method_markdown(plan["rows"], fits_only=True, cheapest_first=True)]
     if plan.get("recommendation"):
         lines += ["", f"**Recommendation:** {plan['recommendation']}"]
     if longest_line(sweeps):
@@ -710,7 +718,7 @@ def render_markdown(card: dict) -> str:
     s = card["settings"] or {}
     lines = title_lines(card)
     lines += run_lines(card)
-    lines += request_lines(card["plan"], card["sweeps"])
+    lines += request_lines(card["plan"], card["sweeps"], card.get("epoch_time"))
     lines += epoch_time_lines(card.get("epoch_time"))
     lines += loop_lines(card["loops"] if "loops" in card else loop_view(card["plan"], s.get("gpu")))
     # --- settings ----------------------------------------------------------------------------
