@@ -247,7 +247,8 @@ def request_lines(plan: dict | None, sweeps: dict | None = None, epoch_time_: di
     if not (plan and plan.get("rows")):
         return lines + ["_No plan in this run (notebook 01 did not run)._", ""]
     lines += ["Every method x GPU option that fits, cheapest first. The numbers assume:", ""]
-    lines += assumption_lines(plan, epoch_time_) + ["", method_markdown(plan["rows"], fits_only=True, cheapest_first=True)]
+    lines += assumption_lines(plan, epoch_time_)
+    lines += ["", method_markdown(plan["rows"], fits_only=True, cheapest_first=True)]
     if plan.get("recommendation"):
         lines += ["", f"**Recommendation:** {plan['recommendation']}"]
     if longest_line(sweeps):
