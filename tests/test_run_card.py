@@ -229,3 +229,11 @@ def test_card_of_a_local_model_folder_plans_every_section(tmp_path):
     assert "no estimate" not in md and "your Trainer run will peak at" in md
     assert rep["loops"]["model"] == "my-model" and all("error" not in r for r in rep["loops"]["rows"])
     assert "with expandable segments" in md.split("### What nvidia-smi will show")[1].split("##")[0]
+
+
+def test_a_resumed_runs_time_is_said_to_be_the_last_invocations():
+    from lora_kit.ui.run_card import run_lines
+    pipe = {"status": "complete", "seconds": 42.0, "notebooks": [], "resumed": [{"at": "t", "kept": ["00"]}]}
+    head = run_lines({"pipeline": pipe, "run": {"id": "r1"}})[0]
+    assert "**complete** in 42 s (the last invocation alone: it resumed the run, after 1 earlier)" in head
+    assert "resumed" not in run_lines({"pipeline": {**pipe, "resumed": []}, "run": {"id": "r1"}})[0]

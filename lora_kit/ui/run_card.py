@@ -146,7 +146,9 @@ def run_lines(card: dict) -> list[str]:
         return []
     run = card.get("run") or {}
     lines = [f"Run `{run.get('id', '?')}`, started {run.get('started', '?')}. Pipeline status: "
-             f"**{pipe.get('status')}**" + (f" in {pipe['seconds']:.0f} s" if pipe.get("seconds") else "")]
+             f"**{pipe.get('status')}**" + (f" in {pipe['seconds']:.0f} s" if pipe.get("seconds") else "")
+             + (f" (the last invocation alone: it resumed the run, after {len(pipe['resumed'])} earlier)"
+                if pipe.get("resumed") and pipe.get("seconds") else "")]
     if pipe.get("ending"):
         lines.append(f"Ending: {pipe['ending']}.")
     lines.append("")
