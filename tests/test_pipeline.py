@@ -41,6 +41,17 @@ def test_cli_bad_input_says_what_to_change(argv, msg, capsys, tmp_path):
     assert not any(tmp_path.iterdir()), "nothing may run before settings are valid"
 
 
+def test_a_dataset_the_run_cannot_read_is_refused_before_anything_runs(tmp_path, capsys):
+    """Notebook 00 would stop on it after the stack probes; the CLI reads every file first (no tokenizer)."""
+    data = tmp_path / "mine.csv"
+    data.write_text("question,answer\nq1,a1\nq2,a2\n")
+    runs = tmp_path / "runs"
+    assert main(["run", "--runs-dir", str(runs), "--name", "x", "-p", "dataset", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert "has no field 'prompt'" in err and "Set prompt_field/response_field" in err and str(data) in err
+    assert not runs.exists()
+
+
 def test_failing_notebook_stops_run_and_keeps_outputs(tmp_path, capsys):
     rc = main(["run", "--runs-dir", str(tmp_path), "--name", "bad", "--only", "01",
                "-p", "plan_model", "no-such-model-xyz"])

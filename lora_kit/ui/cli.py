@@ -64,9 +64,13 @@ def cmd_run(args) -> int:
         if model_is_local(settings.model):  # a missing folder or a malformed config.json: said before anything runs
             model_spec(settings.model)
         from lora_kit.ui.pipeline import select_notebooks
-        if "03_smoke_run.ipynb" in select_notebooks(args.only):  # what the smoke run cannot run, before 00 starts
+        chosen = select_notebooks(args.only)
+        if "03_smoke_run.ipynb" in chosen:  # what the smoke run cannot run, before 00 starts
             from lora_kit.run.smoke import check_runnable
             check_runnable(settings, world=1)
+        if {"00_stack_check.ipynb", "03_smoke_run.ipynb", "04_evaluate.ipynb"} & set(chosen):
+            from lora_kit.data_check import check_data  # a file, column or row the run cannot read: said now
+            check_data(settings, load_tokenizer=False)  # (notebook 00 tokenises every row with the model's own)
     except ValueError as exc:
         print(f"lora-kit run: invalid settings: {exc}", file=sys.stderr)
         return 2
