@@ -330,3 +330,19 @@ def test_a_mistyped_key_is_named_with_what_it_likely_meant(tmp_path, name, typo,
     assert typo in rep.ignored
     assert sum(f"{typo!r}" in n and f"did you mean {meant!r}" in n for n in rep.notes) == 1, rep.notes
     assert "ignored (not read by the plan)" in rep.text()
+
+
+@pytest.mark.parametrize("name, real_keys", [
+    ("axolotl_lora_mistral-7b.yml", {"peft_use_rslora": True, "torch_dtype": "bfloat16", "loftq_config": None,
+                                     "flash_attn_cross_entropy": False}),
+    ("llamafactory_lora_llama-3.1-8b.yaml", {"use_rslora": True, "use_llama_pro": False}),
+    ("trl_lora_qwen2.5-7b.yaml", {"torch_dtype": "bfloat16"})])
+def test_a_real_key_the_kit_does_not_read_gets_no_typo_hint(tmp_path, name, real_keys):
+    """Real keys of the tool that the kit does not read are listed as ignored, never 'corrected' into another key
+    (``use_rslora`` is not a typo of ``use_dora``): a hint needs one slip from exactly one key the kit reads."""
+    import yaml
+    cfg = {**yaml.safe_load((CONFIGS / name).read_text()), **real_keys}
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    _, rep = settings_from_config(path)
+    assert not [n for n in rep.notes if "did you mean" in n], rep.notes

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lora_kit.settings import LORA_FIELDS, PLANNING, STEP_FIELDS, check_names, did_you_mean
+from lora_kit.settings import LORA_FIELDS, PLANNING, STEP_FIELDS, check_names
 
 FORMATS = ("trl", "axolotl", "llamafactory", "torchtune", "trainer")
 FORMAT_NAMES = {"trl": "TRL SFT config", "axolotl": "axolotl config", "llamafactory": "LLaMA-Factory config",
@@ -242,7 +242,7 @@ def settings_from_config(path, format: str | None = None, model: str | None = No
     defaults = [k for k in STEP_FIELDS if k not in mapped and not (step.method == "full" and k in LORA_FIELDS)]
     ignored = sorted(k for k in cfg if k not in r.used and k not in {n["key"].split(".")[0] for n in r.nm})
     for k in ignored:  # a near miss of a key the kit reads is most likely a typo that changes the real run
-        hint = "" if k in r.tool_unknown else did_you_mean(k, sorted(r.known - set(cfg)))
+        hint = "" if k in r.tool_unknown else typo_hint(k, r.known - set(cfg))
         if hint:
             r.notes.append(f"{k!r} is not a key the kit reads{hint}; the plan ignored it, and so may your tool")
     rep = ConfigReport(path=str(path), format=fmt, model=planned, model_in_config=given_model, mapped=mapped,
@@ -489,6 +489,26 @@ def _hardware_free(cfg: dict) -> tuple[dict, dict]:
     return d, apart
 
 
+def _one_edit(a: str, b: str) -> bool:
+    """``a`` and ``b`` differ by one typing slip: a letter dropped, added or changed, or two neighbours swapped."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+                                  and a[diff[1]] == b[diff[0]])
+    short, long_ = sorted((a, b), key=len)
+    return any(long_[:i] + long_[i + 1:] == short for i in range(len(long_)))
+
+
+def typo_hint(key: str, known) -> str:
+    """" (did you mean 'x'?)" when ``key`` is one slip from exactly one of ``known`` keys, else "". Stricter than
+    the settings' hint: a tool's config holds many real keys the kit does not read (``use_rslora`` is not a typo
+    of ``use_dora``)."""
+    close = sorted({k for k in known if _one_edit(key, k)})
+    return f" (did you mean {close[0]!r}?)" if len(close) == 1 else ""
+
+
 def _parse_trl(r: _Reader):
     from trl.scripts.sft import make_parser
     d, apart = _hardware_free(r.cfg)
@@ -503,7 +523,7 @@ def _parse_trl(r: _Reader):
     if unknown:
         keys = [str(u)[2:] for u in unknown if str(u).startswith("--")] or [str(u) for u in unknown]
         r.tool_unknown |= set(keys)
-        named = ", ".join(f"{k!r}{did_you_mean(k, known)}" for k in keys)
+        named = ", ".join(f"{k!r}{typo_hint(k, known)}" for k in keys)
         r.notes.append(f"trl sft does not know {named} (it ignores {'them' if len(keys) != 1 else 'it'})")
     return args, margs, apart
 
