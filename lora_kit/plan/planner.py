@@ -393,9 +393,11 @@ def plan_note(model, step, gpu=None, peak_bytes: int | None = None) -> str:
 def expandable_fit(model, step: Step, est, gpu: str, margin: float) -> dict:
     """The device total of ``est`` (``estimate(model, step)``) with ``expandable_segments:True``, the setting the
     kit's own GPU path runs with, and its fit verdict on ``gpu``: ``{"device_total_bytes", "fits",
-    "headroom_bytes"}``. *Fits* counts PyTorch's default setting (a user's own trainer may run it); this says when
+    "headroom_bytes"}`` ({} for a device without CUDA). *Fits* counts PyTorch's default setting (a user's own trainer may run it); this says when
     the plan fits only with expandable segments."""
     from lora_kit.memory.device import device_kwargs, device_total
+    if device_of(gpu)["total"] != "device_total_bytes":  # a device without CUDA's caching allocator
+        return {}
     total = int(device_total(est.peak_allocated_bytes, allocator="expandable",
                              **device_kwargs(model_spec(model), step)))
     v = fit_verdict(total, gpu, margin)

@@ -68,12 +68,17 @@ def cmd_run(args) -> int:
         if "03_smoke_run.ipynb" in chosen:  # what the smoke run cannot run, before 00 starts
             from lora_kit.run.smoke import check_runnable
             check_runnable(settings, world=1)
-        if {"00_stack_check.ipynb", "03_smoke_run.ipynb", "04_evaluate.ipynb"} & set(chosen):
-            from lora_kit.data_check import check_data  # a file, column or row the run cannot read: said now
-            check_data(settings, load_tokenizer=False)  # (notebook 00 tokenises every row with the model's own)
     except ValueError as exc:
         print(f"lora-kit run: invalid settings: {exc}", file=sys.stderr)
         return 2
+    if "00_stack_check.ipynb" in chosen and not args.resume:  # what notebook 00 would refuse, in seconds: every
+        # data file read and formatted (00 also tokenises each row with the model's tokenizer)
+        from lora_kit.data_check import check_data
+        try:
+            check_data(settings, load_tokenizer=False)
+        except (ValueError, OSError) as exc:
+            print(f"lora-kit run: cannot read the data: {exc}", file=sys.stderr)
+            return 2
     out = None
     try:
         name = check_run_name(args.name if args.name is not None else Path(settings.run_dir).name or "default")
