@@ -273,10 +273,12 @@ class Step:
 
     @property
     def activation_dtype(self) -> str:
-        """The dtype a decoder layer's activations are in: fp32 where QLoRA is readied by
-        ``prepare_model_for_kbit_training`` (its fp32 norms feed every layer fp32) or ``dtype="float32"`` runs
-        without autocast; else the 16-bit dtype the matmuls compute in (bf16 under autocast of fp32 weights)."""
-        if self.kbit_prepared or (self.dtype == "float32" and not self.autocast):
+        """The dtype a decoder layer's activations (its projections' outputs: q/k/v, the MLP's) are in: fp32 where
+        QLoRA is readied by ``prepare_model_for_kbit_training`` (its fp32 norms feed every layer fp32), where
+        ``dtype="float32"`` runs without autocast, and for QLoRA on fp32 weights even under autocast (bitsandbytes'
+        ``Linear4bit`` returns its input's dtype, the fp32 stream); else the 16-bit dtype the matmuls compute in
+        (bf16 under autocast of fp32 weights)."""
+        if self.kbit_prepared or (self.dtype == "float32" and (not self.autocast or self.method == "qlora")):
             return "float32"
         return self.dtype if self.dtype != "float32" else "bfloat16"
 

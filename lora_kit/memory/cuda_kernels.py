@@ -476,14 +476,14 @@ def flash_attention_cast(spec, step=None, *, block: int = 512, **overrides) -> F
     """The cast copies of :func:`flash_attention_dtype` for the step's shapes (see the module docstring)."""
     spec, st = model_spec(spec), as_step(step, **overrides)
     c = sdpa_call(spec, st)
-    to = flash_attention_dtype(st)
-    n = 0
-    if c.dtype != to:
+    frm, to = st.activation_dtype, flash_attention_dtype(st)  # q/k/v as the projections make them (no autocast
+    n = 0  # cast on the way into flash-attn, unlike SDPA's)
+    if frm != to:
         per = c.batch * c.seq_q * DTYPE_BYTES[to]
         n = sum(round_bytes(per * h * d, block) for h, d in ((c.q_heads, c.head_dim_qk),
                                                             (c.model_kv_heads or c.kv_heads, c.head_dim_qk),
                                                             (c.model_kv_heads or c.kv_heads, c.head_dim_v)))
-    return FlashCast(c.dtype, to, n, spec.num_layers)
+    return FlashCast(frm, to, n, spec.num_layers)
 
 
 def _gib(n: int) -> str:

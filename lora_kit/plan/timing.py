@@ -495,32 +495,35 @@ def _experts(c: _Clock, spec, st: Step, gpu: dict, bwd: bool, T: int, times: flo
 def _attention_dtypes(spec, st: Step, kernel: str) -> tuple[str, str]:
     """The dtype attention's q/k/v arrive in and the one its kernel runs in (and returns, the attention output
     projection's input): SDPA's by its call (QLoRA's recipe: fp32; CUDA's autocast casts SDPA's inputs to 16-bit),
-    FlashAttention-2's after peft's casts, eager's the activations' (its matmuls under autocast: 16-bit)."""
+    FlashAttention-2's after transformers' casts of what the projections made (autocast casts nothing on the way
+    in), eager's matmuls under autocast in 16-bit."""
+    if st.attn_implementation == "flash_attention_2":
+        return st.activation_dtype, flash_attention_dtype(st)
     if kernel == "eager":
         act = _dtypes(st)["activations"]
         return act, (_dtypes(st)["base"] if st.autocast else act)
     act = sdpa_call(spec, st).dtype
-    return act, (flash_attention_dtype(st) if st.attn_implementation == "flash_attention_2" else act)
+    return act, act
 
 
 def _attention(c: _Clock, spec, st: Step, gpu: dict, kernel: str, bwd: bool, times: float):
     B, s = st.batch_size, st.seq_len
     width = spec.num_heads * spec.head_dim
-    act, fa = _attention_dtypes(spec, st, kernel)
-    if st.attn_implementation == "flash_attention_2":
-        if act != fa:  # fa_peft_integration_check's casts of q/k/v (forward), their gradients' casts back (backward)
-            qkv = B * s * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-            c.add("attention", bytes_=qkv * (DTYPE_BYTES[act] + DTYPE_BYTES[fa]), kernels=3, times=times)
-        act = fa
+    act, run = _attention_dtypes(spec, st, kernel)  # q/k/v as they arrive; the dtype the kernel computes in
+    if st.attn_implementation == "flash_attention_2" and act != run:  # fa_peft_integration_check's casts of q/k/v
+        # (forward), their gradients' casts back (backward)
+        qkv = B * s * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+        c.add("attention", bytes_=qkv * (DTYPE_BYTES[act] + DTYPE_BYTES[run]), kernels=3, times=times)
     if kernel in ("flash", "mem_efficient"):
         flops = 4.0 * B * s * s * width * C.CAUSAL_FRACTION * (C.FLASH_BACKWARD_FLOPS if bwd else 1.0)
-        peak = peak_flops(gpu, act, False)  # fp32: CUDA cores
+        peak = peak_flops(gpu, run, False)  # fp32: CUDA cores
         c.add("attention", flops, peak, eff=c.tm.attention_efficiency,
-              bytes_=4 * B * s * width * DTYPE_BYTES[act], kernels=3 if bwd else 1, times=times)
+              bytes_=4 * B * s * width * DTYPE_BYTES[run], kernels=3 if bwd else 1, times=times)
         return
-    # math / eager: full S x S scores materialised (the causal half is masked, not skipped)
-    peak = peak_flops(gpu, act, False)
-    score_b = 4 if kernel == "eager" or act == "float32" else DTYPE_BYTES[act]
+    # math / eager: full S x S scores materialised (the causal half is masked, not skipped); eager's K/V repeated
+    # per query head in the dtype they arrive in, its matmuls in 16-bit under autocast
+    peak = peak_flops(gpu, run, False)
+    score_b = 4 if kernel == "eager" or run == "float32" else DTYPE_BYTES[run]
     passes = C.MATH_SCORE_PASSES_BWD if bwd else C.MATH_SCORE_PASSES_FWD
     scores = B * spec.num_heads * s * s * score_b * passes
     gqa = 2 * B * s * width * DTYPE_BYTES[act] * 2 if spec.num_kv_heads != spec.num_heads else 0
