@@ -46,6 +46,8 @@ GPU_CONFIGS = [
     ("llama1b lora eager s1024", "llama-3.2-1b", dict(method="lora", seq_len=1024, attn_implementation="eager")),
     ("llama1b lora r64 qv s2048 b4", "llama-3.2-1b", dict(method="lora", seq_len=2048, batch_size=4, lora_rank=64,
                                                           lora_targets=["q_proj", "v_proj"])),
+    ("llama1b lora dropout0.1 s2048", "llama-3.2-1b", dict(method="lora", seq_len=2048, lora_dropout=0.1)),  # the
+    # fused dropout's 1-byte mask per adapter input (lora_kit.training.FusedDropout), as the plan counts it
     ("llama1b qlora s2048", "llama-3.2-1b", dict(method="qlora", seq_len=2048)),
     ("llama1b qlora ckpt s4096", "llama-3.2-1b", dict(method="qlora", seq_len=4096, gradient_checkpointing=True)),
     ("llama1b qlora nodq paged8 s2048", "llama-3.2-1b", dict(method="qlora", seq_len=2048, double_quant=False,
