@@ -92,7 +92,10 @@ def test_main_job_on_embedded_default(main_job):
         assert not [o for c in code for o in c["outputs"] if "PosixPath(" in str(o.get("data", {}))], name
     assert "plotly" in (run / "01_choose_method.html").read_text()  # figures visible in the export
     # the main job is the tutorial: 04 asserted its claim instead of only reporting it (ui.notebook.tutorial_claims)
-    assert "Reported, not asserted" not in (run / "04_evaluate.ipynb").read_text()
+    cells = json.loads((run / "04_evaluate.ipynb").read_text())["cells"]
+    printed = "".join("".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c["outputs"])
+    assert "nb.tutorial_claims(S)" in "".join("".join(c["source"]) for c in cells)
+    assert printed and "Reported, not asserted" not in printed
     # offline: one plotly.js for the whole run folder, and no page fetches a script from the internet
     from lora_kit.ui.notebook import PLOTLY_JS, offline_problems
     assert [p.relative_to(run).as_posix() for p in run.rglob("*.js")] == [PLOTLY_JS]
