@@ -34,6 +34,7 @@ def method_label(method) -> str:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd", "adafactor")
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
@@ -272,6 +273,12 @@ class Step:
         return self.method == "qlora" and self.qlora_recipe == "peft"
 
     @property
+    def half_dtype(self) -> str:
+        """The 16-bit dtype the step computes in: ``dtype``, or bf16 for fp32 weights (autocast's,
+        ``training.autocast_context``)."""
+        return self.dtype if self.dtype != "float32" else "bfloat16"
+
+    @property
     def activation_dtype(self) -> str:
         """The dtype a decoder layer's activations (its projections' outputs: q/k/v, the MLP's) are in: fp32 where
         QLoRA is readied by ``prepare_model_for_kbit_training`` (its fp32 norms feed every layer fp32), where
@@ -280,7 +287,7 @@ class Step:
         (bf16 under autocast of fp32 weights)."""
         if self.kbit_prepared or (self.dtype == "float32" and (not self.autocast or self.method == "qlora")):
             return "float32"
-        return self.dtype if self.dtype != "float32" else "bfloat16"
+        return self.half_dtype
 
     def one_gpu(self) -> "Step":
         """This step on one GPU (what sharding is composed from), QLoRA still readied as it is here."""

@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass, field
 
 from lora_kit.memory.device import torch_version
 from lora_kit.memory.specs import model_spec
-from lora_kit.settings import as_step
+from lora_kit.settings import DTYPE_BYTES, as_step
 
 
 def round_bytes(nbytes: int, block: int = 512) -> int:
@@ -73,7 +73,6 @@ ENABLE_GQA_FROM = (2, 5)  # scaled_dot_product_attention(enable_gqa=...) (PR 132
 EFFICIENT_GQA_FROM = (2, 14)  # memory-efficient kernel: check_batch_size_and_num_heads_dense<true, ...> (PR 191085)
 SAFE_SOFTMAX_REUSE_FROM = (2, 6)  # _safe_softmax writes its where() into the softmax output (PR 139613)
 FIXED_TORCH = "2.14"
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -108,12 +107,9 @@ def sdpa_call(spec, step=None, **overrides) -> SdpaCall:
     """The SDPA call the kit's step makes (see the module docstring for each rule and its source)."""
     spec, st = model_spec(spec), as_step(step, **overrides)
     cfg = spec.config or {}
-    if st.kbit_prepared and not st.autocast:
-        dtype = "float32"  # prepare_model_for_kbit_training: fp32 residual stream, Linear4bit returns fp32
-    elif st.autocast:
-        dtype = st.dtype if st.dtype != "float32" else "bfloat16"  # training.autocast_context
-    else:
-        dtype = st.dtype
+    # CUDA's autocast casts SDPA's inputs to 16-bit; else q/k/v as the projections make them (fp32 under
+    # prepare_model_for_kbit_training: fp32 residual stream, Linear4bit returns fp32)
+    dtype = st.half_dtype if st.autocast else st.activation_dtype
     window = _cfg_value(cfg, "sliding_window")
     if cfg.get("use_sliding_window") is False:
         window = None
@@ -454,9 +450,7 @@ def flash_attention_dtype(step=None, **overrides) -> str:
     ``get_target_dtype`` casts fp32 q/k/v to the autocast dtype (``training.autocast_context``: bf16 for fp32
     weights) or, for a quantized model (QLoRA), to the config's ``dtype``; 16-bit q/k/v pass as they are."""
     st = as_step(step, **overrides)
-    if st.autocast:
-        return st.dtype if st.dtype != "float32" else "bfloat16"
-    return st.dtype
+    return st.half_dtype if st.autocast else st.dtype
 
 
 @dataclass

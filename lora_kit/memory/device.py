@@ -42,6 +42,8 @@ from importlib import metadata
 
 import numpy as np
 
+from lora_kit.settings import DTYPE_BYTES
+
 ALLOC_ROUND = 512  # the CUDA caching allocator hands out storages in multiples of 512 bytes
 MIB = 2 ** 20
 # the CUDA context where the GPU's own reading is not in the catalog: the H200's, measured (mem_get_info total - free
@@ -140,13 +142,14 @@ def device_kwargs(spec, step, tokens=None, num_gpus=None) -> dict:
     x sequence; int or array; default the step's) on ``num_gpus`` (default the step's): ``largest`` = the fp32
     logits (``tokens x vocab x 4``; TRL's SFT head, ``loop="sft"``, never builds them: its 4,096 x 32,768 fp32 tile
     instead); ``layer`` = one layer's MLP activation, ``tokens x intermediate_size`` in the step's
-    ``activation_dtype``; ``embedding_bytes`` for QLoRA = one 16-bit ``vocab x hidden`` block when the embedding and ``lm_head`` are
-    untied (two blocks cached after load, the step reuses one), else 0; ``method``; ``num_gpus``."""
+    ``activation_dtype``; ``embedding_bytes`` for QLoRA = one 16-bit ``vocab x hidden`` block when the embedding
+    and ``lm_head`` are untied (two blocks cached after load, the step reuses one), else 0; ``method``;
+    ``num_gpus``."""
     method = step.method
     (T,), _ = _exact(step.seq_len * step.batch_size if tokens is None else tokens)
     V, h, inter = int(spec.vocab_size), int(spec.hidden_size), int(spec.intermediate_size)
     largest = alloc_bytes(np.minimum(T, 4096) * 32768 * 4) if step.loop == "sft" else alloc_bytes(T * V * 4)
-    layer = alloc_bytes(T * inter * (4 if step.activation_dtype == "float32" else 2))
+    layer = alloc_bytes(T * inter * DTYPE_BYTES[step.activation_dtype])
     emb = alloc_bytes(V * h * 2) if method == "qlora" and not spec.tied_embeddings else 0
     return {"largest": largest if np.ndim(largest) else int(largest), "layer": layer if np.ndim(layer) else int(layer),
             "method": method, "embedding_bytes": emb, "num_gpus": step.num_gpus if num_gpus is None else num_gpus}

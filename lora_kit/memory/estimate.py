@@ -209,12 +209,12 @@ def _fit_now(spec: ModelSpec, s: Step):
                               "minute), or unset LORA_KIT_FIT to fit on the spot.")
     key = fits.digest(fits.key(spec.config, s))
     if key not in _UNFITTABLE:
-        title = f"fitting the memory model of {spec.name}"
-        if not sys.stderr.isatty():  # a log, a notebook, a batch job: one line instead of a bar
+        title, bar = f"fitting the memory model of {spec.name}", sys.stderr.isatty()
+        if not bar:  # a log, a notebook, a batch job: one line instead of a bar
             print(f"lora_kit: {title} for these settings (once; then cached): seconds to a few minutes on a CPU",
                   file=sys.stderr, flush=True)
         try:
-            return (*fits.make(spec.config, s, show=title if sys.stderr.isatty() else None), s.optimizer)
+            return (*fits.make(spec.config, s, show=title if bar else None), s.optimizer)
         except ValueError as e:  # calibrate.fit refuses what it cannot align or fit exactly, saying why
             _UNFITTABLE[key] = str(e)
     raise Unfittable(_UNFITTABLE[key])

@@ -15,9 +15,8 @@ from lora_kit.memory.breakdown import PAGED_MIN_NUMEL
 from lora_kit.memory.device import alloc_bytes as _r
 from lora_kit.memory.moe import expert_lora_tensors
 from lora_kit.memory.specs import ModelSpec
-from lora_kit.settings import Step
+from lora_kit.settings import DTYPE_BYTES, Step  # noqa: F401  (DTYPE_BYTES: compose and multi_gpu read it here)
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NF4_BLOCK = 64  # bitsandbytes 4-bit blocksize
 DQ_BLOCK = 256  # double-quant: absmax of the absmax, per 256 blocks
 OPT8_BLOCK = 256  # bitsandbytes 8-bit optimizer blocksize

@@ -370,7 +370,7 @@ def model_note(model, step=None) -> str:
 def context_note(spec, seq_len: int) -> str:
     """One sentence, or "": ``seq_len`` is longer than the model's context (its config's
     ``max_position_embeddings``)."""
-    ctx = (spec.config or {}).get("max_position_embeddings") if isinstance(spec.config, dict) else None
+    ctx = spec.config.get("max_position_embeddings") if isinstance(spec.config, dict) else None
     if not isinstance(ctx, int) or seq_len <= ctx:
         return ""
     return (f"seq_len {seq_len:,} is longer than this model's context ({ctx:,} positions, max_position_embeddings): "
@@ -393,8 +393,8 @@ def plan_note(model, step, gpu=None, peak_bytes: int | None = None) -> str:
 def expandable_fit(model, step: Step, est, gpu: str, margin: float) -> dict:
     """The device total of ``est`` (``estimate(model, step)``) with ``expandable_segments:True``, the setting the
     kit's own GPU path runs with, and its fit verdict on ``gpu``: ``{"device_total_bytes", "fits",
-    "headroom_bytes"}`` ({} for a device without CUDA). *Fits* counts PyTorch's default setting (a user's own trainer may run it); this says when
-    the plan fits only with expandable segments."""
+    "headroom_bytes"}`` ({} for a device without CUDA). *Fits* counts PyTorch's default setting (a user's own
+    trainer may run it); this says when the plan fits only with expandable segments."""
     from lora_kit.memory.device import device_kwargs, device_total
     if device_of(gpu)["total"] != "device_total_bytes":  # a device without CUDA's caching allocator
         return {}

@@ -73,9 +73,8 @@ from lora_kit.memory.device import torch_version as installed_torch_version
 from lora_kit.memory.specs import check_targets, model_spec
 from lora_kit.plan import time_constants as C
 from lora_kit.plan.gpus import compute_capability
-from lora_kit.settings import Step, as_step
+from lora_kit.settings import DTYPE_BYTES, Step, as_step
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PARTS = ("matmul", "adapters", "attention", "elementwise", "dequant", "lm_head_loss", "host_wait", "optimizer")
 
 
@@ -234,7 +233,7 @@ def _dtypes(st: Step) -> dict:
     """The dtype each part runs in. QLoRA's usual recipe (prepare_model_for_kbit_training) up-casts every
     non-quantised tensor to fp32: activations, norms, lm_head; its 4-bit matmuls compute in ``dtype``. Without it
     (``qlora_prepare="none"``) everything but the 4-bit weights runs in ``dtype``, the adapters in bf16."""
-    half, act = (st.dtype if st.dtype != "float32" else "bfloat16"), st.activation_dtype
+    half, act = st.half_dtype, st.activation_dtype
     if st.method == "qlora" and not st.kbit_prepared:
         return {"base": half, "activations": act, "stream": st.dtype, "head": st.dtype, "adapters": "bfloat16",
                 "adapter_weights": "bfloat16", "weights": half}
@@ -500,8 +499,8 @@ def _attention_dtypes(spec, st: Step, kernel: str) -> tuple[str, str]:
     if st.attn_implementation == "flash_attention_2":
         return st.activation_dtype, flash_attention_dtype(st)
     if kernel == "eager":
-        act = _dtypes(st)["activations"]
-        return act, (_dtypes(st)["base"] if st.autocast else act)
+        dt = _dtypes(st)
+        return dt["activations"], (dt["base"] if st.autocast else dt["activations"])
     act = sdpa_call(spec, st).dtype
     return act, act
 

@@ -258,12 +258,17 @@ def request_lines(plan: dict | None, sweeps: dict | None = None, epoch_time_: di
     return lines + [""]
 
 
+def _smoke_device(smoke: dict | None) -> str:
+    """The device the smoke run trained on (``smoke.json``'s ``launch``: "cuda:0", "cpu"), or ""."""
+    return str(((smoke or {}).get("launch") or {}).get("device", ""))
+
+
 def _smoke_calibration(smoke: dict, plan: dict, row: dict) -> dict | None:
     """The smoke run's measured step as a calibration of the plan's GPU, when it ran the planned model on CUDA on
     that GPU: ``{"scale", "error_factor", "source"}``; None otherwise (a CPU or tiny-model smoke run)."""
     ss = smoke.get("settings") or {}
     steps = [x for x in (smoke.get("steps") or [])[1:] if x.get("seconds")]
-    if not steps or not str((smoke.get("launch") or {}).get("device", "")).startswith("cuda"):
+    if not steps or not _smoke_device(smoke).startswith("cuda"):
         return None
     if ss.get("model") != plan.get("model") or not ss.get("gpu"):
         return None
@@ -483,7 +488,7 @@ def allocator_lines(smoke: dict | None) -> list[str]:
     who = {"lora_kit": "set by lora_kit", "environment": "set in your environment"}.get(a.get("set_by"),
                                                                                        "set by an unknown source")
     var = f"`{a['variable']}={a.get('value', '')}`" if a.get("variable") else "no allocator variable set"
-    if str(((smoke or {}).get("launch") or {}).get("device", "")).startswith("cpu"):
+    if _smoke_device(smoke).startswith("cpu"):
         return [f"- CUDA allocator: expandable segments {'on' if on else 'off'} ({var}, {who}); this smoke run ran "
                 "on a CPU, where the setting has no effect. On the rented GPU the kit's GPU path turns expandable "
                 "segments on unless the variable is set; what nvidia-smi will show (above) gives torch's reserve "
