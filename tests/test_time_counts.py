@@ -26,10 +26,13 @@ SHAPE = dict(seq_len=64, batch_size=2)
     dict(method="full", autocast=True),
     dict(method="lora", lora_dropout=0.1),
     dict(method="qlora", autocast=True, lora_dropout=0.1),
+    dict(method="qlora", dtype="float32"),  # bitsandbytes computes in fp32: its 4-bit matmul is no autocast op
+    dict(method="qlora", dtype="float32", autocast=True),
+    dict(method="qlora", dtype="float32", qlora_prepare="none"),
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_model_counts_match_the_real_steps_operators(kw):
     """Matmul FLOPs by dtype class exactly (checkpointing's early stop, the first block's free input gradients,
-    fp32 adapters, autocast); element-wise bytes within the agreement benchmarks/time_counts.py measures
+    fp32 adapters, autocast, QLoRA's compute dtype); element-wise bytes within the agreement benchmarks/time_counts.py measures
     (0.98-1.08 on its grid), per stage and in total."""
     step = as_step(None, **SHAPE, **{"gradient_checkpointing": True, **kw})
     r = time_counts.compare(CFG, step)

@@ -231,14 +231,16 @@ def attention_kernel(spec, step: Step, gpu: dict, torch_version: tuple | None = 
 
 def _dtypes(st: Step) -> dict:
     """The dtype each part runs in. QLoRA's usual recipe (prepare_model_for_kbit_training) up-casts every
-    non-quantised tensor to fp32: activations, norms, lm_head; its 4-bit matmuls compute in ``dtype``. Without it
+    non-quantised tensor to fp32: activations, norms, lm_head; its 4-bit matmuls compute in ``dtype``, the
+    compute dtype the kit gives bitsandbytes (``Linear4bit`` casts its input to it; its matmul is a custom operator
+    autocast leaves alone, so fp32 weights compute in fp32 under autocast too). Without it
     (``qlora_prepare="none"``) everything but the 4-bit weights runs in ``dtype``, the adapters in bf16."""
     half, act = st.half_dtype, st.activation_dtype
     if st.method == "qlora" and not st.kbit_prepared:
-        return {"base": half, "activations": act, "stream": st.dtype, "head": st.dtype, "adapters": "bfloat16",
+        return {"base": st.dtype, "activations": act, "stream": st.dtype, "head": st.dtype, "adapters": "bfloat16",
                 "adapter_weights": "bfloat16", "weights": half}
     if st.method == "qlora":
-        return {"base": half, "activations": act, "stream": "float32", "head": half if st.autocast else "float32",
+        return {"base": st.dtype, "activations": act, "stream": "float32", "head": half if st.autocast else "float32",
                 "adapters": half if st.autocast else "float32", "adapter_weights": "float32", "weights": half}
     base = half if st.autocast else st.dtype
     weights = "float32" if st.method == "full" and st.autocast else st.dtype  # autocast: fp32 master weights
@@ -401,7 +403,7 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
                       working_set=T * max(k, n) * (xa + mm_b))
         if lin.name in adapted:
             r, ab = st.lora_rank, DTYPE_BYTES[dt["adapters"]]
-            ap = f32_peak if dt["adapters"] == "float32" else base_peak
+            ap = f32_peak if dt["adapters"] == "float32" else peak_flops(gpu, dt["adapters"], False)
             per = 2 if bwd else 1  # A and B: input and weight gradients in backward
             c.matmul("adapters", T, k, r, ap, ab, ab, times=n_l * per - (times if first_free else 0))
             if st.lora_dropout > 0:  # peft's nn.Dropout on x cast to lora_A's dtype: reads it, writes the dropped
