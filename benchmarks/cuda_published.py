@@ -20,6 +20,12 @@ allocation sequence of the step at the row's full depth (the weights and optimiz
 ``benchmarks/cuda_h200.py`` replays it). A published row is never simulated at reduced depth: where ``simulate``
 cannot run the step, ``replay_not_run`` says why.
 
+Where a row names its own stack (``stack``: the library versions it ran) and that stack's code moves the peak where
+the installed one does not, the cross-check ``row_stack``: ``simulate`` at full depth with those differences
+applied (:data:`STACK_DIFFERENCES`, each read in that version's source), turned into the row's metric the same way,
+beside the kit's figure, never in its place: the kit prints the installed stack's figure, and that figure is what
+is scored.
+
 Per row also the ratio kit / measured, the closed-form reserved of :mod:`lora_kit.memory.device` / measured, and the
 verdict at margin 0 twice: ``estimate``'s ``device_total_bytes`` as the tree computes it, and the device total on the
 stated basis (``device_kwargs`` passed: what ``estimate`` gives once it passes them), never the paged states,
@@ -34,6 +40,8 @@ listed with their reason. ``simulate`` follows CPU kernels (pitfalls: "A CPU ste
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -111,6 +119,87 @@ def simulate_events(model, plan: dict):
         sim_mod.LiveBytesTracker, sharded_mod.LiveBytesTracker = saved
     tr = ResizeEventTracker.last
     return sim, steady_state(tr.events, tr.mark)
+
+
+def _version(text: str) -> tuple:
+    return tuple(int(x) for x in text.split("+")[0].split(".")[:2])
+
+
+def _loss_with_shifted_copy(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, **kw):
+    """Causal-LM loss as transformers 4.48 computes it (``ForCausalLMLoss``, ``src/transformers/loss/loss_utils.py``
+    at v4.48.1): the fp32 logits are shifted by a contiguous copy, so one more fp32 (tokens x vocabulary) tensor is
+    live while cross-entropy runs. 4.49 pads the labels instead and shifts no logits."""
+    from transformers.loss.loss_utils import fixed_cross_entropy
+    logits = logits.float()
+    shifted = logits[..., :-1, :].contiguous().view(-1, vocab_size)
+    targets = labels.to(logits.device)[..., 1:].contiguous().view(-1)
+    return fixed_cross_entropy(shifted, targets, num_items_in_batch, ignore_index, **kw)
+
+
+@contextlib.contextmanager
+def _older_loss():
+    from transformers.loss import loss_utils
+    saved = loss_utils.LOSS_MAPPING["ForCausalLM"]
+    loss_utils.LOSS_MAPPING["ForCausalLM"] = _loss_with_shifted_copy
+    try:
+        yield
+    finally:
+        loss_utils.LOSS_MAPPING["ForCausalLM"] = saved
+
+
+@contextlib.contextmanager
+def _trl_013_qlora_casts():
+    """TRL 0.13's ``SFTTrainer`` on a 4-bit model with ``bf16=True`` (``peft_module_casting_to_bf16``,
+    ``trl/trainer/utils.py`` at v0.13.0): after ``prepare_model_for_kbit_training`` the norms stay fp32 and the
+    embeddings and ``lm_head`` go back to bf16."""
+    import peft
+    import torch
+    prepare = peft.prepare_model_for_kbit_training
+
+    def prepared_then_cast(model, *a, **k):
+        model = prepare(model, *a, **k)
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if "norm" not in name and any(x in name for x in ("lm_head", "embed_tokens")) and \
+                    weight is not None and weight.dtype == torch.float32:
+                module.to(torch.bfloat16)
+        return model
+
+    peft.prepare_model_for_kbit_training = prepared_then_cast
+    try:
+        yield
+    finally:
+        peft.prepare_model_for_kbit_training = prepare
+
+
+# (what differs, when it applies to a row's stack and plan, how simulate is made to run it)
+STACK_DIFFERENCES = (
+    ("transformers <= 4.48: the causal-LM loss copies the shifted fp32 logits",
+     lambda stack, plan: "transformers" in stack and _version(stack["transformers"]) < (4, 49), _older_loss),
+    ("TRL 0.13 SFTTrainer, QLoRA with bf16: embeddings and lm_head cast back to bf16 after "
+     "prepare_model_for_kbit_training",
+     lambda stack, plan: stack.get("trl") == "0.13" and plan.get("method") == "qlora" and plan.get("autocast")
+     and plan.get("qlora_prepare") == "peft", _trl_013_qlora_casts),
+)
+
+
+def row_stack(row: dict, est, gpu: dict | None) -> dict | None:
+    """The cross-check on the row's own stack (module doc), or None where its stack differs in nothing listed in
+    :data:`STACK_DIFFERENCES` (or names none)."""
+    stack, plan = row.get("stack") or {}, row["plan"]
+    apply = [(what, patch) for what, when, patch in STACK_DIFFERENCES if when(stack, plan)]
+    if not apply:
+        return None
+    with contextlib.ExitStack() as patches:
+        for _, patch in apply:
+            patches.enter_context(patch())
+        peak = lk.simulate(row["model"], **plan).peak_allocated_bytes
+    moved = dataclasses.replace(est, peak_allocated_bytes=peak)
+    moved.device_total_bytes = est.device_total_bytes + basis(row, moved, gpu)["reserved"] - basis(row, est, gpu)[
+        "reserved"]
+    figure = kit_figure(row, moved, gpu, replay=False)["figure"]
+    return {"stack": stack, "differences": [what for what, _ in apply], "peak_allocated": peak, "figure": figure,
+            "basis": "simulate at full depth with the differences applied, then as the kit's figure"}
 
 
 def basis(row: dict, est, gpu: dict | None) -> dict:
@@ -225,7 +314,7 @@ def fms_rows() -> list[dict]:
         base = {"source": "foundation-model-stack/fms-acceleration reference benchmarks (A100-80GB)", "url": FMS_URL,
                 "model_as_published": model, "method_as_published": run["framework"],
                 "gpu_as_published": "A100-80GB", "in_scope": True, "model": FMS_MODELS[model], "gpu": "A100-80GB",
-                "plan": plan,
+                "plan": plan, "stack": {"transformers": "4.48.1", "trl": "0.13", "torch": "2.4.1"},
                 "caveats": f"CSV row {run['csv_row']} at {FMS_COMMIT[:7]}: TRL 0.13 SFTTrainer (its loss is the "
                 "model's), transformers 4.48.1 (whose Trainer defaulted to optim adamw_torch: torch's foreach AdamW, "
                 "what the kit's own loop runs; loop 'trainer' follows transformers 5.24's adamw_torch_fused), torch "
@@ -244,9 +333,11 @@ def fms_rows() -> list[dict]:
     return rows
 
 
-def compare(rows: list[dict], replay: bool = True) -> list[dict]:
+def compare(rows: list[dict], replay: bool = True, row_stacks: bool | None = None) -> list[dict]:
     """One result per reference row, in order: in-scope rows compared with the kit's figure of their metric,
-    out-of-scope rows with their reason."""
+    out-of-scope rows with their reason; ``row_stacks`` (default: as ``replay``, both run ``simulate``): the
+    cross-check on the row's own stack where it differs."""
+    row_stacks = replay if row_stacks is None else row_stacks
     out = []
     for row in rows:
         base = {"id": row["id"], "source": row["source"], "url": row.get("url"), "metric": row["metric"],
@@ -261,6 +352,9 @@ def compare(rows: list[dict], replay: bool = True) -> list[dict]:
         out.append({**base, "model": row["model"], "plan": row["plan"], "gpu": row.get("gpu"),
                     "measured": measured, "kit": kit, "ratio": kit["figure"] / measured if measured else None,
                     "verdict": verdict(row, est, gpu), "caveats": row.get("caveats")})
+        stack = row_stack(row, est, gpu) if measured and row_stacks else None
+        if stack:
+            out[-1]["row_stack"] = {**stack, "ratio": stack["figure"] / measured}
     return out
 
 
@@ -269,7 +363,7 @@ def summary(results: list[dict]) -> dict:
     not on the figure each row is compared with."""
     verdicts = [r for r in results if r["in_scope"]]
     inscope = [r for r in verdicts if r["ratio"] is not None]  # an out-of-memory row has a verdict, no figure
-    per_metric, per_metric_replay = {}, {}
+    per_metric, per_metric_replay, per_metric_row_stack = {}, {}, {}
     for m in METRICS:
         for into, rs in ((per_metric, [r["ratio"] for r in inscope if r["metric"] == m]),
                          (per_metric_replay, [r["kit"]["replay_figure"] / r["measured"] for r in inscope
@@ -278,6 +372,11 @@ def summary(results: list[dict]) -> dict:
             if q:
                 into[m] = {"rows": len(q), "min": q[0], "median": statistics.median(q), "max": q[-1],
                            "short_over_3pct": sum(x < SHORT for x in q)}
+    for m in METRICS:
+        q = sorted(r["row_stack"]["ratio"] for r in inscope if r["metric"] == m and "row_stack" in r)
+        if q:
+            per_metric_row_stack[m] = {"rows": len(q), "min": q[0], "median": statistics.median(q), "max": q[-1],
+                                       "short_over_3pct": sum(x < SHORT for x in q)}
     ratios = [r["ratio"] for r in inscope]
     judged = [r["verdict"] for r in verdicts if r["verdict"]["judged"]]
     basis = {"verdicts_right": sum(v["basis_right"] for v in judged), "verdicts_judged": len(judged),
@@ -285,6 +384,7 @@ def summary(results: list[dict]) -> dict:
     return {"rows": len(results), "in_scope": len(verdicts), "out_of_scope": len(results) - len(verdicts),
             "device_basis": basis,
             "per_metric": per_metric, "per_metric_replay": per_metric_replay,
+            "per_metric_row_stack": per_metric_row_stack,
             "replayed": sum("replay" in r["kit"] for r in inscope),
             "verdicts_judged": len(judged), "verdicts_right": sum(v["right"] for v in judged),
             "verdicts_not_judged": len(verdicts) - len(judged),
@@ -313,6 +413,11 @@ def table(results: list[dict]) -> str:
                      f"{k['figure'] / GIB:>9.2f}{r['ratio']:>9.3f}"
                      f"{k['replay_figure'] / r['measured'] if 'replay_figure' in k else float('nan'):>12.3f}"
                      f"{k['estimate_allocated'] / r['measured']:>15.3f}  {said:<22}{bsaid:<22}{k['basis']}")
+    stacked = [r for r in results if "row_stack" in r]
+    if stacked:
+        lines.append("on the row's own stack (cross-check; the kit's figure above is the one scored):")
+        lines += [f"  {r['id']:<40}{r['metric']:<11}kit/meas {r['ratio']:.3f}  row stack/meas "
+                  f"{r['row_stack']['ratio']:.3f}  ({'; '.join(r['row_stack']['differences'])})" for r in stacked]
     lines.append("out of scope:")
     lines += [f"  {r['id']:<26}{r['metric']:<11}{r['reason']}" for r in results if not r["in_scope"]]
     return "\n".join(lines)
@@ -321,7 +426,8 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--no-replay", action="store_true",
-                   help="skip simulate + allocator replay (the cross-check beside reserved and nvidia-smi rows)")
+                   help="skip simulate: the allocator replay (the cross-check beside reserved and nvidia-smi rows) "
+                        "and the row-stack cross-check")
     p.add_argument("--rows", default=None, help="comma-separated row ids (default: every row of the reference file)")
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args(argv)

@@ -640,9 +640,20 @@ def sec_cuda_published(prov):
                      f"{m['max']:.3f}" + (f" (replay: {rep['rows']} rows, median {rep['median']:.3f}, from "
                                           f"{rep['min']:.3f} to {rep['max']:.3f})" if rep else ""))
     summ = data.get("summary", {})
+    for metric, m in (summ.get("per_metric_row_stack") or {}).items():
+        lines.append(f"- {metric}, on the rows' own stacks (cross-check, not scored): {m['rows']} rows, median ratio "
+                     f"{m['median']:.3f}, from {m['min']:.3f} to {m['max']:.3f}")
     if "verdicts_judged" in summ:
         lines.append(f"- verdicts: {summ['verdicts_right']} of {summ['verdicts_judged']} judged right; "
                      f"{summ.get('verdicts_not_judged', 0)} not judged")
+    stacked = [r for r in scoped if r.get("row_stack")]
+    if stacked:
+        body += ("\nOn the row's own stack: where a row's libraries run code that moves the peak and the installed "
+                 "ones do not, `simulate` at full depth with that code (a cross-check beside the kit's figure, which "
+                 "is the one scored above).\n\n")
+        body += table(["row", "metric", "ratio", "ratio on the row's stack", "what differs"],
+                      [[_ref_link(r), r["metric"], f"{r['ratio']:.3f}", f"{r['row_stack']['ratio']:.3f}",
+                        "; ".join(r["row_stack"]["differences"])] for r in stacked]) + "\n"
     reasons: dict = {}
     for r in rows:
         if not r.get("in_scope"):

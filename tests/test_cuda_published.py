@@ -125,3 +125,29 @@ def test_fms_acceleration_runs_give_both_metrics_or_an_out_of_memory_verdict():
         got = res[r["id"]]
         assert got["verdict"]["judged"] and got["verdict"]["happened"] == r.get("outcome", "ran")
         assert (got["ratio"] is None) == (r.get("outcome") == "oom")
+
+
+def test_older_loss_is_the_same_loss_with_one_more_fp32_logits_copy(random_llama_dir):
+    """The row-stack cross-check's transformers-4.48 loss gives the installed loss's value, and on a step whose peak
+    has the loss close to its peak, simulate with it peaks higher, by at most the shifted fp32 logits (batch x
+    (seq - 1) x vocab x 4 bytes, in 512-byte blocks); a stack from 4.49 on, or one naming nothing, gets no
+    cross-check."""
+    import torch
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    logits, labels = torch.randn(2, 7, 11), torch.randint(0, 11, (2, 7))
+    labels[0, 3] = -100
+    assert torch.allclose(bench._loss_with_shifted_copy(logits, labels, 11), ForCausalLMLoss(logits, labels, 11))
+    plan = dict(method="lora", lora_rank=4, lora_alpha=8, dtype="float32", seq_len=64, batch_size=2,
+                gradient_checkpointing=False, optimizer="adamw")
+    row = {"id": "r", "model": str(random_llama_dir), "plan": plan, "metric": "allocated",
+           "stack": {"transformers": "4.48.1"}}
+    est = lk.estimate(model=row["model"], **plan)
+    sim = lk.simulate(str(random_llama_dir), **plan)
+    got = bench.row_stack(row, est, None)
+    vocab = json.loads((random_llama_dir / "config.json").read_text())["vocab_size"]
+    shifted = -(-(2 * 63 * vocab * 4) // 512) * 512
+    assert got["differences"] == ["transformers <= 4.48: the causal-LM loss copies the shifted fp32 logits"]
+    assert 0 < got["peak_allocated"] - sim.peak_allocated_bytes <= shifted
+    for stack in ({"transformers": "4.49.0"}, {}):
+        assert bench.row_stack({**row, "stack": stack}, est, None) is None
