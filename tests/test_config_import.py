@@ -346,3 +346,29 @@ def test_a_real_key_the_kit_does_not_read_gets_no_typo_hint(tmp_path, name, real
     path.write_text(yaml.safe_dump(cfg))
     _, rep = settings_from_config(path)
     assert not [n for n in rep.notes if "did you mean" in n], rep.notes
+
+
+@pytest.mark.parametrize("lines,note", [
+    ("fsdp:\n  - full_shard\nfsdp_config:\n  fsdp_version: 1\n", True),
+    ("fsdp:\n  - full_shard\nfsdp_config:\n  fsdp_version: 2\n", False),
+    ("fsdp_version: 1\nfsdp_config:\n  fsdp_offload_params: false\n", True),
+])
+def test_fsdp_1_is_planned_as_fsdp2_and_says_so(tmp_path, lines, note):
+    cfg = tmp_path / "axolotl.yml"
+    cfg.write_text("base_model: Qwen/Qwen2.5-0.5B\nsequence_len: 512\nadapter: lora\nlora_target_linear: true\n"
+                   + lines)
+    step, rep = settings_from_config(cfg, num_gpus=2)
+    assert step.sharding == "fsdp"
+    said = [n for n in rep.notes if "FSDP-1, planned as FSDP2" in n]
+    assert bool(said) == note, rep.notes
+
+
+def test_trainer_fsdp_config_version_1_says_fsdp_1(tmp_path):
+    args = json.loads((CONFIGS / "trainer_args_fsdp.json").read_text())
+    args["fsdp_config"] = {**(args.get("fsdp_config") or {}), "version": 1}
+    path = tmp_path / "trainer_args.json"
+    path.write_text(json.dumps(args))
+    step, rep = settings_from_config(path, model="qwen2.5-7b", num_gpus=4)
+    assert step.sharding == "fsdp" and any("fsdp_config.version=1: FSDP-1" in n for n in rep.notes), rep.notes
+    step, rep = settings_from_config(CONFIGS / "trainer_args_fsdp.json", model="qwen2.5-7b", num_gpus=4)
+    assert not any("FSDP-1" in n for n in rep.notes)

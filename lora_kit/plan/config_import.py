@@ -450,6 +450,14 @@ def _deepspeed(r: _Reader, key: str, value) -> None:
         r.put("cpu_offload", True, f"{key}.zero_optimization.{off[0]}", raw="cpu")
 
 
+def _fsdp_one(r: _Reader, key: str, version) -> None:
+    """A note where the config runs FSDP-1: the kit plans (and runs) FSDP2."""
+    if str(version).strip() == "1":
+        r.notes.append(f"{key}=1: FSDP-1, planned as FSDP2 (fully_shard, what the kit runs); an FSDP-1 job reserves "
+                       "more than this plan (it keeps the unsharded model's blocks cached from loading: the published "
+                       "FSDP-1 rows in docs/accuracy.md)")
+
+
 def _fsdp(r: _Reader, key: str, value, fsdp_config: dict | None = None) -> None:
     """TrainingArguments' ``fsdp``: a string or list of options, or (transformers 5) True with the options in
     ``fsdp_config`` (``cpu_offload``, ``reshard_after_forward``)."""
@@ -462,6 +470,7 @@ def _fsdp(r: _Reader, key: str, value, fsdp_config: dict | None = None) -> None:
         return
     if "full_shard" in opts or "hybrid_shard" in opts:
         r.put("sharding", "fsdp", key, raw=" ".join(opts))
+        _fsdp_one(r, "fsdp_config.version", (fsdp_config or {}).get("version"))
     elif "shard_grad_op" in opts:
         r.put("sharding", "zero2", key, raw=" ".join(opts))
         r.notes.append(f"{key}: FSDP shard_grad_op (ZeRO-2 semantics) planned as zero2")
@@ -818,6 +827,7 @@ def _read_axolotl(r: _Reader, model_override) -> str | None:
         r.put("sharding", "fsdp", "fsdp_config" if fc else "fsdp", raw=fc.get("fsdp_version", c.get("fsdp_version"))
               or c.get("fsdp"))
         r.used |= {"fsdp_version"}
+        _fsdp_one(r, "fsdp_version", fc.get("fsdp_version", c.get("fsdp_version")))
         if fc.get("fsdp_offload_params") or fc.get("offload_params"):
             r.put("cpu_offload", True, "fsdp_config.fsdp_offload_params", raw=True)
     r.used |= {"base_model"}
