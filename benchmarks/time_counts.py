@@ -45,7 +45,8 @@ GRID = [dict(method="lora"), dict(method="lora", autocast=True), dict(method="lo
         dict(method="lora", lora_targets=["q_proj", "v_proj"]), dict(method="qlora"),
         dict(method="qlora", autocast=True), dict(method="qlora", qlora_prepare="none"), dict(method="full"),
         dict(method="full", gradient_checkpointing=False), dict(method="full", autocast=True),
-        dict(method="lora", lora_dropout=0.1), dict(method="qlora", autocast=True, lora_dropout=0.1)]
+        dict(method="lora", lora_dropout=0.1), dict(method="qlora", autocast=True, lora_dropout=0.1),
+        dict(method="qlora", dtype="float32"), dict(method="qlora", dtype="float32", autocast=True)]
 
 
 def _nbytes(t) -> int:

@@ -899,7 +899,9 @@ def time_counts_md(src: Path, prov: dict) -> str:
     rows = []
     for r in d["rows"]:
         s = r["settings"]
-        label = ", ".join([s["method"]] + (["autocast"] if s.get("autocast") else [])
+        label = ", ".join([s["method"]] + ([s["dtype"]] if s.get("dtype", "bfloat16") != "bfloat16" else [])
+                          + (["autocast"] if s.get("autocast") else [])
+                          + ([f"dropout {s['lora_dropout']}"] if s.get("lora_dropout") else [])
                           + ([] if s.get("gradient_checkpointing") else ["no checkpointing"])
                           + ([f"qlora_prepare {s['qlora_prepare']}"] if s.get("qlora_prepare") not in (None, "auto")
                              else [])
