@@ -193,3 +193,17 @@ def test_unknown_model_offline_says_what_to_pass(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="Unknown model .someone/not-a-model.*catalog has .*llama-3.1-8b.*config.json.*PretrainedConfig"):
         model_spec("someone/not-a-model")
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "falcon", "gpt2", "llama"])
+def test_the_attention_output_projection_is_read_as_such(model_type):
+    """Each block's linears get their role from where they sit: the projection after attention (o_proj, GPT-NeoX's
+    ``attention.dense``, Falcon's ``self_attention.dense``, GPT-2's ``attn.c_proj``, a ``Conv1D``) is the attention
+    output (the time model feeds it the attention kernel's dtype), the others in attention are its inputs."""
+    cfg = AutoConfig.for_model(model_type, vocab_size=300, hidden_size=128, intermediate_size=256,
+                               num_hidden_layers=2, num_attention_heads=4, n_embd=128, n_layer=2, n_head=4)
+    spec = spec_from_config(cfg.to_dict())
+    kinds = [(lin.name, lin.kind) for lin in spec.linears]
+    out = {"gpt_neox": "dense", "falcon": "dense", "gpt2": "c_proj", "llama": "o_proj"}[model_type]
+    assert [name for name, kind in kinds if kind == "attn_out"] == [out], kinds
+    assert any(kind == "attn_in" for _, kind in kinds) and any(kind == "mlp_out" for _, kind in kinds), kinds

@@ -266,18 +266,21 @@ def _generic_spec(c: dict, name: str) -> ModelSpec:
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"Cannot build model_type={c.get('model_type')!r} with transformers ({e}). Pass a config "
                          "of a causal LM transformers knows, or a catalog name.") from None
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linears: weight (in, out)
     layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
     found = {}  # (path in block, in, out, bias) -> number of blocks holding it, in order of first appearance
     for block in layers:
         for lname, mod in block.named_modules():
-            if isinstance(mod, torch.nn.Linear):
-                key = (lname, mod.in_features, mod.out_features, mod.bias is not None)
+            if isinstance(mod, (torch.nn.Linear, Conv1D)):
+                fin, fout = (mod.in_features, mod.out_features) if isinstance(mod, torch.nn.Linear) else (mod.nx, mod.nf)
+                key = (lname, fin, fout, mod.bias is not None)
                 found[key] = found.get(key, 0) + 1
     linears = []
     for (lname, fin, fout, bias), count in found.items():
         short = lname.rsplit(".", 1)[-1]
-        kind = ("attn_out" if short in ("o_proj", "dense", "out_proj", "c_proj") and "attn" in lname
-                else "attn_in" if "attn" in lname or "attention" in lname
+        in_attention = "attn" in lname or "attention" in lname  # GPT-NeoX, Falcon: (self_)attention.dense
+        kind = ("attn_out" if short in ("o_proj", "dense", "out_proj", "c_proj") and in_attention
+                else "attn_in" if in_attention
                 else "mlp_out" if short in ("down_proj", "fc2", "dense_4h_to_h", "c_proj", "w2") else "mlp_in")
         linears.append(Linear(short, fin, fout, bias, kind, 0 if count == len(layers) else count))
     seen, extra = set(), {}
@@ -287,7 +290,7 @@ def _generic_spec(c: dict, name: str) -> ModelSpec:
     out_emb = model.get_output_embeddings().weight if model.get_output_embeddings() is not None else emb
     tied = out_emb is emb
     skip = {id(emb), id(out_emb)} | {id(p) for blk in layers for m in blk.modules()
-                                     if isinstance(m, torch.nn.Linear) for p in m.parameters()}
+                                     if isinstance(m, (torch.nn.Linear, Conv1D)) for p in m.parameters()}
     for p in model.parameters():
         if id(p) in skip or id(p) in seen:
             continue
