@@ -167,3 +167,23 @@ def test_notes_for_known_traps():
 def test_check_refuses_bad_settings(capsys):
     assert cli_main(["check", "--method", "qlorra"]) == 2
     assert "method='qlorra' is not valid" in capsys.readouterr().err
+
+
+def test_a_library_older_than_declared_blocks_every_plan_with_the_fix(monkeypatch):
+    """Floors come from lora_kit's own metadata (pyproject): an installed library outside them is named with the pip
+    command that fixes it; optional extras and libraries not installed are the probes' business."""
+    reqs = ["transformers>=5.12", "peft>=0.21", "bitsandbytes>=0.45; extra == \"quant\"", "numpy"]
+    got = stack.floor_problems({"transformers": "4.48.1", "peft": "0.21.2", "bitsandbytes": "0.40.0"}, reqs)
+    assert got == [{"package": "transformers", "installed": "4.48.1", "needs": ">=5.12",
+                    "change": "pip install -U 'transformers>=5.12'"}]
+    assert stack.floor_problems({"transformers": "5.24.0", "peft": None}, reqs) == []
+    monkeypatch.setattr(stack, "floor_problems", lambda: got)
+    probes = [_result(n, "pass") for n, _ in stack_probes.PROBES]
+    v = stack.verdict(probes, Settings(method="full"), device="cpu")
+    assert not v["ok"] and [b["probe"] for b in v["blocking"]] == ["versions"]
+    assert "transformers 4.48.1 is not >=5.12" in v["blocking"][0]["error"]
+    assert "pip install -U 'transformers>=5.12'" in "\n".join(stack.format_verdict(v))
+
+
+def test_this_environment_meets_the_declared_floors():
+    assert stack.floor_problems() == []

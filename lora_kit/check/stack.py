@@ -47,6 +47,36 @@ def _driver_version() -> str | None:
         return None
 
 
+def floor_problems(installed: dict | None = None, requirements: list[str] | None = None) -> list[dict]:
+    """Installed libraries outside what lora_kit declares it needs (its package metadata: the floors it is tested
+    at), each ``{"package", "installed", "needs", "change"}``. ``installed``: name -> version (default: this
+    environment's, :data:`PACKAGES`); ``requirements``: requirement strings (default: lora_kit's installed
+    metadata; none when lora_kit runs from a source tree that was never installed)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
+    from packaging.version import InvalidVersion, Version
+    if requirements is None:
+        try:
+            requirements = requires("lora_kit") or []
+        except PackageNotFoundError:
+            requirements = []
+    have = installed if installed is not None else {p: _version(p) for p in PACKAGES}
+    out = []
+    for text in requirements:
+        req = Requirement(text)
+        if req.marker is not None or not req.specifier or have.get(req.name) is None:
+            continue  # extras (optional), no bound, or not installed (the probes say what that blocks)
+        try:
+            ok = req.specifier.contains(Version(have[req.name]), prereleases=True)
+        except InvalidVersion:
+            continue
+        if not ok:
+            out.append({"package": req.name, "installed": have[req.name], "needs": str(req.specifier),
+                        "change": f"pip install -U '{req.name}{req.specifier}'"})
+    return out
+
+
 def cpu_architecture() -> str:
     m = platform.machine().lower()
     return {"x86_64": "x86-64", "amd64": "x86-64", "aarch64": "ARM64", "arm64": "ARM64"}.get(m, m)
@@ -143,7 +173,8 @@ PLAN_FIELDS = ("method", "dtype", "autocast", "optimizer", "gradient_checkpointi
 def verdict(probes: list[dict], settings: Settings | None = None, device: str | None = None) -> dict:
     """Does this stack run this plan? The one judge of probe results, used by ``lora-kit check`` and notebook 00.
 
-    A probe the plan needs (:data:`NEEDS`) blocks unless it passed or was worked around (``not
+    A library older than lora_kit declares (:func:`floor_problems`) blocks every plan. A probe the plan needs
+    (:data:`NEEDS`) blocks unless it passed or was worked around (``not
     applicable`` blocks too: e.g. QLoRA without bitsandbytes). Other failures and every workaround
     become warnings with their explanation. ``device`` is where the probes ran (this machine's).
     Returns ``{"ok", "blocking": [{probe, status, needed_by, error, change}], "warnings", "plan", "device"}``.
@@ -151,6 +182,10 @@ def verdict(probes: list[dict], settings: Settings | None = None, device: str | 
     s = settings if settings is not None else Settings()
     device = device or stack_probes.device().type
     blocking, warnings = [], []
+    for f in floor_problems():
+        blocking.append({"probe": "versions", "status": stack_probes.FAIL, "needed_by": "every step the kit runs",
+                         "error": f"{f['package']} {f['installed']} is not {f['needs']}, what lora_kit is tested with",
+                         "change": f["change"]})
     for p in probes:
         need = NEEDS.get(p["name"])
         needed = need is not None and bool(need[1](s))

@@ -721,8 +721,9 @@ def _trainer_record(s, trainer, model) -> dict:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     out = {"loop": s.loop, "trainer": type(trainer).__mro__[1].__name__, "args": ran,
            "optimizer": type(trainer.optimizer).__name__, "from_config": s.from_config or None,
-           "gradient_checkpointing": bool(getattr(base, "is_activation_checkpointing",
-                                                  getattr(base, "is_gradient_checkpointing", False)))}
+           "gradient_checkpointing": bool(getattr(base, "is_activation_checkpointing") if
+                                          hasattr(base, "is_activation_checkpointing") else
+                                          getattr(base, "is_gradient_checkpointing", False))}
     peft = getattr(model, "peft_config", None)
     if peft:
         c = peft["default"]
