@@ -2,10 +2,14 @@
 
 Each entry says why it is harmless here. :func:`quiet` installs the filters (idempotent); the notebooks'
 ``setup`` call, the CLI and the smoke run's ``torchrun`` entry call it, so a person reads only what
-matters. Anything not listed still shows.
+matters. The Python API (``lora_kit.simulate``) runs under :func:`quieted`, the same filters for the duration of
+the call only: importing or calling the kit never changes the caller's own warning filters. Anything not listed
+still shows.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import re
 import warnings
@@ -52,6 +56,34 @@ def quiet() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropKnown) and f.start == start for f in logger.filters):
             logger.addFilter(_DropKnown(start))
+
+
+@contextlib.contextmanager
+def quieted():
+    """The filters of :func:`quiet` inside the block only; the caller's warning filters and loggers come back as
+    they were."""
+    added = []
+    with warnings.catch_warnings():
+        for category, pattern, _why in WARNINGS:
+            warnings.filterwarnings("ignore", message=pattern, category=category)
+        for name, (start, _why) in LOGS.items():
+            logger, f = logging.getLogger(name), _DropKnown(start)
+            logger.addFilter(f)
+            added.append((logger, f))
+        try:
+            yield
+        finally:
+            for logger, f in added:
+                logger.removeFilter(f)
+
+
+def quieted_call(fn):
+    """``fn`` run under :func:`quieted` (a decorator for the public API)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with quieted():
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 def is_known(message: str) -> bool:

@@ -122,3 +122,22 @@ def test_silenced_log_messages_exist_verbatim_in_the_installed_libraries(logger_
         logging.getLogger(logger_name).warning(start + " (as the library words it)")
         logging.getLogger(logger_name).warning("something else")
     assert [r.getMessage() for r in caplog.records if r.name == logger_name] == ["something else"]
+
+
+def test_the_python_api_is_quiet_only_while_it_runs(caplog):
+    """``quieted`` (what ``lora_kit.simulate`` runs under) silences the known messages inside the block and leaves
+    the caller's warning filters and loggers as they were."""
+    name, (start, _why) = next(iter(noise.LOGS.items()))
+    logger = logging.getLogger(name)
+    filters, log_filters = list(warnings.filters), list(logger.filters)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with noise.quieted(), caplog.at_level(logging.WARNING, logger=name):
+            warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
+            warnings.warn("an unrelated FutureWarning", FutureWarning)
+            logger.warning(start + " (as the library words it)")
+        warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
+    assert [str(w.message) for w in seen] == [  # inside: only the unrelated one; after: the known one shows again
+        "an unrelated FutureWarning", "`is_gradient_checkpointing` is deprecated and will be removed in v6."]
+    assert [r.getMessage() for r in caplog.records if r.name == name] == []
+    assert list(warnings.filters) == filters and list(logger.filters) == log_filters

@@ -68,6 +68,7 @@ from lora_kit.memory.measure import check_liger, step_batch
 from lora_kit.memory.sharded import check_simulable, simulate_sharded
 from lora_kit.memory.specs import check_model_step, load_config, model_spec
 from lora_kit.memory.tracker import LiveBytesTracker
+from lora_kit.noise import quieted_call
 from lora_kit.settings import Step, as_step
 from lora_kit.trainer_loops import loop_parts
 from lora_kit.training import attach_adapter, autocast_context, loop_batch, loop_inputs, train_step
@@ -251,6 +252,7 @@ def _tracked_step(net, opt, batch, fake_mode, ctx, has_padding: bool, paged: boo
     return tracker
 
 
+@quieted_call
 def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate", trace: bool = False,
              **overrides) -> SimResult:
     """Peak memory of one steady-state training step, from a real step on fake tensors.
