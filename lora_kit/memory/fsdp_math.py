@@ -76,7 +76,8 @@ def _groups(spec, method: str, wb: int, targets: tuple, N, r, optimizer: str) ->
         if not full and lin.name in targets:
             layer.add(r, lin.in_features, 4, True, True, optimizer)  # lora_A: (r, in), fp32
             layer.add(lin.out_features, r, 4, True, True, optimizer)  # lora_B: (out, r), fp32
-    layer.add(h, 1, wb, full, False, optimizer, count=spec.norms_per_layer * (2 if spec.norm_bias else 1))
+    if spec.exact:  # a generic spec carries its norms in extra_params (below), as ModelSpec.param_tensors does
+        layer.add(h, 1, wb, full, False, optimizer, count=spec.norms_per_layer * (2 if spec.norm_bias else 1))
     for numel, count in spec.extra_params:  # e.g. per-head q/k norms, per layer
         layer.add(numel, 1, wb, full, False, optimizer, count=max(1, count // L))
     embed, tail, root = _Group(N), _Group(N), _Group(N)

@@ -59,6 +59,9 @@ class ModelSpec:
     norms_per_layer: int  # normalisation layers per block
     norm_bias: bool  # LayerNorm with bias (gpt_neox) vs RMSNorm
     parallel_residual: bool = False  # gpt_neox: attention and MLP read the same input
+    qk_norms: bool = False  # qwen3, gemma3, olmo2: an RMSNorm on q and on k in every block
+    post_mlp_norm: bool = False  # gemma2/3, olmo2: a norm on the MLP's output (it saves down_proj's output)
+    rotary_fraction: float = 1.0  # gpt_neox (partial_rotary_factor): the share of each head rotary turns
     attn_softcap: bool = False  # gemma2: tanh soft-capping of attention scores (eager only)
     final_softcap: bool = False  # gemma2: tanh soft-capping of the logits
     embed_scale: bool = False  # gemma: embeddings multiplied by sqrt(hidden)
@@ -249,7 +252,16 @@ def spec_from_config(c: dict, name: str = "") -> ModelSpec:
         final_softcap=mt == "gemma2" and c.get("final_logit_softcapping") is not None,
         embed_scale=mt in ("gemma", "gemma2"),
         extra_params=((d, 2 * n),) if mt == "qwen3" else (),  # qwen3: q_norm and k_norm (head_dim each) per block
+        qk_norms=mt == "qwen3", post_mlp_norm=mt == "gemma2", rotary_fraction=_rotary_fraction(c),
         config=dict(c))
+
+
+def _rotary_fraction(c: dict) -> float:
+    """The share of each head's dimensions rotary embeddings turn (1.0 but for partial rotary: GPT-NeoX, Phi)."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    f = c.get("partial_rotary_factor", c.get("rotary_pct", rope.get("partial_rotary_factor") if isinstance(rope, dict)
+                                             else None))
+    return float(f) if f else 1.0
 
 
 def _generic_spec(c: dict, name: str) -> ModelSpec:
@@ -283,6 +295,9 @@ def _generic_spec(c: dict, name: str) -> ModelSpec:
                 else "attn_in" if in_attention
                 else "mlp_out" if short in ("down_proj", "fc2", "dense_4h_to_h", "c_proj", "w2") else "mlp_in")
         linears.append(Linear(short, fin, fout, bias, kind, 0 if count == len(layers) else count))
+    named = [n for n, m in layers[0].named_modules() if "norm" in type(m).__name__.lower()]
+    qk = [n for n in named if n.rsplit(".", 1)[-1].startswith(("q_", "k_"))]  # q_norm / k_norm (q_layernorm ...)
+    norms = [n for n in named if n not in qk]
     seen, extra = set(), {}
     h = int(cfg.hidden_size)
     V = int(cfg.vocab_size)
@@ -304,8 +319,10 @@ def _generic_spec(c: dict, name: str) -> ModelSpec:
         num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or H),
         head_dim=int(getattr(cfg, "head_dim", None) or h // H), tied_embeddings=tied,
         gated_mlp=any(lin.name in ("gate_proj", "w1", "gate_up_proj") for lin in linears),
-        linears=tuple(linears), norms_per_layer=2, norm_bias=False, exact=False,
-        extra_params=tuple(sorted(extra.items())), config=dict(c))
+        linears=tuple(linears), norms_per_layer=len(norms) or 2, norm_bias=False,
+        exact=False, extra_params=tuple(sorted(extra.items())), qk_norms=len(qk) == 2,
+        post_mlp_norm=any(n.startswith(("post_feedforward", "post_mlp")) for n in norms),
+        rotary_fraction=_rotary_fraction(c), config=dict(c))
 
 
 @lru_cache(maxsize=256)

@@ -94,12 +94,17 @@ MATH_SCORE_PASSES_BWD = 7  # grad of probs (write), softmax backward (read p, dp
 # weight * (2a):
 NORM_BYTES = lambda a: 20 + 2 * a + (2 * (a + 4) if a != 4 else 0)  # noqa: E731
 NORM_KERNELS = 7
+# LayerNorm (GPT-NeoX): one fused kernel reads the row and writes it (its mean and rstd are per row)
+LAYER_NORM_BYTES = lambda a: 2 * a  # noqa: E731
+LAYER_NORM_KERNELS = 1
 # q*cos and rotate_half(q)*sin (2a each), rotate_half's neg and cat (a + 4a, measured), the add (3a): per element
 # of q and k
 ROTARY_PASSES = 12
 ROTARY_KERNELS = 12
 RESIDUAL_PASSES = 3  # two reads, one write, per residual add (two adds per block)
 MLP_ACT_PASSES = 5  # silu(gate) (read, write) then * up (two reads, one write): per ffn element
+PLAIN_MLP_ACT_PASSES = 2  # an ungated MLP (GPT-NeoX's GELU): read, write
+PARTIAL_ROTARY_PASSES = 2  # partial rotary (GPT-NeoX): cat(turned part, the rest) reads and writes each element
 BLOCK_OTHER_KERNELS = 8  # reshapes that copy (transpose().contiguous()), residual adds, activation
 # q/k/v/out to and from the heads layout: views for the fused kernels (flash, memory-efficient: they take strided
 # q/k/v and write the output in the layout transpose(1, 2) makes contiguous); copies around the math kernel and

@@ -356,10 +356,14 @@ def _last_saving_linear(spec):
 
     The recompute ends as soon as it has re-saved every tensor the block saved (early stop), and autograd saves a
     matmul's inputs before it runs the matmul: the block's last matmul that saves an input never runs again
-    (full fine-tuning, and LoRA's frozen base: ``down_proj``; an adapted ``down_proj``: its ``lora_B``).
-    bitsandbytes' 4-bit matmul saves after it computes (``MatMul4Bit.forward``), so it runs."""
+    (full fine-tuning, and LoRA's frozen base: the MLP's output projection, ``down_proj`` or GPT-NeoX's
+    ``dense_4h_to_h``; an adapted one: its ``lora_B``). Not where a norm follows the MLP (Gemma 2/3, OLMo 2): it
+    saves that projection's output, so the recompute runs it. bitsandbytes' 4-bit matmul saves after it computes
+    (``MatMul4Bit.forward``), so it runs."""
     last = spec.linears[-1] if spec.linears else None
-    return last if last is not None and last.name == "down_proj" and not last.layers else None
+    if spec.post_mlp_norm:  # a norm on the MLP's output saves it: the recompute runs down_proj to re-save it
+        return None
+    return last if last is not None and last.kind == "mlp_out" and not last.layers else None
 
 
 def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: float, adapted: set, kernel: str,
@@ -430,15 +434,23 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
     layout = 0 if kernel in ("flash", "mem_efficient") else C.ATTN_LAYOUT_PASSES
     # under autocast the rotary tables are in the stream's dtype, which q and k take on (promotion)
     a_rot = max(a, a_s) if st.autocast else a
-    ew = (spec.norms_per_layer * T * H * C.NORM_BYTES(a_s) + q_k * a_rot * C.ROTARY_PASSES
-          + T * H * (a * layout + 2 * a_s * C.RESIDUAL_PASSES) + T * F * a * C.MLP_ACT_PASSES)
+    norm_bytes = C.LAYER_NORM_BYTES if spec.norm_bias else C.NORM_BYTES
+    rot = spec.rotary_fraction
+    ew = (spec.norms_per_layer * T * H * norm_bytes(a_s)
+          + q_k * a_rot * (C.ROTARY_PASSES * rot + (C.PARTIAL_ROTARY_PASSES if rot < 1 else 0))
+          + (q_k * C.NORM_BYTES(a) if spec.qk_norms else 0)  # RMSNorm on every head of q and k
+          + T * H * (a * layout + 2 * a_s * C.RESIDUAL_PASSES)
+          # a mixture-of-experts block keeps the gated term it was measured with: it stands in for traffic
+          # _experts does not count yet (LoRA's materialized expert weights: time_counts' MoE rows)
+          + T * F * a * (C.MLP_ACT_PASSES if spec.gated_mlp or spec.moe else C.PLAIN_MLP_ACT_PASSES))
     if st.autocast:
         if st.method != "qlora" and a_s != mm_b:  # each linear fed by the stream casts it (activations: no cache)
             ew += T * sum(lin.in_features for lin in spec.linears if lin.kind in ("attn_in", "mlp_in")) * (a_s + mm_b)
         if a_rot != mm_b and st.attn_implementation == "sdpa":  # SDPA's q/k (and v) cast to 16-bit
             v_el = T * spec.num_kv_heads * spec.head_dim
             ew += q_k * (a_rot + mm_b) + (v_el * (a + mm_b) if a != mm_b else 0)
-    kn = spec.norms_per_layer * C.NORM_KERNELS + C.ROTARY_KERNELS + C.BLOCK_OTHER_KERNELS
+    kn = (spec.norms_per_layer * (C.LAYER_NORM_KERNELS if spec.norm_bias else C.NORM_KERNELS)
+          + (2 * C.NORM_KERNELS if spec.qk_norms else 0) + C.ROTARY_KERNELS + C.BLOCK_OTHER_KERNELS)
     c.add("elementwise", bytes_=ew * (C.BACKWARD_ELEMENTWISE if bwd else 1), working_set=T * max(H, F) * 2 * a,
           kernels=kn * (C.BACKWARD_KERNELS if bwd else 1), times=times * L)
     _attention(c, spec, st, gpu, kernel, bwd, times * L)
