@@ -23,6 +23,7 @@ Optimizer traffic is not counted here (``_optimizer_seconds`` prices it by bytes
 
     .venv/bin/python benchmarks/time_counts.py            # real 7B-wide block (1 layer), ~1-2 min on 2 cores
     .venv/bin/python benchmarks/time_counts.py --small    # the test's small config, seconds
+    .venv/bin/python benchmarks/time_counts.py --families # other blocks (Qwen3, OLMo 2, Gemma 3, GPT-NeoX), small
 """
 from __future__ import annotations
 
@@ -179,14 +180,43 @@ def config(small: bool):
                        num_hidden_layers=1, vocab_size=32000, max_position_embeddings=4096)
 
 
+FAMILIES = {"qwen3": {}, "olmo2": {}, "gemma3_text": {}, "gpt_neox": {"num_key_value_heads": None, "head_dim": None},
+            "mistral": {}}
+
+
+def family_config(model_type: str):
+    """The small config's shapes in another family's block (``FAMILIES``: keys it does not take dropped)."""
+    from transformers import AutoConfig
+    kw = {k: v for k, v in {**config(True).to_dict(), **FAMILIES[model_type]}.items()
+          if k in CONFIG_KEYS and v is not None}
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def families() -> int:
+    """Print model / real for the blocks of :data:`FAMILIES` (LoRA and full fine-tuning, small config)."""
+    from lora_kit.settings import as_step
+    print(f"{'family, method':30s} {'16-bit FLOPs':>13s} {'fp32 FLOPs':>11s} {'bytes':>6s}  (model / real)")
+    for mt in FAMILIES:
+        for method in ("lora", "full"):
+            r = compare(family_config(mt), as_step(None, seq_len=128, batch_size=2, gradient_checkpointing=True,
+                                                   method=method))
+            fr = r["flops_ratio"]
+            print(f"{mt + ', ' + method:30s} {fr.get('16-bit') or 0:13.3f} {fr.get('float32') or 0:11.3f} "
+                  f"{r['bytes_ratio']:6.3f}  " + " ".join(f"{s} {v:.3f}" for s, v in r["stage_bytes_ratio"].items()))
+    return 0
+
+
 def main(argv=None) -> int:
     from lora_kit.results import write_json_atomic
     from lora_kit.settings import as_step
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="the test's small config (seconds)")
+    ap.add_argument("--families", action="store_true", help="other families' blocks on the small config (printed)")
     ap.add_argument("--json", type=Path, default=None, help=f"write the rows (default {OUT} without --small)")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
+    if a.families:
+        return families()
     cfg = config(a.small)
     shape = dict(seq_len=128, batch_size=2) if a.small else dict(seq_len=512, batch_size=1)
     rows = []
