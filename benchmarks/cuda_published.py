@@ -50,6 +50,8 @@ import sys
 import time
 from pathlib import Path
 
+from packaging.version import Version
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -121,10 +123,6 @@ def simulate_events(model, plan: dict):
     return sim, steady_state(tr.events, tr.mark)
 
 
-def _version(text: str) -> tuple:
-    return tuple(int(x) for x in text.split("+")[0].split(".")[:2])
-
-
 def _loss_with_shifted_copy(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, **kw):
     """Causal-LM loss as transformers 4.48 computes it (``ForCausalLMLoss``, ``src/transformers/loss/loss_utils.py``
     at v4.48.1): the fp32 logits are shifted by a contiguous copy, so one more fp32 (tokens x vocabulary) tensor is
@@ -175,7 +173,7 @@ def _trl_013_qlora_casts():
 # (what differs, when it applies to a row's stack and plan, how simulate is made to run it)
 STACK_DIFFERENCES = (
     ("transformers <= 4.48: the causal-LM loss copies the shifted fp32 logits",
-     lambda stack, plan: "transformers" in stack and _version(stack["transformers"]) < (4, 49), _older_loss),
+     lambda stack, plan: "transformers" in stack and Version(stack["transformers"]) < Version("4.49"), _older_loss),
     ("TRL 0.13 SFTTrainer, QLoRA with bf16: embeddings and lm_head cast back to bf16 after "
      "prepare_model_for_kbit_training",
      lambda stack, plan: stack.get("trl") == "0.13" and plan.get("method") == "qlora" and plan.get("autocast")

@@ -48,10 +48,14 @@ class _DropKnown(logging.Filter):
         return not str(record.msg).startswith(self.start)
 
 
-def quiet() -> None:
-    """Install the filters for :data:`WARNINGS` and :data:`LOGS` (once per process)."""
+def _ignore_known_warnings() -> None:
     for category, pattern, _why in WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=category)
+
+
+def quiet() -> None:
+    """Install the filters for :data:`WARNINGS` and :data:`LOGS` (once per process)."""
+    _ignore_known_warnings()
     for name, (start, _why) in LOGS.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropKnown) and f.start == start for f in logger.filters):
@@ -64,8 +68,7 @@ def quieted():
     they were."""
     added = []
     with warnings.catch_warnings():
-        for category, pattern, _why in WARNINGS:
-            warnings.filterwarnings("ignore", message=pattern, category=category)
+        _ignore_known_warnings()
         for name, (start, _why) in LOGS.items():
             logger, f = logging.getLogger(name), _DropKnown(start)
             logger.addFilter(f)

@@ -709,6 +709,12 @@ class _StepBatches:
         return self._batch(rows, step)
 
 
+def _checkpointing_on(model) -> bool:
+    """transformers 5's ``is_activation_checkpointing``; its deprecated alias (which warns) only where it is absent."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_gradient_checkpointing", False) if on is None else on)
+
+
 def _trainer_record(s, trainer, model) -> dict:
     """What the Trainer / SFTTrainer ran with, read back from the trainer and the model it trained: its class, its
     arguments that set the step, the adapter's configuration, whether checkpointing was on."""
@@ -721,9 +727,7 @@ def _trainer_record(s, trainer, model) -> dict:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     out = {"loop": s.loop, "trainer": type(trainer).__mro__[1].__name__, "args": ran,
            "optimizer": type(trainer.optimizer).__name__, "from_config": s.from_config or None,
-           "gradient_checkpointing": bool(getattr(base, "is_activation_checkpointing") if
-                                          hasattr(base, "is_activation_checkpointing") else
-                                          getattr(base, "is_gradient_checkpointing", False))}
+           "gradient_checkpointing": _checkpointing_on(base)}
     peft = getattr(model, "peft_config", None)
     if peft:
         c = peft["default"]
