@@ -97,6 +97,7 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     torch.set_num_threads(args.threads)
+    load_before = round(os.getloadavg()[0], 2)  # recorded: other processes on a shared CPU move these timings
     if cuda:
         from lora_kit.plan.gpus import get_gpu
         name = torch.cuda.get_device_name(0)
@@ -164,7 +165,15 @@ def main() -> int:
             within[name] = f"{ok} of {judged}"
             print(f"{ok} of {judged} predictions within 15 %")
     if args.json:
-        write_json_atomic(args.json, {"device": device, "threads": args.threads, "rows": rows, "within_15pct": within})
+        import datetime
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from calibrate_accuracy import machine
+        meta = {"date": datetime.date.today().isoformat(), "machine": machine() if not cuda else torch.cuda.get_device_name(0),
+                "load_average_before": load_before, "load_average_after": round(os.getloadavg()[0], 2),
+                "command": f"python benchmarks/time_model_accuracy.py --threads {args.threads} --json {args.json}"}
+        write_json_atomic(args.json, {"_meta": meta, "device": device, "threads": args.threads, "rows": rows,
+                                      "within_15pct": within})
     return 0
 
 

@@ -346,7 +346,12 @@ def sec_time(prov, name: str):
     rows = data.get("rows", [])
     errs = sorted({k for r in rows for k in r if k.startswith("error")})
     setting = ["method", "seq_len", "batch_size", "gradient_checkpointing"]
-    body = ("The first row calibrates the model; the others are predictions. Error = predicted / measured - 1.\n\n"
+    meta = data.get("_meta", {})
+    load = (f" Load average on the machine: {meta['load_average_before']} before, {meta['load_average_after']} after "
+            "(other processes on a shared CPU slow the steps unevenly)." if "load_average_before" in meta else
+            " The load on the machine was not recorded.")
+    body = ("The first row calibrates the model; the others are predictions. Error = predicted / measured - 1."
+            + load + "\n\n"
             + table(["method", "seq_len", "batch", "ckpt", "wall median s", "CPU median s"] + errs,
                     [[r.get(k, "") for k in setting] + [f"{r.get('wall_median_s', 0):.3f}", f"{r.get('cpu_median_s', 0):.3f}"]
                      + [spct(100 * r[e]) if isinstance(r.get(e), (int, float)) else "" for e in errs] for r in rows]))
