@@ -23,13 +23,15 @@ Optimizer traffic is not counted here (``_optimizer_seconds`` prices it by bytes
 
     .venv/bin/python benchmarks/time_counts.py            # real 7B-wide block (1 layer), ~1-2 min on 2 cores
     .venv/bin/python benchmarks/time_counts.py --small    # the test's small config, seconds
-    .venv/bin/python benchmarks/time_counts.py --families # other blocks (Qwen3, OLMo 2, Gemma 3, GPT-NeoX), small
+    .venv/bin/python benchmarks/time_counts.py --families # other blocks (Qwen3, OLMo 2, Gemma 3, GPT-NeoX), small,
+                                                          # written to results/time_counts_families.json
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import sys
+from datetime import date
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 OUT = Path(__file__).parent / "results" / "time_counts.json"
+OUT_FAMILIES = OUT.with_name("time_counts_families.json")
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm"}
 NO_BYTES = {"detach", "alias", "lift_fresh", "_unsafe_view", "view", "t", "_reshape_alias", "empty", "empty_like",
             "new_empty", "new_empty_strided", "empty_strided", "set_", "resize_"}
@@ -192,18 +195,20 @@ def family_config(model_type: str):
     return AutoConfig.for_model(model_type, **kw)
 
 
-def families() -> int:
-    """Print model / real for the blocks of :data:`FAMILIES` (LoRA and full fine-tuning, small config)."""
+def families() -> list[dict]:
+    """model / real for the blocks of :data:`FAMILIES` (LoRA and full fine-tuning, small config), printed."""
     from lora_kit.settings import as_step
     print(f"{'family, method':30s} {'16-bit FLOPs':>13s} {'fp32 FLOPs':>11s} {'bytes':>6s}  (model / real)")
+    rows = []
     for mt in FAMILIES:
         for method in ("lora", "full"):
             r = compare(family_config(mt), as_step(None, seq_len=128, batch_size=2, gradient_checkpointing=True,
                                                    method=method))
+            rows.append({"family": mt, **r})
             fr = r["flops_ratio"]
             print(f"{mt + ', ' + method:30s} {fr.get('16-bit') or 0:13.3f} {fr.get('float32') or 0:11.3f} "
                   f"{r['bytes_ratio']:6.3f}  " + " ".join(f"{s} {v:.3f}" for s, v in r["stage_bytes_ratio"].items()))
-    return 0
+    return rows
 
 
 def main(argv=None) -> int:
@@ -211,12 +216,21 @@ def main(argv=None) -> int:
     from lora_kit.settings import as_step
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="the test's small config (seconds)")
-    ap.add_argument("--families", action="store_true", help="other families' blocks on the small config (printed)")
+    ap.add_argument("--families", action="store_true", help=f"other families' blocks on the small config ({OUT_FAMILIES})")
     ap.add_argument("--json", type=Path, default=None, help=f"write the rows (default {OUT} without --small)")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from calibrate_accuracy import machine
     if a.families:
-        return families()
+        rows = families()
+        out = a.json or OUT_FAMILIES
+        write_json_atomic(out, {"_meta": {"date": date.today().isoformat(), "machine": machine(),
+                                          "command": "python benchmarks/time_counts.py --families",
+                                          "config": {k: v for k, v in config(True).to_dict().items() if k in CONFIG_KEYS},
+                                          "shape": dict(seq_len=128, batch_size=2)}, "rows": rows})
+        print(f"wrote {out}")
+        return 0
     cfg = config(a.small)
     shape = dict(seq_len=128, batch_size=2) if a.small else dict(seq_len=512, batch_size=1)
     rows = []
@@ -231,9 +245,8 @@ def main(argv=None) -> int:
               + " ".join(f"{s} {v:.3f}" for s, v in r["stage_bytes_ratio"].items()))
     out = a.json or (None if a.small else OUT)
     if out:
-        sys.path.insert(0, str(Path(__file__).parent))
-        from calibrate_accuracy import machine
-        write_json_atomic(out, {"_meta": {"machine": machine(), "command": "python benchmarks/time_counts.py",
+        write_json_atomic(out, {"_meta": {"date": date.today().isoformat(), "machine": machine(),
+                                          "command": "python benchmarks/time_counts.py",
                                           "config": {k: v for k, v in cfg.to_dict().items() if k in CONFIG_KEYS},
                                           "shape": shape}, "rows": rows})
         print(f"wrote {out}")

@@ -745,7 +745,7 @@ def accuracy_md(prov: dict) -> tuple[str, dict]:
              "memory_accuracy_sharded_real.json", "loop_accuracy.json", "deepspeed_accuracy.json",
              "planner_speed.cpu.json", "time_published.json",
              "cuda_h200.json", "cuda_published.json", "cuda_kernels.json", "memory_accuracy_real.json",
-             "cuda_reserved_fit.json",
+             "cuda_reserved_fit.json", "time_counts.json", "time_counts_families.json",
              "memory_accuracy_cpu_paths.json"}
     unknown = [p for p in sorted(RESULTS.glob("*.json"))
                if p.name not in known and not p.name.startswith("time_model_accuracy")]
@@ -890,21 +890,23 @@ def time_model_md(prov: dict) -> str:
                        ["row", "measured (s/step)", "predicted (s/step)", "ratio"],
                        [[r["id"], f"{r['shown']['measured_seconds']:.3f}", f"{r['shown']['predicted_seconds']:.3f}",
                          f"{r['shown']['ratio']:.2f}"] for r in shown]))
-    counts = RESULTS / "time_counts.json"
-    if counts.is_file():
-        out.append("\n" + time_counts_md(counts, prov))
+    for name in ("time_counts.json", "time_counts_families.json"):
+        if (RESULTS / name).is_file():
+            out.append("\n" + time_counts_md(RESULTS / name, prov))
     return "".join(out)
 
 
 def time_counts_md(src: Path, prov: dict) -> str:
     """The model's counts beside a real step's operators (benchmarks/time_counts.py)."""
     d = json.loads(src.read_text())
-    sec = Section("What the model counts, against a real step's operators", src, "", prov)
+    families = any("family" in r for r in d["rows"])
+    sec = Section("What the model counts, on other families' blocks" if families else
+                  "What the model counts, against a real step's operators", src, "", prov)
     cfg, shape = d["_meta"]["config"], d["_meta"]["shape"]
     rows = []
     for r in d["rows"]:
         s = r["settings"]
-        label = ", ".join([s["method"]] + ([s["dtype"]] if s.get("dtype", "bfloat16") != "bfloat16" else [])
+        label = ", ".join(([r["family"]] if families else []) + [s["method"]] + ([s["dtype"]] if s.get("dtype", "bfloat16") != "bfloat16" else [])
                           + (["autocast"] if s.get("autocast") else [])
                           + ([f"dropout {s['lora_dropout']}"] if s.get("lora_dropout") else [])
                           + ([] if s.get("gradient_checkpointing") else ["no checkpointing"])
@@ -917,17 +919,25 @@ def time_counts_md(src: Path, prov: dict) -> str:
                      f"{fr.get('float32', 0):.3f}" if "float32" in fr else "-", f"{r['bytes_ratio']:.3f}"]
                     + [f"{r['stage_bytes_ratio'][k]:.3f}" if r["stage_bytes_ratio"].get(k) else "-"
                        for k in ("forward", "recompute", "backward")])
-    return (sec.head() + "The prices above rest on counts the model derives in closed form: each matmul's FLOPs in "
-            "the dtype it runs in and the bytes of every element-wise kernel. A real step (transformers, peft, "
-            "bitsandbytes, random init, on this CPU) runs under a dispatch mode that sees every operator eager "
-            "PyTorch launches (one kernel each on CUDA too); the table sets the model's counts beside them, "
-            "model / real. Attention and bitsandbytes' dequantisation are priced apart and left out of both sides; "
-            f"a Llama block of {cfg['hidden_size']} x {cfg['intermediate_size']}, {cfg['num_attention_heads']} / "
-            f"{cfg['num_key_value_heads']} heads, {cfg['num_hidden_layers']} layer(s), a {cfg['vocab_size']:,}-token "
-            f"vocabulary, {shape['batch_size']} x {shape['seq_len']} tokens. `tests/test_time_counts.py` checks the "
-            "same on a smaller block in CI.\n\n" + table(
-                ["settings", "16-bit FLOPs", "fp32 FLOPs", "element-wise bytes", "forward", "recompute", "backward"],
-                rows) + "\n")
+    block = (f"{cfg['hidden_size']} x {cfg['intermediate_size']}, {cfg['num_attention_heads']} / "
+             f"{cfg['num_key_value_heads']} heads, {cfg['num_hidden_layers']} layer(s), a {cfg['vocab_size']:,}-token "
+             f"vocabulary, {shape['batch_size']} x {shape['seq_len']} tokens")
+    if families:
+        about = ("The same comparison on other families' blocks, built from one small config (" + block + "), "
+                 "each in its own modelling code: q/k norms (Qwen3, Gemma 3, OLMo 2), a norm after the MLP (Gemma 3, "
+                 "OLMo 2), RMSNorm weighted in fp32 (Gemma 3, OLMo 2), fp32 rotary (OLMo 2), LayerNorm, an ungated "
+                 "GELU MLP and partial rotary (GPT-NeoX). `tests/test_time_counts.py` checks each in CI.\n\n")
+    else:
+        about = ("The prices above rest on counts the model derives in closed form: each matmul's FLOPs in "
+                 "the dtype it runs in and the bytes of every element-wise kernel. A real step (transformers, peft, "
+                 "bitsandbytes, random init, on this CPU) runs under a dispatch mode that sees every operator eager "
+                 "PyTorch launches (one kernel each on CUDA too); the table sets the model's counts beside them, "
+                 "model / real. Attention and bitsandbytes' dequantisation are priced apart and left out of both "
+                 f"sides; a Llama block of {block}. `tests/test_time_counts.py` checks the same on a smaller block "
+                 "in CI.\n\n")
+    return sec.head() + about + table(
+        ["settings", "16-bit FLOPs", "fp32 FLOPs", "element-wise bytes", "forward", "recompute", "backward"],
+        rows) + "\n"
 
 
 def cli_md() -> str:

@@ -207,3 +207,22 @@ def test_the_attention_output_projection_is_read_as_such(model_type):
     out = {"gpt_neox": "dense", "falcon": "dense", "gpt2": "c_proj", "llama": "o_proj"}[model_type]
     assert [name for name, kind in kinds if kind == "attn_out"] == [out], kinds
     assert any(kind == "attn_in" for _, kind in kinds) and any(kind == "mlp_out" for _, kind in kinds), kinds
+
+
+@pytest.mark.parametrize("model_type, upcast, rotary_fp32", [("olmo2", True, True), ("gemma3_text", True, False),
+                                                             ("granite", False, False), ("olmo", False, True)])
+def test_norm_and_rotary_dtypes_are_read_from_the_modelling_code(model_type, upcast, rotary_fp32):
+    """The time model prices the block's element-wise kernels by the dtype they run in: a norm that multiplies by
+    its weight in fp32 and casts last (Gemma 3, OLMo 2) and fp32 rotary (OLMo 2) are read by running the meta
+    build's norm and rotary embedding once; Llama-like code (Granite; OLMo 1's weightless LayerNorm, though its
+    rotary is OLMo 2's) keeps the 16-bit stream."""
+    cfg = AutoConfig.for_model(model_type, vocab_size=300, hidden_size=128, intermediate_size=256,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                               pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    spec = spec_from_config(cfg.to_dict())
+    assert not spec.exact
+    assert (spec.norm_upcast, spec.rotary_fp32) == (upcast, rotary_fp32)
+    exact = {mt: spec_from_config(AutoConfig.for_model(mt, vocab_size=300, hidden_size=128, intermediate_size=256,
+                                                       num_hidden_layers=2, num_attention_heads=4).to_dict())
+             for mt in ("gemma2", "llama")}
+    assert exact["gemma2"].norm_upcast and not exact["llama"].norm_upcast

@@ -95,9 +95,10 @@ def test_qlora_under_autocast_takes_the_cuda_path_on_a_cpu(monkeypatch):
     dict(method="full"),
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_mixture_of_experts_blocks_are_timed(kw):
-    """The routed experts (grouped matmuls, router, gather and sum back) are in the model's counts: matmul FLOPs
-    exactly (LoRA on the experts included), element-wise bytes within what time_counts measures (0.94-1.07 in
-    total; checkpointing's recompute of a MoE block up to 1.25)."""
+    """The routed experts (grouped matmuls, router, gather, routing weights, rows put back and summed) are in the
+    model's counts: matmul FLOPs exactly (LoRA on the experts included), element-wise bytes within what
+    time_counts measures (0.96-0.99 in total: the backward of the experts' element-wise kernels is priced as the
+    dense block's, a little short; no stand-in term)."""
     from transformers import MixtralConfig
     cfg = MixtralConfig(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
                         num_hidden_layers=2, vocab_size=2048, num_local_experts=4, num_experts_per_tok=2,
@@ -105,7 +106,7 @@ def test_mixture_of_experts_blocks_are_timed(kw):
     r = time_counts.compare(cfg, as_step(None, **SHAPE, **kw))
     for cls, v in r["real"]["flops"].items():
         assert r["model"]["flops"].get(cls, 0.0) == pytest.approx(v, rel=5e-3), cls
-    assert 0.9 <= r["bytes_ratio"] <= 1.12, r["bytes_ratio"]
+    assert 0.93 <= r["bytes_ratio"] <= 1.05, r["bytes_ratio"]
 
 
 @pytest.mark.parametrize("kw", [dict(method="lora"), dict(method="qlora", autocast=True)],
@@ -127,11 +128,12 @@ def test_lora_dropout_bytes_are_the_real_kernels_bytes(kw):
 def test_other_families_blocks_are_counted(model_type, method):
     """Beyond the Llama block the constants were read on: q/k norms (Qwen3, Gemma 3, OLMo 2), a norm after the MLP
     that makes checkpointing's recompute run its last projection (Gemma 3, OLMo 2: post-norm), LayerNorm, an
-    ungated GELU MLP and partial rotary (GPT-NeoX). Matmul FLOPs exactly; element-wise bytes within the band these
-    families measure (``benchmarks/time_counts.py`` prints them), wider than the Llama grid's."""
+    ungated GELU MLP and partial rotary (GPT-NeoX), RMSNorm weighted in fp32 (Gemma 3, OLMo 2) and fp32 rotary
+    (OLMo 2). Matmul FLOPs exactly; element-wise bytes within the band these families measure
+    (``benchmarks/time_counts.py --families`` writes them), wider than the Llama grid's."""
     r = time_counts.compare(time_counts.family_config(model_type),
                             as_step(None, **SHAPE, gradient_checkpointing=True, method=method))
     real, model = r["real"], r["model"]
     for cls in set(real["flops"]) | {k for k, v in model["flops"].items() if v}:
         assert model["flops"].get(cls, 0.0) == pytest.approx(real["flops"].get(cls, 0.0), rel=1e-9), cls
-    assert 0.85 <= r["bytes_ratio"] <= 1.15, r["bytes_ratio"]
+    assert 0.92 <= r["bytes_ratio"] <= 1.08, r["bytes_ratio"]

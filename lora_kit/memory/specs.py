@@ -62,6 +62,8 @@ class ModelSpec:
     qk_norms: bool = False  # qwen3, gemma3, olmo2: an RMSNorm on q and on k in every block
     post_mlp_norm: bool = False  # gemma2/3, olmo2: a norm on the MLP's output (it saves down_proj's output)
     rotary_fraction: float = 1.0  # gpt_neox (partial_rotary_factor): the share of each head rotary turns
+    norm_upcast: bool = False  # gemma*, olmo2: RMSNorm multiplies by its weight in fp32, then casts ((x * w).to(dtype))
+    rotary_fp32: bool = False  # olmo2: cos and sin stay fp32, so q and k turn in fp32 and are cast back
     attn_softcap: bool = False  # gemma2: tanh soft-capping of attention scores (eager only)
     final_softcap: bool = False  # gemma2: tanh soft-capping of the logits
     embed_scale: bool = False  # gemma: embeddings multiplied by sqrt(hidden)
@@ -253,7 +255,7 @@ def spec_from_config(c: dict, name: str = "") -> ModelSpec:
         embed_scale=mt in ("gemma", "gemma2"),
         extra_params=((d, 2 * n),) if mt == "qwen3" else (),  # qwen3: q_norm and k_norm (head_dim each) per block
         qk_norms=mt == "qwen3", post_mlp_norm=mt == "gemma2", rotary_fraction=_rotary_fraction(c),
-        config=dict(c))
+        norm_upcast=mt in ("gemma", "gemma2"), config=dict(c))
 
 
 def _rotary_fraction(c: dict) -> float:
@@ -322,7 +324,53 @@ def _generic_spec(c: dict, name: str) -> ModelSpec:
         linears=tuple(linears), norms_per_layer=len(norms) or 2, norm_bias=False,
         exact=False, extra_params=tuple(sorted(extra.items())), qk_norms=len(qk) == 2,
         post_mlp_norm=any(n.startswith(("post_feedforward", "post_mlp")) for n in norms),
-        rotary_fraction=_rotary_fraction(c), config=dict(c))
+        rotary_fraction=_rotary_fraction(c), norm_upcast=_norm_upcasts(layers[0], norms),
+        rotary_fp32=_rotary_stays_fp32(model, h), config=dict(c))
+
+
+def _last_op(fn) -> str | None:
+    """The name of the last operator ``fn()`` dispatches (run on meta tensors: nothing is computed)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    seen = []
+
+    class Last(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+    with Last():
+        fn()
+    return seen[-1] if seen else None
+
+
+def _norm_upcasts(block, norms: list) -> bool:
+    """Whether the block's norm casts back to the input's dtype last (Gemma's and OLMo 2's ``(x * w).to(dtype)``:
+    the weight multiply runs in fp32) rather than multiplying the cast-back value by its weight (Llama's), read by
+    running the norm once on a meta bf16 tensor."""
+    import torch
+    mod = block.get_submodule(norms[0]) if norms else None
+    w = getattr(mod, "weight", None)
+    if w is None:
+        return False
+    x = torch.empty(1, 2, int(w.shape[-1]), dtype=torch.bfloat16, device="meta")
+    try:
+        return _last_op(lambda: mod(x)) == "aten::_to_copy"
+    except Exception:  # noqa: BLE001  (a norm that needs more than the hidden state: keep Llama's)
+        return False
+
+
+def _rotary_stays_fp32(model, h: int) -> bool:
+    """Whether the model's rotary embedding returns fp32 cos / sin for a bf16 input (OLMo 2; Llama casts them to
+    the input's dtype), read by calling it once on meta tensors."""
+    import torch
+    rot = getattr(getattr(model, "model", model), "rotary_emb", None)
+    if rot is None:
+        return False
+    x = torch.empty(1, 2, h, dtype=torch.bfloat16, device="meta")
+    try:
+        out = rot(x, torch.zeros(1, 2, dtype=torch.long, device="meta"))
+    except Exception:  # noqa: BLE001  (another signature: keep Llama's)
+        return False
+    return isinstance(out, tuple) and getattr(out[0], "dtype", None) == torch.float32
 
 
 @lru_cache(maxsize=256)

@@ -94,12 +94,18 @@ MATH_SCORE_PASSES_BWD = 7  # grad of probs (write), softmax backward (read p, dp
 # weight * (2a):
 NORM_BYTES = lambda a: 20 + 2 * a + (2 * (a + 4) if a != 4 else 0)  # noqa: E731
 NORM_KERNELS = 7
+# RMSNorm that multiplies by its weight in fp32 and casts last (Gemma, OLMo 2: ``(x * w).to(dtype)``): the weight
+# multiply reads and writes fp32 (8) instead of the 16-bit stream (2a); the casts are the same
+UPCAST_NORM_BYTES = lambda a: 28 + (2 * (a + 4) if a != 4 else 0)  # noqa: E731
 # LayerNorm (GPT-NeoX): one fused kernel reads the row and writes it (its mean and rstd are per row)
 LAYER_NORM_BYTES = lambda a: 2 * a  # noqa: E731
 LAYER_NORM_KERNELS = 1
 # q*cos and rotate_half(q)*sin (2a each), rotate_half's neg and cat (a + 4a, measured), the add (3a): per element
 # of q and k
 ROTARY_PASSES = 12
+# fp32 cos and sin (OLMo 2): both products read q in a and write fp32 (a + 4 each), rotate_half stays in a (5a),
+# the add runs in fp32 (12), the cast back reads fp32 and writes a (4 + a); the same as ROTARY_PASSES when a = 4
+ROTARY_FP32_BYTES = lambda a: 8 * a + 24 if a != 4 else ROTARY_PASSES * 4  # noqa: E731
 ROTARY_KERNELS = 12
 RESIDUAL_PASSES = 3  # two reads, one write, per residual add (two adds per block)
 MLP_ACT_PASSES = 5  # silu(gate) (read, write) then * up (two reads, one write): per ffn element

@@ -70,7 +70,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from lora_kit.memory.cuda_kernels import ENABLE_GQA_FROM, flash_attention_dtype, sdpa_backend, sdpa_call
 from lora_kit.memory.device import torch_version as installed_torch_version
-from lora_kit.memory.specs import check_targets, model_spec
+from lora_kit.memory.specs import ModelSpec, check_targets, model_spec
 from lora_kit.plan import time_constants as C
 from lora_kit.plan.gpus import compute_capability
 from lora_kit.settings import DTYPE_BYTES, Step, as_step
@@ -434,22 +434,21 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
     layout = 0 if kernel in ("flash", "mem_efficient") else C.ATTN_LAYOUT_PASSES
     # under autocast the rotary tables are in the stream's dtype, which q and k take on (promotion)
     a_rot = max(a, a_s) if st.autocast else a
-    norm_bytes = C.LAYER_NORM_BYTES if spec.norm_bias else C.NORM_BYTES
+    norm_bytes, norm_kernels = _norm(spec)
     rot = spec.rotary_fraction
     ew = (spec.norms_per_layer * T * H * norm_bytes(a_s)
-          + q_k * a_rot * (C.ROTARY_PASSES * rot + (C.PARTIAL_ROTARY_PASSES if rot < 1 else 0))
-          + (q_k * C.NORM_BYTES(a) if spec.qk_norms else 0)  # RMSNorm on every head of q and k
+          + q_k * ((C.ROTARY_FP32_BYTES(a_rot) if spec.rotary_fp32 else C.ROTARY_PASSES * a_rot) * rot
+                   + (a_rot * C.PARTIAL_ROTARY_PASSES if rot < 1 else 0))
+          + (q_k * norm_bytes(a) if spec.qk_norms else 0)  # RMSNorm on every head of q and k
           + T * H * (a * layout + 2 * a_s * C.RESIDUAL_PASSES)
-          # a mixture-of-experts block keeps the gated term it was measured with: it stands in for traffic
-          # _experts does not count yet (LoRA's materialized expert weights: time_counts' MoE rows)
-          + T * F * a * (C.MLP_ACT_PASSES if spec.gated_mlp or spec.moe else C.PLAIN_MLP_ACT_PASSES))
+          + T * _dense_ffn(spec) * a * (C.MLP_ACT_PASSES if spec.gated_mlp else C.PLAIN_MLP_ACT_PASSES))
     if st.autocast:
         if st.method != "qlora" and a_s != mm_b:  # each linear fed by the stream casts it (activations: no cache)
             ew += T * sum(lin.in_features for lin in spec.linears if lin.kind in ("attn_in", "mlp_in")) * (a_s + mm_b)
         if a_rot != mm_b and st.attn_implementation == "sdpa":  # SDPA's q/k (and v) cast to 16-bit
             v_el = T * spec.num_kv_heads * spec.head_dim
             ew += q_k * (a_rot + mm_b) + (v_el * (a + mm_b) if a != mm_b else 0)
-    kn = (spec.norms_per_layer * (C.LAYER_NORM_KERNELS if spec.norm_bias else C.NORM_KERNELS)
+    kn = (spec.norms_per_layer * norm_kernels
           + (2 * C.NORM_KERNELS if spec.qk_norms else 0) + C.ROTARY_KERNELS + C.BLOCK_OTHER_KERNELS)
     c.add("elementwise", bytes_=ew * (C.BACKWARD_ELEMENTWISE if bwd else 1), working_set=T * max(H, F) * 2 * a,
           kernels=kn * (C.BACKWARD_KERNELS if bwd else 1), times=times * L)
@@ -494,13 +493,18 @@ def _experts(c: _Clock, spec, st: Step, gpu: dict, bwd: bool, T: int, times: flo
             # through the stack's gradient)
             c.add("adapters", flops=2.0 * E * nn * rank * kk, peak=peak, bytes_=2 * E * nn * kk * xb, kernels=1,
                   times=2 * n)
+            # the factors A (E r x K) and B (N x E r) cast from the adapters' dtype to the stack's for it
+            # (``ParamWrapper.get_delta_factors``)
+            c.add("adapters", bytes_=E * r * (kk + nn) * (DTYPE_BYTES[dt["adapters"]] + xb), kernels=2, times=2 * n)
     if lora.get("router"):  # the router's W + B @ A (E x h, in the adapters' dtype), materialized the same way
         ap = fp32_flops(gpu)[0] if dt["adapters"] == "float32" else peak_flops(gpu, dt["adapters"], False)
         c.add("adapters", flops=2.0 * E * r * h, peak=ap, bytes_=2 * E * h * 4, kernels=1, times=2 * n)
-    # gather (S x h), activation and product (S x i), routing weights and the sum back per token (fp32 weights;
-    # checkpointing's recompute stops before these last two: early stop)
-    tail = 0 if recompute else S * h * (a + 4 + 4) + T * h * (4 + a)
-    ew = 2 * S * h * a + 5 * S * i * a + tail + T * E * 4 * 6 + S * 8 * 6
+    # (transformers 5.24 ``integrations/moe.py`` ``grouped_mm_experts_forward``) the rows gathered (the hidden state
+    # read, S x h written), the activation and product (S x i); then the routing weights applied (fp32 weights: an
+    # fp32 product), the rows put back in order (an fp32 S x h index), summed per token in fp32 and cast back.
+    # Checkpointing's recompute stops before the last four (early stop).
+    tail = 0 if recompute else S * h * (a + 4) + 2 * S * h * 4 + (S * h + T * h) * 4 + T * h * (4 + a)
+    ew = T * h * a + S * h * a + 5 * S * i * a + tail + T * E * 4 * 6 + S * 8 * 6
     c.add("elementwise", bytes_=ew * (C.BACKWARD_ELEMENTWISE if bwd else 1), kernels=12 * (C.BACKWARD_KERNELS if bwd else 1),
           times=n, working_set=S * max(h, 2 * i) * a)
 
@@ -564,24 +568,25 @@ def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeMode
     hp = peak_flops(gpu, dt["head"], False)
     H, V = spec.hidden_size, spec.vocab_size
     a_s = DTYPE_BYTES[dt["stream"]]
+    norm_bytes, norm_kernels = _norm(spec)  # the final norm, the blocks' kind
     c.begin_pass()  # forward: the blocks, the final norm, lm_head and the loss
     _block_pass(c, spec, st, gpu, "forward", T, 1.0, adapted, kernel)
     # autocast casts an fp32 lm_head weight to 16-bit per use (QLoRA's recipe; full fine-tuning's master weights)
     head_cast = V * H * 6 if st.autocast and (st.kbit_prepared or dt["weights"] == "float32") else 0
     if st.liger_kernel:
-        _liger_loss_head(c, st, T, H, V, hp, hb, head_cast, 2 * T * H * C.NORM_BYTES(a_s))
+        _liger_loss_head(c, st, T, H, V, hp, hb, head_cast, 2 * T * H * norm_bytes(a_s), norm_kernels)
     else:
         c.matmul("lm_head_loss", T, H, V, hp, hb, hb)
         c.add("lm_head_loss", bytes_=head_cast, kernels=1 if head_cast else 0)
         cast = C.LOSS_CAST_BYTES if hb != 4 else 0  # 16-bit logits: .float() (and the gradient's cast back)
-        c.add("lm_head_loss", bytes_=T * V * (4 * C.LOSS_PASSES_FWD + cast) + T * H * C.NORM_BYTES(a_s),
-              kernels=6 + C.NORM_KERNELS)
+        c.add("lm_head_loss", bytes_=T * V * (4 * C.LOSS_PASSES_FWD + cast) + T * H * norm_bytes(a_s),
+              kernels=6 + norm_kernels)
     c.end_pass()
     c.begin_pass()  # backward: lm_head's gradients, then the blocks' (after each block's recompute when checkpointing)
     c.stage = "backward"
     if not st.liger_kernel:  # Liger's fused cross-entropy computed them in forward
         c.add("lm_head_loss", bytes_=T * V * (4 * C.LOSS_PASSES_BWD + cast)
-              + T * H * C.NORM_BYTES(a_s) * C.BACKWARD_ELEMENTWISE, kernels=6 + C.NORM_KERNELS)
+              + T * H * norm_bytes(a_s) * C.BACKWARD_ELEMENTWISE, kernels=6 + norm_kernels)
         c.matmul("lm_head_loss", T, V, H, hp, hb, hb)  # the input gradient (T x H out)
         if st.method == "full":
             c.matmul("lm_head_loss", H, T, V, hp, hb, hb)  # the weight gradient (H x V out)
@@ -609,7 +614,7 @@ def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeMode
 
 
 def _liger_loss_head(c: _Clock, st: Step, T: int, H: int, V: int, hp: float, hb: int, head_cast: float,
-                     norm_bytes: float) -> None:
+                     norm_bytes: float, norm_kernels: int) -> None:
     """Liger's fused linear cross-entropy (liger-kernel 0.6.4 ``ops/fused_linear_cross_entropy.py``
     ``fused_linear_cross_entropy_forward``), all in forward: per chunk of ``chunk_tokens`` rows the logits' matmul,
     ``liger_cross_entropy_kernel`` over them in their dtype (``ops/cross_entropy.py``: an online-softmax pass that
@@ -631,7 +636,26 @@ def _liger_loss_head(c: _Clock, st: Step, T: int, H: int, V: int, hp: float, hb:
     add = V * H * (hb + 4 + hb) if full else 0
     per_chunk = rows * V * hb * C.LIGER_LOSS_PASSES + 2 * rows * H * hb + cast + add
     c.add("lm_head_loss", bytes_=n * per_chunk + norm_bytes + head_cast,
-          kernels=n * (2 + (1 if cast else 0) + (1 if full else 0)) + 2 * C.NORM_KERNELS + (1 if head_cast else 0))
+          kernels=n * (2 + (1 if cast else 0) + (1 if full else 0)) + 2 * norm_kernels + (1 if head_cast else 0))
+
+
+def _dense_ffn(spec: ModelSpec) -> float:
+    """The width of the MLP activation a block runs outside routed experts: the intermediate size, or in a
+    mixture-of-experts model the dense MLPs and shared experts that are linears of the spec (each MLP's last
+    projection takes its width), averaged over the blocks; the routed experts' activation is :func:`_experts`'."""
+    if not spec.moe:
+        return spec.intermediate_size
+    L = spec.num_layers
+    return sum(lin.in_features * (lin.layers or L) for lin in spec.linears if lin.kind == "mlp_out") / L
+
+
+def _norm(spec: ModelSpec) -> tuple:
+    """The bytes per element (a function of the activation's bytes) and kernels of the model's norm: LayerNorm
+    with bias (GPT-NeoX), RMSNorm, or RMSNorm weighted in fp32 (Gemma, OLMo 2), in the blocks, on q and k and
+    before ``lm_head`` alike."""
+    if spec.norm_bias:
+        return C.LAYER_NORM_BYTES, C.LAYER_NORM_KERNELS
+    return (C.UPCAST_NORM_BYTES if spec.norm_upcast else C.NORM_BYTES), C.NORM_KERNELS
 
 
 def recompute_host_calls(method: str) -> float:
