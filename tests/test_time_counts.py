@@ -93,16 +93,22 @@ def test_qlora_under_autocast_takes_the_cuda_path_on_a_cpu(monkeypatch):
     dict(method="lora", lora_targets=["q_proj", "k_proj", "v_proj", "o_proj"]),
     dict(method="lora"),  # all-linear: peft's LoRA on every expert stack and the router (materialized W + BA)
     dict(method="full"),
+    dict(model_type="qwen2_moe", method="full"),  # a shared expert beside the routed ones: a dense MLP of the spec
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_mixture_of_experts_blocks_are_timed(kw):
     """The routed experts (grouped matmuls, router, gather, routing weights, rows put back and summed) are in the
     model's counts: matmul FLOPs exactly (LoRA on the experts included), element-wise bytes within what
-    time_counts measures (0.96-0.99 in total: the backward of the experts' element-wise kernels is priced as the
-    dense block's, a little short; no stand-in term)."""
-    from transformers import MixtralConfig
-    cfg = MixtralConfig(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
-                        num_hidden_layers=2, vocab_size=2048, num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=2048, head_dim=32)
+    time_counts measures (Mixtral 0.96-0.99 in total: the backward of the experts' element-wise kernels is priced
+    as the dense block's, a little short; no stand-in term; Qwen2-MoE's shared expert 1.01)."""
+    from transformers import AutoConfig
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                 num_hidden_layers=2, vocab_size=2048, max_position_embeddings=2048, num_experts_per_tok=2)
+    kw = dict(kw)
+    if kw.pop("model_type", "mixtral") == "qwen2_moe":
+        cfg = AutoConfig.for_model("qwen2_moe", **shape, num_experts=4, moe_intermediate_size=256,
+                                   shared_expert_intermediate_size=512)
+    else:
+        cfg = AutoConfig.for_model("mixtral", **shape, num_local_experts=4, head_dim=32)
     r = time_counts.compare(cfg, as_step(None, **SHAPE, **kw))
     for cls, v in r["real"]["flops"].items():
         assert r["model"]["flops"].get(cls, 0.0) == pytest.approx(v, rel=5e-3), cls
