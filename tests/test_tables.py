@@ -5,7 +5,7 @@ import math
 import pandas as pd
 import pytest
 
-from lora_kit.plan.planner import compare_methods, sweep
+from lora_kit.plan.planner import compare_methods, hours_text, money_text, sweep
 from lora_kit.ui import tables as T
 
 GPUS = ["T4", "L4", "A10G", "RTX-4090", "L40S", "A100-80GB", "H100-SXM"]
@@ -35,7 +35,9 @@ def test_method_rows_cells(plan):
         assert r["memory / GPU (GiB)"] == f"{p['device_total_gib']:.1f} / {p['cuda_capacity_gib']:.1f}"
         assert r["price (USD/h, example)"] == f"{p['price_per_hour']:.2f}"
         if p["fits"]:
-            assert r["time per epoch (h)"] == f"{p['epoch_hours']:,.2f}" and r[cost_col] == f"{p['epoch_cost']:,.2f}"
+            for col, key in (("time per epoch (h)", "epoch_hours"), (cost_col, "epoch_cost")):  # value (interval)
+                assert r[col] == f"{T._amount(p[key])} ({T._amount(p[key + '_low'])}–{T._amount(p[key + '_high'])})"
+                assert p[key + "_low"] < p[key] < p[key + "_high"]
             assert r["tokens/s"] == f"{p['tokens_per_second']:,.0f}" and r["headroom (GiB)"].startswith("+")
         else:  # no time or cost for a plan that does not fit; the headroom says by how much
             assert (r["step (s)"], r["tokens/s"], r["time per epoch (h)"], r[cost_col]) == ("—",) * 4
@@ -46,10 +48,18 @@ def test_method_rows_cells(plan):
     if fastest != cheapest:  # the cheapest row may also be the fastest: then it carries the recommendation only
         assert rows["note"][fastest] == "fastest"
     assert (rows["note"] != "").sum() == 1 + (fastest != cheapest)
+
     # the planner's recommendation names that row first
     p = plan.loc[cheapest]
-    assert f"on {p['gpu']} (${p['epoch_cost']:.2f}" in plan.attrs["recommendation"]
+    assert f"on {p['gpu']} ({money_text(p['epoch_cost'])}" in plan.attrs["recommendation"]
     assert "EXAMPLE" in rows.attrs["caption"] and "USD" in rows.attrs["caption"]
+
+
+def test_small_jobs_keep_two_significant_digits():
+    """A short job's time and cost are not rounded to 0.00: below 1 they keep two significant digits."""
+    assert (T._amount(0.005451), T._amount(0.0163), T._amount(1.5731), T._amount(0)) == ("0.0055", "0.016", "1.57", "0.00")
+    assert [hours_text(h) for h in (3.254, 0.2347, 0.0054)] == ["3.25 h", "14 min", "19 s"]
+    assert [money_text(x) for x in (1234.5, 12.345, 0.0163)] == ["$1,234", "$12.35", "$0.016"]
 
 
 def test_plan_json_rows_render_like_the_dataframe(plan):
@@ -77,7 +87,7 @@ def test_fitting_rows_cheapest_first_in_markdown(plan):
     # H200 run of this step added 21.06 GiB to nvidia-smi)
     assert len(body) == int(plan["fits"].sum()) == 10
     assert lines[1].startswith("|---|---|--:")  # method and GPU left, numbers right
-    cost = [float(r[header.index("cost per epoch (USD, example)")]) for r in body]
+    cost = [float(r[header.index("cost per epoch (USD, example)")].split(" (")[0]) for r in body]  # value (interval)
     assert cost == sorted(cost) and body[0][-1] == T.RECOMMENDED
     assert all(r[header.index("fits")] == "✓" for r in body)
     assert {r[0] for r in body} == {"LoRA", "QLoRA"} and "nan" not in table.lower()

@@ -10,6 +10,7 @@ from lora_kit.plan.records import plan_record
 from lora_kit.plan.timing import step_time
 from lora_kit.plan.gpus import get_gpu
 from lora_kit.settings import Settings, as_step
+from lora_kit.ui import run_card
 from lora_kit.ui.run_card import build_report
 
 STEP = dict(seq_len=1024, lora_rank=16, gradient_checkpointing=True)
@@ -41,9 +42,18 @@ def test_epoch_is_the_users_data_with_the_uncalibrated_interval(tmp_path, table)
     assert et["error_factor"] == C.ERROR_FACTOR_UNCALIBRATED and et["calibration"] is None
     assert et["hours_low"] < et["hours"] < et["hours_high"] and et["cost_low"] < et["cost"] < et["cost_high"]
     assert "1,200 rows" in md and "before calibration" in md and "Time and cost per epoch" in md
-    # the request's table was planned before the smoke run read the data: its epoch is said to be a placeholder
+    # the request's table was planned before the smoke run read the data, with the placeholder epoch: its times,
+    # costs and recommendation are recomputed for the user's data (the planned row's cost is the one above)
     request = md.split("## The request")[1].split("\n## ")[0]
-    assert "one epoch in this table" in request and "the plan's placeholder" in request
+    assert "1,200 examples = 480,000 tokens" in request and "placeholder of 10,000 examples" in request
+    from lora_kit.ui.tables import _amount
+    h100 = next(line for line in request.splitlines() if line.startswith("| LoRA | H100-SXM |"))
+    assert f"| {_amount(et['cost'])} ({_amount(et['cost_low'])}–{_amount(et['cost_high'])}) |" in h100
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    rows, rec = run_card.request_rows(plan, et)
+    assert rec in request and rec != plan["recommendation"]
+    fit = rows[rows["fits"]]
+    assert fit["epoch_cost"].min() < table[table["fits"]]["epoch_cost"].min() / 5  # 1,200 rows, not 10,000
 
 
 def test_smoke_run_on_the_planned_gpu_calibrates_and_narrows(tmp_path, table):

@@ -556,19 +556,9 @@ def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_0
                    "capacity_gib": v["capacity_bytes"] / GIB, "cuda_capacity_gib": v["cuda_capacity_bytes"] / GIB,
                    "headroom_gib": float(v["headroom_bytes"]) / GIB}
             t = step_time(model, get_gpu(gname), st, time_model=tm)
-            steps = steps_per_epoch(ep, st.batch_size, st.seq_len, num_gpus, st.grad_accum)
-            hours = steps * epochs * t["step_seconds"] / 3600
-            p = price[gname]
-            cost = (hours / epochs) * p * num_gpus if p == p else float("nan")
             row.update(step_seconds=t["step_seconds"], tokens_per_second=t["tokens_per_second"],
-                       steps_per_epoch=steps, epoch_hours=hours / epochs, total_hours=hours,
-                       epoch_hours_low=hours / epochs / tm.error_factor, epoch_hours_high=hours / epochs * tm.error_factor,
-                       price_per_hour=p, price_source="yours" if gname in user_priced else "example",
-                       epoch_cost=cost, epoch_cost_low=cost / tm.error_factor, epoch_cost_high=cost * tm.error_factor,
-                       total_cost=hours * p * num_gpus if p == p else float("nan"))
-            if not row["fits"]:
-                for k in TIME_COLUMNS:
-                    row[k] = float("nan")
+                       price_per_hour=price[gname], price_source="yours" if gname in user_priced else "example")
+            row.update(_epoch_columns(row, ep, epochs, st.seq_len, num_gpus, st.grad_accum, tm.error_factor))
             rows.append(row)
     df = pd.DataFrame(rows)
     df.attrs["time_error_factor"] = tm.error_factor
@@ -576,6 +566,38 @@ def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_0
     df.attrs["time_model"] = tm.describe()
     df.attrs["epoch"] = ep
     df.attrs["epochs"] = epochs
+    return df
+
+
+def _epoch_columns(row: dict, ep: dict, epochs: float, seq_len: int, num_gpus: int, grad_accum: int,
+                   factor: float) -> dict:
+    """A row's steps, time and cost per epoch (and for ``epochs``) from its step time and price, with the interval
+    from the time model's measured error ``factor``; NaN where the row does not fit."""
+    steps = steps_per_epoch(ep, row["batch_size"], seq_len, num_gpus, grad_accum)
+    if not row["fits"]:
+        return {"steps_per_epoch": steps, **{k: float("nan") for k in TIME_COLUMNS}}
+    hours = steps * epochs * row["step_seconds"] / 3600
+    p = row["price_per_hour"]
+    cost = (hours / epochs) * p * num_gpus if p == p else float("nan")
+    return dict(steps_per_epoch=steps, epoch_hours=hours / epochs, total_hours=hours,
+                epoch_hours_low=hours / epochs / factor, epoch_hours_high=hours / epochs * factor,
+                epoch_cost=cost, epoch_cost_low=cost / factor, epoch_cost_high=cost * factor,
+                total_cost=hours * p * num_gpus if p == p else float("nan"))
+
+
+def reprice(rows, epoch: dict, seq_len: int, num_gpus: int = 1, grad_accum: int = 1, epochs: float = 1.0,
+            error_factor: float | None = None) -> pd.DataFrame:
+    """A :func:`compare_methods` table (or plan.json's ``rows``) with its time and cost per epoch recomputed for
+    another ``epoch`` (the user's dataset once the smoke run has read it: :func:`epoch_from_data`), and its
+    recommendation made again from them. Step times, prices and fits are the table's."""
+    attrs = dict(getattr(rows, "attrs", {}))
+    records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else [dict(r) for r in rows]
+    ep = _epoch(epoch, None, None, seq_len)
+    factor = float(error_factor or attrs.get("time_error_factor") or 1.0)
+    df = pd.DataFrame([{**r, **_epoch_columns(r, ep, epochs, seq_len, num_gpus, grad_accum, factor)}
+                       for r in records])
+    df.attrs.update(attrs, time_error_factor=factor, epoch=ep, epochs=epochs)
+    df.attrs["recommendation"] = recommend(df)
     return df
 
 
@@ -609,6 +631,16 @@ def _method_words(method) -> str:
     return "full fine-tuning" if method == "full" else method_label(method)
 
 
+def money_text(x: float) -> str:
+    """An amount of money readable at any size: "$1,234", "$12.34", "$0.034" (two significant digits below $1)."""
+    return f"${x:,.0f}" if x >= 1000 else f"${x:,.2f}" if x >= 0.995 else f"${x:.2g}"
+
+
+def hours_text(h: float) -> str:
+    """A duration given in hours, in the unit that keeps it readable: "3.25 h", "14 min", "40 s"."""
+    return f"{h:,.2f} h" if h >= 0.995 else f"{h * 60:.0f} min" if h * 60 >= 0.995 else f"{h * 3600:.2g} s"
+
+
 def _within_error(priced: pd.DataFrame, cheapest, factor) -> list[str]:
     """The options whose cost per epoch is within the time model's measured error of the cheapest one (a ranking
     the model cannot make: each prediction may be off by that factor)."""
@@ -617,7 +649,7 @@ def _within_error(priced: pd.DataFrame, cheapest, factor) -> list[str]:
     near = priced[(priced.index != cheapest.name) & (priced["epoch_cost"] <= cheapest["epoch_cost"] * factor)]
     if near.empty:
         return []
-    names = ", ".join(f"{_method_words(r['method'])} on {r['gpu']} (${r['epoch_cost']:.2f})"
+    names = ", ".join(f"{_method_words(r['method'])} on {r['gpu']} ({money_text(r['epoch_cost'])})"
                       for _, r in near.sort_values("epoch_cost").head(3).iterrows())
     return [f"Within the time model's accuracy (x{factor:.2f}, its measured error; a smoke run on the rented GPU "
             f"narrows it) {names} cost{'s' if len(near) == 1 else ''} the same as {_method_words(cheapest['method'])} "
@@ -637,12 +669,12 @@ def recommend(df: pd.DataFrame) -> str:
     example = (priced["price_source"] == "example").any() if len(priced) else False
     if len(priced):
         c = priced.loc[priced["epoch_cost"].idxmin()]
-        parts.append(f"Cheapest per epoch: {_method_words(c['method'])} on {c['gpu']} (${c['epoch_cost']:.2f}, "
-                     f"{c['epoch_hours']:.2f} h, micro-batch {c['batch_size']}).")
+        parts.append(f"Cheapest per epoch: {_method_words(c['method'])} on {c['gpu']} ({money_text(c['epoch_cost'])}, "
+                     f"{hours_text(c['epoch_hours'])}, micro-batch {c['batch_size']}).")
         parts += _within_error(priced, c, df.attrs.get("time_error_factor"))
     f = ok.loc[ok["epoch_hours"].idxmin()]
-    parts.append(f"Fastest: {_method_words(f['method'])} on {f['gpu']} ({f['epoch_hours']:.2f} h per epoch"
-                 + (f", ${f['epoch_cost']:.2f}" if f["epoch_cost"] == f["epoch_cost"] else "") + ").")
+    parts.append(f"Fastest: {_method_words(f['method'])} on {f['gpu']} ({hours_text(f['epoch_hours'])} per epoch"
+                 + (f", {money_text(f['epoch_cost'])}" if f["epoch_cost"] == f["epoch_cost"] else "") + ").")
     for m in ("lora", "qlora"):
         if m in set(ok["method"]):
             parts.append(f"{method_label(m)} fits on {', '.join(ok[ok['method'] == m]['gpu'])}.")

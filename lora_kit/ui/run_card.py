@@ -16,7 +16,7 @@ from pathlib import Path
 from lora_kit.data import LONG_SHARE_WARN, long_examples_line
 from lora_kit.plan import time_constants
 from lora_kit.plan.gpus import compute_capability, get_gpu
-from lora_kit.plan.planner import epoch_from_data, steps_per_epoch
+from lora_kit.plan.planner import epoch_from_data, hours_text, money_text, reprice, steps_per_epoch
 from lora_kit.plan.records import plan_row
 from lora_kit.plan.timing import calibrate
 from lora_kit.results import (portable, portable_text, read_record, same_run, settled, write_json_atomic,
@@ -218,11 +218,13 @@ def assumption_lines(plan: dict, epoch_time_: dict | None = None) -> list[str]:
                    f"(a {plan['margin']:.0%} safety margin)")
     if ep:
         size = (f"{ep['examples']:,} examples = " if ep.get("examples") else "") + f"{ep.get('tokens', 0):,} tokens"
-        mine = (epoch_time_ or {}).get("epoch") or {}
-        if ep.get("source") != "yours" and mine and (mine.get("examples"), mine.get("tokens")) != (
-                ep.get("examples"), ep.get("tokens")):
-            out.append(f"- one epoch in this table: {size}, the plan's placeholder (the plan was made before the smoke "
-                       "run read your data); your data's epoch is in *Time and cost per epoch* below")
+        mine = _data_epoch(plan, epoch_time_)
+        if mine:
+            mine_size = (f"{mine['examples']:,} examples = " if mine.get("examples") else "") + \
+                f"{mine.get('tokens', 0):,} tokens"
+            out.append(f"- one epoch: {mine_size} ({mine.get('note', '')}); the plan was made before the smoke run "
+                       f"read your data, with a placeholder of {size}: its times, costs and recommendation are "
+                       "recomputed here for your data")
         else:
             out.append(f"- one epoch: {size} ({ep.get('note', '')})")
     if plan.get("time_model"):
@@ -243,16 +245,40 @@ def longest_line(sweeps: dict | None) -> str | None:
             f"notebook 02): {per}.")
 
 
+def _data_epoch(plan: dict, epoch_time_: dict | None) -> dict | None:
+    """The user's epoch (the smoke run's data statistics, in :func:`epoch_time`) where the plan used its
+    placeholder and the two differ; None where the plan's epoch stands."""
+    ep, mine = plan.get("epoch") or {}, (epoch_time_ or {}).get("epoch") or {}
+    if ep.get("source") == "yours" or not mine or not (mine.get("examples") or mine.get("tokens")):
+        return None
+    return mine if (mine.get("examples"), mine.get("tokens")) != (ep.get("examples"), ep.get("tokens")) else None
+
+
+def request_rows(plan: dict, epoch_time_: dict | None = None) -> tuple:
+    """plan.json's method x GPU rows and recommendation, their times and costs recomputed for the user's epoch
+    when the plan used a placeholder (:func:`_data_epoch`)."""
+    mine = _data_epoch(plan, epoch_time_)
+    if not mine:
+        return plan["rows"], plan.get("recommendation")
+    a = plan.get("assumptions") or {}
+    df = reprice(plan["rows"], mine, int(plan.get("seq_len") or a.get("seq_len")), int(a.get("num_gpus") or 1),
+                 int((epoch_time_ or {}).get("grad_accum") or 1),
+                 error_factor=plan.get("time_error_factor") or time_constants.ERROR_FACTOR_UNCALIBRATED)
+    return df, df.attrs["recommendation"]
+
+
 def request_lines(plan: dict | None, sweeps: dict | None = None, epoch_time_: dict | None = None) -> list[str]:
-    """The request: what the plan assumes, every option that fits (cheapest first), the recommendation."""
+    """The request: what the plan assumes, every option that fits (cheapest first), the recommendation; times and
+    costs for the user's dataset once the smoke run has read it."""
     lines = ["## The request", ""]
     if not (plan and plan.get("rows")):
         return lines + ["_No plan in this run (notebook 01 did not run)._", ""]
     lines += ["Every method x GPU option that fits, cheapest first. The numbers assume:", ""]
     lines += assumption_lines(plan, epoch_time_)
-    lines += ["", method_markdown(plan["rows"], fits_only=True, cheapest_first=True)]
-    if plan.get("recommendation"):
-        lines += ["", f"**Recommendation:** {plan['recommendation']}"]
+    rows, recommendation = request_rows(plan, epoch_time_)
+    lines += ["", method_markdown(rows, fits_only=True, cheapest_first=True)]
+    if recommendation:
+        lines += ["", f"**Recommendation:** {recommendation}"]
     if longest_line(sweeps):
         lines += ["", longest_line(sweeps)]
     return lines + [""]
@@ -316,7 +342,7 @@ def epoch_time(card: dict) -> dict | None:
     price = row.get("price_per_hour")
     cost = hours * price * n_gpus if price is not None else None
     return {"method": row["method"], "gpu": row["gpu"], "batch_size": row["batch_size"], "num_gpus": n_gpus,
-            "steps": steps, "step_seconds": step_s, "hours": hours, "hours_low": hours / factor,
+            "grad_accum": int(s.get("grad_accum") or 1), "steps": steps, "step_seconds": step_s, "hours": hours, "hours_low": hours / factor,
             "hours_high": hours * factor, "cost": cost, "cost_low": cost / factor if cost is not None else None,
             "cost_high": cost * factor if cost is not None else None, "price_source": row.get("price_source"),
             "error_factor": factor, "calibration": cal, "epoch": ep}
@@ -330,12 +356,12 @@ def epoch_time_lines(et: dict | None) -> list[str]:
     size = (f"{ep['examples']:,} rows" if ep.get("examples") else f"{ep['tokens']:,} tokens") + f" ({ep.get('note', '')})"
     why = (f"after calibrating on the smoke run's measured step on this GPU ({et['calibration']['source']})"
            if et.get("calibration") else "before calibration: a smoke run of this model on the rented GPU narrows it")
-    cost = (f"; cost **${et['cost']:,.2f}** (${et['cost_low']:,.2f} to ${et['cost_high']:,.2f}, "
+    cost = (f"; cost **{money_text(et['cost'])}** ({money_text(et['cost_low'])} to {money_text(et['cost_high'])}, "
             f"{'your' if et.get('price_source') == 'yours' else 'EXAMPLE'} price)" if et.get("cost") is not None else "")
     return ["### Time and cost per epoch", "",
             f"{method_label(et['method'])} on {et['num_gpus']} x {et['gpu']}, micro-batch {et['batch_size']}: one epoch "
-            f"is {size}, {et['steps']:,} steps of {et['step_seconds']:.3g} s: **{et['hours']:,.2f} h** "
-            f"({et['hours_low']:,.2f} to {et['hours_high']:,.2f} h){cost}. The interval is the time model's measured "
+            f"is {size}, {et['steps']:,} steps of {et['step_seconds']:.3g} s: **{hours_text(et['hours'])}** "
+            f"({hours_text(et['hours_low'])} to {hours_text(et['hours_high'])}){cost}. The interval is the time model's measured "
             f"error, x{et['error_factor']:.2f}, {why}.", ""]
 
 

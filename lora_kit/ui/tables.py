@@ -54,6 +54,21 @@ def _num(x, digits: int = 2, sign: bool = False) -> str:
     return f"{x:+,.{digits}f}" if sign else f"{x:,.{digits}f}"
 
 
+def _amount(x) -> str:
+    """Hours or money: two decimals, or two significant digits below 1 (a short job's 0.0054 h is not 0.00)."""
+    if _missing(x):
+        return NONE
+    return f"{x:,.2f}" if abs(x) >= 0.995 or x == 0 else f"{x:.2g}"
+
+
+def _with_interval(r, col: str) -> str:
+    """``col``'s value and, when the table has them, its interval from the time model's error ("1.2 (0.88-1.6)")."""
+    v, lo, hi = r[col], r.get(f"{col}_low"), r.get(f"{col}_high")
+    if _missing(v) or lo is None or hi is None or _missing(lo) or _missing(hi):
+        return _amount(v)
+    return f"{_amount(v)} ({_amount(lo)}–{_amount(hi)})"
+
+
 def _headroom(h) -> str:
     """GiB left under the usable memory ("+2.7"), or short by ("-0.7")."""
     return _num(h, 1, sign=True)
@@ -128,12 +143,12 @@ def method_rows(table, currency: str = EXAMPLE_CURRENCY, fits_only: bool = False
                "headroom (GiB)": _headroom(head),
                "step (s)": _num(r["step_seconds"]) if fits else NONE,
                "tokens/s": _num(r["tokens_per_second"], 0) if fits else NONE,
-               "time per epoch (h)": _num(r["epoch_hours"]) if fits else NONE,
+               "time per epoch (h)": _with_interval(r, "epoch_hours") if fits else NONE,
                f"price ({money}/h{note})": price,
-               f"cost per epoch ({money}{note})": _num(r["epoch_cost"]) if fits else NONE}
+               f"cost per epoch ({money}{note})": _with_interval(r, "epoch_cost") if fits else NONE}
         if many_epochs:
-            row["total time (h)"] = _num(r["total_hours"]) if fits else NONE
-            row[f"total cost ({money}{note})"] = _num(r.get("total_cost")) if fits else NONE
+            row["total time (h)"] = _amount(r["total_hours"]) if fits else NONE
+            row[f"total cost ({money}{note})"] = _amount(r.get("total_cost")) if fits else NONE
         row["note"] = RECOMMENDED if i == best else FASTEST if i == fastest else ""
         rows.append((i, fits, row))
     if fits_only:
@@ -149,7 +164,9 @@ def method_rows(table, currency: str = EXAMPLE_CURRENCY, fits_only: bool = False
               "prices={gpu: your price} to compare_methods" if note else f"costs at your prices in {money}")
     out.attrs["caption"] = (f"Method x GPU: memory per GPU at the micro-batch shown (the largest that fits) / the "
                             f"GPU's memory; headroom below the usable memory (negative: short by); {priced} (prices "
-                            "per GPU-hour); ✗ = does not fit (memory at micro-batch 1, no time or cost: —); ★ = the recommendation.")
+                            "per GPU-hour); time and cost per epoch with their interval from the time model's measured "
+                            "error in brackets; ✗ = does not fit (memory at micro-batch 1, no time or cost: —); "
+                            "★ = the recommendation.")
     return out
 
 
