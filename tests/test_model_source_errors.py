@@ -51,3 +51,66 @@ def test_missing_path_says_so_everywhere(name, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "does not exist" in err and "Repo id" not in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_cli_run_refuses_pickled_weights_before_running(tmp_path, capsys):
+    """A model folder holding only ``pytorch_model.bin`` is refused before notebook 00 starts (the smoke run would
+    refuse it minutes later), naming the files and the fix; nothing is unpickled."""
+    from transformers import LlamaConfig
+    d = tmp_path / "bin-only"
+    d.mkdir()
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                vocab_size=300).save_pretrained(d)
+    (d / "pytorch_model.bin").write_bytes(b"not unpickled")
+    runs = tmp_path / "runs"
+    assert main(["run", "-p", "model", str(d), "--runs-dir", str(runs), "--name", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "holds no *.safetensors weights" in err and "pytorch_model.bin" in err and "convert" in err
+    assert not runs.exists()  # nothing ran
+
+
+@pytest.fixture()
+def own_code_model(tmp_path, monkeypatch):
+    """A model folder whose config.json names its own code (auto_map); the code leaves a mark when it runs."""
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    from transformers import LlamaConfig
+    d = tmp_path / "own-code"
+    d.mkdir()
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=300).to_dict()
+    cfg.update(model_type="mykit_llama", architectures=["MyForCausalLM"],
+               auto_map={"AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyForCausalLM"})
+    import json
+    (d / "config.json").write_text(json.dumps(cfg))
+    mark = tmp_path / "code-ran"
+    (d / "configuration_my.py").write_text(
+        f"import pathlib\npathlib.Path({str(mark)!r}).write_text('ran')\nfrom transformers import LlamaConfig\n"
+        "class MyConfig(LlamaConfig):\n    model_type = 'mykit_llama'\n")
+    (d / "modeling_my.py").write_text(
+        "from transformers import LlamaForCausalLM\nfrom .configuration_my import MyConfig\n"
+        "class MyForCausalLM(LlamaForCausalLM):\n    config_class = MyConfig\n")
+    return d, mark
+
+
+def test_a_model_of_its_own_code_needs_trust_and_then_plans(own_code_model, capsys):
+    """Without trust_remote_code: one short message naming the setting (not transformers' list of every model type)
+    and its code never runs; with it, the planner builds the model from its folder and estimate is simulate's."""
+    from lora_kit.memory import specs
+    d, mark = own_code_model
+    with pytest.raises(ValueError, match="its own code .*auto_map.*trust_remote_code=True") as e:
+        lk.estimate(str(d), method="lora", seq_len=64)
+    assert len(str(e.value)) < 400 and not mark.exists()
+    assert main(["estimate", "--model", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "trust_remote_code" in err and len(err) < 500 and not mark.exists()
+    try:
+        assert main(["estimate", "--model", str(d), "--trust-remote-code", "true", "--seq-len", "64"]) == 0
+        assert mark.exists()  # the trusted code ran
+        spec = specs.model_spec(str(d))
+        assert spec.model_type == "mykit_llama" and "q_proj" in [lin.name for lin in spec.linears]
+        e = lk.estimate(str(d), method="lora", seq_len=64)
+        assert e.peak_allocated_bytes == pytest.approx(lk.simulate(str(d), method="lora", seq_len=64).peak_allocated_bytes,
+                                                       rel=0.01)  # the fitted closed form of simulate
+    finally:
+        specs._TRUSTED_CODE.clear()
+        specs._cached_spec.cache_clear()

@@ -102,7 +102,10 @@ def _meta_model(cfg, s):
     try:
         with torch.device("meta"):
             m = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE_MAP[weight_dtype],
-                                                 attn_implementation=model_attn_implementation(s.attn_implementation))
+                                                 attn_implementation=model_attn_implementation(s.attn_implementation),
+                                                 # a config of the model's own code comes from load_config only
+                                                 # once the user trusts it (lora_kit.memory.specs.allow_model_code)
+                                                 trust_remote_code=bool(getattr(cfg, "auto_map", None)))
     except ValueError as e:
         if "attention implementation" not in str(e):
             raise

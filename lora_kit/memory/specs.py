@@ -201,7 +201,9 @@ def _config_dict(model) -> tuple[str, dict]:
     if model in TINY_ALIASES or model_is_local(model):  # a path that does not exist says so
         path = Path(resolve_model(model)) if not p.is_file() else p
         cfg_file = path if path.is_file() else path / "config.json"
-        return model, read_config_file(cfg_file)
+        c = read_config_file(cfg_file)
+        # a model of its own code (auto_map) is built from its folder, once the user trusts it
+        return model, ({**c, "_name_or_path": str(cfg_file.parent)} if c.get("auto_map") else c)
     from lora_kit.loading import check_hub
     try:  # offline without a cached copy, or an unreachable hub: at once (no ~25 s of retries)
         check_hub(model)
@@ -209,11 +211,50 @@ def _config_dict(model) -> tuple[str, dict]:
         raise ValueError(_unknown_model(model, cat, str(e))) from None
     from transformers import AutoConfig
     try:
-        cfg = AutoConfig.from_pretrained(model, trust_remote_code=False)
+        cfg = AutoConfig.from_pretrained(model, trust_remote_code=model in _TRUSTED_CODE)
     except Exception as e:  # noqa: BLE001 - the hub raises many kinds; the message says what to do
+        if "trust_remote_code" in str(e):
+            raise ValueError(_own_code(model)) from None
         raise ValueError(_unknown_model(model, cat, f"could not read its config from the hub ({type(e).__name__}: "
-                                                    f"{str(e)[:300]})")) from None
-    return model, cfg.to_dict()
+                                                    f"{_first_line(e)})")) from None
+    c = cfg.to_dict()
+    return model, ({**c, "_name_or_path": model} if c.get("auto_map") else c)
+
+
+_TRUSTED_CODE: set[str] = set()
+
+
+def allow_model_code(model) -> None:
+    """Let the planner build ``model`` (a local folder or hub id) with the code it ships (config.json ``auto_map``:
+    transformers' ``trust_remote_code=True``) in this process: the user's ``trust_remote_code`` setting, which
+    the kit's entry points pass here. That code runs when the kit builds the model on the meta device."""
+    if model:
+        _TRUSTED_CODE.add(os.fspath(model))
+        from lora_kit.loading import resolve_model
+        if model_is_local(os.fspath(model)):
+            _TRUSTED_CODE.add(str(Path(resolve_model(os.fspath(model))).resolve()))
+        _cached_spec.cache_clear()
+
+
+def _trusted_code(c: dict) -> str | None:
+    """The folder or hub id of a config of the model's own code (``auto_map``) the user trusts, else None."""
+    where = c.get("_name_or_path")
+    if not c.get("auto_map") or not where:
+        return None
+    local = Path(where).expanduser()
+    return where if where in _TRUSTED_CODE or (local.exists() and str(local.resolve()) in _TRUSTED_CODE) else None
+
+
+def _own_code(model: str) -> str:
+    return (f"model {model!r} is defined by its own code (config.json auto_map), which transformers does not ship: "
+            "set trust_remote_code=True if you trust that code (it then runs when the kit builds the model), or "
+            "use a model transformers knows.")
+
+
+def _first_line(e: Exception, limit: int = 200) -> str:
+    """An exception's first line, cut at ``limit`` characters (transformers lists every model type it knows)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _family_linears(c: dict, mt: str, h: int, i: int, H: int, kv: int, d: int) -> tuple:
@@ -272,14 +313,22 @@ def _generic_spec(c: dict, name: str) -> ModelSpec:
     MoE routers, fused expert weights) is counted in ``extra_params``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    cfg_kwargs = {k: v for k, v in c.items() if k not in ("model_type", "transformers_version", "architectures")}
+    cfg_kwargs = {k: v for k, v in c.items() if k not in ("model_type", "transformers_version", "architectures",
+                                                          "auto_map", "_name_or_path")}
+    where = c.get("_name_or_path")
+    trusted = _trusted_code(c) is not None
     try:
-        cfg = AutoConfig.for_model(c.get("model_type", ""), **cfg_kwargs)
+        if trusted:  # the model's own code, from its folder (or hub repo)
+            cfg = AutoConfig.from_pretrained(where, trust_remote_code=True)
+        else:
+            cfg = AutoConfig.for_model(c.get("model_type", ""), **cfg_kwargs)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
+            model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trusted)
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"Cannot build model_type={c.get('model_type')!r} with transformers ({e}). Pass a config "
-                         "of a causal LM transformers knows, or a catalog name.") from None
+        if c.get("auto_map") and not trusted:
+            raise ValueError(_own_code(name or where or c.get("model_type", ""))) from None
+        raise ValueError(f"Cannot build model_type={c.get('model_type')!r} with transformers ({_first_line(e)}). "
+                         "Pass a config of a causal LM transformers knows, or a catalog name.") from None
     from transformers.pytorch_utils import Conv1D  # GPT-2's linears: weight (in, out)
     layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
     found = {}  # (path in block, in, out, bias) -> number of blocks holding it, in order of first appearance
@@ -453,8 +502,17 @@ def load_config(model):
     if isinstance(model, PretrainedConfig):
         return model
     _, c = ("", dict(model)) if isinstance(model, dict) else _config_dict(model)
-    c = {k: v for k, v in c.items() if k not in ("transformers_version", "architectures", "_name_or_path")}
+    if _trusted_code(c):  # the model's own code, which the user trusts (allow_model_code)
+        return AutoConfig.from_pretrained(_trusted_code(c), trust_remote_code=True)
+    if c.get("auto_map") and c.get("model_type") not in _transformers_types():
+        raise ValueError(_own_code(c.get("_name_or_path") or c.get("model_type", "")))
+    c = {k: v for k, v in c.items() if k not in ("transformers_version", "architectures", "_name_or_path", "auto_map")}
     return AutoConfig.for_model(c.pop("model_type"), **c)
+
+
+def _transformers_types() -> set:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    return set(CONFIG_MAPPING_NAMES)
 
 
 def check_model_step(model, step) -> str:

@@ -19,13 +19,13 @@ import textwrap
 from pathlib import Path
 
 from lora_kit.memory.estimate import estimate
-from lora_kit.memory.specs import model_is_local, model_spec
+from lora_kit.memory.specs import allow_model_code, model_is_local, model_spec
 from lora_kit.noise import quiet
 from lora_kit.plan.gpus import compute_capability
 from lora_kit.plan.planner import expandable_fit, expandable_sentence, fit_verdict, plan_note
 from lora_kit.results import check_run_name, signal_name
 from lora_kit.settings import (LORA_FIELDS, PLANNING, STEP_FIELDS, as_step, check_names, coerce_value, default_of,
-                               field_help, field_names, load_settings, read_params)
+                               field_help, field_names, load_settings, parse_bool, read_params)
 
 
 GiB = 1024 ** 3
@@ -61,10 +61,15 @@ def cmd_run(args) -> int:
     overrides = {**_settings_from_args(args), **_parse_p(args.p)}
     try:
         settings = load_settings(args.params, overrides)
+        if settings.trust_remote_code:
+            allow_model_code(settings.model)
         if model_is_local(settings.model):  # a missing folder or a malformed config.json: said before anything runs
             model_spec(settings.model)
         from lora_kit.ui.pipeline import select_notebooks
         chosen = select_notebooks(args.only)
+        if model_is_local(settings.model) and {"03_smoke_run.ipynb", "04_evaluate.ipynb"} & set(chosen):
+            from lora_kit.loading import check_weights, resolve_model  # no safetensors: said before 00 starts
+            check_weights(resolve_model(settings.model))
         if "03_smoke_run.ipynb" in chosen:  # what the smoke run cannot run, before 00 starts
             from lora_kit.run.smoke import check_runnable
             check_runnable(settings, world=1)
@@ -113,7 +118,7 @@ def cmd_run(args) -> int:
     return 0
 
 
-ESTIMATE_FIELDS = ("model", *STEP_FIELDS, "gpu", "margin")
+ESTIMATE_FIELDS = ("model", *STEP_FIELDS, "gpu", "margin", "trust_remote_code")
 
 
 def _resolved(name: str, plan: dict) -> str:
@@ -132,6 +137,8 @@ def estimate_plan(given: dict) -> tuple[dict, list[str]]:
     if "model" not in given:
         raise ValueError("--model is required: a catalog name (e.g. llama-3.1-8b), a local model folder or a hub id.")
     given = {k: coerce_value(k, v) for k, v in given.items()}
+    if parse_bool("trust_remote_code", given.get("trust_remote_code", False)):
+        allow_model_code(given["model"])
     step = PLANNING.replace(**{k: v for k, v in given.items() if k in STEP_FIELDS})
     plan = {"model": given["model"], **step.to_dict(), "gpu": given.get("gpu", default_of("gpu")),
             "margin": float(given.get("margin", default_of("margin"))), "step": step}
@@ -281,6 +288,8 @@ def cmd_check(args) -> int:
     from lora_kit.check import stack
     try:
         s = load_settings(args.params, {**_settings_from_args(args, CHECK_FIELDS), **_parse_p(args.p)})
+        if s.trust_remote_code:
+            allow_model_code(s.model)
     except ValueError as exc:
         print(f"lora-kit check: invalid settings: {exc}", file=sys.stderr)
         return 2

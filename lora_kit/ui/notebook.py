@@ -41,6 +41,9 @@ def setup(namespace: dict) -> Settings:
     pio.renderers.default = f"plotly_mimetype+{_offline_renderer()}"
     values = {k: namespace[k] for k in field_names() if k in namespace}
     settings = from_dict(values)
+    if settings.trust_remote_code:  # the planner may build the model from its own code (config.json auto_map)
+        from lora_kit.memory.specs import allow_model_code
+        allow_model_code(settings.model)
     _RUN_DIR = (runs_base() / Path(settings.run_dir).expanduser()).resolve()
     settings = settings.replace(run_dir=str(_RUN_DIR))
     (_RUN_DIR / "figures").mkdir(parents=True, exist_ok=True)
