@@ -148,6 +148,13 @@ def test_unknown_hub_id_says_what_to_do(tmp_path):
 def test_instruct_variant_maps_to_catalog_architecture():
     _, rep = settings_from_config(CONFIGS / "llamafactory_lora_llama-3.1-8b.yaml")
     assert rep.model == "llama-3.1-8b" and rep.model_in_config == "meta-llama/Meta-Llama-3.1-8B-Instruct"
+    from lora_kit.plan.config_import import resolve_model
+    # the variant word anywhere in the name (before a version or a date), not only at its end
+    for given, name in (("mistralai/Mistral-7B-Instruct-v0.3", "mistral-7b"), ("google/gemma-2-9b-it", "gemma-2-9b"),
+                        ("mistralai/Mistral-Nemo-Instruct-2407", "mistral-nemo-12b"),
+                        ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b")):
+        assert resolve_model(given, notes=[]) == name, given
+    assert resolve_model("mistralai/Mistral-7B-Instruct-v0.2", notes=[]) != "mistral-7b"  # another vocabulary
 
 
 def test_flags_win_and_multi_gpu_config_shards():

@@ -269,16 +269,25 @@ def resolve_model(given: str, base_dir: Path | None = None, notes: list | None =
     for name, facts in cat.items():
         if key in (name, facts["hub_id"].lower()):
             return name
-    repo = key.split("/")[-1]
-    stem = re.sub(r"^meta-", "", re.sub(r"(-(instruct|it|chat|hf|base))+(-\d{4})?$", "", repo))
+    stem = _variant_stem(key)
     for name, facts in cat.items():
-        theirs = re.sub(r"^meta-", "", facts["hub_id"].lower().split("/")[-1])
-        if stem in (theirs, name):
+        if stem in (_variant_stem(facts["hub_id"]), name):
             notes.append(f"model {given}: planned as the catalog's {name} ({facts['hub_id']}), the same architecture")
             return name
     notes.append(f"model {given} is not in the catalog: its config.json is read from the hub when online; offline, "
                  "pass a local folder holding its config.json as the model (--model PATH)")
     return given
+
+
+_VARIANT_WORDS = {"instruct", "it", "chat", "hf", "base"}
+
+
+def _variant_stem(hub_id: str) -> str:
+    """A repo name without the words that name a tuned or packaged variant of the same architecture ("Instruct",
+    "it", "chat", "hf", "Base", wherever they stand) nor "Meta-": Mistral-7B-Instruct-v0.3 and Mistral-7B-v0.3 are
+    one stem, v0.2 another (its vocabulary differs)."""
+    repo = hub_id.lower().rstrip("/").split("/")[-1]
+    return re.sub(r"^meta-", "", "-".join(w for w in repo.split("-") if w not in _VARIANT_WORDS))
 
 
 def _peft_default_targets(model: str) -> list | None:
