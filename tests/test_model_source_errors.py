@@ -114,3 +114,15 @@ def test_a_model_of_its_own_code_needs_trust_and_then_plans(own_code_model, caps
     finally:
         specs._TRUSTED_CODE.clear()
         specs._cached_spec.cache_clear()
+
+
+def test_a_mistyped_flag_gets_one_line_with_the_closest_flag(tmp_path, capsys):
+    """argparse prints the command's whole usage and names the flag only; the kit prints one line with the closest
+    flag the command has (as ``-p`` keys get "did you mean"), and nothing runs."""
+    runs = tmp_path / "runs"
+    assert main(["run", "--lora-rnak", "8", "--runs-dir", str(runs), "--name", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "did you mean --lora-rank for --lora-rnak?" in err and "usage:" not in err
+    assert not runs.exists()
+    assert main(["estimate", "--model", "tiny", "--sq-len=64"]) == 2
+    assert "did you mean --seq-len" in capsys.readouterr().err

@@ -12,10 +12,12 @@ validated before anything runs.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from lora_kit.memory.estimate import estimate
@@ -56,6 +58,7 @@ def _parse_p(pairs) -> dict:
 
 def cmd_run(args) -> int:
     from lora_kit.ui.pipeline import PipelineError, run_pipeline
+    t0 = time.monotonic()
     if hasattr(sys.stdout, "reconfigure"):  # progress lines appear as they come, also in a pipe or a CI log
         sys.stdout.reconfigure(line_buffering=True)
     overrides = {**_settings_from_args(args), **_parse_p(args.p)}
@@ -110,11 +113,11 @@ def cmd_run(args) -> int:
         print(f"lora-kit run: {rec['status']}, but the disk is full: "
               + "; ".join(rec["not_written"][-2:]), file=sys.stderr)
         return 1
+    took = f"done in {time.monotonic() - t0:.1f} s (notebooks {rec['seconds']:.1f} s, then the run card)"
     if rec["status"] != "complete":
-        print(f"done in {rec['seconds']:.1f} s: {rec['status']} (not run: {', '.join(rec['not_run'])}); "
-              f"results in {out}")
+        print(f"{took}: {rec['status']} (not run: {', '.join(rec['not_run'])}); results in {out}")
     else:
-        print(f"done in {rec['seconds']:.1f} s; results in {out}")
+        print(f"{took}; results in {out}")
     return 0
 
 
@@ -371,7 +374,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # one line: what was not understood and the closest flag the command has (argparse: its usage)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+        hints = [f"did you mean {close[0]} for {x}?" for x in extra if x.startswith("-")
+                 for close in [difflib.get_close_matches(x.split("=")[0], flags, 1)] if close]
+        print(f"lora-kit {args.command}: unrecognized arguments: {' '.join(extra)}" + (f"; {' '.join(hints)}" if hints
+              else "") + f" (`lora-kit {args.command} --help` lists them)", file=sys.stderr)
+        return 2
     quiet()
     return args.func(args)
 
