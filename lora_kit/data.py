@@ -485,21 +485,24 @@ def run_data(s, dataset_split: str | None = None) -> dict:
     - ``dataset`` embedded with splits ("tiny:dates"): its "train" split trains, "test" is held out;
     - otherwise: ``heldout_fraction`` of ``dataset`` is held out by ``seed`` (:func:`split_heldout`).
     ``dataset_split``: the split of a DatasetDict folder that trains (default "train" for folders).
-    Returns ``{"train", "heldout", "heldout_source", "split"}`` (``split``: how it was made).
+    Returns ``{"train", "heldout", "heldout_source", "split"}`` (``split``: how it was made) and, for a dataset
+    of the user's, ``train_rows``: each training row's place in that dataset (1-based), for messages.
     """
     fields = field_settings(s)
     embedded_split = isinstance(s.dataset, str) and s.dataset == "tiny:dates"
     train = load_examples(s.dataset, split=train_split(s, dataset_split), **fields)
     if s.heldout_dataset:
         return {"train": train, "heldout": load_examples(s.heldout_dataset, **field_settings(s, "heldout")),
-                "heldout_source": s.heldout_dataset, "split": "heldout_dataset"}
+                "heldout_source": s.heldout_dataset, "split": "heldout_dataset",
+                "train_rows": list(range(1, len(train) + 1))}
     if embedded_split:
         return {"train": train, "heldout": load_examples(s.dataset, split="test", **fields),
                 "heldout_source": f"{s.dataset}:test", "split": "embedded test split"}
     keep, held = split_heldout(train, s.heldout_fraction, s.seed)
     return {"train": [train[i] for i in keep], "heldout": [train[i] for i in held],
             "heldout_source": f"{s.dataset} (heldout_fraction={s.heldout_fraction}, seed={s.seed})",
-            "split": f"{len(held)} of {len(train)} rows held out by seed {s.seed}"}
+            "split": f"{len(held)} of {len(train)} rows held out by seed {s.seed}",
+            "train_rows": [i + 1 for i in keep]}  # each training row's place in the dataset (1-based)
 
 
 def write_run_data(run_dir: str | Path, name: str, examples: list[dict]) -> Path:
@@ -538,5 +541,13 @@ def long_examples_line(report: dict) -> str:
             "drop": "dropped", "error": "refused"}[lx["policy"]]
     warn = "  <- check: above a few percent" if lx["share"] > LONG_SHARE_WARN else ""
     return (f"data: {lx['count']} of {report['rows']} rows ({lx['share']:.1%}) longer than seq_len={lx['seq_len']} "
-            f"(longest {lx['longest_tokens']} tokens, row {lx['longest_row'] + 1}): {done} "
+            f"(longest {lx['longest_tokens']} tokens, {longest_row_words(lx)}): {done} "
             f"[long_examples={lx['policy']!r}]{warn}")
+
+
+def longest_row_words(lx: dict) -> str:
+    """Where the longest example is: its row in the user's dataset when the smoke run knows it (``file_rows``),
+    else its place among the training rows."""
+    if lx.get("longest_file_row"):
+        return f"row {lx['longest_file_row']} of your dataset"
+    return f"training row {lx['longest_row'] + 1}"

@@ -277,3 +277,30 @@ def test_run_card_says_when_many_examples_are_long():
     assert any("29% of the training rows are longer than seq_len=64" in x for x in next_checks(card))
     card["smoke"]["data"]["long_examples"] = {**lx, "count": 1, "share": 0.01}
     assert not any("longer than seq_len" in x for x in next_checks(card))
+
+
+def test_long_examples_are_named_by_their_row_in_the_users_file(tmp_path):
+    """With part of the dataset held out, the training rows are not the file's rows: messages about long examples
+    name the row of the user's file (the trial's "longest ..., row 8" pointed at a short row)."""
+    import lora_kit as lk
+    from lora_kit.data import load_examples, long_examples_line, run_data
+    from lora_kit.loading import load_tokenizer
+    from lora_kit.run.batches import verified_slice
+    from lora_kit.run.smoke import _file_rows
+    rows = [{"prompt": f"question {i}", "response": "short"} for i in range(40)]
+    for i in (0, 8, 16, 24, 32):
+        rows[i] = {"prompt": f"long {i} " + "P " * 60, "response": "R " * (60 + i)}
+    f = tmp_path / "mine.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    d = run_data(lk.Settings(dataset=str(f), heldout_fraction=0.2, seed=3))
+    mine = load_examples(str(f))
+    assert len(d["train_rows"]) == len(d["train"]) < 40
+    assert all(mine[n - 1] == e for n, e in zip(d["train_rows"], d["train"]))  # each row's place in the file
+    _, rep = verified_slice(load_tokenizer("tiny"), d["train"], seq_len=48, n_examples=4)
+    _file_rows(rep, d["train_rows"])
+    lx = rep["long_examples"]
+    assert set(lx["file_rows"]) <= {1, 9, 17, 25, 33} and rows[lx["longest_file_row"] - 1]["prompt"].startswith("long")
+    assert f"row {lx['longest_file_row']} of your dataset" in long_examples_line(rep)
+    _, rep2 = verified_slice(load_tokenizer("tiny"), d["train"], seq_len=48, n_examples=4)
+    _file_rows(rep2, d["train_rows"][:-1])  # rows that do not line up (base_mix): no file row claimed
+    assert "longest_file_row" not in rep2["long_examples"] and "training row" in long_examples_line(rep2)
