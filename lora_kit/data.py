@@ -86,8 +86,27 @@ def _read_utf8(path: Path) -> str:
         raise ValueError(f"{path}: line {line} is not UTF-8 text (byte {e.start}); save the file as UTF-8.") from None
 
 
+class FileRows(list):
+    """Rows read from a text file, with ``lines``: the file line each row ends on (1-based; CSV counts its header,
+    blank lines are skipped), so that messages point at the line a user sees in an editor."""
+
+    def __init__(self, rows=(), lines=()):
+        super().__init__(rows)
+        self.lines = list(lines)
+
+
+def row_refs(rows, numbers: list[int]) -> str:
+    """``numbers`` (1-based rows of ``rows``) as a user finds them: file lines when ``rows`` knows them, else rows."""
+    lines = getattr(rows, "lines", None)
+    shown = numbers[:10]
+    more = " ..." if len(numbers) > 10 else ""
+    if lines and len(lines) == len(rows):
+        return f"line{'s' if len(shown) > 1 else ''} {', '.join(str(lines[n - 1]) for n in shown)}{more} of the file"
+    return f"row{'s' if len(shown) > 1 else ''} {', '.join(map(str, shown))}{more}, 1-based"
+
+
 def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
+    rows = FileRows()
     for n, line in enumerate(_read_utf8(path).split("\n"), 1):
         if not line.strip():
             continue
@@ -99,6 +118,7 @@ def _read_jsonl(path: Path) -> list[dict]:
             raise ValueError(f"{path}: line {n} is not a JSON object; each line must be {{\"prompt\": ..., "
                              "\"response\": ...}.")
         rows.append(row)
+        rows.lines.append(n)
     return rows
 
 
@@ -140,7 +160,11 @@ def _read_parquet(path: Path) -> list[dict]:
 
 
 def _read_csv(path: Path) -> list[dict]:
-    return list(csv.DictReader(io.StringIO(_read_utf8(path), newline="")))
+    reader, rows = csv.DictReader(io.StringIO(_read_utf8(path), newline="")), FileRows()
+    for row in reader:  # DictReader skips blank lines: line_num is the line the row ends on
+        rows.append(row)
+        rows.lines.append(reader.line_num)
+    return rows
 
 
 def _read_datasets_folder(path: Path, split: str | None) -> list[dict]:
@@ -278,18 +302,18 @@ def to_examples(rows: list[dict], name: str = "dataset", prompt_field: str = "pr
             other = detect_format(rows, prompt_field, messages_field, response_field)
             if other != data_format:
                 hint += f", or data_format={other!r} (the rows look like that format)"
-            raise ValueError(f"dataset {name!r} has no field {f!r} in {len(missing)} row(s) (first: row "
-                             f"{missing[0]}) for data_format={data_format!r}; fields that exist: {present}. {hint}.")
+            raise ValueError(f"dataset {name!r} has no field {f!r} in {len(missing)} row(s) (first: "
+                             f"{row_refs(rows, missing[:1])}) for data_format={data_format!r}; fields that exist: "
+                             f"{present}. {hint}.")
     out = [_example(r, i, name, data_format, prompt_field, response_field, messages_field)
            for i, r in enumerate(rows, 1)]
     empty = [i for i, e in enumerate(out, 1) if ("text" in e and not e["text"].strip())
              or ("text" not in e and (not e["prompt"].strip() or not e["response"].strip()))]
     if empty:
-        shown = ", ".join(map(str, empty[:10])) + (" ..." if len(empty) > 10 else "")
         what = {"prompt_response": f"{prompt_field!r} or {response_field!r}", "alpaca": "'instruction' or 'output'",
                 "messages": "prompt or final assistant answer", "sharegpt": "prompt or final assistant answer",
                 "prompt_completion": "prompt or completion", "text": "'text'"}[data_format]
-        raise ValueError(f"dataset {name!r}: {len(empty)} row(s) have an empty {what} (rows {shown}, 1-based); "
+        raise ValueError(f"dataset {name!r}: {len(empty)} row(s) have an empty {what} ({row_refs(rows, empty)}); "
                          "fill or remove them.")
     return out
 

@@ -64,7 +64,8 @@ def test_jsonl_csv_and_custom_fields_agree(tmp_path):
     ("", "is empty"),
     ('{"prompt": "a", "answer": "b"}\n', r"no field 'response'.*fields that exist: \['answer', 'prompt'\]"),
     ('{"prompt": "a", "response": "b"}\n{"prompt": " ", "response": "c"}\n{"prompt": "d", "response": ""}\n',
-     r"2 row\(s\) have an empty.*rows 2, 3"),
+     r"2 row\(s\) have an empty.*lines 2, 3 of the file"),
+    ('{"prompt": "a", "response": "b"}\n\n\n{"prompt": " ", "response": "c"}\n', r"empty.*\(line 4 of the file\)"),
     ('{"prompt": "a", "response": "b"}\nnot json\n', "line 2 is not valid JSON"),
 ])
 def test_bad_jsonl_says_what_to_change(tmp_path, content, match):
@@ -72,6 +73,21 @@ def test_bad_jsonl_says_what_to_change(tmp_path, content, match):
     p.write_text(content)
     with pytest.raises(ValueError, match=match):
         load_examples(p)
+
+
+def test_csv_problems_name_the_line_a_user_sees(tmp_path):
+    """CSV rows are named by the file line they end on (the header is line 1, blank lines count as lines), not by
+    their place among the data rows (the trial's "rows 3" was line 6 after two blank lines)."""
+    p = tmp_path / "mine.csv"
+    p.write_text("prompt,response\na?,1\n\n\nb?,2\n,\nc?,3\n")
+    with pytest.raises(ValueError, match=r"1 row\(s\) have an empty.*\(line 6 of the file\)"):
+        load_examples(p)
+    q = tmp_path / "quoted.csv"
+    q.write_text('prompt,response\n"two\nlines",1\n"",2\n')  # a quoted field over two lines
+    with pytest.raises(ValueError, match=r"\(line 4 of the file\)"):
+        load_examples(q)
+    from lora_kit.data import row_refs
+    assert row_refs([{}, {}, {}], [2, 3]) == "rows 2, 3, 1-based"  # rows of no file: their places
 
 
 def test_bad_sources_and_arguments(tmp_path):
