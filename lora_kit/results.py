@@ -336,27 +336,40 @@ class RunLocked(ValueError):
 def run_lock(run_dir: str | Path):
     """Hold the run folder ``run_dir`` for this process: an exclusive ``flock`` on ``.<name>.lock`` beside it (the
     folder itself may be moved aside or not exist yet). A second run into the same folder gets :class:`RunLocked`
-    at once, naming the holder; the lock ends with the process, however it ends (SIGKILL included)."""
+    at once, naming the holder; the lock ends with the process, however it ends (SIGKILL included). The file is
+    removed when the run ends (a killed run leaves it, and the next run takes it over): it is deleted while held,
+    and a run that locked a file since deleted takes the new one, so two runs never hold the folder at once."""
     import fcntl
     p = Path(run_dir).expanduser().resolve()
     p.parent.mkdir(parents=True, exist_ok=True)
     lock = p.parent / f".{p.name}.lock"
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise NotWritten(lock, exc) from None
-    try:
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise NotWritten(lock, exc) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+            os.close(fd)
             raise RunLocked(f"{str(p)!r} is in use by another run ({holder}); wait for it to end, stop it, or choose "
                             "another --name / run_dir.") from None
+        try:
+            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:  # its holder removed it as we locked it
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
         with contextlib.suppress(OSError):  # who holds it, for the message above; a full disk only loses that
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {now_iso()}\n".encode(), 0)
         yield p
     finally:
+        with contextlib.suppress(OSError):  # removed while still held: a run waiting on this file retries
+            lock.unlink()
         os.close(fd)
 
 

@@ -104,3 +104,21 @@ def test_kernel_sockets_fit_however_long_the_temp_folder(tmp_path, monkeypatch):
         assert len(os.fsencode(d / "ipc")) + 4 <= SOCKET_PATH_MAX
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_lock_file_is_removed_when_the_run_ends(tmp_path):
+    """The lock beside the run folder does not pile up (one per run name ever used); while held, a second taker is
+    refused naming the holder, and a lock file a killed run left is taken over."""
+    from lora_kit.results import RunLocked, run_lock
+    lock = tmp_path / ".x.lock"
+    with run_lock(tmp_path / "x"):
+        assert lock.is_file() and f"pid {os.getpid()}" in lock.read_text()
+        with pytest.raises(RunLocked, match="in use by another run"):
+            with run_lock(tmp_path / "x"):
+                pass
+        assert lock.is_file()  # the refused taker leaves the holder's file alone
+    assert not lock.exists()
+    lock.write_text("pid 1 on a machine that was killed\n")  # a killed run's leftover, no flock on it
+    with run_lock(tmp_path / "x"):
+        assert f"pid {os.getpid()}" in lock.read_text()
+    assert not lock.exists()
