@@ -756,7 +756,10 @@ def render_markdown(card: dict) -> str:
     lines += epoch_time_lines(card.get("epoch_time"))
     lines += loop_lines(card["loops"] if "loops" in card else loop_view(card["plan"], s.get("gpu")))
     # --- settings ----------------------------------------------------------------------------
-    lines += ["## Settings", "", "The run's settings (the names and values of a params file):", "",
+    lines += ["## Settings", "", "The run's settings (the names and values of a params file). The card names no "
+              "path of your machine: a local model is shown by its folder's name and other local paths relative to "
+              "the run folder, so set `model`, `dataset` and the other paths to where your copies are on the rented "
+              "machine before using them as a params file.", "",
               "| setting | value |", "|---|---|"]
     lines += [f"| {k} | `{_param(v)}` |" if v != "" else f"| {k} | — |" for k, v in s.items()]
     lines.append("")
