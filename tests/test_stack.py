@@ -171,14 +171,24 @@ def test_check_refuses_bad_settings(capsys):
 
 def test_a_library_older_than_declared_blocks_every_plan_with_the_fix(monkeypatch):
     """Floors come from lora_kit's own metadata (pyproject): an installed library outside them is named with the pip
-    command that fixes it; optional extras and libraries not installed are the probes' business."""
-    reqs = ["transformers>=5.12", "peft>=0.21", "bitsandbytes>=0.45; extra == \"quant\"", "numpy"]
-    got = stack.floor_problems({"transformers": "4.48.1", "peft": "0.21.2", "bitsandbytes": "0.40.0"}, reqs)
+    command that fixes it; libraries not installed are the probes' business. An optional library (an extra) that
+    is installed is checked too (bitsandbytes 0.49 does not run the 8-bit and paged optimizers on a CPU), and
+    blocks only the plans that use it."""
+    reqs = ["transformers>=5.12", "peft>=0.21", "bitsandbytes>=0.50; extra == \"quant\"",
+            "bitsandbytes>=0.50; extra == \"dev\"", "numpy", "oldlib>=2; python_version < \"3.0\""]
+    got = stack.floor_problems({"transformers": "4.48.1", "peft": "0.21.2", "bitsandbytes": "0.49.2",
+                                "oldlib": "1.0"}, reqs)
     assert got == [{"package": "transformers", "installed": "4.48.1", "needs": ">=5.12",
-                    "change": "pip install -U 'transformers>=5.12'"}]
+                    "change": "pip install -U 'transformers>=5.12'", "optional": False},
+                   {"package": "bitsandbytes", "installed": "0.49.2", "needs": ">=0.50",
+                    "change": "pip install -U 'bitsandbytes>=0.50'", "optional": True}]  # once, not per extra
     assert stack.floor_problems({"transformers": "5.24.0", "peft": None}, reqs) == []
-    monkeypatch.setattr(stack, "floor_problems", lambda: got)
     probes = [_result(n, "pass") for n, _ in stack_probes.PROBES]
+    monkeypatch.setattr(stack, "floor_problems", lambda: got[1:])
+    lora, qlora = (stack.verdict(probes, Settings(method=m), device="cpu") for m in ("lora", "qlora"))
+    assert lora["ok"] and any("bitsandbytes 0.49.2" in w and "not needed by this plan" in w for w in lora["warnings"])
+    assert not qlora["ok"] and qlora["blocking"][0]["needed_by"].startswith("QLoRA")
+    monkeypatch.setattr(stack, "floor_problems", lambda: got)
     v = stack.verdict(probes, Settings(method="full"), device="cpu")
     assert not v["ok"] and [b["probe"] for b in v["blocking"]] == ["versions"]
     assert "transformers 4.48.1 is not >=5.12" in v["blocking"][0]["error"]

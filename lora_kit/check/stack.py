@@ -62,18 +62,23 @@ def floor_problems(installed: dict | None = None, requirements: list[str] | None
         except PackageNotFoundError:
             requirements = []
     have = installed if installed is not None else {p: _version(p) for p in PACKAGES}
-    out = []
+    out, seen = [], set()
     for text in requirements:
         req = Requirement(text)
-        if req.marker is not None or not req.specifier or have.get(req.name) is None:
-            continue  # extras (optional), no bound, or not installed (the probes say what that blocks)
+        if not req.specifier or have.get(req.name) is None or (req.name, str(req.specifier)) in seen:
+            continue  # no bound, or not installed (the probes say what that blocks), or said already
+        # an optional package (an extra: bitsandbytes, trl) that is installed is used: its floor applies too
+        if req.marker is not None and "extra" not in str(req.marker) and not req.marker.evaluate():
+            continue  # a marker of another Python or platform
+        seen.add((req.name, str(req.specifier)))
         try:
             ok = req.specifier.contains(Version(have[req.name]), prereleases=True)
         except InvalidVersion:
             continue
         if not ok:
             out.append({"package": req.name, "installed": have[req.name], "needs": str(req.specifier),
-                        "change": f"pip install -U '{req.name}{req.specifier}'"})
+                        "change": f"pip install -U '{req.name}{req.specifier}'",
+                        "optional": req.marker is not None and "extra" in str(req.marker)})
     return out
 
 
@@ -163,6 +168,13 @@ NEEDS = {
     "LoRA training step": ("method='lora' or 'qlora'", lambda s: s.method in ("lora", "qlora"),
                            "fix the torch / peft install (see the error), or use method='full'"),
 }
+# optional libraries (extras), by what uses them: one older than its floor blocks only the plans that do
+OPTIONAL_NEEDS = {
+    "bitsandbytes": ("QLoRA and the 8-bit / paged optimizers",
+                     lambda s: s.method == "qlora" or s.optimizer in ("adamw_8bit", "paged_adamw_8bit")
+                     or s.optimizer.startswith("paged_")),
+    "trl": ("loop='sft' (TRL's SFTTrainer)", lambda s: s.loop == "sft"),
+}
 # probes no setting requires: what a failure costs instead
 FALLBACKS = {"SDPA flash": "PyTorch falls back to another attention kernel (slower; with neither flash nor "
                            "memory-efficient, the math kernel keeps seq_len x seq_len scores: more memory than planned)"}
@@ -183,8 +195,13 @@ def verdict(probes: list[dict], settings: Settings | None = None, device: str | 
     device = device or stack_probes.device().type
     blocking, warnings = [], []
     for f in floor_problems():
-        blocking.append({"probe": "versions", "status": stack_probes.FAIL, "needed_by": "every step the kit runs",
-                         "error": f"{f['package']} {f['installed']} is not {f['needs']}, what lora_kit is tested with",
+        error = f"{f['package']} {f['installed']} is not {f['needs']}, what lora_kit is tested with"
+        uses = OPTIONAL_NEEDS.get(f["package"]) if f.get("optional") else None
+        if uses is not None and not uses[1](s):  # an optional library this plan does not use
+            warnings.append(f"{error}; not needed by this plan: only {uses[0]} needs it ({f['change']}).")
+            continue
+        blocking.append({"probe": "versions", "status": stack_probes.FAIL,
+                         "needed_by": uses[0] if uses is not None else "every step the kit runs", "error": error,
                          "change": f["change"]})
     for p in probes:
         need = NEEDS.get(p["name"])
