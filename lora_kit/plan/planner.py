@@ -577,7 +577,7 @@ def _epoch_columns(row: dict, ep: dict, epochs: float, seq_len: int, num_gpus: i
     if not row["fits"]:
         return {"steps_per_epoch": steps, **{k: float("nan") for k in TIME_COLUMNS}}
     hours = steps * epochs * row["step_seconds"] / 3600
-    p = row["price_per_hour"]
+    p = row["price_per_hour"] if row.get("price_per_hour") is not None else float("nan")  # plan.json: null
     cost = (hours / epochs) * p * num_gpus if p == p else float("nan")
     return dict(steps_per_epoch=steps, epoch_hours=hours / epochs, total_hours=hours,
                 epoch_hours_low=hours / epochs / factor, epoch_hours_high=hours / epochs * factor,
