@@ -70,7 +70,8 @@ def test_settings_hold_every_step_field_with_the_embedded_defaults_and_help():
     # the two default sets differ exactly where EMBEDDED_CHANGES says, each with its reason
     assert {k for k in STEP_FIELDS if getattr(EMBEDDED, k) != getattr(PLANNING, k)} == set(EMBEDDED_CHANGES)
     assert all(len(why) > 20 for _, why in EMBEDDED_CHANGES.values())
-    assert set(ESTIMATE_FIELDS) == {"model", *STEP_FIELDS, "gpu", "margin"}
+    # trust_remote_code: a model of its own code is planned from that code only when the user says so
+    assert set(ESTIMATE_FIELDS) == {"model", *STEP_FIELDS, "gpu", "margin", "trust_remote_code"}
 
 
 def test_a_new_field_is_a_flag_and_a_params_key():

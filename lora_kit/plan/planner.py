@@ -585,16 +585,17 @@ def _epoch_columns(row: dict, ep: dict, epochs: float, seq_len: int, num_gpus: i
                 total_cost=hours * p * num_gpus if p == p else float("nan"))
 
 
-def reprice(rows, epoch: dict, seq_len: int, num_gpus: int = 1, grad_accum: int = 1, epochs: float = 1.0,
-            error_factor: float | None = None) -> pd.DataFrame:
-    """A :func:`compare_methods` table (or plan.json's ``rows``) with its time and cost per epoch recomputed for
-    another ``epoch`` (the user's dataset once the smoke run has read it: :func:`epoch_from_data`), and its
-    recommendation made again from them. Step times, prices and fits are the table's."""
+def reprice(rows, epoch: dict, step: Step, epochs: float = 1.0, error_factor: float | None = None) -> pd.DataFrame:
+    """A :func:`compare_methods` table (or plan.json's ``rows``) of ``step`` (its ``seq_len``, ``num_gpus`` and
+    ``grad_accum``) with its time and cost per epoch recomputed for another ``epoch`` (the user's dataset once the
+    smoke run has read it: :func:`epoch_from_data`), and its recommendation made again from them. Step times,
+    prices, micro-batches and fits are the table's."""
+    st = as_step(step)
     attrs = dict(getattr(rows, "attrs", {}))
     records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else [dict(r) for r in rows]
-    ep = _epoch(epoch, None, None, seq_len)
+    ep = _epoch(epoch, None, None, st.seq_len)
     factor = float(error_factor or attrs.get("time_error_factor") or 1.0)
-    df = pd.DataFrame([{**r, **_epoch_columns(r, ep, epochs, seq_len, num_gpus, grad_accum, factor)}
+    df = pd.DataFrame([{**r, **_epoch_columns(r, ep, epochs, st.seq_len, st.num_gpus, st.grad_accum, factor)}
                        for r in records])
     df.attrs.update(attrs, time_error_factor=factor, epoch=ep, epochs=epochs)
     df.attrs["recommendation"] = recommend(df)

@@ -261,8 +261,9 @@ def request_rows(plan: dict, epoch_time_: dict | None = None) -> tuple:
     if not mine:
         return plan["rows"], plan.get("recommendation")
     a = plan.get("assumptions") or {}
-    df = reprice(plan["rows"], mine, int(plan.get("seq_len") or a.get("seq_len")), int(a.get("num_gpus") or 1),
-                 int((epoch_time_ or {}).get("grad_accum") or 1),
+    step = {k: v for k, v in {"seq_len": plan.get("seq_len") or a.get("seq_len"), "num_gpus": a.get("num_gpus"),
+                              "grad_accum": (epoch_time_ or {}).get("grad_accum")}.items() if v}
+    df = reprice(plan["rows"], mine, as_step(None, **step),
                  error_factor=plan.get("time_error_factor") or time_constants.ERROR_FACTOR_UNCALIBRATED)
     return df, df.attrs["recommendation"]
 
