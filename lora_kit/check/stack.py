@@ -68,7 +68,8 @@ def floor_problems(installed: dict | None = None, requirements: list[str] | None
         if not req.specifier or have.get(req.name) is None or (req.name, str(req.specifier)) in seen:
             continue  # no bound, or not installed (the probes say what that blocks), or said already
         # an optional package (an extra: bitsandbytes, trl) that is installed is used: its floor applies too
-        if req.marker is not None and "extra" not in str(req.marker) and not req.marker.evaluate():
+        optional = req.marker is not None and "extra" in str(req.marker)
+        if req.marker is not None and not optional and not req.marker.evaluate():
             continue  # a marker of another Python or platform
         seen.add((req.name, str(req.specifier)))
         try:
@@ -78,7 +79,7 @@ def floor_problems(installed: dict | None = None, requirements: list[str] | None
         if not ok:
             out.append({"package": req.name, "installed": have[req.name], "needs": str(req.specifier),
                         "change": f"pip install -U '{req.name}{req.specifier}'",
-                        "optional": req.marker is not None and "extra" in str(req.marker)})
+                        "optional": optional})
     return out
 
 
@@ -170,9 +171,9 @@ NEEDS = {
 }
 # optional libraries (extras), by what uses them: one older than its floor blocks only the plans that do
 OPTIONAL_NEEDS = {
-    "bitsandbytes": ("QLoRA and the 8-bit / paged optimizers",
-                     lambda s: s.method == "qlora" or s.optimizer in ("adamw_8bit", "paged_adamw_8bit")
-                     or s.optimizer.startswith("paged_")),
+    "bitsandbytes": ("QLoRA and the 8-bit / paged optimizers",  # what its probes are needed by
+                     lambda s: any(NEEDS[p][1](s) for p in ("bnb 4-bit matmul fwd+bwd", "bnb 8-bit optimizer step",
+                                                            "bnb paged optimizer step"))),
     "trl": ("loop='sft' (TRL's SFTTrainer)", lambda s: s.loop == "sft"),
 }
 # probes no setting requires: what a failure costs instead

@@ -315,18 +315,18 @@ def _generic_spec(c: dict, name: str) -> ModelSpec:
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg_kwargs = {k: v for k, v in c.items() if k not in ("model_type", "transformers_version", "architectures",
                                                           "auto_map", "_name_or_path")}
-    where = c.get("_name_or_path")
-    trusted = _trusted_code(c) is not None
+    code = _trusted_code(c)  # the folder (or hub repo) of the model's own code, when the user trusts it
+    trusted = code is not None
     try:
-        if trusted:  # the model's own code, from its folder (or hub repo)
-            cfg = AutoConfig.from_pretrained(where, trust_remote_code=True)
+        if trusted:
+            cfg = AutoConfig.from_pretrained(code, trust_remote_code=True)
         else:
             cfg = AutoConfig.for_model(c.get("model_type", ""), **cfg_kwargs)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trusted)
     except Exception as e:  # noqa: BLE001
         if c.get("auto_map") and not trusted:
-            raise ValueError(_own_code(name or where or c.get("model_type", ""))) from None
+            raise ValueError(_own_code(name or c.get("_name_or_path") or c.get("model_type", ""))) from None
         raise ValueError(f"Cannot build model_type={c.get('model_type')!r} with transformers ({_first_line(e)}). "
                          "Pass a config of a causal LM transformers knows, or a catalog name.") from None
     from transformers.pytorch_utils import Conv1D  # GPT-2's linears: weight (in, out)
@@ -502,8 +502,9 @@ def load_config(model):
     if isinstance(model, PretrainedConfig):
         return model
     _, c = ("", dict(model)) if isinstance(model, dict) else _config_dict(model)
-    if _trusted_code(c):  # the model's own code, which the user trusts (allow_model_code)
-        return AutoConfig.from_pretrained(_trusted_code(c), trust_remote_code=True)
+    code = _trusted_code(c)
+    if code:  # the model's own code, which the user trusts (allow_model_code)
+        return AutoConfig.from_pretrained(code, trust_remote_code=True)
     if c.get("auto_map") and c.get("model_type") not in _transformers_types():
         raise ValueError(_own_code(c.get("_name_or_path") or c.get("model_type", "")))
     c = {k: v for k, v in c.items() if k not in ("transformers_version", "architectures", "_name_or_path", "auto_map")}

@@ -558,7 +558,7 @@ def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_0
             t = step_time(model, get_gpu(gname), st, time_model=tm)
             row.update(step_seconds=t["step_seconds"], tokens_per_second=t["tokens_per_second"],
                        price_per_hour=price[gname], price_source="yours" if gname in user_priced else "example")
-            row.update(_epoch_columns(row, ep, epochs, st.seq_len, num_gpus, st.grad_accum, tm.error_factor))
+            row.update(epoch_columns(row, ep, epochs, st.seq_len, num_gpus, st.grad_accum, tm.error_factor))
             rows.append(row)
     df = pd.DataFrame(rows)
     df.attrs["time_error_factor"] = tm.error_factor
@@ -569,7 +569,7 @@ def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_0
     return df
 
 
-def _epoch_columns(row: dict, ep: dict, epochs: float, seq_len: int, num_gpus: int, grad_accum: int,
+def epoch_columns(row: dict, ep: dict, epochs: float, seq_len: int, num_gpus: int, grad_accum: int,
                    factor: float) -> dict:
     """A row's steps, time and cost per epoch (and for ``epochs``) from its step time and price, with the interval
     from the time model's measured error ``factor``; NaN where the row does not fit."""
@@ -595,7 +595,7 @@ def reprice(rows, epoch: dict, step: Step, epochs: float = 1.0, error_factor: fl
     records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else [dict(r) for r in rows]
     ep = _epoch(epoch, None, None, st.seq_len)
     factor = float(error_factor or attrs.get("time_error_factor") or 1.0)
-    df = pd.DataFrame([{**r, **_epoch_columns(r, ep, epochs, st.seq_len, st.num_gpus, st.grad_accum, factor)}
+    df = pd.DataFrame([{**r, **epoch_columns(r, ep, epochs, st.seq_len, st.num_gpus, st.grad_accum, factor)}
                        for r in records])
     df.attrs.update(attrs, time_error_factor=factor, epoch=ep, epochs=epochs)
     df.attrs["recommendation"] = recommend(df)

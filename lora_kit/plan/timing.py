@@ -449,7 +449,7 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
             v_el = T * spec.num_kv_heads * spec.head_dim
             ew += q_k * (a_rot + mm_b) + (v_el * (a + mm_b) if a != mm_b else 0)
     kn = (spec.norms_per_layer * norm_kernels
-          + (2 * C.NORM_KERNELS if spec.qk_norms else 0) + C.ROTARY_KERNELS + C.BLOCK_OTHER_KERNELS)
+          + (2 * norm_kernels if spec.qk_norms else 0) + C.ROTARY_KERNELS + C.BLOCK_OTHER_KERNELS)
     c.add("elementwise", bytes_=ew * (C.BACKWARD_ELEMENTWISE if bwd else 1), working_set=T * max(H, F) * 2 * a,
           kernels=kn * (C.BACKWARD_KERNELS if bwd else 1), times=times * L)
     _attention(c, spec, st, gpu, kernel, bwd, times * L)

@@ -66,13 +66,13 @@ def cmd_run(args) -> int:
         settings = load_settings(args.params, overrides)
         if settings.trust_remote_code:
             allow_model_code(settings.model)
-        if model_is_local(settings.model):  # a missing folder or a malformed config.json: said before anything runs
-            model_spec(settings.model)
         from lora_kit.ui.pipeline import select_notebooks
         chosen = select_notebooks(args.only)
-        if model_is_local(settings.model) and {"03_smoke_run.ipynb", "04_evaluate.ipynb"} & set(chosen):
-            from lora_kit.loading import check_weights, resolve_model  # no safetensors: said before 00 starts
-            check_weights(resolve_model(settings.model))
+        if model_is_local(settings.model):  # a missing folder or a malformed config.json: said before anything runs
+            model_spec(settings.model)
+            if {"03_smoke_run.ipynb", "04_evaluate.ipynb"} & set(chosen):  # no safetensors: said before 00 starts
+                from lora_kit.loading import check_weights, resolve_model
+                check_weights(resolve_model(settings.model))
         if "03_smoke_run.ipynb" in chosen:  # what the smoke run cannot run, before 00 starts
             from lora_kit.run.smoke import check_runnable
             check_runnable(settings, world=1)

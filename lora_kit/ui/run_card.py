@@ -16,7 +16,7 @@ from pathlib import Path
 from lora_kit.data import LONG_SHARE_WARN, long_examples_line
 from lora_kit.plan import time_constants
 from lora_kit.plan.gpus import compute_capability, get_gpu
-from lora_kit.plan.planner import epoch_from_data, hours_text, money_text, reprice, steps_per_epoch
+from lora_kit.plan.planner import epoch_columns, epoch_from_data, hours_text, money_text, reprice
 from lora_kit.plan.records import plan_row
 from lora_kit.plan.timing import calibrate
 from lora_kit.results import (portable, portable_text, read_record, same_run, settled, write_json_atomic,
@@ -217,21 +217,22 @@ def assumption_lines(plan: dict, epoch_time_: dict | None = None) -> list[str]:
         out.append(f"- fits: the estimate uses at most {1 - plan['margin']:.0%} of the GPU's memory "
                    f"(a {plan['margin']:.0%} safety margin)")
     if ep:
-        size = (f"{ep['examples']:,} examples = " if ep.get("examples") else "") + f"{ep.get('tokens', 0):,} tokens"
         mine = _data_epoch(plan, epoch_time_)
         if mine:
-            mine_size = (f"{mine['examples']:,} examples = " if mine.get("examples") else "") + \
-                f"{mine.get('tokens', 0):,} tokens"
-            out.append(f"- one epoch: {mine_size} ({mine.get('note', '')}); the plan was made before the smoke run "
-                       f"read your data, with a placeholder of {size}: its times, costs and recommendation are "
-                       "recomputed here for your data")
+            out.append(f"- one epoch: {_epoch_size(mine)} ({mine.get('note', '')}); the plan was made before the smoke "
+                       f"run read your data, with a placeholder of {_epoch_size(ep)}: its times, costs and "
+                       "recommendation are recomputed here for your data")
         else:
-            out.append(f"- one epoch: {size} ({ep.get('note', '')})")
+            out.append(f"- one epoch: {_epoch_size(ep)} ({ep.get('note', '')})")
     if plan.get("time_model"):
         out.append(f"- time: {plan['time_model']}")
     if plan.get("attention_note"):
         out.append(f"- attention on CUDA: {plan['attention_note']}")
     return out
+
+
+def _epoch_size(ep: dict) -> str:
+    return (f"{ep['examples']:,} examples = " if ep.get("examples") else "") + f"{ep.get('tokens', 0):,} tokens"
 
 
 def longest_line(sweeps: dict | None) -> str | None:
@@ -332,21 +333,20 @@ def epoch_time(card: dict) -> dict | None:
     if not (ep.get("examples") or ep.get("tokens")):
         return None
     a = plan.get("assumptions") or {}
-    n_gpus = int(a.get("num_gpus") or 1)
-    steps = steps_per_epoch(ep, row["batch_size"], plan.get("seq_len") or a.get("seq_len"), n_gpus,
-                            int(s.get("grad_accum") or 1))
+    n_gpus, grad_accum = int(a.get("num_gpus") or 1), int(s.get("grad_accum") or 1)
     cal = _smoke_calibration(smoke, plan, row)
     planned = plan.get("time_error_factor") or time_constants.ERROR_FACTOR_UNCALIBRATED  # older plan.json: none
     factor = min(cal["error_factor"], planned) if cal else planned
     step_s = row["step_seconds"] * (cal["scale"] if cal else 1.0)
-    hours = steps * step_s / 3600
-    price = row.get("price_per_hour")
-    cost = hours * price * n_gpus if price is not None else None
+    # the planner's own epoch arithmetic (the request's table uses it too), at the calibrated step time
+    e = epoch_columns({**row, "step_seconds": step_s}, ep, 1.0, plan.get("seq_len") or a.get("seq_len"), n_gpus,
+                      grad_accum, factor)
+    priced = row.get("price_per_hour") is not None
     return {"method": row["method"], "gpu": row["gpu"], "batch_size": row["batch_size"], "num_gpus": n_gpus,
-            "grad_accum": int(s.get("grad_accum") or 1), "steps": steps, "step_seconds": step_s, "hours": hours, "hours_low": hours / factor,
-            "hours_high": hours * factor, "cost": cost, "cost_low": cost / factor if cost is not None else None,
-            "cost_high": cost * factor if cost is not None else None, "price_source": row.get("price_source"),
-            "error_factor": factor, "calibration": cal, "epoch": ep}
+            "grad_accum": grad_accum, "steps": e["steps_per_epoch"], "step_seconds": step_s,
+            "hours": e["epoch_hours"], "hours_low": e["epoch_hours_low"], "hours_high": e["epoch_hours_high"],
+            **{k: e[f"epoch_{k}"] if priced else None for k in ("cost", "cost_low", "cost_high")},
+            "price_source": row.get("price_source"), "error_factor": factor, "calibration": cal, "epoch": ep}
 
 
 def epoch_time_lines(et: dict | None) -> list[str]:
@@ -362,8 +362,8 @@ def epoch_time_lines(et: dict | None) -> list[str]:
     return ["### Time and cost per epoch", "",
             f"{method_label(et['method'])} on {et['num_gpus']} x {et['gpu']}, micro-batch {et['batch_size']}: one epoch "
             f"is {size}, {et['steps']:,} steps of {et['step_seconds']:.3g} s: **{hours_text(et['hours'])}** "
-            f"({hours_text(et['hours_low'])} to {hours_text(et['hours_high'])}){cost}. The interval is the time model's measured "
-            f"error, x{et['error_factor']:.2f}, {why}.", ""]
+            f"({hours_text(et['hours_low'])} to {hours_text(et['hours_high'])}){cost}. The interval is the time "
+            f"model's measured error, x{et['error_factor']:.2f}, {why}.", ""]
 
 
 def _probe_rows(probes: list[dict]) -> list[dict]:
