@@ -149,6 +149,13 @@ def test_architecture_facts():
     assert model_spec("llama-2-70b").num_kv_heads == 8 and model_spec("llama-2-13b").num_kv_heads == 40
 
 
+def test_partial_rotary_read_where_the_config_puts_it():
+    """A key present with null falls through to the next place (a saved Phi config carries both)."""
+    from lora_kit.memory.specs import _rotary_fraction
+    assert _rotary_fraction({"partial_rotary_factor": None, "rope_parameters": {"partial_rotary_factor": 0.5}}) == 0.5
+    assert _rotary_fraction({"rotary_pct": 0.25}) == 0.25 and _rotary_fraction({"rope_scaling": None}) == 1.0
+
+
 def test_valid_targets_follow_the_architecture():
     assert valid_targets("phi-3-mini") == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     assert valid_targets("pythia-1b") == ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]

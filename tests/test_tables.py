@@ -57,7 +57,7 @@ def test_method_rows_cells(plan):
 
 def test_small_jobs_keep_two_significant_digits():
     """A short job's time and cost are not rounded to 0.00: below 1 they keep two significant digits."""
-    assert (T._amount(0.005451), T._amount(0.0163), T._amount(1.5731), T._amount(0)) == ("0.0055", "0.016", "1.57", "0.00")
+    assert (T._amount(0.005451), T._amount(0.0163), T._amount(1.5731), T._amount(0), T._amount(0.6)) == ("0.0055", "0.016", "1.57", "0.00", "0.60")
     assert [hours_text(h) for h in (3.254, 0.2347, 0.0054)] == ["3.25 h", "14 min", "19 s"]
     assert [money_text(x) for x in (1234.5, 12.345, 0.0163)] == ["$1,234", "$12.35", "$0.016"]
 

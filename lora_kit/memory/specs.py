@@ -302,8 +302,8 @@ def spec_from_config(c: dict, name: str = "") -> ModelSpec:
 def _rotary_fraction(c: dict) -> float:
     """The share of each head's dimensions rotary embeddings turn (1.0 but for partial rotary: GPT-NeoX, Phi)."""
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    f = c.get("partial_rotary_factor", c.get("rotary_pct", rope.get("partial_rotary_factor") if isinstance(rope, dict)
-                                             else None))
+    nested = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    f = next((v for v in (c.get("partial_rotary_factor"), c.get("rotary_pct"), nested) if v is not None), None)
     return float(f) if f else 1.0
 
 

@@ -634,7 +634,7 @@ def _method_words(method) -> str:
 
 def money_text(x: float) -> str:
     """An amount of money readable at any size: "$1,234", "$12.34", "$0.034" (two significant digits below $1)."""
-    return f"${x:,.0f}" if x >= 1000 else f"${x:,.2f}" if x >= 0.995 else f"${x:.2g}"
+    return f"${x:,.0f}" if x >= 1000 else f"${x:,.2f}" if x >= 0.995 else f"${x:#.2g}"
 
 
 def hours_text(h: float) -> str:

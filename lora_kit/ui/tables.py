@@ -58,7 +58,7 @@ def _amount(x) -> str:
     """Hours or money: two decimals, or two significant digits below 1 (a short job's 0.0054 h is not 0.00)."""
     if _missing(x):
         return NONE
-    return f"{x:,.2f}" if abs(x) >= 0.995 or x == 0 else f"{x:.2g}"
+    return f"{x:,.2f}" if abs(x) >= 0.995 or x == 0 else f"{x:#.2g}"
 
 
 def _with_interval(r, col: str) -> str:
