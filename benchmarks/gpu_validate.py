@@ -15,7 +15,7 @@ Per config it also replays ``simulate``'s allocation sequence through PyTorch's 
 (:mod:`lora_kit.memory.allocator`, via ``benchmarks/cuda_h200.py``) for both allocator settings and compares the one
 this process runs with (``env.allocator``: the variable torch reads, see :mod:`lora_kit.run.alloc_conf`) with
 ``max_memory_reserved``; ``env.cuda_memory`` is ``mem_get_info``'s total (the capacity) and free. For the other
-setting run it again in a fresh process, e.g. ``PYTORCH_ALLOC_CONF=expandable_segments:True`` (torch >= 2.9) with
+setting run it again in a fresh process, e.g. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` with
 another ``--out``; configs run one after another in one process (``empty_cache`` between them), the replay starts
 empty for each.
 

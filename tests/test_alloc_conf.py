@@ -8,32 +8,48 @@ import sys
 import yaml
 
 from lora_kit.run.accelerate_config import write_accelerate_config
-from lora_kit.run.alloc_conf import DEFAULT, NEW, OLD, apply_default, in_effect, variable
+from lora_kit.run.alloc_conf import DEFAULT, NEW, OLD, apply_default, in_effect, names_read, variable
 from lora_kit.run.smoke import smoke_run
 
 FAST = dict(max_steps=1, batch_size=1, seq_len=32, lora_rank=4, lora_alpha=8, max_new_tokens=1, cpu_threads=1)
 
 
-def test_the_variable_follows_the_installed_torch():
-    assert variable("2.13.0+cpu") == NEW and variable("2.9.0") == NEW
-    assert variable("2.8.1+cu128") == OLD and variable("1.13.1") == OLD
+def test_the_variables_each_torch_reads():
+    """The kit sets the name every torch honours on CUDA; torch 2.9.1 ignored the newer name there (pytorch issue
+    183387), torch 2.13 reads the old name first."""
+    assert variable() == OLD
+    assert names_read("2.13.0+cpu") == (OLD, NEW) and names_read("2.11.0") == (OLD, NEW)
+    assert names_read("2.9.1+cu128") == (OLD,) and names_read("2.6.0") == (OLD,)
+    assert in_effect({NEW: DEFAULT}, "2.9.1") == {"variable": None, "value": "", "expandable_segments": False,
+                                                   "ignored": [NEW]}
+
+
+def test_the_order_is_the_installed_torch_s_own():
+    """Ask the installed torch which value its allocator config parsed, for each way a user can set the two."""
+    cases = [{OLD: "expandable_segments:True", NEW: "max_split_size_mb:64"}, {NEW: "max_split_size_mb:64"},
+             {OLD: "", NEW: "max_split_size_mb:64"}, {OLD: "max_split_size_mb:128"}]
+    for case in cases:
+        env = {k: v for k, v in os.environ.items() if k not in (NEW, OLD)}
+        read = subprocess.run([sys.executable, "-c", "import torch; print(torch._C._accelerator_getAllocatorSettings())"],
+                              env={**env, **case}, capture_output=True, text=True, check=True).stdout.strip()
+        assert in_effect(case)["value"] == read, case
 
 
 def test_default_is_set_only_where_the_user_set_nothing():
     env = {}
     rec = apply_default(env, "2.13.0")
-    assert env == {NEW: DEFAULT} and rec["variable"] == NEW and rec["expandable_segments"]
+    assert env == {OLD: DEFAULT} and rec["variable"] == OLD and rec["expandable_segments"]
     assert rec["set_by"] == "lora_kit"
     old_torch = {}
     apply_default(old_torch, "2.6.0")
     assert old_torch == {OLD: DEFAULT}
-    user = {OLD: "max_split_size_mb:128"}  # torch >= 2.9 falls back to the old name when the new one is unset
+    user = {NEW: "max_split_size_mb:128"}  # torch >= 2.11 reads the newer name when the old one is unset
     rec = apply_default(user, "2.13.0")
-    assert user == {OLD: "max_split_size_mb:128"}
-    assert (rec["variable"], rec["expandable_segments"], rec["set_by"]) == (OLD, False, "environment")
-    empty = {NEW: ""}  # set but empty: torch's defaults, the user's choice
-    assert apply_default(empty, "2.13.0")["expandable_segments"] is False and empty == {NEW: ""}
-    assert in_effect({NEW: "expandable_segments:True,expandable_segments:False"}, "2.13.0")["expandable_segments"] is False
+    assert user == {NEW: "max_split_size_mb:128"}
+    assert (rec["variable"], rec["expandable_segments"], rec["set_by"]) == (NEW, False, "environment")
+    empty = {OLD: ""}  # set but empty: torch's defaults, the user's choice
+    assert apply_default(empty, "2.13.0")["expandable_segments"] is False and empty == {OLD: ""}
+    assert in_effect({OLD: "expandable_segments:True,expandable_segments:False"}, "2.13.0")["expandable_segments"] is False
 
 
 def _child(env_extra):
@@ -45,8 +61,8 @@ def _child(env_extra):
 
 
 def test_a_launched_rank_sets_it_unless_the_user_did():
-    assert _child({}) == [DEFAULT if variable() == NEW else "None", DEFAULT if variable() == OLD else "None"]
-    assert _child({OLD: "max_split_size_mb:128"}) == ["None", "max_split_size_mb:128"]
+    assert _child({}) == ["None", DEFAULT]
+    assert _child({NEW: "max_split_size_mb:128"}) == ["max_split_size_mb:128", "None"]
 
 
 def test_accelerate_config_says_how_to_launch_with_it(tmp_path):
@@ -66,9 +82,9 @@ def test_smoke_run_records_the_setting_in_effect(tmp_path, monkeypatch):
     assert rec["allocator"]["set_by"] == "lora_kit"
     assert os.environ[variable()] == DEFAULT
     monkeypatch.delenv(variable())
-    monkeypatch.setenv(OLD, "max_split_size_mb:64")
+    monkeypatch.setenv(NEW, "max_split_size_mb:64")
     smoke_run(run_dir=str(tmp_path / "b"), progress=False, simulate=False, **FAST)
     rec = json.loads((tmp_path / "b" / "smoke" / "smoke.json").read_text())["allocator"]
-    assert (rec["variable"], rec["value"], rec["expandable_segments"]) == (OLD, "max_split_size_mb:64", False)
+    assert (rec["variable"], rec["value"], rec["expandable_segments"]) == (NEW, "max_split_size_mb:64", False)
     assert rec["set_by"] == "environment"
-    assert rec["cuda_started_before"] is False and NEW not in os.environ
+    assert rec["cuda_started_before"] is False and OLD not in os.environ

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import pytest
 import yaml
@@ -28,6 +30,16 @@ STEPS = {
 LOOP = {"trl": "sft", "axolotl": "trainer", "llamafactory": "trainer"}
 
 
+def _allocator_after(launch: str, env: dict) -> tuple:
+    """Run launch.sh's allocator line in bash with ``env``: what the two variables hold after it."""
+    line = next(ln for ln in launch.splitlines() if "ALLOC_CONF" in ln and not ln.startswith("#"))
+    base = {k: v for k, v in os.environ.items() if "ALLOC_CONF" not in k}
+    out = subprocess.run(["bash", "-c", line + '; printf "%s|%s" "${PYTORCH_CUDA_ALLOC_CONF-unset}" '
+                          '"${PYTORCH_ALLOC_CONF-unset}"'], env={**base, **env}, capture_output=True, text=True,
+                         check=True).stdout
+    return tuple(out.split("|"))
+
+
 @pytest.mark.parametrize("tool", TOOLS)
 @pytest.mark.parametrize("name", sorted(STEPS))
 def test_written_config_reads_back_to_the_same_step(tool, name, tmp_path):
@@ -41,8 +53,11 @@ def test_written_config_reads_back_to_the_same_step(tool, name, tmp_path):
     back, _ = settings_from_config(job["files"]["config"], num_gpus=step.num_gpus)  # the file alone, as a user reads it
     assert back == step
     launch = job["files"]["launch"].read_text()
-    assert 'PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"' in launch
-    assert "PYTORCH_ALLOC_CONF=" in launch and job["files"]["launch"].stat().st_mode & 0o100
+    assert job["files"]["launch"].stat().st_mode & 0o100
+    assert _allocator_after(launch, {}) == ("expandable_segments:True", "unset")
+    # a variable the user set, even empty or the newer name alone, is theirs
+    assert _allocator_after(launch, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}) == ("unset", "max_split_size_mb:64")
+    assert _allocator_after(launch, {"PYTORCH_CUDA_ALLOC_CONF": ""}) == ("", "unset")
     acc = yaml.safe_load(job["files"]["accelerate"].read_text())
     assert acc["num_processes"] == step.num_gpus
     if step.sharding.startswith("zero"):

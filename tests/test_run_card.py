@@ -155,7 +155,7 @@ def test_card_says_what_nvidia_smi_will_show_and_the_allocator_to_keep(tmp_path)
     """nvidia-smi shows the device total plus the driver's share (its total minus CUDA's): added once, labelled,
     never in the verdict; the smoke run's allocator setting is named with who set it, and the user told to keep it."""
     from lora_kit.plan.gpus import get_gpu
-    alloc = {"variable": "PYTORCH_ALLOC_CONF", "value": "expandable_segments:True", "expandable_segments": True,
+    alloc = {"variable": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True", "expandable_segments": True,
              "set_by": "lora_kit", "cuda_started_before": False}
     rep, md, table = _card_dir(tmp_path, "H200", {"status": "complete", "allocator": alloc})
     v, g = rep["nvidia_smi"], get_gpu("H200")
@@ -167,19 +167,24 @@ def test_card_says_what_nvidia_smi_will_show_and_the_allocator_to_keep(tmp_path)
     assert "CUDA's total (the catalog's reading)" in section and "driver's share" in section
     assert "not counted in *fits*" in section
     smoke = md.split("## Smoke run")[1].split("## ")[0]
-    assert "expandable segments **on** (`PYTORCH_ALLOC_CONF=expandable_segments:True`, set by lora_kit)" in smoke
+    assert "expandable segments **on** (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, set by lora_kit)" in smoke
     assert "Keep this setting on the rented GPU" in smoke
     off = dict(alloc, value="", variable="PYTORCH_CUDA_ALLOC_CONF", expandable_segments=False, set_by="environment")
     (tmp_path / "l4").mkdir()
     rep, md, _ = _card_dir(tmp_path / "l4", "L4", {"status": "complete", "allocator": off})
     assert rep["nvidia_smi"]["driver_share_bytes"] is None and rep["nvidia_smi"]["nvidia_smi_used_bytes"] is None
     assert "a fallback: the catalog has no CUDA reading" in md and "catalog cannot give for this GPU" in md
-    assert "expandable segments **off**" in md and "set in your environment" in md
+    assert "expandable segments **off**" in md and "set in your environment" in md and "does not read it" not in md
     (tmp_path / "cpu").mkdir()  # a smoke run on a CPU: the setting had no effect there, and the card says so
     _, md, _ = _card_dir(tmp_path / "cpu", "H200", {"status": "complete", "allocator": alloc,
                                                     "launch": {"world_size": 1, "device": "cpu"}})
     smoke = md.split("## Smoke run")[1].split("## ")[0]
     assert "ran on a CPU, where the setting has no effect" in smoke and "Keep this setting" not in smoke
+    (tmp_path / "old").mkdir()  # torch 2.9: only the newer variable set, which its CUDA allocator ignores
+    ignored = dict(alloc, variable=None, value="", expandable_segments=False, set_by="environment",
+                   ignored=["PYTORCH_ALLOC_CONF"])
+    _, md, _ = _card_dir(tmp_path / "old", "H200", {"status": "complete", "allocator": ignored})
+    assert "`PYTORCH_ALLOC_CONF` is set, but this torch's CUDA allocator does not read it" in md
 
 
 def test_request_says_when_cuda_runs_attention_in_the_math_kernel(tmp_path):

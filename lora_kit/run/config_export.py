@@ -187,9 +187,8 @@ def launch_script(tool: str, step) -> str:
     cfg = CONFIG_NAME[tool]
     head = ["#!/usr/bin/env bash", f"# written by lora_kit: runs the planned step with {tool} on {step.num_gpus} GPU(s)",
             "set -euo pipefail", 'cd "$(dirname "$0")"',
-            "# the allocator setting the plan assumes; torch < 2.9 reads the first variable, newer torch the second",
-            f'export {OLD}="${{{OLD}:-{ALLOC}}}"',
-            f'export {NEW}="${{{NEW}:-${OLD}}}"']
+            "# the allocator setting the plan assumes, unless you set one (every torch reads this variable on CUDA)",
+            f'if [ -z "${{{OLD}+x}}${{{NEW}+x}}" ]; then export {OLD}="{ALLOC}"; fi']
     if tool == "trl":
         run = ['SFT="$(python -c \'import trl.scripts.sft as m; print(m.__file__)\')"',
                f'accelerate launch --config_file accelerate.yaml "$SFT" --config {cfg} "$@"']

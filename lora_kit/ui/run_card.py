@@ -526,6 +526,10 @@ def allocator_lines(smoke: dict | None) -> list[str]:
                              "which keeps reserved memory closer to allocated.")]
     if a.get("cuda_started_before"):
         out.append("- CUDA had started before the setting was made, so its allocator may not have read it.")
+    for name in a.get("ignored") or []:
+        out.append(f"- `{name}` is set, but this torch's CUDA allocator does not read it (torch 2.9-2.10 ignore "
+                   "`PYTORCH_ALLOC_CONF`'s expandable segments on CUDA, pytorch issue 183387): set "
+                   "`PYTORCH_CUDA_ALLOC_CONF` instead.")
     return out
 
 
