@@ -33,6 +33,9 @@ LOGS = {
                                    "training never uses the generation cache; transformers turns it off itself"),
     "transformers.modeling_layers": ("Caching is incompatible with gradient checkpointing",
                                      "the same message from the checkpointed layers"),
+    "transformers.modeling_flash_attention_utils": ("Casting fp32 inputs back to",
+                                                    "flash_attention_2 with QLoRA's fp32 q/k/v: the kit counts the "
+                                                    "cast copies and its figures' note says so"),
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",
                                       "AVX512-BF16 CPUs only: the optional hub kernel is absent (offline, or the "
                                       "`kernels` package is not installed) and bitsandbytes uses its own CPU kernel"),

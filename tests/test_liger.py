@@ -173,3 +173,22 @@ def test_the_time_model_prices_the_fused_head_by_its_chunks():
     (lora_off, lora_on), (full_off, full_on) = head(method="lora", seq_len=4096), head(method="full", seq_len=4096)
     assert lora_off < lora_on and full_off < full_on
     assert full_on - lora_on > full_off - lora_off  # the per-chunk weight-gradient product
+
+
+def test_the_emulated_head_reads_the_output_by_its_current_name():
+    """transformers 5 renamed ``past_key_values`` to ``cache``: reading the old name logs a deprecation per process."""
+    import logging
+    seen = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logger, handler = logging.getLogger("transformers.utils.generic"), Seen()
+    logger.addHandler(handler)
+    logging.Logger.warning_once.cache_clear()  # transformers logs it once per process: let this step log it again
+    try:
+        measure_config("tiny", EMBEDDED.replace(liger_kernel=True, lora_rank=2, seq_len=16, batch_size=2))
+    finally:
+        logger.removeHandler(handler)
+    assert not [m for m in seen if "deprecated" in m], seen

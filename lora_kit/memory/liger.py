@@ -309,8 +309,9 @@ def _lce_forward(self, input_ids=None, attention_mask=None, position_ids=None, p
         if labels is not None or shift_labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, shift_labels=shift_labels,
                                       vocab_size=self.config.vocab_size, **kwargs)
-    return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    cache = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"  # renamed
+    return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                  attentions=outputs.attentions, **{cache: getattr(outputs, cache, None)})
 
 
 def _with_liger_rope(forward, module):
