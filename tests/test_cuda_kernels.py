@@ -191,13 +191,16 @@ def _profiled_peak(net, batch, backend) -> int:
     return peak
 
 
-@pytest.mark.parametrize("method,layers,batch,gc", [("full", 2, 2, True),
-                                                    ("full", 2, 1, False), ("qlora", 1, 2, False)])
-def test_math_bytes_match_a_real_cpu_step(method, layers, batch, gc):
+@pytest.mark.parametrize("method,layers,batch,gc,drop", [("full", 2, 2, True, 0.0), ("full", 2, 1, False, 0.0),
+                                                         ("qlora", 1, 2, False, 0.0), ("full", 2, 2, False, 0.1),
+                                                         ("full", 2, 2, False, 0.0)])
+def test_math_bytes_match_a_real_cpu_step(method, layers, batch, gc, drop):
     """The flash step's trace plus the math kernel's arithmetic gives the math step's peak (profiler and tracker
     differ by what only one of them sees, the same in both runs: compared through the flash run). fp32 q/k/v as
     QLoRA's recipe gives them: full fine-tuning in fp32, and QLoRA itself (its bitsandbytes kernels add a few
-    scalar tensors the profiler sees: 64 bytes, as in test_tracker)."""
+    scalar tensors the profiler sees: 64 bytes, as in test_tracker). With attention dropout the flash run is at
+    p = 0 (the CPU's flash kernel takes none; CUDA's fused kernels keep the same tensors with it) and the math
+    kernel's dropout is the CPU's (an fp32 noise tensor where CUDA keeps a bool mask)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from lora_kit.memory.measure import build_real_model
@@ -205,7 +208,11 @@ def test_math_bytes_match_a_real_cpu_step(method, layers, batch, gc):
     from lora_kit.settings import as_step
     st = as_step(None, method=method, dtype="float32" if method == "full" else "bfloat16", seq_len=128,
                  batch_size=batch, gradient_checkpointing=gc)
-    net, _, batch_ = build_real_model(tiny(layers), st)
+    net, _, batch_ = build_real_model(tiny(layers, attention_dropout=drop), st)
+    attention = [m for m in net.modules() if hasattr(m, "attention_dropout")]
+    assert net.training and len(attention) == layers
+    for m in attention:
+        m.attention_dropout = 0.0
     tr = LiveBytesTracker(block=1, trace=True)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), tr:
         tr.phase = "forward"
@@ -215,8 +222,10 @@ def test_math_bytes_match_a_real_cpu_step(method, layers, batch, gc):
         del loss
     net.zero_grad(set_to_none=True)
     flash = _profiled_peak(net, batch_, SDPBackend.FLASH_ATTENTION)
+    for m in attention:
+        m.attention_dropout = drop
     math_ = _profiled_peak(net, batch_, SDPBackend.MATH)
-    fb = math_fallback_bytes(tiny(layers), st, block=1)
+    fb = math_fallback_bytes(tiny(layers, attention_dropout=drop), st, block=1, device="cpu")
     assert math_ - flash > 2 * fb.scores_bytes  # the math kernel's S x S tensors dominate these steps
     assert abs((peak_with_math(tr.trace, fb) - math_) - (tr.peak_bytes - flash)) <= (0 if method == "full" else 64)
 
@@ -327,3 +336,21 @@ def test_simulate_records_what_a_real_step_records_and_places_it():
     math = dict(torch_version_="2.11", compute_capability=9.0)
     both = ck.kernel_extra(model, sim=sim, **math, **kw)
     assert both >= max(ck.math_kernel_extra(model, sim=sim, **math, **kw), max(moments) - sim.peak_allocated_bytes)
+
+
+def test_attention_dropout_is_planned_as_cudas_fused_kernels_hold_it():
+    """A config with attention dropout: CUDA's flash / memory-efficient kernels apply it inside and hold what they
+    hold without it, so simulate plans the step at p = 0 and says so; a real CPU step runs the math kernel instead
+    (the CPU's flash kernel takes no dropout) and holds the seq x seq probabilities and noise."""
+    from lora_kit.memory.measure import measure_config
+    from lora_kit.memory.simulate import simulate
+    from lora_kit.settings import as_step
+    st = as_step(None, method="lora", dtype="bfloat16", seq_len=128, batch_size=2, padding="none",
+                 gradient_checkpointing=False)
+    with_dropout, without = simulate(tiny(2, attention_dropout=0.1), st), simulate(tiny(2), st)
+    assert with_dropout.peak_allocated_bytes == without.peak_allocated_bytes
+    assert any(n.startswith("attention_dropout=0.1: simulated at 0") for n in with_dropout.notes)
+    assert not any("attention_dropout" in n for n in without.notes)
+    cpu = measure_config(tiny(2, attention_dropout=0.1), st).peak_allocated_bytes
+    assert cpu > without.peak_allocated_bytes + 2 * 8 * 128 * 128 * 2  # at least one bf16 B x heads x S x S tensor
+    assert sdpa_call(tiny(1, attention_dropout=0.1), st).dropout == 0.1

@@ -57,7 +57,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from lora_kit.memory.device import torch_version
-from lora_kit.memory.specs import model_spec
+from lora_kit.memory.specs import attention_dropout, model_spec
 from lora_kit.settings import DTYPE_BYTES, as_step
 
 
@@ -122,7 +122,7 @@ def sdpa_call(spec, step=None, **overrides) -> SdpaCall:
                     kv_heads=spec.num_kv_heads if use_gqa else spec.num_heads, seq_q=int(st.seq_len),
                     seq_kv=int(st.seq_len), head_dim_qk=dqk, head_dim_v=dv, dtype=dtype, enable_gqa=use_gqa,
                     has_mask=has_mask, is_causal=not has_mask and st.seq_len > 1,
-                    dropout=float(_cfg_value(cfg, "attention_dropout", default=0.0) or 0.0),
+                    dropout=(attention_dropout(cfg) or ("", 0.0))[1],
                     model_kv_heads=spec.num_kv_heads)
 
 
@@ -299,9 +299,11 @@ def _shapes(c: SdpaCall) -> dict:
                 mask=L * S * 4, tril=L * S)
 
 
-def _math_events(c: SdpaCall, tv: tuple, block: int) -> dict:
+def _math_events(c: SdpaCall, tv: tuple, block: int, device: str = "cuda") -> dict:
     """Walk _scaled_dot_product_attention_math's forward and backward (attention.cpp) and the flash path the kit
-    counts; return each phase's peak and what stays, relative to the same starting point."""
+    counts; return each phase's peak and what stays, relative to the same starting point. With dropout the math
+    kernel calls ``at::dropout`` on the probabilities: on CUDA the fused ``native_dropout`` (an output and a bool
+    mask), on a CPU ``_dropout_impl`` (an fp32 noise tensor, then probabilities x noise); ``device`` picks."""
     if c.dtype != "float32":
         raise ValueError(f"math_fallback_bytes prices fp32 q/k/v (QLoRA's recipe); got {c.dtype}, whose fp32 "
                          "up-casts inside the math kernel are not modelled.")
@@ -334,6 +336,8 @@ def _math_events(c: SdpaCall, tv: tuple, block: int) -> dict:
     if tv < SAFE_SOFTMAX_REUSE_FROM:
         m.alloc("where", z["scores"]); m.free("probs"); m.sizes["probs"] = m.sizes.pop("where")
     m.free("rows", "masked", "scores")
+    if c.dropout:  # kept for backward: the mask (or noise) by dropout, the dropped probabilities by the matmul
+        m.alloc("dmask", z["masked"] if device == "cuda" else z["scores"]); m.alloc("dropped", z["scores"])
     v_saved = "vrep" if repeat else "v"
     if k_strided:
         m.alloc("vc", z["v"]); v_saved = "vc"
@@ -351,12 +355,14 @@ def _math_events(c: SdpaCall, tv: tuple, block: int) -> dict:
     # backward: o_proj's backward has released o2 and hands back its gradient, (B, S, H, Dv) contiguous
     m.free("o2"); m.alloc("g_o2", z["out"])
     m.mark()
-    if strided:
-        m.alloc("G", z["out"])  # reshape copy of the transposed gradient
+    if strided:  # reshape copy of the transposed gradient, its only use: the gradient dies with the copy made
+        m.alloc("G", z["out"]); m.free("g_o2")
     m.alloc("g_probs", z["scores"]); m.alloc("g_vrep", z["vrep"] if repeat else z["v"])
-    if strided:
-        m.free("G")
-    m.free(v_saved, "g_o2")
+    m.free(v_saved, "G" if strided else "g_o2")
+    if c.dropout:  # the matmul's gradient was the dropped probabilities'; dropout's backward scales it by the mask
+        m.free("dropped")
+        m.sizes["g_dropped"] = m.sizes.pop("g_probs")
+        m.alloc("g_probs", z["scores"]); m.free("g_dropped", "dmask")
     m.alloc("g_scores", z["scores"])  # _softmax_backward_data
     m.free("g_probs", "probs")
     m.alloc("g_qs", z["q"]); m.alloc("g_ks", z["krep"] if repeat else z["k"])
@@ -396,7 +402,7 @@ class MathFallback:
 
 
 def math_fallback_bytes(spec, step=None, *, block: int = 512, torch_version_: str | tuple | None = None,
-                        **overrides) -> MathFallback:
+                        device: str = "cuda", **overrides) -> MathFallback:
     """What the math kernel adds, as exact arithmetic over the step's shapes (see the module docstring).
 
     ``peak_extra``: without checkpointing every layer keeps ``saved_per_layer`` until its backward, so the last
@@ -405,7 +411,7 @@ def math_fallback_bytes(spec, step=None, *, block: int = 512, torch_version_: st
     the true increase is smaller: :func:`peak_with_math` places the per-call figures on a simulated step."""
     spec, st = model_spec(spec), as_step(step, **overrides)
     c = sdpa_call(spec, st)
-    ev = _math_events(c, torch_version(torch_version_), block)
+    ev = _math_events(c, torch_version(torch_version_), block, device)
     saved = ev["saved"] - ev["flash_saved"]
     fwd = ev["fwd_peak"] - ev["flash_fwd_peak"]
     bwd = ev["bwd_peak"] - ev["flash_bwd_peak"]

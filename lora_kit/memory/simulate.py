@@ -28,6 +28,10 @@ Limits (stated, measured where possible by ``benchmarks/gpu_validate.py``):
 - the kernels are the CPU ones: SDPA takes the CPU flash-attention path (saves the output and an
   fp32 logsumexp, like CUDA's flash / memory-efficient kernels); autocast follows the CPU autocast
   op lists, which differ from CUDA's in a few ops;
+- attention dropout (a config's ``attention_dropout`` > 0) with SDPA is simulated at p = 0: CUDA's fused kernels
+  apply it inside the kernel and keep what they keep without it (plus a 16-byte RNG state), while the CPU's flash
+  kernel takes no dropout, so a real CPU step runs the math kernel and holds ``seq x seq`` probabilities and their
+  dropout mask per head (``measure_config`` measures that; :func:`attention_dropout` names the field);
 - memory allocated inside kernels (cuBLAS / cuDNN workspaces, NCCL buffers) is not a tensor and is
   not seen; nor are the tensors an opaque operator makes and frees inside itself (bitsandbytes' 4-bit matmul
   dequantises its weight there, on the CPU and in CUDA's path for training-sized micro-batches): ``trace=True``
@@ -52,6 +56,7 @@ Limits (stated, measured where possible by ``benchmarks/gpu_validate.py``):
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -66,7 +71,7 @@ from lora_kit.memory.device import device_kwargs, device_total
 from lora_kit.memory.flash_attention import values_known
 from lora_kit.memory.measure import check_liger, step_batch
 from lora_kit.memory.sharded import check_simulable, simulate_sharded
-from lora_kit.memory.specs import check_model_step, load_config, model_spec
+from lora_kit.memory.specs import attention_dropout, check_model_step, load_config, model_spec
 from lora_kit.memory.tracker import LiveBytesTracker
 from lora_kit.noise import quieted_call
 from lora_kit.settings import Step, as_step
@@ -286,6 +291,10 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
     cfg = load_config(model)
     if s.liger_kernel:
         check_liger(cfg, s)
+    drop = attention_dropout(cfg) if s.attn_implementation == "sdpa" else None
+    if drop:
+        cfg = copy.deepcopy(cfg)
+        setattr(cfg, drop[0], 0.0)
     net = _meta_model(cfg, s)
     with torch.device("meta"):
         net = attach_adapter(net, method, 0, s.lora_rank, s.lora_alpha, s.lora_dropout, s.lora_targets,
@@ -334,6 +343,9 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
         notes.append("liger_kernel: Liger's RoPE, RMSNorm, SwiGLU and fused linear cross-entropy as their Python code "
                       "allocates and saves (lora_kit.memory.liger); RMSNorm's backward buffer sized for "
                       f"{liger.RMS_NORM_SM_COUNT} SMs (an H100-SXM / H200).")
+    if drop:
+        notes.append(f"{drop[0]}={drop[1]:g}: simulated at 0, as CUDA's fused attention kernels hold the same tensors "
+                     "with dropout; a CPU step runs SDPA's math kernel instead and holds more.")
     if autocast:
         notes.append("autocast follows the CPU autocast op lists (CUDA's differ in a few ops).")
     if s.kbit_prepared:

@@ -299,6 +299,18 @@ def spec_from_config(c: dict, name: str = "") -> ModelSpec:
         norm_upcast=mt in ("gemma", "gemma2"), config=dict(c))
 
 
+ATTENTION_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop")  # transformers' attention modules read these
+
+
+def attention_dropout(cfg) -> tuple[str, float] | None:
+    """(field, p) of the config's attention dropout when it is above 0 (transformers applies it in training)."""
+    for name in ATTENTION_DROPOUT_FIELDS:
+        p = cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
+        if isinstance(p, (int, float)) and p > 0:
+            return name, float(p)
+    return None
+
+
 def _rotary_fraction(c: dict) -> float:
     """The share of each head's dimensions rotary embeddings turn (1.0 but for partial rotary: GPT-NeoX, Phi)."""
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
