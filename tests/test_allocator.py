@@ -99,6 +99,16 @@ def test_expandable_segments_unmap_free_pages_before_out_of_memory():
     assert (s.num_alloc_retries, s.max_reserved, s.reserved) == (1, 40 * MIB, 2 * MIB)
 
 
+def test_expandable_segments_fill_a_released_hole_before_growing_at_the_end():
+    """find_expandable_block takes the lowest-address unmapped range with room, with the free block before it: the
+    pages released at the retry of a4 (20-60 MiB, leaving 10-20 MiB mapped and free) take a5 with one more page,
+    where growing at the end (after a4, handed out) would need two and run out of memory."""
+    events = [a(1, 10 * MIB), a(2, 50 * MIB), a(3, 5 * MIB), f(2), a(4, 55 * MIB), a(5, 30 * MIB)]
+    s = run(*events, capacity=100 * MIB, expandable_segments=True)
+    assert (s.num_alloc_retries, s.num_ooms, s.max_reserved, s.reserved) == (1, 0, 100 * MIB, 100 * MIB)
+    assert s.allocated == (10 + 5 + 55 + 30) * MIB
+
+
 def _step(model, opt, ids):
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()

@@ -20,9 +20,10 @@ its public rules, one stream, no CUDA graphs. Each rule names the function it fo
   ``max_split_size_mb``: free oversize cached segments) and retry, then ``release_cached_blocks`` (free every cached
   segment that is wholly free, as ``empty_cache``; counted in ``num_alloc_retries``) and retry; then out of memory.
 - ``expandable_segments:True`` (``find_expandable_block``, ``map_block``, ``unmap_block``): each pool keeps one
-  segment of virtual addresses whose physical pages (2 MiB small, 20 MiB large) are mapped on demand at its end; a
-  request that no free block holds maps just the pages it lacks, merged with a free block at the end, so reserved
-  grows by pages, not by segments; releasing unmaps the whole pages inside free blocks.
+  segment of virtual addresses whose physical pages (2 MiB small, 20 MiB large) are mapped on demand; a request that
+  no free block holds maps just the pages it lacks in the lowest-address unmapped range that has room (with the free
+  block before it; a hole left by releasing comes before the end), merged with free neighbours, so reserved grows by
+  pages, not by segments; releasing unmaps the whole pages inside free blocks.
 - Statistics: ``allocated`` is the sum of handed-out block sizes (a block not split counts whole), ``reserved`` the
   sum of segments (mapped pages), ``inactive_split`` the free blocks of split segments (not counted for expandable
   segments, whose free space is unmapped rather than split).
@@ -212,38 +213,59 @@ class CachingAllocator:
 
     # -- expandable segments ----------------------------------------------------------------------
     def _expand(self, small: bool, size: int):
+        """``try_allocate_expandable_block``: the block :meth:`_find_expandable` picks, its unmapped part mapped page by
+        page until it holds ``size``; None when the pages do not fit the capacity."""
         page = SMALL_BUFFER if small else LARGE_BUFFER
-        if small not in self._es:
+        if small not in self._es:  # one virtual range per pool, as large as the device: never exhausted here
             self._es[small] = _Block(next(self._next_base) * SEGMENT_GAP, NO_LIMIT, small, "es", mapped=False)
             self.stats.segments += 1
-        tail = self._es[small]
-        while tail.next:
-            tail = tail.next
-        if tail.mapped:  # the whole virtual range is mapped
-            return None
-        head = tail.prev if tail.prev and tail.prev.mapped and not tail.prev.allocated else None
-        if head is not None and head.size >= size:  # passed over by get_free_block's max_split_size rules
-            self._remove(head)
-            return head
-        need = -(-(size - (head.size if head else 0)) // page) * page
+        c = self._find_expandable(small, size)
+        if not c.mapped:
+            c = self._map(c, min(c.size, size), page)
+        while c is not None and c.size < size:  # free -> unmapped -> ...: map the next range, merged into c
+            c = self._map(c.next, min(size - c.size, c.next.size), page)
+        if c is not None:
+            self._remove(c)
+        return c
+
+    def _find_expandable(self, small: bool, size: int) -> _Block:
+        """``find_expandable_block``: the lowest-address unmapped range (with the free block before it, when there is
+        one) whose run of blocks not handed out adds up to ``size``: a hole left by :meth:`_unmap` comes first."""
+        u = self._es[small]
+        while True:
+            if not u.mapped:
+                c = u.prev if u.prev is not None and not u.prev.allocated else u
+                room, x = 0, c
+                while room < size and x is not None and not x.allocated:
+                    room, x = room + x.size, x.next
+                if room >= size:
+                    return c
+            u = u.next
+
+    def _map(self, u: _Block, n: int, page: int):
+        """``map_block``: map the whole pages covering the first ``n`` bytes of unmapped block ``u`` (the rest stays
+        unmapped after it), merge with free mapped neighbours and return the free block; None beyond capacity."""
+        need = min(-(-n // page) * page, u.size)
         if self.stats.reserved + need > self.capacity:
             return None
         self._reserve(need)
-        new = _Block(tail.addr, need, small, "es")
-        new.prev, new.next, tail.prev = tail.prev, tail, new
-        if new.prev:
-            new.prev.next = new
-        else:
-            self._es[small] = new
-        tail.addr, tail.size = tail.addr + need, tail.size - need
-        if head:  # merge the free block before the new pages into them
-            self._remove(head)
-            new.addr, new.size, new.prev = head.addr, head.size + need, head.prev
-            if head.prev:
-                head.prev.next = new
-            else:
-                self._es[small] = new
-        return new
+        if u.size > need:
+            rest = _Block(u.addr + need, u.size - need, u.small, "es", mapped=False)
+            rest.prev, rest.next = u, u.next
+            if u.next:
+                u.next.prev = rest
+            u.next, u.size = rest, need
+        u.mapped = True
+        for nb in (u.prev, u.next):
+            if nb is not None and nb.mapped and not nb.allocated and nb.addr in self._at:
+                self._remove(nb)
+                if nb is u.prev:
+                    self._join(nb, u)
+                    u = nb
+                else:
+                    self._join(u, nb)
+        self._insert(u)
+        return u
 
     def _unmap(self, b: _Block) -> None:
         """Unmap the whole pages inside free block ``b`` (``unmap_block``)."""
