@@ -256,16 +256,20 @@ class CachingAllocator:
                 u.next.prev = rest
             u.next, u.size = rest, need
         u.mapped = True
-        for nb in (u.prev, u.next):
-            if nb is not None and nb.mapped and not nb.allocated and nb.addr in self._at:
+        return self._merge_and_insert(u)
+
+    def _merge_and_insert(self, b: _Block) -> _Block:
+        """``try_merge_blocks`` with both neighbours (free, mapped alike), then into the free list; the merged block."""
+        for nb in (b.prev, b.next):
+            if nb is not None and not nb.allocated and nb.mapped == b.mapped and nb.addr in self._at:
                 self._remove(nb)
-                if nb is u.prev:
-                    self._join(nb, u)
-                    u = nb
+                if nb is b.prev:
+                    self._join(nb, b)
+                    b = nb
                 else:
-                    self._join(u, nb)
-        self._insert(u)
-        return u
+                    self._join(b, nb)
+        self._insert(b)
+        return b
 
     def _unmap(self, b: _Block) -> None:
         """Unmap the whole pages inside free block ``b`` (``unmap_block``)."""
@@ -310,15 +314,7 @@ class CachingAllocator:
             return  # a zero-byte or unknown allocation
         b.allocated = False
         self.stats.allocated -= b.size
-        for nb in (b.prev, b.next):
-            if nb is not None and not nb.allocated and nb.mapped == b.mapped and nb.addr in self._at:
-                self._remove(nb)
-                if nb is b.prev:
-                    self._join(nb, b)
-                    b = nb
-                else:
-                    self._join(b, nb)
-        self._insert(b)
+        self._merge_and_insert(b)
 
     # -- releasing cached memory --------------------------------------------------------------------
     def _release_cached_blocks(self) -> None:
