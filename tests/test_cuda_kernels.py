@@ -354,3 +354,29 @@ def test_attention_dropout_is_planned_as_cudas_fused_kernels_hold_it():
     cpu = measure_config(tiny(2, attention_dropout=0.1), st).peak_allocated_bytes
     assert cpu > without.peak_allocated_bytes + 2 * 8 * 128 * 128 * 2  # at least one bf16 B x heads x S x S tensor
     assert sdpa_call(tiny(1, attention_dropout=0.1), st).dropout == 0.1
+
+
+def test_estimate_says_when_the_math_kernel_breaks_the_verdict(capsys):
+    """A user trial: `estimate` said "fits" while its note said the math kernel needs more than the card holds.
+    The JSON carries the verdict with the math kernel (fit_math_kernel), the text says it; with the note's fix
+    (autocast) there is none."""
+    import json
+
+    from lora_kit.memory.cuda_kernels import EFFICIENT_GQA_FROM, torch_version
+    from lora_kit.ui.cli import main
+    argv = ["estimate", "--model", "llama-3.1-8b", "--method", "qlora", "--gpu", "H100-SXM", "--seq-len", "8192",
+            "--batch-size", "2"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    math = out["fit_math_kernel"]
+    if torch_version() >= EFFICIENT_GQA_FROM:  # the memory-efficient kernel takes fp32 with grouped K/V
+        assert math == {}
+        return
+    fb = math_fallback_bytes("llama-3.1-8b", seq_len=8192, batch_size=2, method="qlora")
+    assert out["fit"]["fits"] and not math["fits"] and math["extra_bytes"] == fb.peak_extra
+    assert math["device_total_bytes"] > out["device_total_bytes"] + fb.peak_extra * 0.99
+    assert main(argv) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "CUDA runs this attention in the math kernel (see the note): up to" in text and "does NOT fit" in text
+    assert main(argv + ["--json", "--autocast", "true"]) == 0
+    assert json.loads(capsys.readouterr().out)["fit_math_kernel"] == {}

@@ -7,7 +7,7 @@ import pytest
 
 from lora_kit.memory.estimate import estimate
 from lora_kit.plan import time_constants
-from lora_kit.plan.planner import compare_methods
+from lora_kit.plan.planner import compare_methods, placeholder_epoch
 from lora_kit.plan.records import PLAN_BATCH, plan_record, sweeps_record
 from lora_kit.plan.timing import TimeModel
 
@@ -19,7 +19,7 @@ def test_plan_record_states_every_assumption_and_is_json():
     a = rec["assumptions"]
     assert a["dtype"] == "bfloat16" and a["gradient_checkpointing"] is True and a["lora_rank"] == 8
     assert a["optimizer"] == "adamw" and a["seq_len"] == 2048 and "method" not in a
-    assert rec["epoch"] == {"examples": 10_000, "tokens": 10_000 * 2048, "note": "each example padded to seq_len"}
+    assert rec["epoch"] == placeholder_epoch(10_000, 2048) and "a placeholder, not your data" in rec["epoch"]["note"]
     assert rec["batch_size"] == PLAN_BATCH and len(rec["rows"]) == len(table) == 6
     assert rec["recommendation"] == table.attrs["recommendation"]
     unfit = [r for r in rec["rows"] if not r["fits"]]
@@ -37,7 +37,7 @@ def test_sweeps_record_keeps_the_estimate_and_its_settings():
 def test_plan_record_takes_the_epoch_and_margin_the_table_used():
     table = compare_methods("llama-3.1-8b", gpus=["A100-80GB"], seq_len=1024, num_examples=500, margin=0.2)
     rec = plan_record(table, "llama-3.1-8b", seq_len=1024, margin=0.2)
-    assert rec["epoch"] == {"examples": 500, "tokens": 500 * 1024, "note": "each example padded to seq_len"}
+    assert rec["epoch"] == placeholder_epoch(500, 1024) and rec["epoch"]["tokens"] == 500 * 1024
     assert rec["margin"] == 0.2
     packed = compare_methods("llama-3.1-8b", gpus=["A100-80GB"], seq_len=1024, dataset_tokens=3_000_000)
     assert plan_record(packed, "llama-3.1-8b", seq_len=1024)["epoch"]["tokens"] == 3_000_000

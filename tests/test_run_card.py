@@ -165,6 +165,8 @@ def test_card_says_what_nvidia_smi_will_show_and_the_allocator_to_keep(tmp_path)
     assert v["cuda_capacity_bytes"] == g["cuda_capacity_bytes"] and v["nvidia_smi_total_bytes"] == g["capacity_bytes"]
     section = md.split("### What nvidia-smi will show")[1].split("##")[0]
     assert "CUDA's total (the catalog's reading)" in section and "driver's share" in section
+    b = int(table["batch_size"].iloc[0])  # the micro-batch the figures are for, named (a user's differs)
+    assert f"at micro-batch {b} x seq_len {rep['plan']['seq_len']:,} (the plan's: the largest that fits)" in section
     assert "not counted in *fits*" in section
     smoke = md.split("## Smoke run")[1].split("## ")[0]
     assert "expandable segments **on** (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, set by lora_kit)" in smoke

@@ -99,7 +99,7 @@ class Stats:
 
 class CachingAllocator:
     """The allocator's state. ``capacity``: bytes it may reserve (the CUDA total less the context and whatever else
-    lives outside torch); ``expandable_segments`` and ``max_split_size_mb`` as in ``PYTORCH_ALLOC_CONF``."""
+    lives outside torch); ``expandable_segments`` and ``max_split_size_mb`` as in ``PYTORCH_CUDA_ALLOC_CONF``."""
 
     def __init__(self, capacity: int | None = None, expandable_segments: bool = False,
                  max_split_size_mb: int | None = None, max_non_split_rounding_mb: int | None = None):

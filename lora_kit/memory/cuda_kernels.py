@@ -534,6 +534,16 @@ def kernel_extra(model, step=None, *, sim, torch_version_: str | tuple | None = 
     return max(0, peak_with_math(sim.trace, fb, temporaries=sim.temporaries) - sim.peak_allocated_bytes)
 
 
+def math_kernel_bound(model, step=None, *, torch_version_: str | tuple | None = None, compute_capability: float = 9.0,
+                      **overrides) -> int | None:
+    """None where CUDA runs this step's attention in a fused kernel (or on inputs the arithmetic does not price);
+    else the most its math kernel adds to the step's peak (:class:`MathFallback`'s ``peak_extra``: exact when the
+    peak is in attention, an upper bound otherwise; :func:`math_kernel_extra` places it on a simulated step)."""
+    spec, st = model_spec(model), as_step(step, **overrides)
+    applies, fb = _math_fallback(spec, st, torch_version_, compute_capability)
+    return fb.peak_extra if applies and fb is not None else None
+
+
 def cuda_attention_note(model, step=None, *, torch_version_: str | tuple | None = None,
                         compute_capability: float = 9.0, peak_bytes: int | None = None, sim=None,
                         exact: bool = False, **overrides) -> str | None:

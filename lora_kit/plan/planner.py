@@ -404,6 +404,39 @@ def expandable_fit(model, step: Step, est, gpu: str, margin: float) -> dict:
     return {"device_total_bytes": total, "fits": bool(v["fits"]), "headroom_bytes": float(v["headroom_bytes"])}
 
 
+def math_kernel_fit(model, step: Step, est, gpu: str, margin: float) -> dict:
+    """When CUDA would run this step's attention in the math kernel on ``gpu``
+    (:func:`lora_kit.memory.cuda_kernels.math_kernel_bound`, the installed torch's dispatch rules): the device total
+    with at most what it adds, and that total's fit verdict: ``{"extra_bytes", "device_total_bytes", "fits",
+    "headroom_bytes"}`` ({} otherwise). *Fits* counts the fused kernel, which the note's fix gives; this says
+    whether the step as configured fits too."""
+    from lora_kit.memory.cuda_kernels import math_kernel_bound
+    from lora_kit.memory.device import device_kwargs, device_total
+    if not isinstance(gpu, str) or device_of(gpu)["total"] != "device_total_bytes":
+        return {}
+    extra = math_kernel_bound(model, step, compute_capability=compute_capability(gpu, unknown=8.0))
+    if not extra:
+        return {}
+    total = int(device_total(est.peak_allocated_bytes + extra, **device_kwargs(model_spec(model), step)))
+    v = fit_verdict(total, gpu, margin)
+    return {"extra_bytes": int(extra), "device_total_bytes": total, "fits": bool(v["fits"]),
+            "headroom_bytes": float(v["headroom_bytes"])}
+
+
+def math_kernel_sentence(fit: dict, math: dict) -> str:
+    """One sentence, or "": what the verdict becomes with the math kernel CUDA would run (:func:`math_kernel_fit`)."""
+    if not math:
+        return ""
+    if not math["fits"]:
+        return (f"As configured, CUDA runs this attention in the math kernel (see the note): up to "
+                f"{math['device_total_bytes'] / GIB:.2f} GiB, which does NOT fit (headroom "
+                f"{math['headroom_bytes'] / GIB:+.2f} GiB)" + ("; the verdict above holds with the note's fix."
+                                                              if fit["fits"] else "."))
+    return (f"As configured, CUDA runs this attention in the math kernel (see the note): up to "
+            f"{math['device_total_bytes'] / GIB:.2f} GiB, which still fits (headroom "
+            f"{math['headroom_bytes'] / GIB:+.2f} GiB), slower.")
+
+
 def expandable_sentence(plan: dict) -> str:
     """One sentence, or "": a plan that does not fit under the default allocator setting but fits with expandable
     segments (``plan["expandable"]`` of :func:`check_plan`)."""
@@ -412,7 +445,7 @@ def expandable_sentence(plan: dict) -> str:
         return ""
     return (f"With expandable_segments:True, which lora-kit's GPU path sets, it needs "
             f"{ex['device_total_bytes'] / GIB:.2f} GiB and fits (headroom {ex['headroom_bytes'] / GIB:.2f} GiB): "
-            "set it in your own trainer too (PYTORCH_ALLOC_CONF, or PYTORCH_CUDA_ALLOC_CONF before torch 2.9).")
+            "set it in your own trainer too (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).")
 
 
 def check_plan(model, gpu: str, margin: float = 0.10, step: Step | None = None, **overrides) -> dict:
@@ -496,9 +529,15 @@ def _epoch(epoch, num_examples, dataset_tokens, seq_len) -> dict:
         if dataset_tokens <= 0:
             raise ValueError(f"dataset_tokens must be positive, got {dataset_tokens!r}.")
         return {"examples": None, "tokens": int(dataset_tokens), "note": "dataset_tokens packed into rows of seq_len"}
-    # no "source": the placeholder until the smoke run has read the user's data (the run card says so)
+    return placeholder_epoch(num_examples, seq_len)
+
+
+def placeholder_epoch(num_examples: int, seq_len: int) -> dict:
+    """The epoch a plan assumes before the smoke run has read the user's data: ``num_examples`` padded to
+    ``seq_len``, labelled as such (no ``source``: the run card recomputes it from the data)."""
     return {"examples": int(num_examples), "tokens": int(num_examples) * int(seq_len),
-            "note": "each example padded to seq_len"}
+            "note": f"a placeholder, not your data: {int(num_examples):,} examples (num_examples), each padded to "
+                    "seq_len; the run card recomputes the epoch from your dataset once the smoke run has read it"}
 
 
 def steps_per_epoch(epoch: dict, batch_size: int, seq_len: int, num_gpus: int, grad_accum: int) -> int:

@@ -13,6 +13,7 @@ import pandas as pd
 
 from lora_kit.plan.gpus import compute_capability, get_gpu
 from lora_kit.plan.multi_gpu import OUTPUT_DIR, multi_gpu_plan
+from lora_kit.plan.planner import placeholder_epoch
 from lora_kit.settings import Step, as_step
 
 PLAN_BATCH = "largest micro-batch that fits (up to 64)"
@@ -47,8 +48,7 @@ def plan_record(table: pd.DataFrame, model: str, step: Step | None = None, num_e
     assumptions = {k: v for k, v in assumed.to_dict().items()
                    if k not in ("method", "batch_size", "lora_alpha", "grad_accum")}
     rows = [{k: _clean(v) for k, v in r.items()} for r in table.to_dict(orient="records")]
-    epoch = table.attrs.get("epoch") or {"examples": int(num_examples), "tokens": int(num_examples) * int(seq_len),
-                                         "note": "each example padded to seq_len"}
+    epoch = table.attrs.get("epoch") or placeholder_epoch(num_examples, seq_len)
     out = {"model": model, "seq_len": int(seq_len), "batch_size": PLAN_BATCH, "assumptions": assumptions,
            "margin": margin, "epoch": dict(epoch),
            "recommendation": table.attrs.get("recommendation", ""), "time_model": table.attrs.get("time_model", ""),

@@ -10,9 +10,9 @@
 - ``accelerate.yaml``: the accelerate config the kit writes (:mod:`lora_kit.run.accelerate_config`) with the GPU
   count (TRL and axolotl launch through ``accelerate launch``; LLaMA-Factory through ``llamafactory-cli``, told the
   GPU count by ``NPROC_PER_NODE``);
-- ``launch.sh``: sets the CUDA allocator to ``expandable_segments:True`` through both environment variables
-  (``PYTORCH_CUDA_ALLOC_CONF``, which torch before 2.9 reads, and ``PYTORCH_ALLOC_CONF``, which newer torch
-  reads; the rented machine's torch is unknown) unless the user set them, then launches.
+- ``launch.sh``: sets the CUDA allocator to ``expandable_segments:True`` through ``PYTORCH_CUDA_ALLOC_CONF``, the
+  variable every torch reads on CUDA (:mod:`lora_kit.run.alloc_conf`), unless the user set it or
+  ``PYTORCH_ALLOC_CONF``, then launches.
 
 What the tool cannot express is said, never hidden: :func:`write_job` reads the written config back with
 :func:`lora_kit.plan.config_import.settings_from_config` and returns the step the job runs and every field where

@@ -24,7 +24,8 @@ from lora_kit.memory.estimate import estimate
 from lora_kit.memory.specs import allow_model_code, model_is_local, model_spec
 from lora_kit.noise import quiet
 from lora_kit.plan.gpus import compute_capability
-from lora_kit.plan.planner import expandable_fit, expandable_sentence, fit_verdict, plan_note
+from lora_kit.plan.planner import (expandable_fit, expandable_sentence, fit_verdict, math_kernel_fit,
+                                   math_kernel_sentence, plan_note)
 from lora_kit.results import check_run_name, signal_name
 from lora_kit.settings import (LORA_FIELDS, PLANNING, STEP_FIELDS, as_step, check_names, coerce_value, default_of,
                                field_help, field_names, load_settings, parse_bool, read_params)
@@ -204,6 +205,7 @@ def cmd_estimate(args) -> int:
         fit = fit_verdict(est.device_total_bytes, plan["gpu"], plan["margin"])
         torch_reports = est.cuda_allocated_bytes(compute_capability(fit["gpu"]))
         expandable = expandable_fit(plan["model"], plan["step"], est, fit["gpu"], plan["margin"])
+        math_fit = math_kernel_fit(plan["model"], plan["step"], est, fit["gpu"], plan["margin"])
         note = plan_note(plan["model"], plan["step"], fit["gpu"], est.peak_allocated_bytes)
     except ValueError as exc:
         print(f"lora-kit estimate: {exc}", file=sys.stderr)
@@ -213,7 +215,7 @@ def cmd_estimate(args) -> int:
                "margin": plan["margin"],
                "peak_allocated_bytes": est.peak_allocated_bytes, "device_total_bytes": est.device_total_bytes,
                "allocator": "default", "device_total_expandable_bytes": expandable["device_total_bytes"],
-               "fit_expandable": expandable,
+               "fit_expandable": expandable, "fit_math_kernel": math_fit,
                "cuda_allocated_bytes": torch_reports, "breakdown": est.breakdown, "phase": est.phase, "memory_model": est.memory_model, "fit": fit,
                "note": note}
         if report is not None:  # what the config set that the plan does not model, or that does not matter
@@ -255,9 +257,9 @@ def cmd_estimate(args) -> int:
     basis = "from the vendor's GB" if fit["capacity_basis"].startswith("fallback") else "CUDA-visible"  # judged on
     print(f"  {fit['gpu']}: {verdict} with a {plan['margin']:.0%} margin "
           f"(headroom {fit['headroom_bytes'] / GiB:+.2f} GiB of {fit['cuda_capacity_bytes'] / GiB:.1f} GiB {basis})")
-    ex = expandable_sentence({"fits": fit["fits"], "expandable": expandable})
-    if ex:
-        print(textwrap.fill(ex, width=110, initial_indent="  ", subsequent_indent="    "))
+    for ex in (math_kernel_sentence(fit, math_fit), expandable_sentence({"fits": fit["fits"], "expandable": expandable})):
+        if ex:
+            print(textwrap.fill(ex, width=110, initial_indent="  ", subsequent_indent="    "))
     if note:
         print(textwrap.fill(f"note: {note}", width=110, initial_indent="  ", subsequent_indent="    "))
     return 0

@@ -17,7 +17,7 @@ from lora_kit.data import LONG_SHARE_WARN, long_examples_line
 from lora_kit.plan import time_constants
 from lora_kit.plan.gpus import compute_capability, get_gpu
 from lora_kit.plan.planner import epoch_columns, epoch_from_data, hours_text, money_text, reprice
-from lora_kit.plan.records import plan_row
+from lora_kit.plan.records import PLAN_BATCH, plan_row
 from lora_kit.plan.timing import calibrate
 from lora_kit.results import (portable, portable_text, read_record, same_run, settled, write_json_atomic,
                               write_text_atomic)
@@ -232,7 +232,14 @@ def assumption_lines(plan: dict, epoch_time_: dict | None = None) -> list[str]:
 
 
 def _epoch_size(ep: dict) -> str:
-    return (f"{ep['examples']:,} examples = " if ep.get("examples") else "") + f"{ep.get('tokens', 0):,} tokens"
+    """"N examples = T tokens" (padded rows: T counts the padding); the user's padded rows: "N examples (T tokens
+    of text, before padding)"; packed: "T tokens"."""
+    tokens = f"{ep.get('tokens', 0):,} tokens"
+    if not ep.get("examples") or ep.get("packed"):
+        return tokens
+    if ep.get("source") == "yours":
+        return f"{ep['examples']:,} examples ({tokens} of text, before padding)"
+    return f"{ep['examples']:,} examples = {tokens}"
 
 
 def longest_line(sweeps: dict | None) -> str | None:
@@ -444,7 +451,8 @@ def nvidia_smi_view(card: dict) -> dict | None:
     process = total + paged
     peak = int(row["peak_gib"] * GiB) if row.get("peak_gib") is not None else None
     expandable = _reserved_expandable(plan, row, peak)
-    return {"method": row["method"], "gpu": g["name"], "device_total_bytes": total,
+    return {"method": row["method"], "gpu": g["name"], "device_total_bytes": total, "batch_size": row.get("batch_size"),
+            "seq_len": plan.get("seq_len"), "largest_batch": plan.get("batch_size") == PLAN_BATCH,
             "reserved_expandable_bytes": expandable,
             "device_total_expandable_bytes": None if expandable is None else context + expandable + outside,
             "peak_allocated_bytes": peak,
@@ -457,6 +465,15 @@ def nvidia_smi_view(card: dict) -> dict | None:
             "nvidia_smi_used_bytes": process + share if share is not None else None}
 
 
+def _micro_batch(view: dict) -> str:
+    """", at micro-batch B x seq_len S (the plan's row)", or "" where the row does not say."""
+    b, sl = view.get("batch_size"), view.get("seq_len")
+    if not isinstance(b, (int, float)) or b != b:
+        return ""
+    return f", at micro-batch {int(b)}" + (f" x seq_len {int(sl):,}" if isinstance(sl, (int, float)) else "") + \
+        (" (the plan's: the largest that fits)" if view.get("largest_batch") else "")
+
+
 def nvidia_smi_lines(view: dict | None) -> list[str]:
     """:func:`nvidia_smi_view` in words, each figure labelled with what it is."""
     if not view:
@@ -464,7 +481,7 @@ def nvidia_smi_lines(view: dict | None) -> list[str]:
     basis = ("CUDA's total (the catalog's reading)" if not str(view["capacity_basis"]).startswith("fallback")
              else "the vendor's GB x 1e9, a fallback: the catalog has no CUDA reading for this GPU")
     out = ["### What nvidia-smi will show", "",
-           f"{method_label(view['method'])} on {view['gpu']}: the plan's device total is "
+           f"{method_label(view['method'])} on {view['gpu']}{_micro_batch(view)}: the plan's device total is "
            f"**{_gib(view['device_total_bytes'])}** per GPU (what the training process adds to the card: CUDA "
            f"context, torch's reserved memory, memory outside its allocator); *fits* compares it with "
            f"{_gib(view['cuda_capacity_bytes'])} less the safety margin, {basis}.", "",
