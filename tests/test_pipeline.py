@@ -34,6 +34,8 @@ def test_cli_estimate_json_matches_library(capsys):
     (["estimate", "--model", "no-such-model-xyz"], "no-such-model-xyz"),
     (["run", "-p", "sequence_length", "128"], "valid settings are"),
     (["run", "--sharding", "fsdp"], "needs num_gpus > 1"),
+    # a user trial: a mistyped target trained only q_proj and completed with exit code 0
+    (["run", "--only", "03", "-p", "lora_targets", "q_proj,v_projj"], "did you mean 'v_proj' for 'v_projj'?"),
 ])
 def test_cli_bad_input_says_what_to_change(argv, msg, capsys, tmp_path):
     assert main(argv + (["--runs-dir", str(tmp_path)] if argv[0] == "run" else [])) == 2

@@ -16,6 +16,7 @@ tree; the activation model then assumes a Llama-like block and is less exact. Sp
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass, field
@@ -165,7 +166,6 @@ def moe_facts(c: dict) -> dict:
 def _unknown_model(model: str, cat: dict, why: str) -> str:
     """The error for a model that is neither a catalog name nor a local path: why, then the catalog names
     that look like it (or a few examples) and the other forms ``model`` may take."""
-    import difflib
     key = model.lower()
     like = [n for n in cat if key in n] or difflib.get_close_matches(key, list(cat), n=8, cutoff=0.5)
     names = (f"Catalog names like it: {', '.join(like)}" if like else
@@ -495,8 +495,10 @@ def check_targets(spec, method: str, lora_rank, lora_targets, attn_implementatio
     wanted = names if lora_targets == "all-linear" else [lora_targets] if isinstance(lora_targets, str) else lora_targets
     unknown = [t for t in wanted if t not in names]
     if unknown:
+        close = {t: difflib.get_close_matches(t, names, n=1) for t in unknown}
+        hint = "; ".join(f"did you mean {c[0]!r} for {t!r}?" for t, c in close.items() if c)
         raise ValueError(f"lora_targets {unknown} are not linear layers of {spec.name} ({spec.model_type}); "
-                         f"valid names: {names} or 'all-linear'.")
+                         f"valid names: {names} or 'all-linear'" + (f" ({hint})" if hint else "") + ".")
     targets = tuple(n for n in names if n in wanted)
     experts = set(targets) - {lin.name for lin in spec.linears}  # names that reach only a MoE's experts or router
     floor = min(spec.hidden_size, spec.moe["expert_intermediate_size"]) if experts and spec.moe else 1

@@ -267,6 +267,7 @@ def check_runnable(s, world: int | None = None, memory_limit_bytes: int | None =
     world = dist_util.world_size() if world is None else world
     problems = [msg for name in STEP_FIELDS if RUNS[name][1] is not None
                 for msg in [RUNS[name][1](s, world)] if msg]
+    problems += _model_problems(s)
     if memory_limit_bytes is not None and s.loop != "kit":
         problems.append(f"memory_limit_bytes (an emulated device) runs the kit's loop only; loop={s.loop!r}: drop "
                         "memory_limit_bytes, or set loop='kit'")
@@ -281,6 +282,21 @@ def check_runnable(s, world: int | None = None, memory_limit_bytes: int | None =
         raise ValueError(f"the smoke run cannot run {'these settings' if len(problems) > 1 else 'this setting'}: "
                          + "; ".join(problems) + ". Nothing was loaded.")
     return config
+
+
+def _model_problems(s) -> list[str]:
+    """The step checks that need the model (``lora_kit.memory.specs.check_targets``: LoRA target names, rank,
+    attention implementation), where its config can be read here; a model that cannot is left to the load."""
+    from lora_kit.memory.specs import check_targets, model_spec
+    try:
+        spec = model_spec(s.model)
+    except (ValueError, OSError):
+        return []
+    try:
+        check_targets(spec, s.method, s.lora_rank, s.lora_targets, s.attn_implementation)
+    except ValueError as e:
+        return [str(e).rstrip(".")]
+    return []
 
 
 def _settings(settings, overrides):
