@@ -540,7 +540,8 @@ def coerce_value(name: str, value: Any) -> Any:
         try:
             return type(default)(value) if isinstance(default, float) else int(value)
         except ValueError:
-            raise ValueError(f"{name} expects a {type(default).__name__}, got {value!r}.") from None
+            kind = type(default).__name__
+            raise ValueError(f"{name} expects {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {value!r}.") from None
     if name == "lora_targets":
         return _check_targets(value)
     if isinstance(default, list):
@@ -548,8 +549,10 @@ def coerce_value(name: str, value: Any) -> Any:
         try:
             v = ast.literal_eval(value)
             return list(v) if isinstance(v, (list, tuple)) else [v]
-        except (ValueError, SyntaxError):
-            return [t.strip() for t in value.split(",") if t.strip()]
+        except (ValueError, SyntaxError):  # "L4,H200", or a list written without quotes: "[L4, H200]"
+            inner = value.strip()
+            inner = inner[1:-1] if inner[:1] + inner[-1:] in ("[]", "()") else inner
+            return [t.strip().strip("'\"") for t in inner.split(",") if t.strip().strip("'\"")]
     return value
 
 

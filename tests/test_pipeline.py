@@ -36,6 +36,8 @@ def test_cli_estimate_json_matches_library(capsys):
     (["run", "--sharding", "fsdp"], "needs num_gpus > 1"),
     # a user trial: a mistyped target trained only q_proj and completed with exit code 0
     (["run", "--only", "03", "-p", "lora_targets", "q_proj,v_projj"], "did you mean 'v_proj' for 'v_projj'?"),
+    (["run", "--gpu", "H100"], "Unknown GPU 'H100'. Did you mean 'H100-PCIe' or 'H100-SXM'?"),
+    (["run", "--gpus", "[L4,H200,A10]"], "Unknown GPU 'A10'. Did you mean 'A10G'"),  # brackets read as a list
 ])
 def test_cli_bad_input_says_what_to_change(argv, msg, capsys, tmp_path):
     assert main(argv + (["--runs-dir", str(tmp_path)] if argv[0] == "run" else [])) == 2

@@ -27,6 +27,8 @@ planner takes the user's own ``prices={"H100-SXM": ...}``.
 """
 from __future__ import annotations
 
+import difflib
+
 import re
 from pathlib import Path
 
@@ -157,7 +159,11 @@ def get_gpu(name: str, extra_csv=None) -> dict:
     gpu_table(extra_csv)  # fills the cache
     rows = _CACHE[str(extra_csv)][1]
     if _key(name) not in rows:
-        raise ValueError(f"Unknown GPU {name!r}. Known GPUs: {', '.join(r['name'] for r in rows.values())}. "
+        names = [r["name"] for r in rows.values()]
+        like = [n for n in names if _key(name) and _key(name) in _key(n)] or \
+            difflib.get_close_matches(str(name), names, n=3, cutoff=0.5)
+        hint = f" Did you mean {' or '.join(map(repr, like[:3]))}?" if like else ""
+        raise ValueError(f"Unknown GPU {name!r}.{hint} Known GPUs: {', '.join(names)}. "
                          "Add yours with lora_kit.plan.gpus.add_gpu(...) or gpu_table(extra_csv=...).")
     return dict(rows[_key(name)])
 

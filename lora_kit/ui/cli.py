@@ -67,6 +67,10 @@ def cmd_run(args) -> int:
         settings = load_settings(args.params, overrides)
         if settings.trust_remote_code:
             allow_model_code(settings.model)
+        from lora_kit.plan.gpus import get_gpu
+        for g in dict.fromkeys([settings.gpu, *(settings.gpus or [])]):  # notebook 01 would refuse it after 00
+            if isinstance(g, str):
+                get_gpu(g)
         from lora_kit.ui.pipeline import select_notebooks
         chosen = select_notebooks(args.only)
         if model_is_local(settings.model):  # a missing folder or a malformed config.json: said before anything runs
