@@ -27,7 +27,7 @@ DTYPE_MAP = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": to
 
 
 def resolve_model(model: str | os.PathLike) -> str:
-    """Path or hub id for ``model``; "tiny" -> the embedded model directory."""
+    """Path or hub id for ``model``; "tiny" -> the embedded model directory; a catalog name -> its hub id."""
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if model in TINY_ALIASES:
@@ -44,6 +44,10 @@ def resolve_model(model: str | os.PathLike) -> str:
     if looks_like_path(model):
         raise ValueError(f"model folder {model!r} does not exist (looked at {str(p.resolve())!r}); set model to a "
                          "folder written by save_pretrained, a hub id such as 'Qwen/Qwen2.5-0.5B', or 'tiny'.")
+    from lora_kit.memory.specs import catalog
+    entry = catalog().get(model) if "/" not in model else None
+    if entry and entry.get("hub_id"):  # a catalog name plans offline; its weights are the hub model it names
+        model = entry["hub_id"]
     check_hub(model)
     return model
 

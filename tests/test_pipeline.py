@@ -36,6 +36,7 @@ def test_cli_estimate_json_matches_library(capsys):
     (["run", "--sharding", "fsdp"], "needs num_gpus > 1"),
     # a user trial: a mistyped target trained only q_proj and completed with exit code 0
     (["run", "--only", "03", "-p", "lora_targets", "q_proj,v_projj"], "did you mean 'v_proj' for 'v_projj'?"),
+    (["run", "--model", "llama-3.1-8b"], "`hf download meta-llama/Llama-3.1-8B "),  # a catalog name: its hub id
     (["run", "--gpu", "H100"], "Unknown GPU 'H100'. Did you mean 'H100-PCIe' or 'H100-SXM'?"),
     (["run", "--gpus", "[L4,H200,A10]"], "Unknown GPU 'A10'. Did you mean 'A10G'"),  # brackets read as a list
 ])

@@ -78,6 +78,9 @@ def cmd_run(args) -> int:
             if {"03_smoke_run.ipynb", "04_evaluate.ipynb"} & set(chosen):  # no safetensors: said before 00 starts
                 from lora_kit.loading import check_weights, resolve_model
                 check_weights(resolve_model(settings.model))
+        elif {"03_smoke_run.ipynb", "04_evaluate.ipynb"} & set(chosen):  # a hub id or catalog name: its weights
+            from lora_kit.loading import resolve_model  # must be reachable (or cached) before 00 starts
+            resolve_model(settings.model)
         if "03_smoke_run.ipynb" in chosen:  # what the smoke run cannot run, before 00 starts
             from lora_kit.run.smoke import check_runnable
             check_runnable(settings, world=1)
