@@ -70,6 +70,20 @@ def test_every_fitting_row_cheapest_first_with_currency(card):
             "LoRA, checkpointing on: 29,952; QLoRA, checkpointing off: 4,864.") in request
 
 
+
+def test_a_longest_seq_len_at_the_models_context_is_named_as_such():
+    """A user trial: "Longest seq_len that fits L4: 4,096" for every setting was the small model's context (where
+    the search stops), not a memory limit."""
+    from lora_kit.ui.run_card import longest_line
+    sw = {"gpu": "L4", "plan_model": "mine", "context": 4096}
+    line = longest_line({**sw, "max_seq_len_batch1": {"lora, checkpointing on": 4096, "qlora, checkpointing on": 4096}})
+    assert line.endswith("Every value is the model's context (4,096 positions, max_position_embeddings), where the "
+                         "search stops: memory allows more.")
+    line = longest_line({**sw, "max_seq_len_batch1": {"lora, checkpointing on": 4096, "lora, checkpointing off": 1024}})
+    assert "LoRA, checkpointing on: 4,096 (the model's context); LoRA, checkpointing off: 1,024." in line
+    assert "context" not in longest_line({**sw, "context": None, "max_seq_len_batch1": 1024})
+
+
 def test_numbers_are_rounded_and_keys_are_words(card):
     md = card["md"]
     assert not re.findall(r"\d+\.\d{4,}", md), re.findall(r"\d+\.\d{4,}", md)

@@ -108,10 +108,14 @@ def _multi_gpu(rows, model, margin, gpu, method, output_dir, time_model, step: S
 def sweeps_record(plan_model: str, gpu: str, max_seq_len_batch1, dataset: dict, run_estimate) -> dict:
     """sweeps.json: the largest seq_len at batch 1 on ``gpu`` (one number, or one per setting such as
     ``{"lora, checkpointing on": 32768, ...}``), the dataset's lengths, and the estimate of the run's own
-    settings (with the settings it assumed)."""
+    settings (with the settings it assumed); ``context``: the model's context length, where the search for the
+    longest seq_len stops (a value equal to it is the model's limit, not the card's)."""
+    from lora_kit.memory.specs import model_spec
     longest = ({str(k): int(v) for k, v in max_seq_len_batch1.items()} if isinstance(max_seq_len_batch1, dict)
                else int(max_seq_len_batch1))
-    return {"plan_model": plan_model, "gpu": gpu, "max_seq_len_batch1": longest, "dataset": dataset,
+    context = (model_spec(plan_model).config or {}).get("max_position_embeddings")  # max_fit's cap for seq_len
+    return {"plan_model": plan_model, "gpu": gpu, "max_seq_len_batch1": longest,
+            "context": context if isinstance(context, int) else None, "dataset": dataset,
             "run_estimate": {"peak_allocated_bytes": run_estimate.peak_allocated_bytes,
                              "device_total_bytes": run_estimate.device_total_bytes,
                              "breakdown": dict(run_estimate.breakdown), "phase": run_estimate.phase,

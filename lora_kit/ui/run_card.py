@@ -247,10 +247,17 @@ def longest_line(sweeps: dict | None) -> str | None:
     longest = (sweeps or {}).get("max_seq_len_batch1")
     if not longest:
         return None
-    per = ("; ".join(f"{k.replace('qlora', 'QLoRA').replace('lora', 'LoRA')}: {v:,}" for k, v in longest.items())
-           if isinstance(longest, dict) else f"{longest:,}")
+    context = sweeps.get("context")
+    capped = (set(longest.values()) if isinstance(longest, dict) else {longest}) == {context}
+
+    def value(v):
+        return f"{v:,}" + (" (the model's context)" if v == context and not capped else "")
+    per = ("; ".join(f"{k.replace('qlora', 'QLoRA').replace('lora', 'LoRA')}: {value(v)}" for k, v in longest.items())
+           if isinstance(longest, dict) else value(longest))
+    tail = (f" Every value is the model's context ({context:,} positions, max_position_embeddings), where the search "
+            "stops: memory allows more." if capped else "")
     return (f"Longest seq_len (tokens) that fits {sweeps.get('gpu')} at micro-batch 1 ({sweeps.get('plan_model')}, "
-            f"notebook 02): {per}.")
+            f"notebook 02): {per}.{tail}")
 
 
 def _data_epoch(plan: dict, epoch_time_: dict | None) -> dict | None:
