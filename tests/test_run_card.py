@@ -258,3 +258,17 @@ def test_a_resumed_runs_time_is_said_to_be_the_last_invocations():
     head = run_lines({"pipeline": pipe, "run": {"id": "r1"}})[0]
     assert "**complete** in 42 s (the last invocation alone: it resumed the run, after 1 earlier)" in head
     assert "resumed" not in run_lines({"pipeline": {**pipe, "resumed": []}, "run": {"id": "r1"}})[0]
+
+
+def test_the_request_says_which_cpu_defaults_the_plan_replaced():
+    """A user trial: the Settings table said float32 while the request planned bfloat16, unexplained. Fields left at
+    the embedded model's CPU defaults are planned with GPU defaults; the request names each, with both values."""
+    from lora_kit.ui.run_card import planned_apart_lines
+    run = Settings(run_dir="x").to_dict()  # the embedded defaults: float32, 64 tokens, micro-batch 16
+    plan = {"assumptions": Settings(run_dir="x").plan_step().to_dict()}
+    (line,) = planned_apart_lines(run, plan)
+    assert "dtype 'bfloat16' (this run: 'float32')" in line and "seq_len 2048 (this run: 64)" in line
+    mine = Settings(run_dir="x", dtype="bfloat16", seq_len=512).to_dict()  # set by the user: planned as set
+    plan = {"assumptions": Settings(run_dir="x", dtype="bfloat16", seq_len=512).plan_step().to_dict()}
+    assert "dtype" not in " ".join(planned_apart_lines(mine, plan)) and "seq_len" not in " ".join(
+        planned_apart_lines(mine, plan))

@@ -283,14 +283,29 @@ def request_rows(plan: dict, epoch_time_: dict | None = None) -> tuple:
     return df, df.attrs["recommendation"]
 
 
-def request_lines(plan: dict | None, sweeps: dict | None = None, epoch_time_: dict | None = None) -> list[str]:
+def planned_apart_lines(settings: dict | None, plan: dict) -> list[str]:
+    """One line, or none: the step fields the plan sizes differently from this run's settings because the run left
+    them at the embedded model's CPU defaults (``Settings.plan_step``), each with both values."""
+    from lora_kit.settings import EMBEDDED_CHANGES
+    a, s = plan.get("assumptions") or {}, settings or {}
+    apart = [f"{k} {a[k]!r} (this run: {s[k]!r})" for k in EMBEDDED_CHANGES
+             if k in a and k in s and s[k] == EMBEDDED_CHANGES[k][0] and a[k] != s[k]]
+    if not apart:
+        return []
+    return [f"- planned for a GPU, not as this run: {', '.join(apart)}. This run left them at the embedded model's "
+            "CPU defaults, which the plan replaces with GPU planning defaults; a value other than the CPU default is "
+            "planned as you set it"]
+
+
+def request_lines(plan: dict | None, sweeps: dict | None = None, epoch_time_: dict | None = None,
+                  settings: dict | None = None) -> list[str]:
     """The request: what the plan assumes, every option that fits (cheapest first), the recommendation; times and
     costs for the user's dataset once the smoke run has read it."""
     lines = ["## The request", ""]
     if not (plan and plan.get("rows")):
         return lines + ["_No plan in this run (notebook 01 did not run)._", ""]
     lines += ["Every method x GPU option that fits, cheapest first. The numbers assume:", ""]
-    lines += assumption_lines(plan, epoch_time_)
+    lines += assumption_lines(plan, epoch_time_) + planned_apart_lines(settings, plan)
     rows, recommendation = request_rows(plan, epoch_time_)
     lines += ["", method_markdown(rows, fits_only=True, cheapest_first=True)]
     if recommendation:
@@ -781,7 +796,7 @@ def render_markdown(card: dict) -> str:
     s = card["settings"] or {}
     lines = title_lines(card)
     lines += run_lines(card)
-    lines += request_lines(card["plan"], card["sweeps"], card.get("epoch_time"))
+    lines += request_lines(card["plan"], card["sweeps"], card.get("epoch_time"), s)
     lines += epoch_time_lines(card.get("epoch_time"))
     lines += loop_lines(card["loops"] if "loops" in card else loop_view(card["plan"], s.get("gpu")))
     # --- settings ----------------------------------------------------------------------------
