@@ -4,6 +4,7 @@ keeps what was produced and exits non-zero. Plus the CLI's other commands."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -146,13 +147,22 @@ def test_run_card_without_browser_keeps_html_figures(tmp_path, monkeypatch):
     assert "_No smoke run in this run._" in md  # missing parts are marked, never guessed
 
 
-def test_run_card_png_figures_with_browser(tmp_path):
+def test_run_card_png_figures_with_browser(tmp_path, monkeypatch):
+    """PNGs through a real Chromium, which writes its config and caches in the run folder while it runs (then
+    removed), not in the user's home (~/.config/chromium, ~/.cache)."""
     from lora_kit.ui import notebook
     from lora_kit.ui.run_card import build_report
     if notebook.chromium_path() is None:
         pytest.skip("no Chromium binary: PNG export cannot run here (covered by the no-browser test)")
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for k in notebook.BROWSER_HOME_VARS:
+        monkeypatch.delenv(k, raising=False)
     d = _fig_run_dir(tmp_path)
     md = open(build_report(d)["md"]).read()
+    assert not any(home.iterdir()) and not (d / ".browser").exists()
+    assert not any(k in os.environ for k in notebook.BROWSER_HOME_VARS)
     png = d / "figures" / "bars.png"
     assert png.is_file(), md[md.find("_PNG export"):][:400]  # the card says why it kept HTML
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -235,6 +235,9 @@ def figure_index(run_dir: str | Path) -> dict:
     return figures if isinstance(figures, dict) else {}
 
 
+BROWSER_HOME_VARS = ("XDG_CONFIG_HOME", "XDG_CACHE_HOME")  # where Chromium puts ~/.config/chromium and its caches
+
+
 def export_pngs(run_dir: str | Path, width: int = 1000, height: int = 560) -> dict:
     """PNG copies of every saved figure, in one kaleido batch (one browser start, not one per figure).
 
@@ -254,8 +257,11 @@ def export_pngs(run_dir: str | Path, width: int = 1000, height: int = 560) -> di
         return {"error": "no Chromium found: figures kept as HTML only"}
     os.environ.setdefault("BROWSER_PATH", browser)
     errors: list = []
+    home = Path(run_dir) / ".browser"  # Chromium writes its config and caches here, never in the user's home
+    saved = {k: os.environ.get(k) for k in BROWSER_HOME_VARS}
     try:
         import kaleido
+        os.environ.update({k: str(home / k.split("_")[1].lower()) for k in BROWSER_HOME_VARS})
         for _attempt in range(2):
             specs = [dict(fig=pio.from_json(p.read_text()).to_dict(), path=_partial_png(p),
                           opts=dict(format="png", width=width, height=height)) for p in todo]
@@ -267,6 +273,13 @@ def export_pngs(run_dir: str | Path, width: int = 1000, height: int = 560) -> di
                 break
     except Exception as exc:  # static export is optional: keep the HTML figures
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(home, ignore_errors=True)
     if todo:
         why = f"{type(errors[0]).__name__}: {errors[0]}" if errors else "kaleido wrote no file"
         return {"error": f"no PNG for {', '.join(p.stem for p in todo)} ({why})"[:300],
