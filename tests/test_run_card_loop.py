@@ -47,3 +47,30 @@ def test_a_method_without_figures_says_why_instead_of_vanishing():
     text = "\n".join(loop_lines(loop_view(plan, "A100-80GB")))
     assert "- LoRA on A100-80GB, micro-batch 2: your Trainer run will peak at" in text
     assert f"- QLoRA on A100-80GB, micro-batch {PLAN_BATCH}: no estimate (" in text
+
+
+def test_a_model_without_kept_fits_is_simulated_once_per_loop_not_fitted(tmp_path, monkeypatch):
+    """A user trial: a model of one's own has no shipped fits, and the section fitted six memory models (188 s of a
+    card build). Without a kept fit each loop's figure is one simulated step: the same number, nothing fitted."""
+    from transformers import Qwen2Config
+
+    from lora_kit.memory import fits
+    from lora_kit.memory.estimate import has_fit
+    from lora_kit.memory.simulate import simulate
+    from lora_kit.settings import PLANNING
+    from lora_kit.ui.run_card import loop_view
+    cache = tmp_path / "fits"
+    monkeypatch.setenv("LORA_KIT_FITS", str(cache))
+    monkeypatch.setattr(fits, "_MEMO", {})
+    model = tmp_path / "mine"
+    Qwen2Config(vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(model)
+    a = {k: v for k, v in PLANNING.replace(seq_len=128).to_dict().items() if k not in ("method", "batch_size")}
+    plan = {"model": str(model), "batch_size": PLAN_BATCH, "assumptions": a,
+            "rows": [{"method": "lora", "gpu": "L4", "fits": True, "batch_size": 4}]}
+    step = PLANNING.replace(seq_len=128, batch_size=4)
+    assert not any(has_fit(str(model), step, loop=loop) for loop in LOOPS)
+    (row,) = loop_view(plan, "L4")["rows"]
+    assert not cache.exists() or not any(cache.rglob("*.json*"))  # nothing fitted
+    for loop in LOOPS:
+        assert row[f"{loop}_bytes"] == simulate(str(model), step, loop=loop).peak_allocated_bytes

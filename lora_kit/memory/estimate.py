@@ -184,18 +184,28 @@ def _fit_for(spec: ModelSpec, s: Step):
     return fits._MEMO[memo]
 
 
-def _find_fit(spec: ModelSpec, s: Step):
-    """:func:`_fit_for`, uncached."""
+def _find_fit(spec: ModelSpec, s: Step, make: bool = True):
+    """:func:`_fit_for`, uncached; ``make=False``: None where no fit is kept (nothing is fitted)."""
     if _fsdp_groups(spec, s):  # FSDP2's own step at this GPU count, fitted as simulate runs it
         found = fits.lookup(spec.config, s)
-        return (*found, s.optimizer) if found else _fit_now(spec, s)
+        return (*found, s.optimizer) if found else _fit_now(spec, s) if make else None
     one = s.one_gpu()  # one GPU's step: sharding is composed
     for opt in dict.fromkeys((s.optimizer, "adamw") if s.optimizer in SWAPPABLE else (s.optimizer,)):
         found = fits.lookup(spec.config, one.replace(optimizer=opt))
         composed = opt != s.optimizer or s.sharding not in ("none", "ddp")
         if found is not None and (s.method != "full" or not composed or found[0].aligned):
             return (*found, opt)
-    return _fit_now(spec, one)
+    return _fit_now(spec, one) if make else None
+
+
+def has_fit(model, step: Step | None = None, **overrides) -> bool:
+    """True when :func:`estimate` answers ``model`` and the step from a fit already kept (shipped or in the user's
+    cache), False when it would fit one first (seconds to minutes): a caller that needs one figure can then
+    :func:`lora_kit.memory.simulate.simulate` it, the same number, for the cost of one simulated step."""
+    spec, s = model_spec(model), as_step(step, **overrides)
+    if not spec.config:
+        return False
+    return _fit_memo(spec, s) in fits._MEMO or _find_fit(spec, s, make=False) is not None
 
 
 def _fit_now(spec: ModelSpec, s: Step):

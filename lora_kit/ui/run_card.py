@@ -611,8 +611,9 @@ def loop_view(plan: dict | None, gpu: str | None = None) -> dict | None:
     plan as the run wrote it (a local model by its path), before the card drops local paths."""
     if not (plan and plan.get("rows") and plan.get("assumptions")):
         return None
-    from lora_kit.memory.estimate import estimate
+    from lora_kit.memory.estimate import estimate, has_fit
     from lora_kit.memory.loops import sft_cpu_tiles
+    from lora_kit.memory.simulate import simulate
     from lora_kit.memory.specs import model_spec
     from lora_kit.plan.records import plan_row
     from lora_kit.settings import LOOPS, as_step
@@ -627,9 +628,10 @@ def loop_view(plan: dict | None, gpu: str | None = None) -> dict | None:
         where = method_label(method) + (f" on {row['gpu']}" if row.get("gpu") else "") + f", micro-batch {batch}"
         where += "" if row.get("fits", True) else " (does not fit that GPU)"
         try:
-            step = as_step(a).for_method(method)  # LoRA fields back to their defaults for full fine-tuning
-            peak = {loop: estimate(plan["model"], step, batch_size=int(batch), loop=loop).peak_allocated_bytes
-                    for loop in LOOPS}
+            step = as_step(a).for_method(method).replace(batch_size=int(batch))  # LoRA fields: full's defaults
+            # a loop without a kept fit (a model of your own): one simulated step, not a fit of the whole family
+            peak = {loop: (estimate if has_fit(plan["model"], step, loop=loop) else simulate)(
+                plan["model"], step, loop=loop).peak_allocated_bytes for loop in LOOPS}
         except (TypeError, ValueError) as exc:
             rows.append({"where": where, "error": str(exc)})
             continue
@@ -646,7 +648,8 @@ def loop_lines(view: dict | None) -> list[str]:
     out = [f"- {r['where']}: no estimate ({r['error']})" if "error" in r else
            f"- {r['where']}: your Trainer run will peak at **{_gib(r['trainer_bytes'])}**, TRL's SFTTrainer at "
            f"**{_gib(r['sft_bytes'])}** (lora_kit's step: {_gib(r['kit_bytes'])})" for r in view["rows"]]
-    lines = ["## The loop you run next", "", f"Peak allocated per GPU (estimate) of the planned step ({view['model']}, "
+    lines = ["## The loop you run next", "", f"Peak allocated per GPU (estimate; a simulated step where no fit of "
+             f"that loop is kept) of the planned step ({view['model']}, "
              "same settings, each method at its micro-batch in the request) in the loop you will train with, at its "
              "defaults:", "", *out, ""]
     if view.get("sft_cpu_tiles_bytes") is not None:
