@@ -81,6 +81,8 @@ def static_terms(spec, step, fitted_optimizer: str, tensors: list, N) -> dict:
         out["states"] = optimizer_states(step.optimizer, tensors)
     if sh == "ddp":  # DDP's gradient buckets: a second copy of the gradients
         out["bucket"] = tensor_bytes(tensors)
+    elif sh == "none":  # on several GPUs the launcher runs "none" as DDP (lora_kit.run.distributed.engine)
+        out["bucket"] = np.where(np.asarray(N) > 1, tensor_bytes(tensors), 0)
     if sh in DEEPSPEED:
         out["bucket"] = out["bucket"] + deepspeed_bucket_bytes(step.dtype)
     return out

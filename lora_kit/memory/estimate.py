@@ -265,7 +265,7 @@ def _fitted_arrays(spec: ModelSpec, s: Step, targets: tuple, experts: dict, fitt
     phases = f.phase_arrays(*args)
     kind = next(iter(phases.values()))[1].dtype
     sharded = _fsdp_groups(spec, s)  # FSDP2's own step: nothing to compose (zero3: DeepSpeed's bucket, below)
-    if not sharded and (s.optimizer != fitted_optimizer or s.sharding != "none"):
+    if not sharded and (s.optimizer != fitted_optimizer or s.sharding != "none" or np.any(N > 1)):
         if r.size == 1:  # one figure: the static terms of this step, rank and GPU count, computed once
             terms = _one_row_terms(spec, s, targets, tuple(sorted(experts.items())), fitted_optimizer,
                                    int(r.ravel()[0]), int(N.ravel()[0]), kind)

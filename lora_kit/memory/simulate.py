@@ -329,7 +329,7 @@ def simulate(model, step: Step | None = None, *, fsdp_policy: str = "accelerate"
         notes.append(f"{paged_bytes} bytes of paged optimizer state live in CUDA managed memory: not in "
                      "max_memory_allocated, evicted to host memory under pressure; left out of the peak.")
     bd = to_breakdown(raw)
-    if sharding == "ddp":
+    if sharding == "ddp" or sharding == "none" and s.num_gpus > 1:  # "none" on several GPUs runs DDP
         grad_bytes = sum(-(-p.numel() * p.element_size() // 512) * 512 for p in net.parameters() if p.requires_grad)
         bd["gradients"] += grad_bytes
         notes.append(f"ddp: {grad_bytes} bytes of DDP gradient buckets added analytically (as large as the gradients).")
