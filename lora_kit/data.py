@@ -32,7 +32,8 @@ Formats (``data_format``; "auto" picks the one whose fields the rows have, :func
 - ``"text"``: TRL's language-modelling ``text``; every token is trained.
 
 Problems are reported as ValueError saying what to change: a missing file, an empty dataset,
-a missing column (the message lists the columns that exist), a format the rows do not have, or
+a missing column (the message lists the columns that exist and the closest one; a column name that was set
+is never replaced by another), a format the rows do not have, or
 rows with an empty prompt or response (the message gives their row numbers, 1-based, and how many
 there are). Rows are never silently dropped: a dataset the user believes has 1,000 rows trains on
 1,000 rows.
@@ -43,6 +44,7 @@ equal after :func:`normalize` stay on one side, so the split is clean by the ove
 from __future__ import annotations
 
 import csv
+import difflib
 import io
 import json
 import random
@@ -61,6 +63,9 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system", "tool": "tool",
                   "function_call": "assistant", "observation": "tool", "function": "tool"}
 ALPACA_FIELDS = ("instruction", "input", "output")
+# the field settings and their defaults: a default name may fall back to a format's usual name ("conversations",
+# TRL's "completion"); a name the user gave is used as given, and refused when the file lacks it
+FIELD_DEFAULTS = {"prompt_field": "prompt", "response_field": "response", "messages_field": "messages"}
 DATES_SPLITS = ("train", "validation", "test")
 
 
@@ -217,22 +222,19 @@ def read_source(source: str | Path, split: str | None = None) -> tuple[list[dict
     return rows, name
 
 
+def _is_messages(msgs) -> bool:
+    """A list of role/content messages or ShareGPT from/value turns."""
+    return isinstance(msgs, list) and bool(msgs) and isinstance(msgs[0], dict) and (
+        {"role", "content"} <= set(msgs[0]) or _is_sharegpt(msgs))
+
+
 def _is_sharegpt(msgs) -> bool:
     return isinstance(msgs, list) and bool(msgs) and isinstance(msgs[0], dict) and "from" in msgs[0] and "value" in msgs[0]
 
 
-def detect_format(rows: list[dict], prompt_field: str = "prompt", messages_field: str = "messages",
-                  response_field: str = "response") -> str:
-    """The format the rows are in, from the first row's fields (the configured names first, then the usual ones):
-
-    - "prompt_response": ``prompt_field`` and ``response_field``;
-    - "messages" / "sharegpt": ``messages_field`` or ``conversations`` holding ``role``/``content`` (TRL, hub) or
-      ``from``/``value`` (ShareGPT: LLaMA-Factory's and axolotl's) messages;
-    - "prompt_completion": TRL's ``prompt`` + ``completion``, strings (standard) or message lists (conversational);
-    - "alpaca": ``instruction`` + ``output``;
-    - "text": TRL's ``text`` (language modelling: every token trained);
-    - else "prompt_response" (whose check then names the missing field and the fields that exist).
-    """
+def _matching_format(rows: list[dict], prompt_field: str = "prompt", messages_field: str = "messages",
+                     response_field: str = "response") -> str | None:
+    """The format whose fields the first row has (the configured names first, then the usual ones), or None."""
     keys = set(rows[0]) if rows else set()
     first = rows[0] if rows else {}
     if prompt_field in keys and response_field in keys:
@@ -246,65 +248,125 @@ def detect_format(rows: list[dict], prompt_field: str = "prompt", messages_field
         return "alpaca"
     if "text" in keys and prompt_field not in keys:
         return "text"
+    return None
+
+
+def detect_format(rows: list[dict], prompt_field: str = "prompt", messages_field: str = "messages",
+                  response_field: str = "response") -> str:
+    """The format the rows are in, from the first row's fields (the configured names first, then the usual ones):
+
+    - "prompt_response": ``prompt_field`` and ``response_field``;
+    - "messages" / "sharegpt": ``messages_field`` or ``conversations`` holding ``role``/``content`` (TRL, hub) or
+      ``from``/``value`` (ShareGPT: LLaMA-Factory's and axolotl's) messages;
+    - "prompt_completion": TRL's ``prompt`` + ``completion``, strings (standard) or message lists (conversational);
+    - "alpaca": ``instruction`` + ``output``;
+    - "text": TRL's ``text`` (language modelling: every token trained);
+    - else the format the configured names point at: "messages" when ``messages_field`` was changed from
+      "messages" and ``prompt_field`` / ``response_field`` were not, "prompt_response" otherwise (whose check then
+      names the missing field, the fields that exist and the closest one).
+    """
+    found = _matching_format(rows, prompt_field, messages_field, response_field)
+    if found:
+        return found
+    if messages_field != FIELD_DEFAULTS["messages_field"] and (prompt_field, response_field) == (
+            FIELD_DEFAULTS["prompt_field"], FIELD_DEFAULTS["response_field"]):
+        return "messages"
     return "prompt_response"
 
 
 def load_examples(source: str | Path, split: str | None = None, prompt_field: str = "prompt",
                   response_field: str = "response", limit: int | None = None, data_format: str = "auto",
-                  messages_field: str = "messages") -> list[dict]:
+                  messages_field: str = "messages", usual_names: bool = False) -> list[dict]:
     """Examples ``[{"prompt", "response", "task"[, "context"]}]`` from ``source`` (see module docstring).
 
     ``limit`` keeps the first ``limit`` rows (file order; shuffle yourself if order matters).
     The task name is the row's ``task`` field if it has one, else the source name.
+    ``usual_names``: see :func:`to_examples`.
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}.")
     rows, name = read_source(source, split)
-    out = to_examples(rows, name, prompt_field, response_field, data_format, messages_field)
+    out = to_examples(rows, name, prompt_field, response_field, data_format, messages_field, usual_names)
     return out[:limit] if limit is not None else out
 
 
-def _conversation_field(rows: list[dict], messages_field: str) -> str:
-    keys = set(rows[0])
-    return next((f for f in (messages_field, "conversations", "messages") if f in keys), messages_field)
+def _field(keys: set, setting: str, given: str, usual: tuple[str, ...], usual_names: bool) -> str:
+    """The field that holds ``setting``: ``given`` when the rows have it; a default name (or any name, with
+    ``usual_names``) falls back to the first of ``usual`` the rows have; a name the user gave is kept (and the
+    field check refuses it, naming the closest field)."""
+    if given in keys or not (usual_names or given == FIELD_DEFAULTS[setting]):
+        return given
+    return next((f for f in usual if f in keys), given)
+
+
+def _check_fields(rows: list[dict], name: str, data_format: str, need: dict[str, str | None], fields: tuple) -> None:
+    """ValueError when a field the format needs is missing: absent from the file (naming the setting, the fields
+    that exist, the closest one, and a format the rows do have), or missing from some rows (naming them).
+    ``need``: field -> the setting that names it (None for a format's fixed names); ``fields``: the three names."""
+    present = sorted({k for r in rows for k in r})
+    absent = [f for f in need if f not in present]
+    if absent:
+        others = [c for c in present if c not in need]
+        chats = [c for c in others if _is_messages(_parse_list(rows[0].get(c)))]  # a column of messages
+        said, hints, unsure = [], [], []
+        for f in absent:
+            close = (difflib.get_close_matches(f, others, n=1) or (chats if need[f] == "messages_field" else []))[:1]
+            what = "; ".join(x for x in (need[f], close and f"did you mean {close[0]!r}?") if x)
+            said.append(f"{f!r}" + (f" ({what})" if what else ""))
+            if need[f] and close:
+                hints.append(f"set {need[f]}={close[0]!r}")
+            elif need[f]:
+                unsure.append(need[f])
+        hints += [f"set {'/'.join(unsure)} to the file's field names"] if unsure else []
+        hints = hints or [{"alpaca": "Alpaca rows need instruction, optional input, and output",
+                           "text": "language-modelling rows need 'text'"}.get(data_format, "rename the fields")]
+        other = _matching_format(rows, *fields)
+        if other and other != data_format:
+            hints[-1] += f", or data_format={other!r} (the rows look like that format)"
+        elif chats and data_format not in ("messages", "sharegpt"):
+            fmt = "sharegpt" if _is_sharegpt(_parse_list(rows[0][chats[0]])) else "messages"
+            hints[-1] += f", or data_format={fmt!r} with messages_field={chats[0]!r} (that field holds messages)"
+        hint = "; ".join(hints)
+        raise ValueError(f"dataset {name!r} has no field {' nor '.join(said)} for data_format={data_format!r}; "
+                         f"fields that exist: {present}. {hint[0].upper() + hint[1:]}.")
+    for f in need:
+        missing = [i for i, r in enumerate(rows, 1) if f not in r]
+        if missing:
+            raise ValueError(f"dataset {name!r} has no field {f!r} in {len(missing)} of {len(rows)} rows "
+                             f"({row_refs(rows, missing)}) for data_format={data_format!r}; add it to those rows "
+                             "or remove them.")
 
 
 def to_examples(rows: list[dict], name: str = "dataset", prompt_field: str = "prompt",
                 response_field: str = "response", data_format: str = "auto",
-                messages_field: str = "messages") -> list[dict]:
+                messages_field: str = "messages", usual_names: bool = False) -> list[dict]:
     """Raw rows in any of the formats -> ``[{"prompt", "response", "task"[, "context"][, "text"]}]``.
 
     Rows that are already examples (``prompt``/``response`` plus a ``context`` list, as this function
     returns them) pass through unchanged whatever the field settings, so examples can be re-read.
+    A field name that differs from its default (:data:`FIELD_DEFAULTS`) is used as given: rows without it are
+    refused, naming the closest field; ``usual_names`` (held-out and control files, whose format is detected on
+    their own) lets it fall back to the format's usual name ("conversations", "messages", "completion").
     Problems name the dataset, the first row (1-based) and what to change.
     """
     if not rows:
         raise ValueError(f"dataset {name!r} is empty; it needs at least one {prompt_field}/{response_field} row.")
+    fields = (prompt_field, messages_field, response_field)
     if data_format == "auto":
-        data_format = detect_format(rows, prompt_field, messages_field, response_field)
+        data_format = detect_format(rows, *fields)
     if data_format not in DATA_FORMATS:
         raise ValueError(f"data_format={data_format!r} is not valid; choose 'auto' or one of {', '.join(DATA_FORMATS)}.")
+    keys = set(rows[0])
     if data_format in ("messages", "sharegpt"):
-        messages_field = _conversation_field(rows, messages_field)
-    if data_format == "prompt_completion" and not {prompt_field, response_field} <= set(rows[0]):
-        prompt_field, response_field = "prompt", "completion"
-    present = sorted({k for r in rows for k in r})
-    need = {"prompt_response": (prompt_field, response_field), "alpaca": ("instruction", "output"),
-            "messages": (messages_field,), "sharegpt": (messages_field,),
-            "prompt_completion": (prompt_field, response_field), "text": ("text",)}[data_format]
-    for f in need:
-        missing = [i for i, r in enumerate(rows, 1) if f not in r]
-        if missing:
-            hint = {"prompt_response": "Set prompt_field/response_field", "alpaca": "Alpaca rows need "
-                    "instruction, optional input, and output", "messages": "Set messages_field",
-                    "sharegpt": "Set messages_field", "prompt_completion": "TRL prompt/completion rows need both",
-                    "text": "language-modelling rows need 'text'"}[data_format]
-            other = detect_format(rows, prompt_field, messages_field, response_field)
-            if other != data_format:
-                hint += f", or data_format={other!r} (the rows look like that format)"
-            raise ValueError(f"dataset {name!r} has no field {f!r} in {len(missing)} row(s) (first: "
-                             f"{row_refs(rows, missing[:1])}) for data_format={data_format!r}; fields that exist: "
-                             f"{present}. {hint}.")
+        messages_field = _field(keys, "messages_field", messages_field, ("conversations", "messages"), usual_names)
+    if data_format == "prompt_completion":
+        prompt_field = _field(keys, "prompt_field", prompt_field, ("prompt",), usual_names)
+        response_field = _field(keys, "response_field", response_field, ("completion",), usual_names)
+    named = {"prompt_field": prompt_field, "response_field": response_field, "messages_field": messages_field}
+    need = {"prompt_response": ("prompt_field", "response_field"), "alpaca": ("instruction", "output"),
+            "messages": ("messages_field",), "sharegpt": ("messages_field",),
+            "prompt_completion": ("prompt_field", "response_field"), "text": ("text",)}[data_format]
+    _check_fields(rows, name, data_format, {named.get(f, f): f if f in named else None for f in need}, fields)
     out = [_example(r, i, name, data_format, prompt_field, response_field, messages_field)
            for i, r in enumerate(rows, 1)]
     empty = [i for i, e in enumerate(out, 1) if ("text" in e and not e["text"].strip())
@@ -486,10 +548,10 @@ def field_settings(s, role: str = "train") -> dict:
     """The data-format keyword arguments of :func:`load_examples` from a Settings. ``role``: "train" (``dataset``:
     ``data_format`` as set) or "heldout" / "control" (their own files: ``heldout_data_format`` /
     ``control_data_format``; "auto" is detected per file, the configured field names tried first, so a held-out
-    file in another format than the training file loads)."""
+    file in another format than the training file loads: ``usual_names``, :func:`to_examples`)."""
     fmt = s.data_format if role == "train" else getattr(s, f"{role}_data_format")
     return dict(prompt_field=s.prompt_field, response_field=s.response_field, data_format=fmt,
-                messages_field=s.messages_field)
+                messages_field=s.messages_field, usual_names=role != "train")
 
 
 def train_split(s, dataset_split: str | None = None) -> str | None:

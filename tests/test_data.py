@@ -90,6 +90,52 @@ def test_csv_problems_name_the_line_a_user_sees(tmp_path):
     assert row_refs([{}, {}, {}], [2, 3]) == "rows 2, 3, 1-based"  # rows of no file: their places
 
 
+CHAT = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]
+
+
+@pytest.mark.parametrize("data_format", ["auto", "messages"])
+def test_a_field_the_file_lacks_is_named_with_the_closest_one(tmp_path, data_format):
+    """A named field absent from the file: one error naming it, the file, the fields it has and the closest one;
+    a format is advised only when the rows have its fields."""
+    conv = _jsonl(tmp_path / "conv.jsonl", [{"conv": CHAT}] * 3)
+    with pytest.raises(ValueError) as e:
+        load_examples(conv, messages_field="convo", data_format=data_format)
+    msg = str(e.value)
+    assert f"'{conv}' has no field 'convo' (messages_field; did you mean 'conv'?)" in msg
+    assert "fields that exist: ['conv']. Set messages_field='conv'." in msg and "data_format='prompt" not in msg
+    assert load_examples(conv, messages_field="conv", data_format=data_format)[0]["response"] == "Paris."
+
+
+def test_a_named_field_is_never_replaced_by_the_usual_one(tmp_path):
+    ms = _jsonl(tmp_path / "ms.jsonl", [{"messages": CHAT}] * 3)
+    for fmt in ("auto", "messages"):
+        with pytest.raises(ValueError, match=r"no field 'msgs' \(messages_field; did you mean 'messages'\?\).*"
+                                             r"Set messages_field='messages'\."):
+            load_examples(ms, messages_field="msgs", data_format=fmt)
+    assert len(load_examples(ms)) == 3  # the default name is no choice of the user's
+    assert len(load_examples(ms, messages_field="msgs", usual_names=True)) == 3  # held-out / control files
+
+
+def test_csv_prompt_field_typo_and_format_advice(tmp_path):
+    p = tmp_path / "qa.csv"
+    p.write_text("question,answer\nWhat is 2+2?,4\nWhat is 3+3?,6\n")
+    with pytest.raises(ValueError) as e:
+        load_examples(p, prompt_field="questoin", response_field="answer")
+    assert str(e.value) == (f"dataset '{p}' has no field 'questoin' (prompt_field; did you mean 'question'?) for "
+                            "data_format='prompt_response'; fields that exist: ['answer', 'question']. "
+                            "Set prompt_field='question'.")
+    assert load_examples(p, prompt_field="question", response_field="answer")[1]["response"] == "6"
+    ms = _jsonl(tmp_path / "ms.jsonl", [{"messages": CHAT}])
+    with pytest.raises(ValueError, match=r"Set prompt_field/response_field to the file's field names, "
+                                         r"or data_format='messages' \(the rows look like that format\)"):
+        load_examples(ms, data_format="prompt_response")
+    with pytest.raises(ValueError, match=r"or data_format='messages' with messages_field='conv' \(that field holds"):
+        load_examples(_jsonl(tmp_path / "conv.jsonl", [{"conv": CHAT}]))
+    part = _jsonl(tmp_path / "part.jsonl", [{"prompt": "a", "response": "b"}, {"prompt": "c"}])
+    with pytest.raises(ValueError, match=r"no field 'response' in 1 of 2 rows \(line 2 of the file\).*add it"):
+        load_examples(part)
+
+
 def test_bad_sources_and_arguments(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_examples(tmp_path / "missing.jsonl")

@@ -46,7 +46,7 @@ def test_broken_row_wrong_column_unreadable_file_named(which, tmp_path):
     latin = tmp_path / "latin.csv"
     latin.write_bytes("prompt,response\ncaf\xe9,b\n".encode("latin-1"))
     for path, msg in ((str(broken), r"broken.jsonl: line 2 is not valid JSON.*fix or remove that line"),
-                      (wrong, r"wrong.jsonl' has no field 'prompt'.*line 1 of the file.*fields that exist: \['answer', 'question'\]"),
+                      (wrong, r"wrong.jsonl' has no field 'prompt'.*fields that exist: \['answer', 'question'\]"),
                       (str(latin), r"latin.csv: line 2 is not UTF-8.*save the file as UTF-8")):
         with pytest.raises(ValueError, match=f"{which} .*{msg}"):
             check_data(_settings(tmp_path, **{which: path}))
