@@ -34,9 +34,9 @@ Formats (``data_format``; "auto" picks the one whose fields the rows have, :func
 Problems are reported as ValueError saying what to change: a missing file, an empty dataset,
 a missing column (the message lists the columns that exist and the closest one; a column name that was set
 is never replaced by another), a format the rows do not have, or
-rows with an empty prompt or response (the message gives their row numbers, 1-based, and how many
-there are). Rows are never silently dropped: a dataset the user believes has 1,000 rows trains on
-1,000 rows.
+rows with an empty prompt or response (the message gives their places in the file -- a CSV or JSONL file's
+lines, as an editor shows them -- and how many there are). Rows are never silently dropped: a dataset the user
+believes has 1,000 rows trains on 1,000 rows.
 
 :func:`split_heldout` holds out a deterministic share of a dataset (by seed; rows whose prompts are
 equal after :func:`normalize` stay on one side, so the split is clean by the overlap check's rule).
@@ -92,21 +92,33 @@ def _read_utf8(path: Path) -> str:
 
 
 class FileRows(list):
-    """Rows read from a text file, with ``lines``: the file line each row ends on (1-based; CSV counts its header,
-    blank lines are skipped), so that messages point at the line a user sees in an editor."""
+    """Rows read from a file, with ``lines``: where each row sits in ``whole``, 1-based, counted in ``unit``s -- in a
+    text file the line the row ends on (CSV counts its header, blank lines are skipped), else its row (a JSON
+    array's item) -- so that messages point at the place a user finds in an editor. Examples made from the rows,
+    and any subset of them (:func:`take`), keep these places: "row of your file" has this one definition."""
 
-    def __init__(self, rows=(), lines=()):
+    def __init__(self, rows=(), lines=(), unit: str = "line", whole: str = "the file"):
         super().__init__(rows)
-        self.lines = list(lines)
+        self.lines, self.unit, self.whole = list(lines), unit, whole
+
+
+def take(rows, idx) -> list:
+    """``[rows[i] for i in idx]`` (0-based), a :class:`FileRows` keeping each row's place when ``rows`` knows it."""
+    out = [rows[i] for i in idx]
+    if not isinstance(rows, FileRows) or len(rows.lines) != len(rows):
+        return out
+    return FileRows(out, [rows.lines[i] for i in idx], rows.unit, rows.whole)
 
 
 def row_refs(rows, numbers: list[int]) -> str:
-    """``numbers`` (1-based rows of ``rows``) as a user finds them: file lines when ``rows`` knows them, else rows."""
+    """``numbers`` (1-based rows of ``rows``) as a user finds them: their places in the file when ``rows`` knows
+    them (:class:`FileRows`: "lines 3, 9 of the file"), else their places in ``rows`` ("rows 2, 8, 1-based")."""
     lines = getattr(rows, "lines", None)
     shown = numbers[:10]
     more = " ..." if len(numbers) > 10 else ""
     if lines and len(lines) == len(rows):
-        return f"line{'s' if len(shown) > 1 else ''} {', '.join(str(lines[n - 1]) for n in shown)}{more} of the file"
+        return (f"{rows.unit}{'s' if len(shown) > 1 else ''} {', '.join(str(lines[n - 1]) for n in shown)}{more} "
+                f"of {rows.whole}")
     return f"row{'s' if len(shown) > 1 else ''} {', '.join(map(str, shown))}{more}, 1-based"
 
 
@@ -141,7 +153,7 @@ def _read_json(path: Path) -> list[dict]:
     if isinstance(data, dict):
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) != 1:
-            return [data]
+            return FileRows([data], [1], "object")
         data = lists[0]
     if not isinstance(data, list):
         raise ValueError(f"{path} holds a JSON {type(data).__name__}; it must be an array of objects.")
@@ -149,7 +161,7 @@ def _read_json(path: Path) -> list[dict]:
     if bad is not None:
         raise ValueError(f"{path}: item {bad} of the array is not a JSON object; each item must be "
                          "{\"prompt\": ..., \"response\": ...} or another supported format.")
-    return data
+    return FileRows(data, range(1, len(data) + 1), "item", "the array")
 
 
 def _read_parquet(path: Path) -> list[dict]:
@@ -159,9 +171,10 @@ def _read_parquet(path: Path) -> list[dict]:
         raise ValueError(f"{path} is a Parquet file, but `pyarrow` is not installed; `pip install pyarrow` or "
                          "export the data to JSONL.") from None
     try:
-        return pq.read_table(path).to_pylist()
+        rows = pq.read_table(path).to_pylist()
     except Exception as e:  # noqa: BLE001 - pyarrow's own errors: name the file
         raise ValueError(f"{path} cannot be read as Parquet ({e}); re-export it.") from None
+    return FileRows(rows, range(1, len(rows) + 1), "row")
 
 
 def _read_csv(path: Path) -> list[dict]:
@@ -185,7 +198,7 @@ def _read_datasets_folder(path: Path, split: str | None) -> list[dict]:
         if split is None or split not in ds:
             raise ValueError(f"{path} holds the splits {sorted(ds)}; set dataset_split (or split=) to one of them.")
         ds = ds[split]
-    return [dict(r) for r in ds]
+    return FileRows([dict(r) for r in ds], range(1, len(ds) + 1), "row", "the dataset")
 
 
 def _read_rows(source: str | Path, split: str | None) -> tuple[list[dict], str]:
@@ -287,7 +300,7 @@ def load_examples(source: str | Path, split: str | None = None, prompt_field: st
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}.")
     rows, name = read_source(source, split)
     out = to_examples(rows, name, prompt_field, response_field, data_format, messages_field, usual_names)
-    return out[:limit] if limit is not None else out
+    return take(out, range(min(limit, len(out)))) if limit is not None else out
 
 
 def _field(keys: set, setting: str, given: str, usual: tuple[str, ...], usual_names: bool) -> str:
@@ -347,7 +360,8 @@ def to_examples(rows: list[dict], name: str = "dataset", prompt_field: str = "pr
     A field name that differs from its default (:data:`FIELD_DEFAULTS`) is used as given: rows without it are
     refused, naming the closest field; ``usual_names`` (held-out and control files, whose format is detected on
     their own) lets it fall back to the format's usual name ("conversations", "messages", "completion").
-    Problems name the dataset, the first row (1-based) and what to change.
+    Problems name the dataset, the row (:func:`row_refs`: its line in a text file) and what to change; the
+    examples of a :class:`FileRows` are one too, with the rows' places.
     """
     if not rows:
         raise ValueError(f"dataset {name!r} is empty; it needs at least one {prompt_field}/{response_field} row.")
@@ -367,8 +381,12 @@ def to_examples(rows: list[dict], name: str = "dataset", prompt_field: str = "pr
             "messages": ("messages_field",), "sharegpt": ("messages_field",),
             "prompt_completion": ("prompt_field", "response_field"), "text": ("text",)}[data_format]
     _check_fields(rows, name, data_format, {named.get(f, f): f if f in named else None for f in need}, fields)
-    out = [_example(r, i, name, data_format, prompt_field, response_field, messages_field)
-           for i, r in enumerate(rows, 1)]
+    out = []
+    for i, r in enumerate(rows, 1):
+        try:
+            out.append(_example(r, name, data_format, prompt_field, response_field, messages_field))
+        except ValueError as e:
+            raise ValueError(f"dataset {name!r}, {row_refs(rows, [i])}: {e}") from None
     empty = [i for i, e in enumerate(out, 1) if ("text" in e and not e["text"].strip())
              or ("text" not in e and (not e["prompt"].strip() or not e["response"].strip()))]
     if empty:
@@ -377,6 +395,8 @@ def to_examples(rows: list[dict], name: str = "dataset", prompt_field: str = "pr
                 "prompt_completion": "prompt or completion", "text": "'text'"}[data_format]
         raise ValueError(f"dataset {name!r}: {len(empty)} row(s) have an empty {what} ({row_refs(rows, empty)}); "
                          "fill or remove them.")
+    if isinstance(rows, FileRows):  # each example keeps its row's place in the file
+        return FileRows(out, rows.lines, rows.unit, rows.whole)
     return out
 
 
@@ -393,9 +413,9 @@ def _parse_list(v):
     return list(v) if isinstance(v, tuple) else v
 
 
-def _conversation(msgs: list, i: int, name: str, field: str) -> dict:
+def _conversation(msgs: list, field: str) -> dict:
     """An example from a list of role/content messages ending with the assistant's answer."""
-    bad = (f"dataset {name!r} row {i}: {field!r} must be a list of {{'role', 'content'}} messages ending "
+    bad = (f"{field!r} must be a list of {{'role', 'content'}} messages ending "
            "with the assistant's answer, after at least one user message")
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                          for m in msgs):
@@ -408,7 +428,8 @@ def _conversation(msgs: list, i: int, name: str, field: str) -> dict:
     return {"prompt": prompt, "response": _text(msgs[-1]["content"]), "context": context}
 
 
-def _example(r: dict, i: int, name: str, fmt: str, prompt_field: str, response_field: str, messages_field: str) -> dict:
+def _example(r: dict, name: str, fmt: str, prompt_field: str, response_field: str, messages_field: str) -> dict:
+    """One row as an example; a ValueError says what is wrong with it (:func:`to_examples` names the row)."""
     task = _text(r.get("task")) or name
     if fmt == "prompt_response":
         if isinstance(r.get("text"), str) and not _text(r.get(prompt_field)):  # a text example this module wrote
@@ -429,21 +450,21 @@ def _example(r: dict, i: int, name: str, fmt: str, prompt_field: str, response_f
         if isinstance(p, str) and isinstance(c, str):
             return {"prompt": p, "response": c, "task": task}
         if isinstance(p, list) and isinstance(c, list):  # TRL's conversational prompt/completion
-            return {**_conversation(p + c, i, name, f"{prompt_field} + {response_field}"), "task": task}
-        raise ValueError(f"dataset {name!r} row {i}: {prompt_field!r} and {response_field!r} must both be text "
+            return {**_conversation(p + c, f"{prompt_field} + {response_field}"), "task": task}
+        raise ValueError(f"{prompt_field!r} and {response_field!r} must both be text "
                          f"(standard) or both lists of messages (conversational); got {type(p).__name__} and "
                          f"{type(c).__name__}.")
     msgs = _parse_list(r[messages_field])
     if fmt == "sharegpt":
         if not isinstance(msgs, list) or not all(isinstance(m, dict) and "from" in m and "value" in m for m in msgs):
-            raise ValueError(f"dataset {name!r} row {i}: {messages_field!r} must be a ShareGPT list of "
+            raise ValueError(f"{messages_field!r} must be a ShareGPT list of "
                              f"{{'from', 'value'}} turns; got {str(msgs)[:80]!r}.")
         unknown = [m["from"] for m in msgs if str(m["from"]).lower() not in SHAREGPT_ROLES]
         if unknown:
-            raise ValueError(f"dataset {name!r} row {i}: ShareGPT role {unknown[0]!r} is not known; use one of "
+            raise ValueError(f"ShareGPT role {unknown[0]!r} is not known; use one of "
                              f"{', '.join(SHAREGPT_ROLES)}.")
         msgs = [{"role": SHAREGPT_ROLES[str(m["from"]).lower()], "content": m["value"]} for m in msgs]
-    return {**_conversation(msgs, i, name, messages_field), "task": task}
+    return {**_conversation(msgs, messages_field), "task": task}
 
 
 def is_conversational(examples: list[dict]) -> bool:
@@ -501,7 +522,7 @@ def mix_examples(task_examples: list[dict], base_examples: list[dict], share: fl
         raise ValueError("mix_examples needs at least one task example.")
     n_base = round(len(task_examples) * share / (1 - share))
     if n_base == 0:
-        return list(task_examples)
+        return take(task_examples, range(len(task_examples)))
     if not base_examples:
         raise ValueError(f"share={share} needs base examples, but base_examples is empty; pass "
                          "load_examples('tiny:base_mix') or your own.")
@@ -509,7 +530,7 @@ def mix_examples(task_examples: list[dict], base_examples: list[dict], share: fl
     base = rng.sample(list(base_examples), min(n_base, len(base_examples)))
     mixed = list(task_examples) + base
     rng.shuffle(mixed)
-    return mixed
+    return FileRows(mixed, range(1, len(mixed) + 1), "row", f"the training rows ({share:.0%} base-task rows mixed in)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -571,24 +592,22 @@ def run_data(s, dataset_split: str | None = None) -> dict:
     - ``dataset`` embedded with splits ("tiny:dates"): its "train" split trains, "test" is held out;
     - otherwise: ``heldout_fraction`` of ``dataset`` is held out by ``seed`` (:func:`split_heldout`).
     ``dataset_split``: the split of a DatasetDict folder that trains (default "train" for folders).
-    Returns ``{"train", "heldout", "heldout_source", "split"}`` (``split``: how it was made) and, for a dataset
-    of the user's, ``train_rows``: each training row's place in that dataset (1-based), for messages.
+    Returns ``{"train", "heldout", "heldout_source", "split"}`` (``split``: how it was made); the examples of a
+    file keep their rows' places in it (:class:`FileRows`), so messages about a training row name its line.
     """
     fields = field_settings(s)
     embedded_split = isinstance(s.dataset, str) and s.dataset == "tiny:dates"
     train = load_examples(s.dataset, split=train_split(s, dataset_split), **fields)
     if s.heldout_dataset:
         return {"train": train, "heldout": load_examples(s.heldout_dataset, **field_settings(s, "heldout")),
-                "heldout_source": s.heldout_dataset, "split": "heldout_dataset",
-                "train_rows": list(range(1, len(train) + 1))}
+                "heldout_source": s.heldout_dataset, "split": "heldout_dataset"}
     if embedded_split:
         return {"train": train, "heldout": load_examples(s.dataset, split="test", **fields),
                 "heldout_source": f"{s.dataset}:test", "split": "embedded test split"}
     keep, held = split_heldout(train, s.heldout_fraction, s.seed)
-    return {"train": [train[i] for i in keep], "heldout": [train[i] for i in held],
+    return {"train": take(train, keep), "heldout": take(train, held),
             "heldout_source": f"{s.dataset} (heldout_fraction={s.heldout_fraction}, seed={s.seed})",
-            "split": f"{len(held)} of {len(train)} rows held out by seed {s.seed}",
-            "train_rows": [i + 1 for i in keep]}  # each training row's place in the dataset (1-based)
+            "split": f"{len(held)} of {len(train)} rows held out by seed {s.seed}"}
 
 
 def write_run_data(run_dir: str | Path, name: str, examples: list[dict]) -> Path:
@@ -631,9 +650,20 @@ def long_examples_line(report: dict) -> str:
             f"[long_examples={lx['policy']!r}]{warn}")
 
 
+def refuse_long_examples(examples, lengths: list[int], seq_len: int) -> None:
+    """``long_examples="error"``: a ValueError when an example (``lengths``: each one's tokens in the run's prompt
+    format) is longer than ``seq_len``, saying how many, where (:func:`row_refs`: their lines in the user's file when
+    ``examples`` knows them) and how long the longest is. The smoke run (:func:`lora_kit.run.batches.verified_slice`)
+    and the checks before it (:func:`lora_kit.data_check.check_long_examples`) refuse with this one message."""
+    long_rows = [i + 1 for i, n in enumerate(lengths) if n > seq_len]
+    if not long_rows:
+        return
+    longest = max(range(len(lengths)), key=lambda i: lengths[i])
+    raise ValueError(f"{len(long_rows)} of {len(lengths)} examples ({len(long_rows) / len(lengths):.1%}) are longer "
+                     f"than seq_len={seq_len} ({row_refs(examples, long_rows)}; longest: {lengths[longest]} tokens, "
+                     f"{row_refs(examples, [longest + 1])}); raise seq_len, or set long_examples='truncate' or 'drop'.")
+
+
 def longest_row_words(lx: dict) -> str:
-    """Where the longest example is: its row in the user's dataset when the smoke run knows it (``file_rows``),
-    else its place among the training rows."""
-    if lx.get("longest_file_row"):
-        return f"row {lx['longest_file_row']} of your dataset"
-    return f"training row {lx['longest_row'] + 1}"
+    """Where the longest example is, as :func:`row_refs` named it (``longest_at``; its line in the user's file)."""
+    return lx.get("longest_at") or f"row {lx['longest_row'] + 1} of the training rows"

@@ -6,14 +6,17 @@ sets are the package's) and, for the embedded model, ``base_mix``'s rows. Each i
 :func:`lora_kit.data.load_examples` (the loader the run uses, so the same messages) and, when the model's
 tokenizer loads, every row is rendered and tokenised in the run's prompt format
 (:class:`lora_kit.prompting.PromptFormat`) -- a chat template that refuses a row (roles that do not
-alternate, a system message it raises on) is caught here, not minutes into the run. The first problem is
-a ValueError naming the file, the row (1-based) and the fix; a clean check returns one line per file.
-Cost: one tokenisation per row; no model weights are read.
+alternate, a system message it raises on) is caught here, not minutes into the run, and so is a training row
+longer than ``seq_len`` under ``long_examples="error"`` (:func:`check_long_examples`). The first problem is a
+ValueError naming the file, the row (:func:`lora_kit.data.row_refs`: its line in the file) and the fix; a clean
+check returns one line per file. Cost: one tokenisation per row (the training rows once more under
+``long_examples="error"``); no model weights are read.
 """
 from __future__ import annotations
 
 from lora_kit.data import (EMBEDDED_MODELS, check_base_mix, control_source, detect_format, field_settings,
-                           is_conversational, load_examples, read_source, train_split)
+                           is_conversational, load_examples, read_source, refuse_long_examples, row_refs,
+                           run_data, train_split)
 
 
 def _files(s, dataset_split: str | None) -> list[tuple[str, str, str | None, dict]]:
@@ -73,10 +76,11 @@ def check_data(s, tokenizer=None, dataset_split: str | None = None, train_on: st
                 try:
                     enc = fmt.encode(ex)
                 except ValueError as e:
-                    raise ValueError(f"{role} ({source}) row {i}: {e}") from None
+                    raise ValueError(f"{role} ({source}), {row_refs(rows, [i])}: {e}") from None
                 if role == "dataset" and not any(t != -100 for t in enc["labels"]):
-                    raise ValueError(f"{role} ({source}) row {i}: no token is trained (train_on={train_on!r}); "
-                                     "check the row's answer.")
+                    raise ValueError(f"{role} ({source}), {row_refs(rows, [i])}: no token is trained "
+                                     f"(train_on={train_on!r}); check the row's answer.")
+        check_long_examples(s, tokenizer, dataset_split, train_on)
     lines = [f"{f['role']}: {f['source']}{':' + f['split'] if f['split'] else ''} -- {f['rows']} rows, "
              f"format {f['format']}" for f in files]
     if kind:
@@ -84,6 +88,30 @@ def check_data(s, tokenizer=None, dataset_split: str | None = None, train_on: st
     lines += [f"note: {n}" for n in notes]
     return {"files": files, "prompt_format": kind, "notes": notes, "lines": lines,
             "embedded": s.model in EMBEDDED_MODELS}
+
+
+def check_long_examples(s, tokenizer=None, dataset_split: str | None = None, train_on: str | None = None) -> None:
+    """``long_examples="error"``: the smoke run's refusal (:func:`lora_kit.data.refuse_long_examples`) of the
+    training rows (:func:`lora_kit.data.run_data`) longer than ``seq_len``, before anything runs: each row tokenised
+    once in the run's prompt format, as the smoke run encodes it. ValueError naming ``dataset`` and the rows' lines.
+    ``tokenizer``: the model's (loaded from ``s.model`` when None; one that does not load skips the check, and
+    :func:`check_data` says why)."""
+    if s.long_examples != "error":
+        return
+    from lora_kit.prompting import PromptFormat, resolve_prompt_format
+    if tokenizer is None:
+        try:
+            from lora_kit.loading import load_tokenizer
+            tokenizer = load_tokenizer(s.model, trust_remote_code=s.trust_remote_code)
+        except Exception:  # noqa: BLE001 - an unreachable hub model: check_data's note says why
+            return
+    train = run_data(s, dataset_split)["train"]
+    fmt = PromptFormat(tokenizer, resolve_prompt_format(s.prompt_format, tokenizer, is_conversational(train)),
+                       train_on=train_on or s.train_on)
+    try:
+        refuse_long_examples(train, [fmt.encode(ex)["length"] for ex in train], s.seq_len)
+    except ValueError as e:
+        raise ValueError(f"dataset ({s.dataset}): {e}") from None
 
 
 def data_problem(s, **kw) -> str | None:
@@ -95,4 +123,4 @@ def data_problem(s, **kw) -> str | None:
     return None
 
 
-__all__ = ["check_data", "data_problem"]
+__all__ = ["check_data", "check_long_examples", "data_problem"]

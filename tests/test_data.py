@@ -86,6 +86,10 @@ def test_csv_problems_name_the_line_a_user_sees(tmp_path):
     q.write_text('prompt,response\n"two\nlines",1\n"",2\n')  # a quoted field over two lines
     with pytest.raises(ValueError, match=r"\(line 4 of the file\)"):
         load_examples(q)
+    arr = tmp_path / "arr.json"  # a JSON array: its items
+    arr.write_text(json.dumps([{"prompt": "a", "response": "b"}, {"prompt": " ", "response": "c"}], indent=2))
+    with pytest.raises(ValueError, match=r"\(item 2 of the array\)"):
+        load_examples(arr)
     from lora_kit.data import row_refs
     assert row_refs([{}, {}, {}], [2, 3]) == "rows 2, 3, 1-based"  # rows of no file: their places
 

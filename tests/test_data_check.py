@@ -58,8 +58,8 @@ def test_chat_template_refusal_named_by_row(tmp_path):
     u, a = (lambda t: {"role": "user", "content": t}), (lambda t: {"role": "assistant", "content": t})
     rows = [{"messages": [u("hi"), a("OK")]}, {"messages": [u("hi"), u("again"), a("OK")]}]
     s = _settings(tmp_path, dataset=_jsonl(tmp_path / "chat.jsonl", rows), heldout_fraction=0.5)
-    with pytest.raises(ValueError, match=r"dataset \(.*chat.jsonl\) row 2: the chat template refuses this "
-                                         r"conversation \(roles \['user', 'user', 'assistant'\]\).*alternate"):
+    with pytest.raises(ValueError, match=r"dataset \(.*chat.jsonl\), line 2 of the file: the chat template refuses "
+                                         r"this conversation \(roles \['user', 'user', 'assistant'\]\).*alternate"):
         check_data(s, tokenizer=tok)
 
 
@@ -68,3 +68,21 @@ def test_base_mix_never_injects_embedded_tasks_into_another_model(tmp_path):
     with pytest.raises(ValueError, match="base_mix=0.2 mixes the embedded tiny model's own tasks"):
         check_data(s, load_tokenizer=False)
     assert [f["role"] for f in check_data(_settings(tmp_path, base_mix=0.2))["files"]][-1] == "base_mix"
+
+
+def test_long_examples_error_refused_with_the_smoke_runs_message(tmp_path):
+    """Notebook 00's data check refuses, under long_examples='error', the training rows 03 would refuse."""
+    from lora_kit.data import run_data
+    from lora_kit.loading import load_tokenizer
+    from lora_kit.run.batches import verified_slice
+    tok = load_tokenizer("tiny")
+    rows = [{"prompt": f"q{i}", "response": "a"} for i in range(9)] + [{"prompt": "P " * 40, "response": "R"}]
+    s = _settings(tmp_path, dataset=_jsonl(tmp_path / "long.jsonl", rows), seq_len=32, heldout_fraction=0.1)
+    assert check_data(s, tokenizer=tok)["files"][0]["rows"] == 10  # "truncate": nothing refused
+    s = s.replace(long_examples="error")
+    with pytest.raises(ValueError) as smoke:
+        verified_slice(tok, run_data(s)["train"], seq_len=32, n_examples=4, long_examples="error")
+    assert "line 10 of the file" in str(smoke.value)
+    with pytest.raises(ValueError) as early:
+        check_data(s, tokenizer=tok)
+    assert str(early.value) == f"dataset ({s.dataset}): {smoke.value}"

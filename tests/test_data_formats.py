@@ -110,10 +110,10 @@ def test_broken_files_name_the_file_row_and_fix(tmp_path):
     with pytest.raises(ValueError, match=r"bad.json: item 2 of the array is not a JSON object"):
         load_examples(bad)
     sg = _jsonl(tmp_path / "sg.jsonl", [{"conversations": [{"from": "human", "value": U}, {"from": "robot", "value": A}]}])
-    with pytest.raises(ValueError, match=r"sg.jsonl' row 1: ShareGPT role 'robot' is not known"):
+    with pytest.raises(ValueError, match=r"sg.jsonl', line 1 of the file: ShareGPT role 'robot' is not known"):
         load_examples(sg)
     pc = _jsonl(tmp_path / "pc.jsonl", [{"prompt": MSGS[:2], "completion": A}])
-    with pytest.raises(ValueError, match=r"row 1: 'prompt' and 'completion' must both be text"):
+    with pytest.raises(ValueError, match=r"line 1 of the file: 'prompt' and 'completion' must both be text"):
         load_examples(pc)
 
 

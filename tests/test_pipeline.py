@@ -58,6 +58,25 @@ def test_a_dataset_the_run_cannot_read_is_refused_before_anything_runs(tmp_path,
     assert not runs.exists()
 
 
+def test_long_examples_error_is_refused_before_anything_runs(tmp_path, capsys):
+    """long_examples='error' with a training row longer than seq_len: refused before 00, naming the file's lines,
+    with the smoke run's message (notebook 03 would stop on it minutes later)."""
+    import lora_kit as lk
+    from lora_kit.data_check import check_long_examples
+    from test_your_model_your_data import _long_rows_csv
+    data = tmp_path / "mine.csv"
+    _long_rows_csv(data)
+    runs = tmp_path / "runs"
+    argv = ["run", "--runs-dir", str(runs), "--name", "x", "--dataset", str(data), "--seq-len", "48"]
+    assert main(argv + ["-p", "long_examples", "error", "-p", "heldout_fraction", "0.2", "-p", "seed", "3"]) == 2
+    err = capsys.readouterr().err
+    with pytest.raises(ValueError) as same:
+        check_long_examples(lk.Settings(dataset=str(data), seq_len=48, long_examples="error", heldout_fraction=0.2,
+                                        seed=3))
+    assert f"lora-kit run: data: {same.value}\n" in err and "longer than seq_len=48 (lines " in err
+    assert "1-based" not in err and not runs.exists()
+
+
 def test_failing_notebook_stops_run_and_keeps_outputs(tmp_path, capsys):
     rc = main(["run", "--runs-dir", str(tmp_path), "--name", "bad", "--only", "01",
                "-p", "plan_model", "no-such-model-xyz"])

@@ -183,7 +183,7 @@ def test_format_that_does_not_match_the_data_names_the_setting(tmp_path):
     with pytest.raises(ValueError, match=r"no field 'messages'.*data_format='alpaca'"):
         load_examples(al, data_format="messages")
     bad = _jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
-    with pytest.raises(ValueError, match="row 1.*ending with the assistant's answer"):
+    with pytest.raises(ValueError, match="line 1 of the file: .*ending with the assistant's answer"):
         load_examples(bad)
     from lora_kit.loading import load_tokenizer
     from lora_kit.prompting import resolve_prompt_format
@@ -279,28 +279,47 @@ def test_run_card_says_when_many_examples_are_long():
     assert not any("longer than seq_len" in x for x in next_checks(card))
 
 
-def test_long_examples_are_named_by_their_row_in_the_users_file(tmp_path):
-    """With part of the dataset held out, the training rows are not the file's rows: messages about long examples
-    name the row of the user's file (the trial's "longest ..., row 8" pointed at a short row)."""
-    import lora_kit as lk
-    from lora_kit.data import load_examples, long_examples_line, run_data
-    from lora_kit.loading import load_tokenizer
-    from lora_kit.run.batches import verified_slice
-    from lora_kit.run.smoke import _file_rows
+def _long_rows_csv(path):
+    """A CSV (header, then a blank line after the third row) whose rows 1, 9, 17, 25, 33 are long; the file line
+    of each row, by content."""
     rows = [{"prompt": f"question {i}", "response": "short"} for i in range(40)]
     for i in (0, 8, 16, 24, 32):
         rows[i] = {"prompt": f"long {i} " + "P " * 60, "response": "R " * (60 + i)}
-    f = tmp_path / "mine.jsonl"
-    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    d = run_data(lk.Settings(dataset=str(f), heldout_fraction=0.2, seed=3))
-    mine = load_examples(str(f))
-    assert len(d["train_rows"]) == len(d["train"]) < 40
-    assert all(mine[n - 1] == e for n, e in zip(d["train_rows"], d["train"]))  # each row's place in the file
-    _, rep = verified_slice(load_tokenizer("tiny"), d["train"], seq_len=48, n_examples=4)
-    _file_rows(rep, d["train_rows"])
+    lines = ["prompt,response"] + [f"{r['prompt']},{r['response']}" for r in rows]
+    lines.insert(4, "")  # a blank line: row n ends on file line n + 1 up to row 3, n + 2 after
+    path.write_text("\n".join(lines) + "\n")
+    return {ln.split(",")[0]: n for n, ln in enumerate(lines, 1) if ln}
+
+
+def test_long_examples_are_named_by_their_line_in_the_users_file(tmp_path):
+    """With part of the dataset held out, the training rows are not the file's rows: messages about long examples
+    name the line of the user's file (the trial's "longest: 688 tokens, row 23, 1-based" was line 24's row)."""
+    import lora_kit as lk
+    from lora_kit.data import long_examples_line, mix_examples, row_refs, run_data
+    from lora_kit.data_check import check_long_examples
+    from lora_kit.loading import load_tokenizer
+    from lora_kit.run.batches import verified_slice
+    f = tmp_path / "mine.csv"
+    line_of = _long_rows_csv(f)
+    s = lk.Settings(dataset=str(f), heldout_fraction=0.2, seed=3, seq_len=48)
+    d = run_data(s)
+    assert len(d["train"]) < 40 and [line_of[e["prompt"]] for e in d["train"]] == d["train"].lines
+    tok = load_tokenizer("tiny")
+    _, rep = verified_slice(tok, d["train"], seq_len=48, n_examples=4)
     lx = rep["long_examples"]
-    assert set(lx["file_rows"]) <= {1, 9, 17, 25, 33} and rows[lx["longest_file_row"] - 1]["prompt"].startswith("long")
-    assert f"row {lx['longest_file_row']} of your dataset" in long_examples_line(rep)
-    _, rep2 = verified_slice(load_tokenizer("tiny"), d["train"], seq_len=48, n_examples=4)
-    _file_rows(rep2, d["train_rows"][:-1])  # rows that do not line up (base_mix): no file row claimed
-    assert "longest_file_row" not in rep2["long_examples"] and "training row" in long_examples_line(rep2)
+    longest = d["train"][lx["longest_row"]]["prompt"]
+    assert longest.startswith("long") and lx["longest_at"] == f"line {line_of[longest]} of the file"
+    assert f"line {line_of[longest]} of the file" in long_examples_line(rep)
+    long_lines = sorted(line_of[p] for p in line_of if p.startswith("long") and p in {e["prompt"] for e in d["train"]})
+    with pytest.raises(ValueError) as smoke:
+        verified_slice(tok, d["train"], seq_len=48, n_examples=4, long_examples="error")
+    msg = str(smoke.value)
+    assert f"{len(long_lines)} of {len(d['train'])} examples" in msg and "1-based" not in msg
+    assert f"(lines {', '.join(map(str, long_lines))} of the file; longest: {lx['longest_tokens']} tokens, " \
+           f"line {line_of[longest]} of the file)" in msg
+    with pytest.raises(ValueError) as early:  # before anything runs: the same check, the same message
+        check_long_examples(s.replace(long_examples="error"), tok)
+    assert str(early.value) == f"dataset ({f}): {msg}"
+    check_long_examples(s, tok)  # "truncate": nothing refused
+    mixed = mix_examples(d["train"], [{"prompt": "b", "response": "c"}] * 9, 0.2)  # base_mix: no file line claimed
+    assert row_refs(mixed, [2]) == "row 2 of the training rows (20% base-task rows mixed in)"

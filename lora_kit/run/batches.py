@@ -6,12 +6,14 @@ measured steps), the rest follow shuffled with the seed. Every example is encode
 prompt format (:class:`lora_kit.prompting.PromptFormat`, the one evaluation and generation use) and
 checked:
 
-- rows with an empty prompt or response (or an empty ``text``, for language-modelling rows) are a ValueError naming them (1-based, as
-  ``lora_kit.data.load_examples`` does): rows are never silently dropped;
+- rows with an empty prompt or response (or an empty ``text``, for language-modelling rows) are a ValueError naming them
+  (:func:`lora_kit.data.row_refs`: their lines in the user's file, as ``load_examples`` does): rows are never silently
+  dropped;
 - examples longer than ``seq_len`` follow ``long_examples``: "truncate" (from the right; an example
   whose whole answer is cut away is skipped, it would train on nothing), "drop" (left out) or
-  "error" (a ValueError saying how many and how long). Either way they are counted: the report's
-  ``long_examples`` says how many, what share, the longest, and what was done;
+  "error" (:func:`lora_kit.data.refuse_long_examples`: a ValueError saying how many, how long and where). Either
+  way they are counted: the report's ``long_examples`` says how many, what share, the longest (and where:
+  ``longest_at``), and what was done;
 - ``seq_len`` beyond the model's context (``max_position_embeddings``) is a ValueError.
 
 Batches are built as the step's ``padding`` says (:func:`collate`): ``"max_length"`` pads every row to
@@ -25,6 +27,7 @@ import random
 
 import torch
 
+from lora_kit.data import refuse_long_examples, row_refs
 from lora_kit.prompting import IGNORE_INDEX, PromptFormat
 
 
@@ -50,9 +53,8 @@ def _checked(examples, prompt_field: str, response_field: str) -> list[dict]:
     empty_rows = [i for i, row in enumerate(examples, 1) if (_empty(row.get("text")) if "text" in row else
                   _empty(row.get(prompt_field)) or _empty(row.get(response_field)))]
     if empty_rows:
-        shown = ", ".join(map(str, empty_rows[:10])) + (" ..." if len(empty_rows) > 10 else "")
         raise ValueError(f"{len(empty_rows)} row(s) have an empty {prompt_field!r} or {response_field!r} "
-                         f"(rows {shown}, 1-based); fill or remove them.")
+                         f"({row_refs(examples, empty_rows)}); fill or remove them.")
     return [{"prompt": str(r[prompt_field]), "response": str(r[response_field]),
              **({"context": r["context"]} if isinstance(r.get("context"), list) else {}),
              **({"text": str(r["text"])} if "text" in r else {})} for r in examples]
@@ -92,12 +94,11 @@ def verified_slice(tokenizer, examples, seq_len: int, n_examples: int, seed: int
     longest = max(range(len(rows)), key=lambda i: all_lengths[i])
     long_report = {"policy": long_examples, "seq_len": seq_len, "count": len(long_rows),
                    "share": len(long_rows) / len(rows), "longest_tokens": all_lengths[longest],
-                   "longest_row": longest, "rows": long_rows[:20], "truncated": sum(e["truncated"] for e in encoded),
-                   "dropped": len(dropped), "answer_cut_away": len(cut_away)}
-    if long_examples == "error" and long_rows:
-        raise ValueError(f"{len(long_rows)} of {len(rows)} examples ({long_report['share']:.1%}) are longer than "
-                         f"seq_len={seq_len} (longest: {all_lengths[longest]} tokens, row {longest + 1}, 1-based); "
-                         "raise seq_len, or set long_examples='truncate' or 'drop'.")
+                   "longest_row": longest, "longest_at": row_refs(examples, [longest + 1]), "rows": long_rows[:20],
+                   "truncated": sum(e["truncated"] for e in encoded), "dropped": len(dropped),
+                   "answer_cut_away": len(cut_away)}
+    if long_examples == "error":
+        refuse_long_examples(examples, all_lengths, seq_len)
     if not encoded:
         why = (f"all {len(dropped)} are longer than seq_len={seq_len} and long_examples='drop'" if dropped and
                not cut_away else f"all {len(cut_away) + len(dropped)} lose their whole response at seq_len={seq_len}")

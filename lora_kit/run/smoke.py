@@ -323,22 +323,10 @@ def _load_examples(s, examples=None, write: bool = True) -> tuple[list[dict], di
         info = {"source": s.dataset, "heldout": d["heldout_source"], "split": d["split"], "heldout_rows": len(d["heldout"])}
         if write:
             info["heldout_file"] = str(write_run_data(s.run_dir, "heldout", d["heldout"]))
-        info["file_rows"] = d.get("train_rows")
     if s.base_mix > 0:
         rows = mix_examples(rows, load_examples(check_base_mix(s)), s.base_mix, seed=s.seed)
         info["base_mix"] = s.base_mix
-        info["file_rows"] = None  # mixed in: the training rows are no longer the dataset's in order
     return rows, info
-
-
-def _file_rows(data: dict, file_rows: list | None) -> None:
-    """The long examples' rows in the user's dataset (``file_rows``: each training row's, 1-based) beside their
-    places among the training rows, so that messages point into the user's file."""
-    lx = data.get("long_examples") or {}
-    if not lx or not file_rows or len(file_rows) != data.get("rows"):
-        return
-    lx["file_rows"] = [file_rows[i] for i in lx.get("rows", [])]
-    lx["longest_file_row"] = file_rows[lx["longest_row"]]
 
 
 def _control_prompts(s, n: int = 4) -> tuple[list[dict], str]:
@@ -589,9 +577,7 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     order, rec["data"] = smoke_data.verified_slice(
         tok, rows, s.seq_len, per_step * s.max_steps * world, seed=s.seed, n_first=per_step * world, fmt=fmt,
         long_examples=s.long_examples)
-    file_rows = source.pop("file_rows", None)
     rec["data"].update(source)
-    _file_rows(rec["data"], file_rows)
     if rank == 0:  # the rows actually trained on: 04's overlap check compares held-out prompts with them
         rec["data"]["trained_file"] = str(write_run_data(s.run_dir, "trained", [rows[i] for i in
                                                                                 sorted({e["row"] for e in order})]))

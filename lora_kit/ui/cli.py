@@ -87,13 +87,17 @@ def cmd_run(args) -> int:
     except ValueError as exc:
         print(f"lora-kit run: invalid settings: {exc}", file=sys.stderr)
         return 2
-    if "00_stack_check.ipynb" in chosen and not args.resume:  # what notebook 00 would refuse, in seconds: every
-        # data file read and formatted (00 also tokenises each row with the model's tokenizer)
-        from lora_kit.data_check import check_data
+    if {"00_stack_check.ipynb", "03_smoke_run.ipynb"} & set(chosen) and not args.resume:
+        # what 00 would refuse, in seconds: every data file read and formatted (00 also tokenises each row with the
+        # model's tokenizer); under long_examples="error", the training rows 03 would refuse (tokenised once)
+        from lora_kit.data_check import check_data, check_long_examples
         try:
-            check_data(settings, load_tokenizer=False)
+            if "00_stack_check.ipynb" in chosen:
+                check_data(settings, load_tokenizer=False)
+            if "03_smoke_run.ipynb" in chosen:
+                check_long_examples(settings)
         except (ValueError, OSError) as exc:
-            print(f"lora-kit run: cannot read the data: {exc}", file=sys.stderr)
+            print(f"lora-kit run: data: {exc}", file=sys.stderr)
             return 2
     out = None
     try:
