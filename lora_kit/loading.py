@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from lora_kit.model_catalog import hub_id
 from lora_kit.settings import TINY_ALIASES  # noqa: F401 - the embedded model's names, used here
 EMBEDDED_DIR = Path(__file__).parent / "embedded" / "tiny"
 DTYPE_MAP = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,10 +45,8 @@ def resolve_model(model: str | os.PathLike) -> str:
     if looks_like_path(model):
         raise ValueError(f"model folder {model!r} does not exist (looked at {str(p.resolve())!r}); set model to a "
                          "folder written by save_pretrained, a hub id such as 'Qwen/Qwen2.5-0.5B', or 'tiny'.")
-    from lora_kit.memory.specs import catalog
-    entry = catalog().get(model) if "/" not in model else None
-    if entry and entry.get("hub_id"):  # a catalog name plans offline; its weights are the hub model it names
-        model = entry["hub_id"]
+    if "/" not in model and hub_id(model):  # a catalog name plans offline; its weights are the hub model it names
+        model = hub_id(model)
     check_hub(model)
     return model
 

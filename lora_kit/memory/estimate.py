@@ -221,8 +221,8 @@ def _fit_now(spec: ModelSpec, s: Step):
     if key not in _UNFITTABLE:
         title, bar = f"fitting the memory model of {spec.name}", sys.stderr.isatty()
         if not bar:  # a log, a notebook, a batch job: one line instead of a bar
-            print(f"lora_kit: {title} for these settings (once; then cached): seconds to a few minutes on a CPU",
-                  file=sys.stderr, flush=True)
+            print(f"lora_kit: {title} for these settings (once; then cached in {fits.user_dir()}, which "
+                  "LORA_KIT_FITS moves): seconds to a few minutes on a CPU", file=sys.stderr, flush=True)
         try:
             return (*fits.make(spec.config, s, show=title if bar else None), s.optimizer)
         except ValueError as e:  # calibrate.fit refuses what it cannot align or fit exactly, saying why

@@ -17,7 +17,6 @@ tree; the activation model then assumes a Llama-like block and is less exact. Sp
 from __future__ import annotations
 
 import difflib
-import json
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -25,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from lora_kit.model_catalog import catalog_file
 
-CATALOG_PATH = Path(__file__).parents[1] / "catalog" / "models.json"
+
 GATED_MLP_TYPES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "qwen3", "olmo2", "granite")
 KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox")
 
@@ -111,7 +111,7 @@ def catalog() -> dict[str, dict]:
     and ``params`` (the exact parameter count, equal to the model built on the meta device);
     :func:`catalog_source` says where each entry's numbers were read. Mixture-of-experts entries are the
     ones with a non-empty :func:`moe_facts`."""
-    return _catalog_file()["models"]
+    return catalog_file()["models"]
 
 
 def catalog_config(name: str) -> dict:
@@ -124,12 +124,7 @@ def catalog_source(name: str) -> dict:
     tables the numbers were taken from, with commit or URL), ``published_params`` where a model card or
     paper states a count, and a ``note`` on anything not literally in the config. Entries that predate the
     sources section have none ({})."""
-    return _catalog_file().get("sources", {}).get(name, {})
-
-
-@lru_cache(maxsize=1)
-def _catalog_file() -> dict:
-    return json.loads(CATALOG_PATH.read_text())
+    return catalog_file().get("sources", {}).get(name, {})
 
 
 MOE_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
