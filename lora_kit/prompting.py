@@ -72,11 +72,17 @@ def check_train_on(train_on: str) -> str:
     return train_on
 
 
-def resolve_prompt_format(setting: str, tokenizer, conversational: bool) -> str:
-    """``setting`` ("auto" | "plain" | "chat" | a template with ``{prompt}``) made concrete for this
-    tokenizer and data; ValueError naming ``prompt_format`` when the tokenizer cannot do it."""
+def choose_prompt_format(setting: str, tokenizer, conversational: bool) -> tuple[str, str]:
+    """(``setting`` made concrete for this tokenizer and data, why, in words); ``setting`` is "auto" |
+    "plain" | "chat" | a template with ``{prompt}``. ValueError naming ``prompt_format`` when the tokenizer
+    cannot do it."""
     if setting == "auto":
-        return "chat" if conversational and has_chat_template(tokenizer) else "plain"
+        if not has_chat_template(tokenizer):
+            return "plain", "prompt_format='auto' and the model has no chat template"
+        if not conversational:
+            return "plain", ("prompt_format='auto' and the data is prompt/response rows, not chat messages (the "
+                             "model's chat template is used for messages data only)")
+        return "chat", "prompt_format='auto', the data is chat messages and the model has a chat template"
     if setting == "chat" and not has_chat_template(tokenizer):
         raise ValueError("prompt_format='chat' but the model's tokenizer has no chat template; set "
                          "prompt_format='plain' or a template holding {prompt}, e.g. '### Question: {prompt}\\n"
@@ -84,7 +90,21 @@ def resolve_prompt_format(setting: str, tokenizer, conversational: bool) -> str:
     if setting not in ("plain", "chat") and "{prompt}" not in str(setting):
         raise ValueError(f"prompt_format={setting!r} is not valid; choose 'auto', 'plain', 'chat' or a template "
                          "holding {prompt}.")
-    return setting
+    return setting, f"prompt_format={setting!r} is set"
+
+
+def resolve_prompt_format(setting: str, tokenizer, conversational: bool) -> str:
+    """``setting`` made concrete for this tokenizer and data (:func:`choose_prompt_format`)."""
+    return choose_prompt_format(setting, tokenizer, conversational)[0]
+
+
+def format_label(kind: str) -> str:
+    """A concrete prompt format in words, e.g. "the model's chat template"."""
+    if kind == "chat":
+        return "the model's chat template"
+    if kind == "plain":
+        return f"plain ({PROMPT_TEMPLATE!r}, then the answer and EOS)"
+    return f"your template ({kind!r}, then the answer and EOS)"
 
 
 def labels_from_spans(ids: list[int], offsets, spans) -> list[int]:
@@ -102,12 +122,26 @@ def labels_from_spans(ids: list[int], offsets, spans) -> list[int]:
     return labels
 
 
+def _runs(flags) -> list[list[int]]:
+    """``[start, end)`` of each run of true flags."""
+    runs, prev = [], False
+    for i, on in enumerate(flags):
+        if on and not prev:
+            runs.append([i, i + 1])
+        elif on:
+            runs[-1][1] = i + 1
+        prev = on
+    return runs
+
+
 class PromptFormat:
     """Encodes examples in one concrete format ("plain", "chat" or a template with ``{prompt}``),
     training the spans ``train_on`` names (see the module docstring)."""
 
-    def __init__(self, tokenizer, kind: str = "plain", train_on: str = "assistant"):
-        self.tokenizer, self.kind = tokenizer, resolve_prompt_format(kind, tokenizer, False)  # "auto" -> "plain"
+    def __init__(self, tokenizer, kind: str = "plain", train_on: str = "assistant", conversational: bool = False):
+        # kind "auto" resolves for ``conversational`` data (:func:`choose_prompt_format`); ``reason`` says why
+        self.tokenizer = tokenizer
+        self.kind, self.reason = choose_prompt_format(kind, tokenizer, conversational)
         self.train_on = check_train_on(train_on)
         self.template = PROMPT_TEMPLATE if self.kind in ("plain", "chat") else self.kind
         # plain/template answers end at the first newline; chat answers end at the end-of-turn marker
@@ -264,13 +298,7 @@ class PromptFormat:
             ids, mask = pre
             if train_on == "all":
                 return ids, list(ids)
-            runs, prev = [], 0
-            for i, m in enumerate(mask):
-                if m and not prev:
-                    runs.append([i, i + 1])
-                elif m:
-                    runs[-1][1] = i + 1
-                prev = m
+            runs = _runs(mask)
             keep = runs[-1:] if train_on == "last" else runs
             labels = [IGNORE_INDEX] * len(ids)
             for a, b in keep:
@@ -286,6 +314,30 @@ class PromptFormat:
         if train_on == "all" or lm:
             return ids, list(ids)
         return ids, labels_from_spans(ids, offsets, spans[-1:] if train_on == "last" else spans)
+
+    def rendered(self, ex, response: str | None = None) -> str:
+        """The whole text this format tokenises for ``ex`` (its ``response`` unless given): the rendered
+        conversation, or prompt + response + EOS -- what the tokenizer receives. Plain and template formats
+        tokenise it with the tokenizer's special tokens (its BOS, if it adds one)."""
+        response = (ex.get("response", "") if isinstance(ex, dict) else "") if response is None else response
+        return self._text_and_spans(ex, response)[0]
+
+    def as_seen(self, ex, max_len: int | None = None) -> dict:
+        """One example as training sees it: ``text`` (:meth:`rendered`), ``tokens`` (its length before any cut
+        to ``max_len``), ``truncated_to`` (``max_len`` when cut, else None), ``trained`` (the trained tokens
+        decoded, one string per run of them), ``trained_tokens``, and ``bos``: the BOS token the tokenizer
+        adds in front of the text (None when the text holds it or none is added)."""
+        ids, labels = self._ids_labels(ex, ex.get("response", "") if isinstance(ex, dict) else "")
+        n = len(ids)
+        if max_len is not None:
+            ids, labels = ids[:max_len], labels[:max_len]
+        runs = _runs([lab != IGNORE_INDEX for lab in labels])
+        tok, text = self.tokenizer, self.rendered(ex)
+        bos = tok.bos_token if (ids and tok.bos_token and ids[0] == tok.bos_token_id
+                                and not text.startswith(tok.bos_token)) else None
+        return {"text": text, "tokens": n, "truncated_to": max_len if max_len is not None and n > max_len else None,
+                "trained": [tok.decode(ids[a:b]) for a, b in runs], "trained_tokens": sum(b - a for a, b in runs),
+                "bos": bos}
 
     def prompt_text(self, ex) -> str:
         if self.kind == "chat":

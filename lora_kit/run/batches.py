@@ -66,7 +66,8 @@ def verified_slice(tokenizer, examples, seq_len: int, n_examples: int, seed: int
     """(encoded examples in training order, report). ``n_first`` longest examples lead the order.
 
     The list has exactly ``n_examples`` items (the dataset is repeated, reshuffled, if it is
-    smaller). The report holds counts, the longest lengths, the prompt format, and ``long_examples``
+    smaller). The report holds counts, the longest lengths, the prompt format and why it was chosen, the first
+    trained row as the tokenizer receives it (``rendered_example``, :meth:`PromptFormat.as_seen`), and ``long_examples``
     (how many are longer than ``seq_len``, their share, the longest, how many were truncated,
     dropped or lost their whole answer).
     """
@@ -117,7 +118,9 @@ def verified_slice(tokenizer, examples, seq_len: int, n_examples: int, seed: int
     lengths = [e["full_length"] for e in by_len]
     report = {
         "rows": len(rows), "usable": len(encoded), "used": len(order), "prompt_format": fmt.kind,
-        "train_on": fmt.train_on, "format_notes": list(fmt.notes),
+        "prompt_format_reason": fmt.reason, "train_on": fmt.train_on, "format_notes": list(fmt.notes),
+        # the first row trained (the first of data/trained.jsonl) as the tokenizer receives it
+        "rendered_example": fmt.as_seen(rows[min(e["row"] for e in order)], seq_len),
         "trained_tokens": sum(sum(t != IGNORE_INDEX for t in e["labels"]) for e in encoded),
         "skipped_response_cut_away": len(cut_away), "skipped_response_cut_away_rows": cut_away[:20],
         "truncated": long_report["truncated"], "dropped_long": len(dropped), "seq_len": seq_len,

@@ -69,7 +69,7 @@ from lora_kit.memory.sharded import label_fsdp
 from lora_kit.memory.simulate import simulate as simulate_step
 from lora_kit.memory.tracker import LiveBytesTracker
 from lora_kit.noise import quiet
-from lora_kit.prompting import PromptFormat, resolve_prompt_format
+from lora_kit.prompting import PromptFormat
 from lora_kit.results import (LineLog, NotWritten, active_run, check_output_dir, clean_leftovers, disk_full,
                               interrupts, read_record, run_identity, run_lock, same_run, settled, signal_name, touch,
                               write_json_atomic)
@@ -571,8 +571,7 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     config = AutoConfig.from_pretrained(path, trust_remote_code=s.trust_remote_code)
     smoke_data.check_context(s.seq_len, config)
     rows, source = _load_examples(s, examples, write=rank == 0)
-    fmt = PromptFormat(tok, resolve_prompt_format(s.prompt_format, tok, is_conversational(rows)),
-                       train_on=s.train_on)
+    fmt = PromptFormat(tok, s.prompt_format, train_on=s.train_on, conversational=is_conversational(rows))
     per_step = s.batch_size * s.grad_accum
     order, rec["data"] = smoke_data.verified_slice(
         tok, rows, s.seq_len, per_step * s.max_steps * world, seed=s.seed, n_first=per_step * world, fmt=fmt,

@@ -603,6 +603,56 @@ def smoke_lines(smoke: dict) -> list[str]:
     return lines
 
 
+SHOWN_CHARS = 1200  # a rendered example longer than this is shown by its start and end, the middle left out
+
+
+def _middle_cut(text: str, keep: int = SHOWN_CHARS) -> str:
+    """``text``, or its first and last ``keep // 2`` characters with what was left out said between them."""
+    if len(text) <= keep:
+        return text
+    half = keep // 2
+    return f"{text[:half]}\n[... {len(text) - 2 * half:,} characters left out ...]\n{text[-half:]}"
+
+
+def _fenced(text: str) -> list[str]:
+    """``text`` as a fenced code block whose fence no backtick run in the text can close."""
+    run = max((len(r) for r in "".join(c if c == "`" else " " for c in text).split()), default=0)
+    fence = "`" * max(3, run + 1)
+    return [fence + "text", text, fence]
+
+
+def prompt_lines(smoke: dict, ev: dict | None = None) -> list[str]:
+    """The prompt format the smoke run resolved (and why), what it trained, and its first trained row exactly
+    as the tokenizer received it (smoke.json's ``data.rendered_example``, :meth:`lora_kit.prompting.PromptFormat.
+    as_seen`); the evaluation's format beside it when the two differ."""
+    from lora_kit.prompting import format_label
+    data = smoke.get("data") or {}
+    kind = data.get("prompt_format")
+    if not kind:
+        return []
+    why = f", because {data['prompt_format_reason']}" if data.get("prompt_format_reason") else ""
+    lines = [f"- **prompt format**: {format_label(kind)}{why}; trained tokens: train_on={data.get('train_on')!r}"
+             + "".join(f"; {n}" for n in data.get("format_notes") or [])]
+    ev_kind = ((ev or {}).get("decoding") or {}).get("prompt_format")
+    if ev_kind and ev_kind != kind:
+        lines.append(f"- the evaluation prompted in **{format_label(ev_kind)}**, not the format the smoke run trained "
+                     "in: its figures judge prompts the adapter was not trained on")
+    ex = data.get("rendered_example")
+    if not ex:
+        return lines
+    cut = f", cut to seq_len={ex['truncated_to']:,} in training" if ex.get("truncated_to") else ""
+    bos = f"; the tokenizer adds `{ex['bos']}` in front of it" if ex.get("bos") else ""
+    trained = "\n[...]\n".join(_middle_cut(t, SHOWN_CHARS // 2) for t in ex.get("trained") or [])
+    lines += ["", f"The first trained row (line 1 of `data/trained.jsonl`) as the tokenizer received it: "
+              f"{ex.get('tokens', 0):,} tokens{cut}, {ex.get('trained_tokens', 0):,} of them trained{bos}"
+              + (f"; {len(ex['text']):,} characters, the middle left out" if len(ex["text"]) > SHOWN_CHARS else "")
+              + ":", ""] + _fenced(_middle_cut(ex["text"])) + [
+              "", "The trained tokens (what the loss sees), decoded:", ""] + _fenced(trained) + [
+              "", "`data/trained.jsonl`, `data/heldout.jsonl` and `eval/per_example.csv` keep each row as read (a "
+              "conversation as `role: text` lines), not as rendered; the model saw the format above."]
+    return lines
+
+
 def loop_view(plan: dict | None, gpu: str | None = None) -> dict | None:
     """The loop users run next: per method, the plan's step at the micro-batch of that method's row in the plan
     (on ``gpu``, the run's planned GPU, else its recommended row: :func:`lora_kit.plan.records.plan_row`), under
@@ -848,7 +898,7 @@ def render_markdown(card: dict) -> str:
     # --- smoke -------------------------------------------------------------------------------
     lines += ["## Smoke run", ""]
     if smoke:
-        lines += smoke_lines(smoke) + allocator_lines(smoke)
+        lines += smoke_lines(smoke) + allocator_lines(smoke) + prompt_lines(smoke, card["eval"])
         sugg = ((smoke.get("oom") or {}).get("suggestions") or {})
         if isinstance(sugg, dict) and sugg.get("ranked"):
             lines += ["", f"Out of memory in {smoke['oom'].get('phase')}. Changes that would fit "
