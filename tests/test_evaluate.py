@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from lora_kit.evaluation import compare as C
 from lora_kit.evaluation.adapters import check_adapter
 from lora_kit.generation import generate
 from lora_kit.evaluation.evaluate import evaluate, load_result
@@ -49,8 +50,10 @@ def test_adapter_gain_with_interval_and_honest_sentence(result):
     em = comp["exact_match"]
     assert em["n"] == 24 and em["lo"] > 0.5 and em["lo"] <= em["diff"] <= em["hi"]
     assert comp["better"] > 12 and comp["better"] + comp["worse"] + comp["same"] == 24
-    assert result.summary["sentences"]["lora"]["heldout"].startswith(f"+{100 * em['diff']:.1f} points exact match (95 % CI")
-    assert "on 24 held-out examples" in result.summary_sentence
+    said = result.summary["sentences"]["lora"]["heldout"]
+    assert said.startswith("On 24 held-out examples: the adapter is better in exact match")
+    assert f"({C.diff_text('exact_match', em)}" in said and "reference loss" in said  # every metric measured
+    assert "On 24 held-out examples" in result.summary_sentence
     assert result.summary_sentence.startswith("lora: ") and "weak: " in result.summary_sentence
     m = result.summary["metrics"]["heldout"]
     assert m["lora"]["ref_loss"]["mean"] < m["base"]["ref_loss"]["mean"]

@@ -49,7 +49,11 @@ def test_summary_counts_and_sentences():
     assert comp["exact_match"]["diff"] == pytest.approx(0.25)
     assert (comp["better"], comp["worse"], comp["same"], comp["changed"], comp["n"]) == (2, 1, 1, 3, 4)
     assert s["metrics"]["heldout"]["base"]["exact_match"]["mean"] == 0.5
-    assert s["sentences"]["a"]["heldout"].startswith("No clear difference in exact match: +25.0 points")  # n=4
+    chrf = [C.mean_text("chrf", s["metrics"]["heldout"][k]["chrf"]["mean"]) for k in ("base", "a")]
+    assert s["sentences"]["a"]["heldout"] == (  # n=4: neither interval is clear of 0
+        "On 4 held-out examples: no clear difference in exact match or chrF. Exact match 50.0 % → 75.0 % "
+        f"({C.diff_text('exact_match', comp['exact_match'])}); chrF {chrf[0]} → {chrf[1]} "
+        f"({C.diff_text('chrf', comp['chrf'])}).")
     tasks = s["control_tasks"]["a"]
     assert tasks["reverse"]["exact_match:base"] == 1.0 and tasks["reverse"]["exact_match:a"] == 0.5
     assert tasks["count"]["exact_match_diff"]["diff"] == pytest.approx(0.5)
@@ -57,6 +61,27 @@ def test_summary_counts_and_sentences():
     assert "Largest drop: task 'reverse', \u221250.0 points" in s["control_sentence"]
     assert s["control_changed_fraction"] == 0.5
     assert s["top_changes"]["a"][0]["prompt"] == "c1"  # the regression comes first
+
+
+def test_sentence_weighs_every_metric_measured():
+    """Exact match flat while chrF rises and the reference loss falls (a user's run: answers closer to the
+    references, none exact): the sentence says so for each metric instead of "no clear difference" alone."""
+    refs = ["The capital of France is Paris.", "The capital of Spain is Madrid.", "The capital of Peru is Lima."]
+    rows = [{"split": "heldout", "task": "t", "index": i, "prompt": f"p{i}", "reference": r, "pred:base": "",
+             "pred:a": "The capital of", "ref_loss:base": 6.4 - i / 100, "ref_loss:a": 5.6 - i / 50}
+            for i, r in enumerate(refs)]
+    df = C.score_frame(pd.DataFrame(rows), ["base", "a"])
+    s = C.summarize(df, ["a"], n_resamples=200)
+    comp, said = s["comparisons"]["a"]["heldout"], s["summary_sentence"]
+    assert comp["exact_match"]["diff"] == 0 and comp["chrf"]["lo"] > 0 and comp["ref_loss"]["hi"] < 0
+    assert said.startswith("On 3 held-out examples: the adapter is better in chrF and reference loss; exact match "
+                           "unchanged (no example's score moved).")
+    assert f"reference loss 6.39 → 5.58 nats/token ({C.diff_text('ref_loss', comp['ref_loss'], unit=False)})" in said
+    assert f"chrF 0.0 → {C.mean_text('chrf', s['metrics']['heldout']['a']['chrf']['mean'])}" in said
+    assert [C.verdict(m, comp[m]) for m in C.METRICS] == ["unchanged", "better", "better"]
+    worse = C.summarize(df.assign(**{"ref_loss:a": df["ref_loss:base"] + 1}).pipe(C.score_frame, ["base", "a"]),
+                        ["a"], n_resamples=200)["summary_sentence"]
+    assert "better in chrF; worse in reference loss; exact match unchanged" in worse
 
 
 def test_overlapping_split_is_named_in_the_sentence():

@@ -1,6 +1,6 @@
-"""The run card says which prompt format the smoke run resolved and why, and shows the first trained row exactly
-as the tokenizer received it -- on run folders made by the real smoke run and evaluation (the embedded model on
-chat messages, a few steps)."""
+"""The run card says which prompt format the smoke run resolved and why, shows the first trained row exactly as
+the tokenizer received it, and reports every metric the evaluation measured, each with its interval -- on run
+folders made by the real smoke run and evaluation (the embedded model on chat messages, a few steps)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ import pytest
 
 import lora_kit as lk
 from lora_kit.data import load_examples
+from lora_kit.evaluation import compare as C
 from lora_kit.loading import EMBEDDED_DIR, load_tokenizer
 from lora_kit.prompting import PromptFormat, format_label
 from lora_kit.ui.run_card import build_report
@@ -53,6 +54,28 @@ def test_card_names_the_chat_template_and_shows_the_row_as_rendered(chat_run):
     assert f"```text\n{ex['text']}\n```" in smoke and f"```text\n{first['response']}</s>\n```" in smoke
     assert "line 1 of `data/trained.jsonl`" in smoke and f"{ex['tokens']:,} tokens" in smoke
     assert "not as rendered" in smoke  # trained.jsonl / per_example.csv hold the rows as read
+
+
+def test_card_gives_every_metric_with_its_interval(chat_run):
+    run, md = chat_run["run"], chat_run["md"]
+    ev = json.loads((run / "eval" / "eval.json").read_text())
+    section = md.split("## Evaluation: base vs adapter")[1].split("\n## ")[0]
+    assert ev["summary_sentence"] in section and ev["control"]["summary_sentence"] in section
+    for split, label in (("heldout", "held-out"), ("control", "control")):
+        comp = ev["comparisons"]["adapter"][split]
+        said = (ev["summary_sentence"] if split == "heldout" else ev["control"]["summary_sentence"]).lower()
+        for m, spec in C.METRICS.items():  # each metric in the sentence, and its row with the paired interval
+            row = f"| {label} ({comp['n']}) | {spec.label} | "
+            assert spec.label.lower() in said and row in section, (m, split)
+            assert C.diff_text(m, comp[m]) in section.split(row)[1].split("\n")[0], (m, split)
+    # an eval.json written before the sentence named every metric: the card makes it again from the records
+    old = dict(ev, summary_sentence="No clear difference in exact match: 0.0 points (95 % CI 0.0 to 0.0) on 4 "
+                                    "held-out examples.")
+    (run / "eval" / "eval.json").write_text(json.dumps(old))
+    build_report(run)
+    again = (run / "report.md").read_text()
+    assert "No clear difference in exact match: 0.0 points" not in again and ev["summary_sentence"] in again
+    (run / "eval" / "eval.json").write_text(json.dumps(ev))
 
 
 def test_plain_format_says_the_model_has_no_chat_template(tmp_path):

@@ -12,17 +12,47 @@ judged on exact match, then chrF).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pandas as pd
 
 from lora_kit.evaluation import metrics as M
 BASE = "base"
-# metric -> (label, scale for sentences, unit, lower_is_better)
+
+
+class Metric(NamedTuple):
+    label: str
+    scale: float  # multiplies a mean or difference for display (100: a 0/1 rate in percent / points)
+    unit: str  # of a difference
+    lower_is_better: bool
+    digits: int  # shown
+    mean_unit: str  # of a mean
+
+
 METRICS = {
-    "exact_match": ("exact match", 100.0, "points", False),
-    "chrf": ("chrF", 1.0, "points", False),
-    "ref_loss": ("reference loss", 1.0, "nats/token", True),
+    "exact_match": Metric("exact match", 100.0, "points", False, 1, "%"),
+    "chrf": Metric("chrF", 1.0, "points", False, 1, ""),
+    "ref_loss": Metric("reference loss", 1.0, "nats/token", True, 2, "nats/token"),
 }
 TOP_CHANGES = 10
+
+
+def mean_text(metric: str, mean: float | None, unit: bool = True) -> str:
+    """A metric's mean as the summaries show it, e.g. "12.5 %", "24.9", "5.58 nats/token" (``unit=False``:
+    without its unit, "%" excepted)."""
+    if mean is None:
+        return "—"
+    spec = METRICS[metric]
+    shown = spec.mean_unit if spec.mean_unit and (unit or spec.mean_unit == "%") else ""
+    return M._fmt(mean * spec.scale, spec.digits) + (f" {shown}" if shown else "")
+
+
+def diff_text(metric: str, diff: dict, unit: bool = True) -> str:
+    """A paired difference with its interval, e.g. "+24.9 points, 95 % CI 24.5 to 25.3" (``unit=False``:
+    without its unit)."""
+    spec = METRICS[metric]
+    return (f"{M.signed(diff['diff'] * spec.scale, spec.digits)}{f' {spec.unit}' if unit else ''}, "
+            f"{M.interval_text(diff, spec.scale, spec.digits)}")
 
 
 def score_frame(df: pd.DataFrame, systems: list[str]) -> pd.DataFrame:
@@ -69,9 +99,47 @@ def paired(df: pd.DataFrame, adapter: str, confidence: float, n_resamples: int, 
     return out
 
 
-def sentence(comp: dict, what: str, metric: str = "exact_match") -> str:
-    label, scale, unit, lower = METRICS[metric]
-    return M.summary_sentence(label, comp[metric], what=what, scale=scale, unit=unit, lower_is_better=lower)
+def verdict(metric: str, diff: dict) -> str:
+    """"unchanged" when no example's score moved (an interval of 0 to 0), else
+    :func:`lora_kit.evaluation.metrics.verdict`: "better", "worse" or "no clear difference"."""
+    return "unchanged" if diff["lo"] == diff["hi"] == 0 else M.verdict(diff, METRICS[metric].lower_is_better)
+
+
+def _listed(names: list[str], last: str = "and") -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {last} {names[-1]}"
+
+
+def sentence(comp: dict, means: dict, adapter: str, what: str) -> str:
+    """Every metric of one adapter's paired comparison on one split (``comp``, :func:`paired`), in words that do
+    not overclaim (:func:`lora_kit.evaluation.metrics.verdict`): what the adapter is better or worse in and where
+    there is no clear difference, then each metric base -> adapter with the difference and its interval, e.g.
+    "On 6 held-out examples: the adapter is better in chrF and reference loss; no clear difference in exact match.
+    Exact match 0.0 % → 0.0 % (+0.0 points, 95 % CI 0.0 to 0.0); chrF 0.0 → 24.9 (+24.9 points, ...); ...".
+    ``means``: the split's :func:`system_metrics` per system."""
+    said: dict[str, list[str]] = {"better": [], "worse": [], "no clear difference": [], "unchanged": []}
+    parts = []
+    for m, spec in METRICS.items():
+        if m not in comp:
+            continue
+        d = comp[m]
+        v = verdict(m, d)
+        said[v].append(spec.label)
+        b, a = ((means.get(s) or {}).get(m, {}).get("mean") for s in (BASE, adapter))
+        no_width = f"; {M.no_width_note(d['n'])}" if d["lo"] == d["hi"] and v in ("better", "worse") else ""
+        once = spec.unit == spec.mean_unit  # e.g. nats/token: said after the means, not again after the difference
+        parts.append(f"{spec.label} {mean_text(m, b, unit=not once)} → {mean_text(m, a)} "
+                     f"({diff_text(m, d, unit=not once)}{no_width})")
+    lead = []
+    if said["better"]:
+        lead.append(f"the adapter is better in {_listed(said['better'])}")
+    if said["worse"]:
+        lead.append(f"{'worse' if lead else 'the adapter is worse'} in {_listed(said['worse'])}")
+    if said["no clear difference"]:
+        lead.append(f"no clear difference in {_listed(said['no clear difference'], 'and' if lead else 'or')}")
+    if said["unchanged"]:
+        lead.append(f"{_listed(said['unchanged'])} unchanged (no example's score moved)")
+    body = "; ".join(parts)
+    return f"On {comp['n']} {what}: {'; '.join(lead)}. {body[0].upper()}{body[1:]}."
 
 
 def control_tasks(df: pd.DataFrame, adapter: str, confidence: float, n_resamples: int, seed: int) -> dict:
@@ -103,11 +171,11 @@ def top_changes(df: pd.DataFrame, adapter: str, k: int = TOP_CHANGES) -> list[di
     return changed[cols].to_dict("records")
 
 
-def control_sentence(comp: dict, tasks: dict) -> str:
-    """E.g. "Control set: 12 of 200 outputs changed; No clear difference in exact match ...;
-    largest drop: 'add' -30.0 points exact match (95 % CI ...)."."""
-    first = sentence(comp, "control examples")
-    s = f"Control set: {comp['changed']} of {comp['n']} outputs changed; {first[0].lower()}{first[1:]}"
+def control_sentence(comp: dict, tasks: dict, means: dict, adapter: str) -> str:
+    """E.g. "Control set: 12 of 200 outputs changed. On 200 control examples: no clear difference in ...
+    Largest drop: task 'add', -30.0 points exact match (95 % CI ...)." (:func:`sentence` in between)."""
+    s = (f"Control set: {comp['changed']} of {comp['n']} outputs changed. "
+         f"{sentence(comp, means, adapter, 'control examples')}")
     drops = sorted(tasks.items(), key=lambda kv: kv[1]["exact_match_diff"]["diff"])
     if drops and drops[0][1]["exact_match_diff"]["diff"] < 0:
         name, t = drops[0]
@@ -131,29 +199,49 @@ def summarize(per_example: pd.DataFrame, adapters: list[str], is_heldout: bool =
     by_split = dict(tuple(per_example.groupby("split", sort=False)))
     for split, g in by_split.items():
         out["metrics"][split] = {s: system_metrics(g, s, **stats) for s in systems}
-    what = ("held-out examples" if is_heldout
-            else "evaluation examples that OVERLAP the training data (not a held-out result)")
     for a in adapters:
         comp = {split: paired(g, a, **stats) for split, g in by_split.items()}
         out["comparisons"][a] = comp
-        out["sentences"][a] = {"heldout": sentence(comp["heldout"], what), "control": None}
         if "control" in comp:
             out["control_tasks"][a] = control_tasks(by_split["control"], a, **stats)
             out["top_changes"][a] = top_changes(by_split["control"], a)
-            out["sentences"][a]["control"] = control_sentence(comp["control"], out["control_tasks"][a])
             frac = comp["control"]["changed"] / comp["control"]["n"]
             out["control_changed_fraction"] = max(frac, out["control_changed_fraction"] or 0.0)
-
-    def joined(part: str) -> str | None:
-        parts = [(x if len(adapters) == 1 else f"{a}: {x}") for a in adapters
-                 if (x := out["sentences"][a][part])]
-        return " ".join(parts) or None
-
-    if adapters:
-        out["summary_sentence"], out["control_sentence"] = joined("heldout"), joined("control")
-    else:
-        m = out["metrics"]["heldout"][BASE]["exact_match"]
-        out["summary_sentence"] = (f"Base model only (no adapter given): exact match {100 * m['mean']:.1f} % "
-                                   f"on {m['n']} {what}.")
+    out["sentences"] = sentences(out, is_heldout)
+    out["summary_sentence"], out["control_sentence"] = joined_sentences(out, is_heldout)
     return out
 
+
+def _what(is_heldout: bool) -> str:
+    return ("held-out examples" if is_heldout
+            else "evaluation examples that OVERLAP the training data (not a held-out result)")
+
+
+def sentences(summary: dict, is_heldout: bool = True) -> dict:
+    """Per adapter ``{"heldout", "control"}``: :func:`sentence` and :func:`control_sentence`, made from a summary's
+    ``metrics``, ``comparisons`` and ``control_tasks`` alone (:func:`summarize`'s, or eval.json's)."""
+    out = {}
+    for a, comp in (summary.get("comparisons") or {}).items():
+        means = summary.get("metrics") or {}
+        out[a] = {"heldout": sentence(comp["heldout"], means.get("heldout") or {}, a, _what(is_heldout)),
+                  "control": None}
+        if "control" in comp:
+            out[a]["control"] = control_sentence(comp["control"], (summary.get("control_tasks") or {}).get(a) or {},
+                                                 means.get("control") or {}, a)
+    return out
+
+
+def joined_sentences(summary: dict, is_heldout: bool = True) -> tuple[str, str | None]:
+    """(held-out sentence, control sentence) over every adapter ("<name>: " before each when there are several),
+    from a summary's records (:func:`sentences`); the base model's own scores when no adapter was given."""
+    per = sentences(summary, is_heldout)
+    if not per:
+        m = summary["metrics"]["heldout"][BASE]
+        scores = ", ".join(f"{METRICS[k].label} {mean_text(k, m[k]['mean'])}" for k in METRICS if k in m)
+        n = next(m[k]["n"] for k in METRICS if k in m)
+        return f"Base model only (no adapter given): {scores} on {n} {_what(is_heldout)}.", None
+
+    def joined(part: str) -> str | None:
+        return " ".join((x if len(per) == 1 else f"{a}: {x}") for a, s in per.items() if (x := s[part])) or None
+
+    return joined("heldout"), joined("control")

@@ -8,7 +8,7 @@ newline -- and the same seed before each system), then reports:
 - per example and overall: exact match, chrF, and the teacher-forced reference loss (mean NLL
   per response token, prompt masked; perplexity = exp of the token-weighted mean);
 - the paired difference adapter - base with a bootstrap interval, better/worse/same counts and a
-  sentence that says "no clear difference" when the interval contains 0;
+  sentence over every metric that says "no clear difference" where an interval contains 0;
 - behaviour change on the control set (tasks the fine-tune was not about): outputs changed, metric
   change per task, the examples that changed most (regressions first);
 - held-out hygiene: prompts shared with the training data (exact or normalized) make the call
@@ -342,17 +342,12 @@ def evaluate(base_model: str | Settings = "tiny", adapters: str | dict[str, str]
         "control": {"source": (source_names or {}).get("control") or _describe(control), "n": len(ctl_rows)},
     }
     summary.update(C.summarize(per_example, list(adapter_paths), summary["heldout"]["is_heldout"], **stats))
-    summary["decoding"]["think_unfinished"] = cut = timing.pop("think_unfinished", {})
-    if cut:
-        summary["summary_sentence"] += _think_sentence(cut, {"heldout": len(ho_rows), "control": len(ctl_rows)},
-                                                       max_new_tokens, think)
+    summary["decoding"]["think_unfinished"] = timing.pop("think_unfinished", {})
     timing.update(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
     summary["timing"] = timing
     summary["versions"] = _versions()
-    if adapter_paths and not hygiene["checked"]:
-        summary["summary_sentence"] += (" Overlap with the training data was not checked "
-                                        "(pass train_examples= to check it).")
-    control_sentence = summary.pop("control_sentence")
+    summary.pop("control_sentence")
+    summary["summary_sentence"], control_sentence = summary_sentences(summary)
     summary["control"].update(summary_sentence=control_sentence, changed_fraction=summary.pop("control_changed_fraction"))
     result = EvalResult(summary=summary, per_example=per_example,
                         summary_sentence=" ".join(x for x in (summary["summary_sentence"], control_sentence) if x))
@@ -431,6 +426,22 @@ def _hygiene(heldout, heldout_split, train_examples, ho_rows, allow_overlap, fie
 _DEFAULTS = {k: v.default for k, v in inspect.signature(evaluate).parameters.items()}
 
 
+
+
+def summary_sentences(summary: dict) -> tuple[str, str | None]:
+    """(held-out sentence, control sentence) of an evaluation, made from its summary (eval.json) alone: every
+    metric of each adapter (:func:`lora_kit.evaluation.compare.joined_sentences`), then what outputs that ended
+    inside a think block mean, and whether overlap with the training data went unchecked. :func:`evaluate`
+    writes these; the run card makes them again from eval.json."""
+    heldout, control = C.joined_sentences(summary, summary["heldout"]["is_heldout"])
+    dec = summary.get("decoding") or {}
+    if dec.get("think_unfinished"):
+        heldout += _think_sentence(dec["think_unfinished"], {"heldout": summary["heldout"]["n"],
+                                                             "control": summary["control"]["n"]},
+                                   dec["max_new_tokens"], dec["think"])
+    if summary.get("adapters") and not summary["heldout"]["hygiene"].get("checked", True):
+        heldout += " Overlap with the training data was not checked (pass train_examples= to check it)."
+    return heldout, control
 
 
 def _think_sentence(cut: dict, n: dict, max_new_tokens: int, think: str) -> str:

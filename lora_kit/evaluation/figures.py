@@ -84,7 +84,8 @@ def diff_histogram(result, adapter: str | None = None, metric: str = "chrf", spl
     fig.add_annotation(x=mean, y=1, yref="paper", text=text, showarrow=False, yanchor="top",
                        xanchor="left" if room_right else "right", xshift=6 if room_right else -6,
                        font_color="darkorange", bgcolor="rgba(255,255,255,0.8)")
-    label, _, unit, lower = METRICS[metric]
+    spec = METRICS[metric]
+    label, unit, lower = spec.label, spec.unit, spec.lower_is_better
     better = "left" if lower else "right"
     fig.update_layout(title=f"{split}: per-example change in {label} ({a} - base; {better} is better)",
                       xaxis=dict(title=f"{label} difference ({unit}; 0 = no change)", range=x_range),

@@ -9,8 +9,8 @@
 - :func:`paired_bootstrap`: confidence interval of the difference of means on the *same*
   examples (resampling example indices, seeded, vectorized). Pairing removes the between-example
   variance, so it is much tighter than comparing two independent intervals.
-- :func:`summary_sentence`: one sentence that does not overclaim: when the interval includes 0 it
-  says there is no clear difference.
+- :func:`summary_sentence` / :func:`verdict`: words that do not overclaim: when the interval includes 0
+  they say there is no clear difference.
 """
 from __future__ import annotations
 
@@ -109,6 +109,30 @@ def _fmt(x: float, digits: int) -> str:
     return f"{x:.{digits}f}".replace("-", "\u2212")
 
 
+def signed(x: float, digits: int) -> str:
+    """``x`` rounded, with "+" when positive and a true minus sign when negative."""
+    return ("+" if x > 0 else "") + _fmt(x, digits)
+
+
+def verdict(diff: dict, lower_is_better: bool = False) -> str:
+    """"no clear difference" when the paired interval contains 0, else "better" or "worse" (the adapter's)."""
+    if diff["lo"] <= 0 <= diff["hi"]:
+        return "no clear difference"
+    return "better" if ((diff["diff"] < 0) if lower_is_better else (diff["diff"] > 0)) else "worse"
+
+
+def interval_text(diff: dict, scale: float = 100.0, digits: int = 1) -> str:
+    """E.g. "95 % CI 36.0 to 47.0" (``scale`` multiplies the bounds)."""
+    return (f"{round(diff['confidence'] * 100)} % CI {_fmt(diff['lo'] * scale, digits)} to "
+            f"{_fmt(diff['hi'] * scale, digits)}")
+
+
+def no_width_note(n: int) -> str:
+    """What an interval of no width (every paired difference equal) still allows."""
+    return (f"every example moved the same way, so the bootstrap interval has no width -- with n={n}, "
+            f"up to {300 / n:.1f} % exceptions would still be plausible (rule of three)")
+
+
 def summary_sentence(metric: str, diff: dict, what: str = "held-out examples", scale: float = 100.0,
                      unit: str = "points", digits: int = 1, lower_is_better: bool = False) -> str:
     """One sentence for a paired difference, e.g.
@@ -117,20 +141,14 @@ def summary_sentence(metric: str, diff: dict, what: str = "held-out examples", s
     When the interval contains 0 the sentence says "no clear difference" instead of a direction.
     ``scale`` multiplies the difference (100 turns a 0/1 rate into percentage points).
     """
-    d, lo, hi = (diff[k] * scale for k in ("diff", "lo", "hi"))
-    pct = round(diff["confidence"] * 100)
-    sign = "+" if d > 0 else ""
-    interval = f"{pct} % CI {_fmt(lo, digits)} to {_fmt(hi, digits)}"
-    n = diff["n"]
-    if lo <= 0 <= hi:
-        return (f"No clear difference in {metric}: {sign}{_fmt(d, digits)} {unit} ({interval}) "
-                f"on {n} {what}.")
-    better = (d < 0) if lower_is_better else (d > 0)
-    tail = "" if better else " (worse)"
-    if lo == hi:  # every paired difference equal: the bootstrap cannot see any spread
-        tail += (f"; every example moved the same way, so the bootstrap interval has no width -- with n={n}, "
-                 f"up to {300 / n:.1f} % exceptions would still be plausible (rule of three)")
-    return f"{sign}{_fmt(d, digits)} {unit} {metric} ({interval}) on {n} {what}{tail}."
+    d, n, interval = diff["diff"] * scale, diff["n"], interval_text(diff, scale, digits)
+    said = verdict(diff, lower_is_better)
+    if said == "no clear difference":
+        return f"No clear difference in {metric}: {signed(d, digits)} {unit} ({interval}) on {n} {what}."
+    tail = "" if said == "better" else " (worse)"
+    if diff["lo"] == diff["hi"]:  # every paired difference equal: the bootstrap cannot see any spread
+        tail += f"; {no_width_note(n)}"
+    return f"{signed(d, digits)} {unit} {metric} ({interval}) on {n} {what}{tail}."
 
 
 def perplexity(total_nll: float, total_tokens: int) -> float:

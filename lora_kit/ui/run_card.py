@@ -845,6 +845,60 @@ def multi_gpu_lines(card: dict) -> list[str]:
     return lines + measured
 
 
+def eval_rows(ev: dict) -> list[dict]:
+    """Every metric eval.json holds, per adapter and split: each system's mean with its interval, the paired
+    difference with its interval and its verdict (:mod:`lora_kit.evaluation.compare`'s words); perplexity (no
+    interval) after the reference loss."""
+    from lora_kit.evaluation.compare import BASE, METRICS, diff_text, mean_text, verdict
+    rows = []
+    for a, comps in (ev.get("comparisons") or {}).items():
+        for split, comp in comps.items():
+            means = (ev.get("metrics") or {}).get(split) or {}
+            where = f"{'held-out' if split == 'heldout' else split} ({comp.get('n')})"
+
+            def shown(system: str, m: str) -> str:
+                x = (means.get(system) or {}).get(m) or {}
+                if x.get("lo") is None:
+                    return mean_text(m, x.get("mean"))
+                return f"{mean_text(m, x['mean'])} ({mean_text(m, x['lo'], False)} to {mean_text(m, x['hi'], False)})"
+
+            for m, spec in METRICS.items():
+                if m in comp:
+                    rows.append({"adapter": a, "set": where, "metric": spec.label, "base": shown(BASE, m),
+                                 "system": shown(a, m), "diff": diff_text(m, comp[m]), "verdict": verdict(m, comp[m])})
+            ppl = [(means.get(s) or {}).get("perplexity") for s in (BASE, a)]
+            if all(isinstance(x, (int, float)) for x in ppl):
+                rows.append({"adapter": a, "set": where, "metric": "perplexity (exp of the token-weighted loss)",
+                             "base": f"{ppl[0]:,.1f}", "system": f"{ppl[1]:,.1f}", "diff": "—", "verdict": "—"})
+    return rows
+
+
+def eval_lines(ev: dict) -> list[str]:
+    """The evaluation: the held-out and control sentences made from eval.json's records
+    (:func:`lora_kit.evaluation.evaluate.summary_sentences`: every metric it measured), then every metric with
+    its interval (:func:`eval_rows`)."""
+    from lora_kit.evaluation.evaluate import summary_sentences
+    try:
+        heldout, control = summary_sentences(ev)
+    except (KeyError, TypeError, StopIteration):  # a record without the parts the sentences are made from
+        heldout, control = ev.get("summary_sentence"), (ev.get("control") or {}).get("summary_sentence")
+    lines = [x for x in (heldout,) if x]
+    if control:
+        lines += ["", control]
+    rows = eval_rows(ev)
+    if rows:
+        several = len({r["adapter"] for r in rows}) > 1
+        conf = round(100 * ((ev.get("statistics") or {}).get("confidence") or 0.95))
+        cols = ([("adapter", "adapter")] if several else []) + [
+            ("set", "set (examples)"), ("metric", "metric"), ("base", "base (interval)"),
+            ("system", "adapter (interval)"), ("diff", "adapter − base (paired)"),
+            ("verdict", "verdict")]
+        lines += ["", f"Every metric the evaluation measured ({conf} % intervals: "
+                  f"{(ev.get('statistics') or {}).get('interval', 'bootstrap')}; exact match in %, chrF 0-100, "
+                  "reference loss in nats per reference token, lower is better):", "", _md_table(rows, cols).rstrip()]
+    return lines
+
+
 def render_markdown(card: dict) -> str:
     s = card["settings"] or {}
     lines = title_lines(card)
@@ -910,14 +964,7 @@ def render_markdown(card: dict) -> str:
     # --- evaluation --------------------------------------------------------------------------
     lines += ["## Evaluation: base vs adapter", ""]
     ev = card["eval"]
-    if ev:
-        if ev.get("summary_sentence"):
-            lines.append(ev["summary_sentence"])
-        ctrl = ev.get("control") or {}
-        if ctrl.get("summary_sentence"):
-            lines += ["", ctrl["summary_sentence"]]
-    else:
-        lines.append("_No evaluation in this run._")
+    lines += eval_lines(ev) if ev else ["_No evaluation in this run._"]
     figs = card.get("figures") or {}
     if figs.get("files"):
         lines += ["", "## Figures", ""]
