@@ -450,6 +450,12 @@ class _SettingsMethods:
             return self.plan_model
         return EMBEDDED_PLAN_MODEL if not self.plan_model and self.model in TINY_ALIASES else self.model
 
+    def tutorial_plan(self) -> bool:
+        """True for the embedded tutorial's planning: the embedded model with nothing else planned (no
+        ``plan_model``, no ``from_config``). Notebook 01 states the tutorial's planning claims, and runs the kit's
+        own check against the QLoRA paper, there only: neither is about a model of the user's."""
+        return self.model in TINY_ALIASES and not self.plan_model and not self.from_config
+
 
 def _settings_fields() -> list:
     """``model``, the step fields with the EMBEDDED defaults, then the other run fields (one order everywhere)."""

@@ -34,3 +34,22 @@ def test_65b_fits_48gb_only_with_the_paged_optimizer_and_70b_does_not():
     p = h["paper"]["device_total_bytes"]
     assert p["paper"] == FIG6_65B["total_bytes"] and abs(p["pct"] - 100 * (p["ours"] / p["paper"] - 1)) < 1e-9
     assert list(headline_table(h)["case"]) == [r["case"] for r in h["rows"]]
+
+
+def test_the_paper_check_is_the_tutorials_and_labelled_on_a_card(tmp_path):
+    """The check is the same for every run: notebook 01 runs it for the embedded tutorial only, and a card that
+    shows its figure says it is the kit's own check against the paper, not a figure of the run."""
+    import plotly.graph_objects as go
+    from lora_kit.plan.headline import FIGURE, FIGURE_NOTE
+    from lora_kit.settings import Settings
+    from lora_kit.ui.notebook import save_figure
+    from lora_kit.ui.run_card import build_report
+    assert Settings().tutorial_plan() and Settings(model="embedded").tutorial_plan()
+    assert not any(Settings(**kw).tutorial_plan() for kw in (
+        {"model": str(tmp_path)}, {"plan_model": "llama-3.1-70b"}, {"plan_model": "same"}))
+    for name in (FIGURE, "other"):  # the figure's file name is what marks it
+        save_figure(go.Figure(go.Bar(x=["a", "b"], y=[1, 2])), name, tmp_path)
+    build_report(tmp_path)
+    figures = (tmp_path / "report.md").read_text().split("## Figures")[1].split("\n## ")[0].strip().splitlines()
+    at = next(i for i, line in enumerate(figures) if f"[{FIGURE}]" in line)
+    assert figures[at + 1] == f"_{FIGURE_NOTE}_" and figures.count(f"_{FIGURE_NOTE}_") == 1

@@ -142,6 +142,9 @@ def test_main_job_on_embedded_default(main_job):
                     "## Smoke run", "## Evaluation: base vs adapter", "## What to check next"):
         assert section in card
     assert "measured" in card and "held-out" in card
+    assert "- **prompt format**: plain" in card and "line 1 of `data/trained.jsonl`" in card
+    from lora_kit.plan.headline import FIGURE, FIGURE_NOTE  # the kit's check against the QLoRA paper: the tutorial's
+    assert FIGURE in json.loads((run / "figures.json").read_text())["figures"] and f"_{FIGURE_NOTE}_" in card
     report = json.loads((run / "report.json").read_text())
     assert report["smoke"]["status"] == "complete" and report["plan"]["rows"]
 

@@ -98,6 +98,8 @@ def test_my_model_is_the_planned_model_with_no_plan_setting(my_run):
     assert json.loads((out / "sweeps.json").read_text())["plan_model"] == mine
     card = (out / "report.md").read_text()  # the card names a local model by its folder (no local paths)
     assert f"# Run card: fine-tuning {Path(mine).name}" in card and "(planned)" not in card.splitlines()[0]
+    from lora_kit.plan.headline import FIGURE  # the kit's own check against the QLoRA paper is the tutorial's alone
+    assert FIGURE not in json.loads((out / "figures.json").read_text())["figures"] and FIGURE not in card
 
 
 @pytest.mark.slow

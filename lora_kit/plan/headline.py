@@ -37,6 +37,9 @@ PAPER_STEP = Step(method="qlora", dtype="bfloat16", double_quant=True, lora_rank
 GPU_48GB = "L40S"  # a 48 GB card in the catalog (46,068 MiB as CUDA reports it)
 FIG6_65B = {"total_bytes": 45.0e9, "base_4bit_bytes": 37_074e6}  # paper Fig. 6, transcribed (see above)
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+FIGURE = "qlora_65b_on_48gb"  # notebook 01's figure of LLaMA-65B at the paper's setting (the tutorial run only)
+FIGURE_NOTE = ("The kit's own check against the QLoRA paper (LLaMA-65B at the paper's setting on a 48 GB GPU, "
+               "notebook 01 of the embedded tutorial), not a figure of this run.")
 
 
 def qlora_py_bytes(model) -> int:

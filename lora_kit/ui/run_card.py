@@ -968,9 +968,12 @@ def render_markdown(card: dict) -> str:
     figs = card.get("figures") or {}
     if figs.get("files"):
         lines += ["", "## Figures", ""]
+        from lora_kit.plan.headline import FIGURE, FIGURE_NOTE
         for f in figs["files"]:
             lines.append(f"![{Path(f).stem}](figures/{Path(f).name})" if f.endswith(".png")
                          else f"- [{Path(f).stem}](figures/{Path(f).name}) (interactive HTML)")
+            if Path(f).stem == FIGURE:  # the tutorial's, or one a run of an older kit recorded
+                lines.append(f"_{FIGURE_NOTE}_")
         if figs.get("png_error"):
             lines += ["", f"_PNG export skipped ({figs['png_error']}); the HTML figures are the record._"]
     lines += ["", "## What to check next", ""] + [f"- {x}" for x in next_checks(card)]
