@@ -357,11 +357,11 @@ def _math_events(c: SdpaCall, tv: tuple, block: int, device: str = "cuda") -> di
     m.mark()
     if strided:  # reshape copy of the transposed gradient, its only use: the gradient dies with the copy made
         m.alloc("G", z["out"]); m.free("g_o2")
-    m.alloc("g_probs", z["scores"]); m.alloc("g_vrep", z["vrep"] if repeat else z["v"])
+    # the matmul's gradient: of the probabilities, or with dropout of the dropped probabilities
+    m.alloc("g_dropped" if c.dropout else "g_probs", z["scores"]); m.alloc("g_vrep", z["vrep"] if repeat else z["v"])
     m.free(v_saved, "G" if strided else "g_o2")
-    if c.dropout:  # the matmul's gradient was the dropped probabilities'; dropout's backward scales it by the mask
+    if c.dropout:  # dropout's backward scales that gradient by the mask
         m.free("dropped")
-        m.sizes["g_dropped"] = m.sizes.pop("g_probs")
         m.alloc("g_probs", z["scores"]); m.free("g_dropped", "dmask")
     m.alloc("g_scores", z["scores"])  # _softmax_backward_data
     m.free("g_probs", "probs")

@@ -400,6 +400,11 @@ def expandable_fit(model, step: Step, est, gpu: str, margin: float) -> dict:
         return {}
     total = int(device_total(est.peak_allocated_bytes, allocator="expandable",
                              **device_kwargs(model_spec(model), step)))
+    return _total_fit(total, gpu, margin)
+
+
+def _total_fit(total: int, gpu: str, margin: float) -> dict:
+    """``{"device_total_bytes", "fits", "headroom_bytes"}`` of a device total on ``gpu`` (:func:`fit_verdict`)."""
     v = fit_verdict(total, gpu, margin)
     return {"device_total_bytes": total, "fits": bool(v["fits"]), "headroom_bytes": float(v["headroom_bytes"])}
 
@@ -418,23 +423,20 @@ def math_kernel_fit(model, step: Step, est, gpu: str, margin: float) -> dict:
     if not extra:
         return {}
     total = int(device_total(est.peak_allocated_bytes + extra, **device_kwargs(model_spec(model), step)))
-    v = fit_verdict(total, gpu, margin)
-    return {"extra_bytes": int(extra), "device_total_bytes": total, "fits": bool(v["fits"]),
-            "headroom_bytes": float(v["headroom_bytes"])}
+    return {"extra_bytes": int(extra), **_total_fit(total, gpu, margin)}
 
 
 def math_kernel_sentence(fit: dict, math: dict) -> str:
     """One sentence, or "": what the verdict becomes with the math kernel CUDA would run (:func:`math_kernel_fit`)."""
     if not math:
         return ""
+    head = (f"As configured, CUDA runs this attention in the math kernel (see the note): up to "
+            f"{math['device_total_bytes'] / GIB:.2f} GiB, which ")
+    room = f"(headroom {math['headroom_bytes'] / GIB:+.2f} GiB)"
     if not math["fits"]:
-        return (f"As configured, CUDA runs this attention in the math kernel (see the note): up to "
-                f"{math['device_total_bytes'] / GIB:.2f} GiB, which does NOT fit (headroom "
-                f"{math['headroom_bytes'] / GIB:+.2f} GiB)" + ("; the verdict above holds with the note's fix."
-                                                              if fit["fits"] else "."))
-    return (f"As configured, CUDA runs this attention in the math kernel (see the note): up to "
-            f"{math['device_total_bytes'] / GIB:.2f} GiB, which still fits (headroom "
-            f"{math['headroom_bytes'] / GIB:+.2f} GiB), slower.")
+        return head + f"does NOT fit {room}" + ("; the verdict above holds with the note's fix." if fit["fits"]
+                                                else ".")
+    return head + f"still fits {room}, slower."
 
 
 def expandable_sentence(plan: dict) -> str:
