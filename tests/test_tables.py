@@ -26,7 +26,10 @@ def test_method_rows_cells(plan):
     assert all(isinstance(v, str) for v in rows.to_numpy().ravel())
     assert not [c for c in cells(rows) if c.lower() in ("nan", "none", "true", "false") or "nan" in c.split()]
     assert set(rows["method"]) == {"full", "LoRA", "QLoRA"}
-    assert rows["fits"].tolist() == ["✓" if f else "✗" for f in plan["fits"]]
+    # ✓* marks a row that fits only with the attention fix: CUDA (the installed torch) runs its attention in the math
+    # kernel as configured (QLoRA's fp32 q/k/v with Llama-3.1-8B's grouped K/V heads), which does not fit
+    assert rows["fits"].tolist() == [("✓" if a else "✓*") if f else "✗"
+                                     for f, a in zip(plan["fits"], plan["fits_as_configured"])]
     cost_col = "cost per epoch (USD, example)"
     assert {"memory / GPU (GiB)", "headroom (GiB)", "step (s)", "time per epoch (h)", "price (USD/h, example)",
             cost_col} <= set(rows.columns)
@@ -89,7 +92,7 @@ def test_fitting_rows_cheapest_first_in_markdown(plan):
     assert lines[1].startswith("|---|---|--:")  # method and GPU left, numbers right
     cost = [float(r[header.index("cost per epoch (USD, example)")].split(" (")[0]) for r in body]  # value (interval)
     assert cost == sorted(cost) and body[0][-1] == T.RECOMMENDED
-    assert all(r[header.index("fits")] == "✓" for r in body)
+    assert all(r[header.index("fits")] in ("✓", "✓*") for r in body)
     assert {r[0] for r in body} == {"LoRA", "QLoRA"} and "nan" not in table.lower()
     assert "EXAMPLE" in caption
 
@@ -199,3 +202,26 @@ def test_qlora_vs_lora_numbers_and_marks():
     assert ratio in html and (q.loc[k, "QLoRA / LoRA peak"] > 1) == ("color: #c62828" in html)
     with pytest.raises(ValueError, match="one row per"):
         qlora_vs_lora(sweep("tiny", method=["lora", "qlora"], seq_len=256, batch_size=[1, 2]))
+
+
+def test_rows_that_fit_only_with_the_attention_fix(plan):
+    """issue 34: a row whose attention CUDA runs in the math kernel says so. Its micro-batch and "fits" count the
+    fused kernel (estimate's verdict); ``fits_as_configured`` adds the math kernel's bound on the same card."""
+    from lora_kit.memory.cuda_kernels import math_kernel_bound
+    from lora_kit.memory.device import torch_version
+    from lora_kit.plan.gpus import compute_capability
+    math_rows = plan[plan["math_kernel_gib"] > 0]
+    assert set(plan["attention_kernel"]) >= {"flash"}
+    if torch_version() >= (2, 14):  # the memory-efficient kernel takes grouped K/V from torch 2.14: no math kernel
+        assert math_rows.empty
+        return
+    assert set(math_rows["method"]) == {"qlora"} and (math_rows["attention_kernel"] == "math").all()
+    for _, r in math_rows.iterrows():
+        extra = math_kernel_bound("llama-3.1-8b", method="qlora", seq_len=2048, batch_size=int(r["batch_size"]),
+                                  gradient_checkpointing=True, compute_capability=compute_capability(r["gpu"]))
+        assert r["math_kernel_gib"] == extra / 2**30
+    fixed = plan[plan["fits"] & ~plan["fits_as_configured"]]
+    assert len(fixed) and (fixed["method"] == "qlora").all()
+    rows = T.method_rows(plan)
+    assert "✓* = fits only with the attention fix" in rows.attrs["caption"]
+    assert "only with the attention fix in the plan's note" in plan.attrs["recommendation"]

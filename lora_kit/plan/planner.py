@@ -565,6 +565,11 @@ def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_0
     statistics, or ``{"examples": N}`` / ``{"tokens": N, "packed": True}``), else ``dataset_tokens`` packed into
     rows of ``seq_len``, else ``num_examples`` padded to ``seq_len`` (a placeholder; ``df.attrs["epoch"]`` says
     which). A step is ``grad_accum`` micro-steps of ``batch_size`` rows on each of ``num_gpus`` GPUs.
+    Where CUDA would run a row's attention in the math kernel (the installed torch's dispatch rules:
+    :func:`math_kernel_fit`), ``fits`` and the micro-batch count the fused kernel the plan's note offers as the
+    fix, as ``estimate``'s verdict does; ``math_kernel_gib`` is what the math kernel adds at most, and
+    ``fits_as_configured`` whether the row fits without the fix (its step time is the math kernel's, as
+    ``attention_kernel`` names it). The recommendation says so for the rows it names.
     ``prices`` maps GPU -> your price per GPU-hour; missing GPUs use the catalog's *example* price and
     ``price_source`` says so. Time uses :mod:`lora_kit.plan.timing` (``time_model``: a calibrated one from a
     smoke run, else the fitted model); ``*_low`` / ``*_high`` columns are the interval from the model's measured
@@ -597,6 +602,9 @@ def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_0
                    "capacity_gib": v["capacity_bytes"] / GIB, "cuda_capacity_gib": v["cuda_capacity_bytes"] / GIB,
                    "headroom_gib": float(v["headroom_bytes"]) / GIB}
             t = step_time(model, get_gpu(gname), st, time_model=tm)
+            math_fit = math_kernel_fit(model, st, e, gname, margin)  # {} unless CUDA runs the math kernel
+            row.update(attention_kernel=t["attention_kernel"], math_kernel_gib=math_fit.get("extra_bytes", 0) / GIB,
+                       fits_as_configured=row["fits"] and math_fit.get("fits", True))
             row.update(step_seconds=t["step_seconds"], tokens_per_second=t["tokens_per_second"],
                        price_per_hour=price[gname], price_source="yours" if gname in user_priced else "example")
             row.update(epoch_columns(row, ep, epochs, st.seq_len, num_gpus, st.grad_accum, tm.error_factor))
@@ -719,7 +727,28 @@ def recommend(df: pd.DataFrame) -> str:
                  + (f", {money_text(f['epoch_cost'])}" if f["epoch_cost"] == f["epoch_cost"] else "") + ").")
     for m in ("lora", "qlora"):
         if m in set(ok["method"]):
-            parts.append(f"{method_label(m)} fits on {', '.join(ok[ok['method'] == m]['gpu'])}.")
+            rows = ok[ok["method"] == m]
+            fixed = list(rows[~rows["fits_as_configured"].astype(bool)]["gpu"]) if "fits_as_configured" in rows else []
+            parts.append(f"{method_label(m)} fits on {', '.join(rows['gpu'])}"
+                         + (f" (on {', '.join(fixed)} only with the attention fix in the plan's note)." if fixed
+                            else "."))
+    named = [c] if len(priced) else []
+    parts += _math_kernel_warning(named + [f])
     if example:
         parts.append("Costs use the catalog's EXAMPLE prices: pass prices={gpu: your price per hour}.")
     return " ".join(parts)
+
+
+def _math_kernel_warning(rows) -> list[str]:
+    """A sentence per named row (cheapest, fastest) that fits only with the attention fix: CUDA runs its attention
+    in the math kernel (``compare_methods``' ``fits_as_configured``)."""
+    out, seen = [], set()
+    for r in rows:
+        key = (r["method"], r["gpu"])
+        if key in seen or "fits_as_configured" not in r or bool(r["fits_as_configured"]):
+            continue
+        seen.add(key)
+        out.append(f"{_method_words(r['method'])} on {r['gpu']} fits only with the attention fix in the plan's note: "
+                   f"as configured, CUDA runs its attention in the math kernel (up to +{r['math_kernel_gib']:.1f} GiB at "
+                   f"micro-batch {r['batch_size']}), which does not fit; its time counts the math kernel.")
+    return out

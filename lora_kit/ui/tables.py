@@ -137,7 +137,8 @@ def method_rows(table, currency: str = EXAMPLE_CURRENCY, fits_only: bool = False
         price = _num(r["price_per_hour"])
         if len(sources) > 1 and r["price_source"] == "example" and price != NONE:
             price += " (example)"
-        row = {"method": method_label(r["method"]), "GPU": r["gpu"], "fits": "✓" if fits else "✗",
+        fixed = fits and not _missing(r.get("fits_as_configured", True)) and not bool(r.get("fits_as_configured", True))
+        row = {"method": method_label(r["method"]), "GPU": r["gpu"], "fits": ("✓*" if fixed else "✓") if fits else "✗",
                "micro-batch": f"{int(r['batch_size'])}",
                "memory / GPU (GiB)": f"{_num(r['device_total_gib'], 1)} / {_num(cap, 1)}",
                "headroom (GiB)": _headroom(head),
@@ -166,7 +167,10 @@ def method_rows(table, currency: str = EXAMPLE_CURRENCY, fits_only: bool = False
                             f"GPU's memory; headroom below the usable memory (negative: short by); {priced} (prices "
                             "per GPU-hour); time and cost per epoch with their interval from the time model's measured "
                             "error in brackets; ✗ = does not fit (memory at micro-batch 1, no time or cost: —); "
-                            "★ = the recommendation.")
+                            "★ = the recommendation."
+                            + (" ✓* = fits only with the attention fix in the plan's note: as configured, CUDA runs "
+                               "the attention in its math kernel (time shown: the math kernel's)."
+                               if any(r["fits"] == "✓*" for _, _, r in rows) else ""))
     return out
 
 
