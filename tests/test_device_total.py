@@ -111,6 +111,32 @@ def test_paged_states_are_resident_when_room_but_never_in_the_verdict():
     assert device.paged_resident_bytes("adamw", tensors) == 0
 
 
+@pytest.mark.parametrize("optimizer", ["paged_adamw_32bit", "paged_adamw_8bit"])
+def test_paged_resident_is_what_the_real_paged_optimizer_keeps_in_managed_memory(optimizer):
+    """``paged_resident``: the state1 / state2 bitsandbytes' real paged optimizer holds for tensors of >= 100,000
+    elements after a step, on a bf16 full fine-tune (32-bit states are fp32 whatever the weight's dtype: an unpaged
+    AdamW twin in bf16 would give half) and on 2 ranks with sharded states."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from lora_kit.memory.breakdown import paged_state_tensors
+    from lora_kit.memory.estimate import paged_resident
+    from lora_kit.training import optimizer_for
+    cfg = LlamaConfig(hidden_size=384, intermediate_size=512, num_hidden_layers=2, num_attention_heads=6,
+                      num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    opt = optimizer_for([p for p in model.parameters() if p.requires_grad], optimizer)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    real = sum(t.untyped_storage().nbytes() for t in paged_state_tensors(opt))
+    assert real > 0
+    planned = paged_resident(cfg, method="full", dtype="bfloat16", optimizer=optimizer)
+    assert planned - real in range(0, 512 * 2 * len(list(paged_state_tensors(opt))))  # each rounded up to 512 B
+    assert paged_resident(cfg, method="full", dtype="bfloat16", optimizer=optimizer, num_gpus=2,
+                          sharding="fsdp") == -(-planned // 2)
+    assert paged_resident(cfg, method="full", dtype="bfloat16", optimizer="adamw") == 0
+
+
 def test_cuda_allocated_adds_the_two_cublas_workspaces_by_compute_capability_and_torch():
     """torch's parseChosenWorkspaceSize: 32 MiB on compute capability 9, on 10 and 12 from torch 2.11, else
     ':4096:2:16:8'; two of them (the forward's thread and autograd's)."""

@@ -4,7 +4,7 @@ view, never in *fits*); the driver's share added once."""
 import json
 
 from lora_kit.memory.device import outside_bytes
-from lora_kit.memory.estimate import estimate
+from lora_kit.memory.estimate import estimate, paged_resident
 from lora_kit.plan.gpus import get_gpu
 from lora_kit.plan.planner import compare_methods
 from lora_kit.plan.records import plan_record
@@ -47,6 +47,13 @@ def test_card_parts_add_up_and_paged_states_are_shown_apart(tmp_path):
     # what torch.cuda.max_memory_allocated() will read: the plan's peak + two cuBLAS workspaces (32 MiB on an H200)
     assert v["cuda_allocated_bytes"] == v["peak_allocated_bytes"] + 2 * 32 * 2 ** 20
     assert "`torch.cuda.max_memory_allocated()` will read about" in section
+    # the QLoRA paper's paged 32-bit AdamW: fp32 states in managed memory (they were missing from the card: its
+    # unpaged twin was looked up by name and does not exist)
+    (tmp_path / "paged32").mkdir()
+    v32, md32 = _card(tmp_path / "paged32", "paged_adamw_32bit")
+    assert v32["paged_resident_bytes"] == paged_resident("llama-3.1-8b", s.replace(optimizer="paged_adamw_32bit",
+                                                                                   **STEP)) == 4 * paged > 0
+    assert "paged optimizer states, resident when room" in md32
     (tmp_path / "plain").mkdir()
     v, md = _card(tmp_path / "plain", "adamw")
     assert v["paged_resident_bytes"] == 0 and "resident when room" not in md

@@ -313,3 +313,24 @@ def estimate(model="tiny", step: Step | None = None, **overrides) -> Estimate:
                     memory_model=str(arrays["memory_model"]),
                     settings={"model": model if isinstance(model, str) else getattr(model, "name_or_path", repr(model)),
                               **s.to_dict()})
+
+
+def paged_resident(model="tiny", step: Step | None = None, **overrides) -> int:
+    """Bytes a paged bitsandbytes optimizer (``paged_adamw_8bit`` / ``paged_adamw_32bit``) keeps in CUDA managed
+    memory per GPU for ``step`` (as :func:`estimate` takes it): ``state1`` / ``state2`` of every trainable tensor of
+    100,000 elements or more (:func:`lora_kit.memory.device.paged_resident_bytes`; 32-bit states are fp32 whatever
+    the tensor's dtype). Outside ``max_memory_allocated`` and the device total; nvidia-smi shows them while there is
+    room. Where optimizer states are sharded (``zero1``-``zero3``, ``fsdp``) each of ``num_gpus`` ranks holds its
+    share (the 100,000-element rule applied to whole tensors, not to a rank's shard). 0 for other optimizers."""
+    from lora_kit.memory.compose import STATES_SHARDED
+    from lora_kit.memory.device import paged_resident_bytes
+    s = as_step(step, **overrides)
+    if not s.optimizer.startswith("paged_"):
+        return 0
+    spec = model_spec(model)
+    targets = check_targets(spec, s.method, s.lora_rank, s.lora_targets, s.attn_implementation)
+    experts = expert_lora(spec, targets)
+    targets = tuple(t for t in targets if t not in experts["dropped"])
+    tensors, _ = _trainable_tensors(spec, s, targets, experts, np.asarray([s.lora_rank], dtype=np.int64))
+    total = int(np.asarray(paged_resident_bytes(s.optimizer, tensors)).sum())
+    return -(-total // s.num_gpus) if s.sharding in STATES_SHARDED and s.num_gpus > 1 else total

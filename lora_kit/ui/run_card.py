@@ -415,20 +415,16 @@ def _row_step(plan: dict, row: dict) -> dict:
 
 
 def _paged_resident(plan: dict, row: dict) -> int:
-    """Bytes a paged optimizer keeps in CUDA managed memory for the plan's ``row`` (0 for other optimizers): the
-    estimate of the plan's step with the optimizer's unpaged twin less its own states; 0 where it cannot be
-    estimated here."""
+    """Bytes a paged optimizer keeps in CUDA managed memory for the plan's ``row`` (0 for other optimizers:
+    :func:`lora_kit.memory.estimate.paged_resident`); 0 where it cannot be estimated here."""
     step = _row_step(plan, row)
-    opt = str(step.get("optimizer") or "")
-    if not opt.startswith("paged_") or not plan.get("model"):
+    if not str(step.get("optimizer") or "").startswith("paged_") or not plan.get("model"):
         return 0
-    from lora_kit.memory.estimate import estimate
+    from lora_kit.memory.estimate import paged_resident
     try:
-        own = estimate(plan["model"], **step)
-        twin = estimate(plan["model"], **{**step, "optimizer": opt.removeprefix("paged_")})
+        return paged_resident(plan["model"], **step)
     except (ValueError, OSError, TypeError):  # a model or setting this process cannot plan
         return 0
-    return max(0, twin.breakdown["optimizer_states"] - own.breakdown["optimizer_states"])
 
 
 def _reserved_expandable(plan: dict, row: dict, peak: int | None) -> int | None:
