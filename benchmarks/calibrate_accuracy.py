@@ -6,7 +6,8 @@ shapes the fit never saw (2 x 4096, 1 x 8192 tokens, and rank 64 with LoRA), and
 Per (model, step): the arithmetic estimate (no fit visible), then the fit (made, or read from ``tests/golden/fits``
 -- the validation set's fits, the same keys -- with the seconds it took when it was made), then ``estimate`` (now
 fitted) and ``simulate`` at every shape. Writes benchmarks/results/calibrate_accuracy.json after every row; rows
-already there are kept (an interrupted run resumes).
+already there are kept (an interrupted run resumes). Each row records its date and machine (``measured``; rows from
+before that field carry the file's ``_meta`` of then); ``_meta`` names each machine and day with its rows.
 
     python benchmarks/calibrate_accuracy.py [--quick] [--catalog-only | --outside-only]
 """
@@ -71,12 +72,13 @@ def main() -> None:
     steps = STEPS
     if a.quick:
         models, steps = models[:2] + models[-1:], dict(list(STEPS.items())[:1])
-    done = {(r["model"], r["step"]): r for r in json.loads(Path(a.out).read_text())["rows"]} \
-        if Path(a.out).is_file() else {}
+    old = json.loads(Path(a.out).read_text()) if Path(a.out).is_file() else {}
+    kept = {k: old.get("_meta", {}).get(k) for k in ("date", "machine")}  # rows from before per-row provenance
+    done = {(r["model"], r["step"]): {**r, "measured": r.get("measured", kept)} for r in old.get("rows", [])}
     rows = []
-    meta = {"date": datetime.date.today().isoformat(), "command": " ".join(["python benchmarks/calibrate_accuracy.py",
-                                                                              *sys.argv[1:]]),
-            "machine": machine(), "versions": fits.versions()}
+    here = {"date": datetime.date.today().isoformat(), "machine": machine()}
+    meta = {"command": " ".join(["python benchmarks/calibrate_accuracy.py", *sys.argv[1:]]),
+            "versions": fits.versions()}
     for name, make in models:
         cfg = make()
         for label, kw in steps.items():
@@ -84,7 +86,7 @@ def main() -> None:
             if (name, label) in done and "error" not in done[(name, label)]:
                 rows.append(done[(name, label)])
                 continue
-            row = {"model": name, "step": label, "layers": cfg.num_hidden_layers, "shapes": []}
+            row = {"model": name, "step": label, "layers": cfg.num_hidden_layers, "measured": here, "shapes": []}
             shapes = [(B, S, R) for B, S, R in SHAPES if R == 16 or step.method != "full"]
             rank = (lambda R: {"lora_rank": R}) if step.method != "full" else (lambda R: {})
             os.environ["LORA_KIT_FIT"] = "auto"
@@ -110,8 +112,30 @@ def main() -> None:
                 print(f"{name:22s} {label:24s} B={B} S={S} r={R}: estimate "
                       + (f"{v:+.4f} %" if not isinstance(v, str) else v), flush=True)
             rows.append(row)
-            Path(a.out).write_text(json.dumps({"_meta": meta, "rows": rows}, indent=1))
+            _write(a.out, meta, rows)
+    _write(a.out, meta, rows)  # rows kept after the last one made are written too
     print(f"wrote {a.out}")
+
+
+def _write(out: str, meta: dict, rows: list[dict]) -> None:
+    prov = provenance(rows)
+    meta = {"date": prov["date"], **meta, "machine": prov["machine"]}
+    Path(out).write_text(json.dumps({"_meta": meta, "rows": rows}, indent=1))
+
+
+def provenance(rows: list[dict]) -> dict:
+    """The file's date and machine from its rows' ``measured``: one machine and day, or each with its rows."""
+    groups: dict[tuple, list[str]] = {}
+    for r in rows:
+        groups.setdefault((r["measured"]["date"], r["measured"]["machine"]), []).append(r["model"])
+    if len(groups) <= 1:
+        return dict(zip(("date", "machine"), next(iter(groups), (None, None))))
+    dates = sorted(d for d, _ in groups)
+    big = max(groups.values(), key=len)
+    span = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+    return {"date": f"{span} (per row: `measured`)", "machine": "per row (`measured`): " + "; ".join(
+        f"{m}, {d}: {len(ms)} rows" + ("" if ms is big else f" ({', '.join(dict.fromkeys(ms))})")
+        for (d, m), ms in groups.items())}
 
 
 def _try(call):

@@ -509,8 +509,8 @@ def run_autocast(fresh: bool) -> None:
     print(summary(rows, lambda r: _pct(r, "simulate"), "simulate"))
 
 
-def _pct(row: dict, what: str) -> float:
-    return 100 * (row[what] - row["real"]) / row["real"]
+def _pct(row: dict, what: str, real: str = "real") -> float:
+    return 100 * (row[what] - row[real]) / row[real]
 
 
 # ---- mixture-of-experts ---------------------------------------------------------------------------
@@ -653,18 +653,32 @@ def _real_model(case: dict):
 
 def run_real(fresh: bool, limit: int | None) -> None:
     """Each :func:`real_cases` row: simulate and a real CPU step (both traced: where their allocations part is
-    kept); saved in ``benchmarks/results/memory_accuracy_real.json`` with the machine."""
+    kept); saved in ``benchmarks/results/memory_accuracy_real.json``, each row with its date and machine
+    (``measured``; rows from before that field carry the file's ``machine`` of then). A config with attention
+    dropout (SDPA) is simulated at p = 0 (CUDA's fused kernels): ``real`` is its CPU step at p = 0, like for like,
+    and ``real_config_dropout`` the config as given, which a CPU runs in SDPA's math kernel (``note`` says so)."""
+    import copy
+    import datetime
+    import subprocess
     import sys
     sys.path.insert(0, str(Path(__file__).parent))
     from trace_diff import machine
     from lora_kit.memory.measure import measure_config
     from lora_kit.memory.simulate import simulate as sim
+    from lora_kit.memory.specs import attention_dropout
     from lora_kit.memory.tracker import first_divergence
     data = read_json(REAL_OUT) if REAL_OUT.is_file() and not fresh else {}
     done = data.setdefault("real", {})
-    data["machine"] = machine()
+    if "machine" in data:  # the file's machine of then goes to the rows it holds; their date: git's, at best
+        day = subprocess.run(["git", "log", "-1", "--format=%cs", "--", str(REAL_OUT)], capture_output=True,
+                             text=True, cwd=REAL_OUT.parent).stdout.strip()
+        then = {"date": f"not recorded (file committed {day})" if day else "not recorded", "machine": data["machine"]}
+        for row in done.values():
+            row.setdefault("measured", then)
+        del data["machine"]
+    here = {"date": datetime.date.today().isoformat(), "machine": machine()}
     cases = real_cases()[:limit]
-    print(f"{len(cases)} cases; simulate vs a real CPU step (peak_allocated_bytes); {data['machine']}")
+    print(f"{len(cases)} cases; simulate vs a real CPU step (peak_allocated_bytes); {here}")
     for case in cases:
         k, row = key(case), done.get(key(case), {"case": case})
         kw = {c: v for c, v in est_kwargs(case).items() if c != "reduced"}
@@ -673,10 +687,21 @@ def run_real(fresh: bool, limit: int | None) -> None:
             try:
                 m = _real_model(case)
                 s = sim(m, trace=True, **kw)
-                r = measure_config(m, trace=True, **kw)
+                drop = attention_dropout(m) if kw.get("attn_implementation", "sdpa") == "sdpa" else None
+                m0 = copy.deepcopy(m) if drop else m
+                if drop:
+                    setattr(m0, drop[0], 0.0)
+                r = measure_config(m0, trace=True, **kw)
                 row.update(simulate=s.peak_allocated_bytes, simulate_phase=s.phase, real=r.peak_allocated_bytes,
-                           real_phase=r.phase, first_divergence=first_divergence(r.allocations, s.allocations))
+                           real_phase=r.phase, first_divergence=first_divergence(r.allocations, s.allocations),
+                           measured=here)
                 row.pop("error", None)
+                if drop:
+                    rd = measure_config(m, **kw)
+                    row.update(real_config_dropout=rd.peak_allocated_bytes, real_config_dropout_phase=rd.phase,
+                               note=f"config {drop[0]}={drop[1]:g}, simulated at 0 (CUDA's fused SDPA): real is a "
+                               "CPU step at 0 (like for like); real_config_dropout the config as given, which a CPU "
+                               "runs in SDPA's math kernel")
             except Exception as exc:  # noqa: BLE001 - print and keep going: one case must not hide the rest
                 row["error"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
             row["seconds"] = round(time.perf_counter() - t, 1)
@@ -689,7 +714,10 @@ def run_real(fresh: bool, limit: int | None) -> None:
         else:
             print(f"{desc:40s} sim {row['simulate']:>12d} real {row['real']:>12d} B  {_pct(row, 'simulate'):+7.3f}% "
                   f"({row['simulate'] - row['real']:+d} B) {row['seconds']:.0f}s"
-                  f"{'' if row['first_divergence'] is None else '  allocations part'}", flush=True)
+                  f"{'' if row['first_divergence'] is None else '  allocations part'}"
+                  + (f"; config's dropout: real {row['real_config_dropout']:>12d} B "
+                     f"({_pct(row, 'simulate', 'real_config_dropout'):+.3f}%)" if "real_config_dropout" in row else ""),
+                  flush=True)
         write_json_atomic(REAL_OUT, data)
     ok = [done[key(c)] for c in cases if "real" in done[key(c)]]
     print("\n" + summary(ok, lambda r: _pct(r, "simulate"), "simulate"))

@@ -66,7 +66,8 @@ def machine() -> dict:
     except OSError:
         pass
     flags = set(info.get("flags", "").split())
-    return {"cpu": info.get("model name") or platform.processor(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    return {"cpu": info.get("model name") or platform.processor(), "cpu_family": info.get("cpu family"),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
 
