@@ -376,19 +376,20 @@ def sec_calibrate(prov):
             lines.append([r["model"], r["step"], "not fitted", "", "", r["error"]])
             continue
         for s in r["shapes"]:
-            e, a = s["estimate_error_pct"], s["arithmetic_error_pct"]
+            e, a = s["estimate_error_pct"], s.get("arithmetic_error_pct")  # None: a row made after it was deleted
             new += [e] if isinstance(e, (int, float)) else []
             old += [a] if isinstance(a, (int, float)) else []
             lines.append([f"{r['model']} [{r['layers']}L]", r["step"],
                           f"B{s['batch_size']} S{s['seq_len']}" + (f" r{s['lora_rank']}" if s.get("lora_rank") else ""),
                           spct(e) if isinstance(e, (int, float)) else e,
-                          spct(a) if isinstance(a, (int, float)) else "refused",
+                          spct(a) if isinstance(a, (int, float)) else "not measured" if a is None else "refused",
                           f"fit {r['fit_seconds']} s, {r['envelope_ops']} operators kept"])
     fs, es = stats(new), stats(old)
     body = ("`estimate` evaluates the fit made from 2- and 3-block `simulate` runs at short shapes (`lora_kit.memory."
             "calibrate`), judged at the model's depth and at shapes the fit never saw; beside it the arithmetic "
             "`estimate` used before (`LORA_KIT_FIT=never`). `small-*` rows are 4-block configs of families the catalog "
-            "does not model; B2 S512 is the shape the issue measured.\n\n"
+            "does not model; B2 S512 is the shape the issue measured. Rows made after the arithmetic was deleted "
+            "have no figure for it (`not measured`).\n\n"
             + stats_line(fs, "estimate (fitted) vs simulate") + "\n\n" + stats_line(es, "old arithmetic vs simulate")
             + "\n\n" + table(["model", "step", "shape", "estimate (fitted)", "arithmetic", "note"], lines))
     return sec.head() + body, {"calibrate": fs, "calibrate-estimate": es}
@@ -432,20 +433,36 @@ def sec_simulate_real(prov):
     memory_accuracy_cpu_paths.json (``trace_diff.py --paths``): simulate against real CPU steps."""
     src = RESULTS / "memory_accuracy_real.json"
     data = json.loads(src.read_text())
-    m = data.get("machine", {})
-    machine = (f"{m.get('cpu', '?')}, CPU capability {m.get('cpu_capability', '?')}, {m.get('threads', '?')} threads, "
-               f"torch {m.get('torch', '?')}")
+    rows = list(data["real"].values())
+
+    def where(m):
+        return (f"{m.get('cpu', '?')} (family {m.get('cpu_family') or 'not recorded'}), CPU capability "
+                f"{m.get('cpu_capability', '?')}, {m.get('threads', '?')} threads, torch {m.get('torch', '?')}")
+    groups = {}  # each row's date and machine (``measured``), or the file's machine for a file from before
+    for r in rows:
+        got = r.get("measured", {"date": None, "machine": data.get("machine", {})})
+        groups.setdefault(json.dumps(got, sort_keys=True), []).append(r["case"]["model"])
+    big = max(groups.values(), key=len) if groups else []
+    machine = "; ".join(where(json.loads(g)["machine"]) + (
+        "" if len(groups) == 1 else f", measured {json.loads(g)['date']}: {len(ms)} rows"
+        + ("" if ms is big else f" ({', '.join(dict.fromkeys(ms))})")) for g, ms in groups.items())
     sec = Section("simulate vs real CPU steps: every catalog family and families outside it", src,
                   "python benchmarks/memory_accuracy.py --real --fresh", prov, machine=machine)
-    rows = list(data["real"].values())
+    if len(groups) > 1:  # not one day: each row's, as the machine line gives them
+        sec.date, sec.date_from = "per row", "each row's `measured`, with its machine"
     errs = [pct(r["simulate"], r["real"]) for r in rows if "real" in r and "simulate" in r]
     exact = sum(1 for r in rows if r.get("real") is not None and r.get("real") == r.get("simulate"))
     body = (f"Each family's real blocks at a reduced size (LoRA, LoRA with checkpointing on a padded batch, full, "
             f"LoRA at 1,024 tokens, QLoRA with checkpointing), and the grid's outside families: {exact} of "
             f"{len(rows)} rows byte-exact. " + stats_line(stats(errs), "`simulate` vs the real step") + "\n\n")
-    body += table(["case", "real GiB", "simulate GiB", "error", "phase (real / simulate)"],
+    body += table(["case", "real GiB", "simulate GiB", "error", "phase (real / simulate)", "note"],
                   [[describe(r["case"]), gib(r["real"]), gib(r["simulate"]), spct(pct(r["simulate"], r["real"])),
-                    f"{r.get('real_phase', '')} / {r.get('simulate_phase', '')}"] for r in rows if "real" in r])
+                    f"{r.get('real_phase', '')} / {r.get('simulate_phase', '')}",
+                    "" if "real_config_dropout" not in r else
+                    f"{r['note']}. real_config_dropout {gib(r['real_config_dropout'])} GiB "
+                    f"({r['real_config_dropout_phase']}); simulate vs it "
+                    f"{spct(pct(r['simulate'], r['real_config_dropout']))}"]
+                   for r in rows if "real" in r])
     paths = RESULTS / "memory_accuracy_cpu_paths.json"
     if paths.is_file():
         ps = json.loads(paths.read_text())["paths"]
@@ -792,7 +809,8 @@ def headline_md(heads: dict) -> str:
                      cell(s, "p90"), cell(s, "max"),
                      "[tables](docs/accuracy.md#autocasttrue-estimate-and-simulate-vs-a-real-cpu-step)"])
     for key, what in (("calibrate", "`estimate` (fitted) vs `simulate`: 13 families outside the catalog, 4 blocks, 4 shapes"),
-                      ("calibrate-estimate", "the old arithmetic `estimate` vs `simulate`, the same rows")):
+                      ("calibrate-estimate",
+                       "the old arithmetic `estimate` vs `simulate`, the rows measured before it was deleted")):
         s = heads[key]
         rows.append([what, s["n"], cell(s), cell(s, "p90"), cell(s, "max"),
                      f"[table](docs/accuracy.md#{slug(CALIBRATE_TITLE)})"])
