@@ -79,12 +79,16 @@ def test_qlora_keeps_one_16_bit_block_only_when_embeddings_are_untied():
 
 def test_layer_term_is_one_mlp_activation_in_the_dtype_the_layers_run():
     """QLoRA readied by prepare_model_for_kbit_training runs its layers in fp32 (4 bytes), also under autocast;
-    without it, and LoRA in bf16, 2 bytes; fp32 weights without autocast 4."""
+    without it, and LoRA in bf16, 2 bytes (4 where LoRA adapts the down projection); fp32 weights without autocast
+    4."""
     spec = model_spec("mistral-7b")
     one = 4096 * spec.intermediate_size
     assert device_kwargs(spec, as_step(None, method="qlora", autocast=True), 4096)["layer"] == one * 4
     assert device_kwargs(spec, as_step(None, method="qlora", qlora_prepare="none"), 4096)["layer"] == one * 2
-    assert device_kwargs(spec, as_step(None, method="lora"), 4096)["layer"] == one * 2
+    # LoRA: peft's fp32 adapter on the down projection saves an fp32 copy of its input (a real CPU step's saved
+    # tensors show it), a layer's largest block; adapters elsewhere only: the bf16 activation
+    assert device_kwargs(spec, as_step(None, method="lora"), 4096)["layer"] == one * 4
+    assert device_kwargs(spec, as_step(None, method="lora", lora_targets=["q_proj", "v_proj"]), 4096)["layer"] == one * 2
     assert device_kwargs(spec, as_step(None, method="full", dtype="float32"), 4096)["layer"] == one * 4
     assert device_kwargs(spec, as_step(None, method="full", dtype="float32", autocast=True), 4096)["layer"] == one * 2
     peak = 20 * 2 ** 30
@@ -204,3 +208,27 @@ def test_each_allocator_setting_has_its_own_closed_form():
     assert device_parts(peak, num_gpus=1, allocator="expandable", **kw)["allocator"] == "expandable"
     with pytest.raises(ValueError, match="allocator='expandible'.*default, expandable"):
         reserved_bytes(peak, allocator="expandible")
+
+
+def test_lora_down_projection_adapter_saves_an_fp32_copy_of_its_input():
+    """What ``device_kwargs``' LoRA ``layer`` stands for, on a real bf16 step with peft: the saved tensors of a
+    layer's MLP hold an fp32 ``tokens x intermediate`` copy (the down projection's adapter input)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=352, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100)
+    saved = {}
+    for targets in ("all-linear", ["q_proj", "v_proj"]):
+        model = get_peft_model(LlamaForCausalLM(cfg).to(torch.bfloat16), LoraConfig(r=8, target_modules=targets))
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append((t.numel(), t.dtype)) or t, lambda t: t):
+            model(input_ids=torch.randint(0, 100, (2, 16)), labels=torch.randint(0, 100, (2, 16)))
+        saved[str(targets)] = shapes
+    tokens_inter = 2 * 16 * 352
+    assert (tokens_inter, torch.float32) in saved["all-linear"]
+    assert (tokens_inter, torch.float32) not in saved["['q_proj', 'v_proj']"]
+    spec = model_spec(cfg)
+    assert device_kwargs(spec, as_step(None, method="lora"), 32)["layer"] == tokens_inter * 4
+    assert device_kwargs(spec, as_step(None, method="lora", lora_targets=["q_proj", "v_proj"]), 32)["layer"] == \
+        tokens_inter * 2
