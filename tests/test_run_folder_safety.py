@@ -83,3 +83,28 @@ def test_cli_refuses_overwriting_the_checkout(checkout, capsys):
     assert (checkout / "docs" / "index.md").is_file()
     assert main(["run", "--runs-dir", str(checkout), "--name", "docs", "--overwrite", "--only", "00"]) == 2
     assert "never moved aside" in capsys.readouterr().err and (checkout / "docs" / "index.md").is_file()
+
+
+def test_resume_keeps_the_rows_the_kept_smoke_run_trained_and_held_out(tmp_path):
+    """A resumed run keeps 03's data/ (trained.jsonl, heldout.jsonl) with 03: 04 evaluates on exactly those held-out
+    rows and the card quotes the first trained row; moving them aside would evaluate other rows."""
+    run = tmp_path / "runs" / "mine"
+    ident = new_run("lora-kit run", run)
+    (run / "smoke").mkdir(parents=True)
+    (run / "data").mkdir()
+    (run / "03_smoke_run.ipynb").write_text("{}")
+    (run / "smoke" / "smoke.json").write_text(json.dumps({"run": ident, "status": "complete"}))
+    for name in ("trained", "heldout"):
+        (run / "data" / f"{name}.jsonl").write_text('{"prompt": "p", "response": "r"}\n')
+    (run / "04_evaluate.ipynb").write_text("{}")  # failed in that run: moved aside and run again
+    params = Settings().to_dict()
+    (run / "pipeline.json").write_text(json.dumps({
+        "run": ident, "status": "failed at 04_evaluate.ipynb", "kind": "lora_kit.pipeline", "settings": params,
+        "notebooks": [{"notebook": "03_smoke_run.ipynb", "status": "ok"},
+                      {"notebook": "04_evaluate.ipynb", "status": "failed"}]}))
+    _, kept, _ = prepare_run_dir(run, params, overwrite=False, resume=True, log=print)
+    assert [e["notebook"] for e in kept] == ["03_smoke_run.ipynb"]
+    assert (run / "data" / "trained.jsonl").is_file() and (run / "data" / "heldout.jsonl").is_file()
+    assert not (run / "04_evaluate.ipynb").exists()
+    aside = list((tmp_path / "runs").glob("mine.aside-*"))
+    assert len(aside) == 1 and (aside[0] / "04_evaluate.ipynb").is_file() and not (aside[0] / "data").exists()

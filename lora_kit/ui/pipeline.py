@@ -33,7 +33,7 @@ from typing import ClassVar
 
 from jupyter_client.manager import AsyncKernelManager
 
-from lora_kit.data import absolute_paths
+from lora_kit.data import SPLIT_DIR, absolute_paths
 from lora_kit.progress import follow
 from lora_kit.ui.notebook import (FIGURE_INDEX, NOTEBOOK_ENV, PLOTLY_JS, RUNNING_SUFFIX, figure_index,
                                   kit_notebooks_dir)
@@ -54,7 +54,9 @@ PIPELINE = (
 PROOF = {"00_stack_check.ipynb": "stack.json", "01_choose_method.ipynb": "plan.json",
          "02_memory_sweeps.ipynb": "sweeps.json", "03_smoke_run.ipynb": "smoke/smoke.json",
          "04_evaluate.ipynb": "eval/eval.json"}
-OWNED = {"03_smoke_run.ipynb": ("smoke", "mix"), "04_evaluate.ipynb": ("eval",)}  # mix: 03's base-mix comparison
+# mix: 03's base-mix comparison; data: the rows 03 trained on and held out (data/trained.jsonl, heldout.jsonl),
+# which 04 evaluates on and the card quotes
+OWNED = {"03_smoke_run.ipynb": ("smoke", "mix", SPLIT_DIR), "04_evaluate.ipynb": ("eval",)}
 SETTINGS_NOT_COMPARED = ("run_dir", "interactive")  # differ between runs of the same plan
 
 
