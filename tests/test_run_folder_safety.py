@@ -108,3 +108,17 @@ def test_resume_keeps_the_rows_the_kept_smoke_run_trained_and_held_out(tmp_path)
     assert not (run / "04_evaluate.ipynb").exists()
     aside = list((tmp_path / "runs").glob("mine.aside-*"))
     assert len(aside) == 1 and (aside[0] / "04_evaluate.ipynb").is_file() and not (aside[0] / "data").exists()
+
+
+def test_a_folder_of_other_files_is_refused_without_offering_overwrite(tmp_path):
+    """A run folder path that holds files but no run: the refusal names another --name, never --overwrite or
+    --resume (both refuse such a folder), and nothing in it moves."""
+    mine = tmp_path / "runs" / "mine"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError) as e:
+        prepare_run_dir(mine, Settings().to_dict(), overwrite=False, resume=False, log=print)
+    msg = str(e.value)
+    assert "not a lora_kit run" in msg and "another --name" in msg, msg
+    assert "--overwrite" not in msg and "--resume" not in msg, msg
+    assert (mine / "notes.txt").read_text() == "mine" and not list(mine.parent.glob("mine.*"))

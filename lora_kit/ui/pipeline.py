@@ -407,6 +407,10 @@ def prepare_run_dir(out: Path, params: dict, overwrite: bool, resume: bool, log)
         os.replace(out, dest)
         log(f"moved the previous run aside: {dest}")
         return new_run("lora-kit run", out), [], []
+    try:  # files that are not a run (or not movable): --overwrite / --resume would refuse them too, so not offered
+        check_movable_run(out, old)
+    except ValueError as e:
+        raise RunExists(f"{out} already holds {what}; {e}") from None
     raise RunExists(f"{out} already holds {what}. Pass --overwrite to move it aside and start afresh, --resume to "
                     "keep its completed notebooks, or choose another --name.")
 
