@@ -132,6 +132,22 @@ def test_their_parser_rejects_with_their_message(tmp_path):
         settings_from_config(ax)
 
 
+@pytest.mark.parametrize("adapter_line, bits, fix", [("", "load_in_4bit", "adapter: qlora"),
+                                                     ("adaptor: qlora\n", "load_in_4bit", "did you mean 'adapter'"),
+                                                     ("", "load_in_8bit", "adapter: lora")])
+def test_axolotl_quantized_base_without_adapter_is_refused(tmp_path, adapter_line, bits, fix):
+    """axolotl with load_in_4bit / load_in_8bit and no adapter (left out, or mistyped) cannot train: transformers
+    refuses a quantized base without adapters. Never planned as full fine-tuning of a 16-bit model."""
+    ax = tmp_path / "ax.yml"
+    ax.write_text(f"base_model: meta-llama/Llama-3.1-8B\n{bits}: true\n{adapter_line}lora_r: 16\n"
+                  "sequence_len: 2048\nmicro_batch_size: 2\nbf16: auto\n")
+    with pytest.raises(ValueError, match=f"{bits} without adapter.*{fix}"):
+        settings_from_config(ax)
+    ax.write_text(ax.read_text().replace(f"{bits}: true", f"{bits}: false"))  # full fine-tuning of a 16-bit base
+    step, _ = settings_from_config(ax)
+    assert step.method == "full" and step.dtype == "bfloat16"
+
+
 def test_trainer_json_needs_a_model():
     with pytest.raises(ValueError, match="names no model; pass model="):
         settings_from_config(CONFIGS / "trainer_args_8bit.json")

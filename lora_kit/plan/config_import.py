@@ -741,6 +741,12 @@ def _read_axolotl(r: _Reader, model_override) -> str | None:
         raise ValueError(f"{r.path}: adapter: qlora needs load_in_4bit: true (axolotl's rule).")
     if c.get("bf16") is True and c.get("fp16") is True:
         raise ValueError(f"{r.path}: bf16 and fp16 are both true; axolotl takes one.")
+    bits = "load_in_4bit" if c.get("load_in_4bit") else "load_in_8bit" if c.get("load_in_8bit") else None
+    if adapter is None and bits:  # transformers' Trainer refuses to train a quantized model without adapters
+        near = [k for k in c if _one_edit(k, "adapter")]
+        raise ValueError(f"{r.path}: {bits} without adapter: transformers cannot train a quantized base in full; "
+                         f"set adapter: {'qlora' if bits == 'load_in_4bit' else 'lora'}, or drop {bits} for full "
+                         "fine-tuning." + (f" (the config has {near[0]!r}: did you mean 'adapter'?)" if near else ""))
     method = "full" if adapter is None else ("qlora" if c.get("load_in_4bit") else "lora")
     r.put("method", method, "adapter", raw=adapter)
     r.used |= {"load_in_4bit", "load_in_8bit"}
