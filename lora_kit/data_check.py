@@ -7,7 +7,8 @@ sets are the package's) and, for the embedded model, ``base_mix``'s rows. Each i
 tokenizer loads, every row is rendered and tokenised in the run's prompt format
 (:class:`lora_kit.prompting.PromptFormat`) -- a chat template that refuses a row (roles that do not
 alternate, a system message it raises on) is caught here, not minutes into the run, and so is a training row
-longer than ``seq_len`` under ``long_examples="error"`` (:func:`check_long_examples`). The first problem is a
+longer than ``seq_len`` under ``long_examples="error"`` (:func:`check_long_examples`), and a training set none of
+whose rows keeps a trained token within ``seq_len`` (the smoke run's "no usable example"). The first problem is a
 ValueError naming the file, the row (:func:`lora_kit.data.row_refs`: its line in the file) and the fix; a clean
 check returns one line per file. Cost: one tokenisation per row (the training rows once more under
 ``long_examples="error"``); no model weights are read.
@@ -72,6 +73,7 @@ def check_data(s, tokenizer=None, dataset_split: str | None = None, train_on: st
         fmt = PromptFormat(tokenizer, kind, train_on=train_on)
         notes += fmt.notes
         for role, source, rows in loaded:
+            usable, shortest = 0, None  # training rows that keep a trained token within seq_len (the smoke run's cut)
             for i, ex in enumerate(rows, 1):
                 try:
                     enc = fmt.encode(ex)
@@ -80,6 +82,15 @@ def check_data(s, tokenizer=None, dataset_split: str | None = None, train_on: st
                 if role == "dataset" and not any(t != -100 for t in enc["labels"]):
                     raise ValueError(f"{role} ({source}), {row_refs(rows, [i])}: no token is trained "
                                      f"(train_on={train_on!r}); check the row's answer.")
+                if role == "dataset":
+                    shortest = min(enc["length"], shortest or enc["length"])
+                    usable += enc["length"] <= s.seq_len or (s.long_examples == "truncate" and any(
+                        t != -100 for t in enc["labels"][:s.seq_len]))
+            if role == "dataset" and rows and not usable and s.long_examples != "error":  # error: refused below
+                why = ("are longer than seq_len={} and long_examples='drop'" if s.long_examples == "drop"
+                       else "lose their whole response at seq_len={}").format(s.seq_len)
+                raise ValueError(f"{role} ({source}): no usable example: all {len(rows)} {why} (the shortest is "
+                                 f"{shortest} tokens; the smoke run would refuse them); raise seq_len.")
         check_long_examples(s, tokenizer, dataset_split, train_on)
     lines = [f"{f['role']}: {f['source']}{':' + f['split'] if f['split'] else ''} -- {f['rows']} rows, "
              f"format {f['format']}" for f in files]

@@ -86,3 +86,24 @@ def test_long_examples_error_refused_with_the_smoke_runs_message(tmp_path):
     with pytest.raises(ValueError) as early:
         check_data(s, tokenizer=tok)
     assert str(early.value) == f"dataset ({s.dataset}): {smoke.value}"
+
+
+@pytest.mark.parametrize("policy", ["truncate", "drop"])
+def test_no_usable_training_row_is_refused_before_the_smoke_run(tmp_path, policy):
+    """Every training row loses its whole answer at seq_len (or is dropped): notebook 00's data check refuses it with
+    the smoke run's reason, instead of 03 finding it after 00-02 ran. One row that still trains is enough."""
+    from lora_kit.loading import load_tokenizer
+    from lora_kit.run.batches import verified_slice
+    tok = load_tokenizer("tiny")
+    rows = [{"prompt": "P " * 40 + str(i), "response": "R"} for i in range(6)]
+    s = _settings(tmp_path, dataset=_jsonl(tmp_path / "long.jsonl", rows), seq_len=32, long_examples=policy)
+    with pytest.raises(ValueError, match="no usable example") as smoke:
+        verified_slice(tok, rows, seq_len=32, n_examples=4, long_examples=policy)
+    with pytest.raises(ValueError) as early:
+        check_data(s, tokenizer=tok)
+    msg = str(early.value)
+    assert msg.startswith(f"dataset ({s.dataset}): no usable example: all 6 ") and "raise seq_len" in msg, msg
+    assert ("long_examples='drop'" in msg) == ("long_examples='drop'" in str(smoke.value)), (msg, smoke.value)
+    rows.append({"prompt": "q", "response": "a"})
+    s = s.replace(dataset=_jsonl(tmp_path / "long.jsonl", rows))
+    assert check_data(s, tokenizer=tok)["files"][0]["rows"] == 7
