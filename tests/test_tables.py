@@ -225,3 +225,18 @@ def test_rows_that_fit_only_with_the_attention_fix(plan):
     rows = T.method_rows(plan)
     assert "✓* = fits only with the attention fix" in rows.attrs["caption"]
     assert "only with the attention fix in the plan's note" in plan.attrs["recommendation"]
+
+
+def test_fastest_among_equal_times_is_the_cheapest():
+    """A host-bound step (the embedded model) runs as fast on every GPU: the time model gives equal times up to
+    rounding, so "fastest" is the cheapest of them, in the recommendation and in the table's note -- never the
+    priciest GPU picked by float noise."""
+    df = compare_methods("tiny", gpus=["L4", "RTX-4090", "A100-80GB", "H100-SXM"], seq_len=64, methods=("lora",))
+    hours = df["epoch_hours"]
+    assert (hours - hours.min()).abs().max() <= hours.min() * 1e-9  # the premise: equal times
+    cheapest = df.loc[df["epoch_cost"].idxmin(), "gpu"]
+    assert cheapest == "RTX-4090" and df.loc[T._fastest_index(df), "gpu"] == cheapest
+    assert f"Fastest: LoRA on {cheapest} (" in df.attrs["recommendation"], df.attrs["recommendation"]
+    rows = T.method_rows(df)
+    assert T.FASTEST not in set(rows["note"])  # the fastest is the recommended row: one note, the recommendation
+    assert rows.loc[df["epoch_cost"].idxmin(), "note"] == T.RECOMMENDED

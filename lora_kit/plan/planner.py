@@ -706,6 +706,18 @@ def _within_error(priced: pd.DataFrame, cheapest, factor) -> list[str]:
             f"on {cheapest['gpu']}."]
 
 
+def fastest_index(df: pd.DataFrame):
+    """Row label of the fastest fitting row per epoch; among rows the time model times the same (a host-bound
+    step runs as fast on every GPU), the cheapest, then the first. None when no fitting row has a time."""
+    ok = df[df["fits"].fillna(False).astype(bool)]
+    hours = pd.to_numeric(ok["epoch_hours"], errors="coerce")
+    if not hours.notna().any():
+        return None
+    tied = ok[hours <= hours.min() * (1 + 1e-9)]
+    cost = pd.to_numeric(tied["epoch_cost"], errors="coerce")
+    return cost.idxmin() if cost.notna().any() else tied.index[0]
+
+
 def recommend(df: pd.DataFrame) -> str:
     """Plain-language recommendation from a :func:`compare_methods` table."""
     ok = df[df["fits"]]
@@ -722,7 +734,7 @@ def recommend(df: pd.DataFrame) -> str:
         parts.append(f"Cheapest per epoch: {_method_words(c['method'])} on {c['gpu']} ({money_text(c['epoch_cost'])}, "
                      f"{hours_text(c['epoch_hours'])}, micro-batch {c['batch_size']}).")
         parts += _within_error(priced, c, df.attrs.get("time_error_factor"))
-    f = ok.loc[ok["epoch_hours"].idxmin()]
+    f = ok.loc[fastest_index(ok)]
     parts.append(f"Fastest: {_method_words(f['method'])} on {f['gpu']} ({hours_text(f['epoch_hours'])} per epoch"
                  + (f", {money_text(f['epoch_cost'])}" if f["epoch_cost"] == f["epoch_cost"] else "") + ").")
     for m in ("lora", "qlora"):

@@ -23,6 +23,7 @@ import math
 
 import pandas as pd
 
+from lora_kit.plan.planner import fastest_index
 from lora_kit.settings import method_label
 
 GIB = 2 ** 30
@@ -101,8 +102,7 @@ def recommended_index(df: pd.DataFrame):
 
 
 def _fastest_index(df: pd.DataFrame):
-    hours = pd.to_numeric(df[_fits(df)]["epoch_hours"], errors="coerce")
-    return hours.idxmin() if hours.notna().any() else None
+    return fastest_index(df)  # the fastest fitting row, the cheapest among equal times (the recommendation's)
 
 
 def method_rows(table, currency: str = EXAMPLE_CURRENCY, fits_only: bool = False,
