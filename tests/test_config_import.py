@@ -395,3 +395,18 @@ def test_trainer_fsdp_config_version_1_says_fsdp_1(tmp_path):
     assert step.sharding == "fsdp" and any("fsdp_config.version=1: FSDP-1" in n for n in rep.notes), rep.notes
     step, rep = settings_from_config(CONFIGS / "trainer_args_fsdp.json", model="qwen2.5-7b", num_gpus=4)
     assert not any("FSDP-1" in n for n in rep.notes)
+
+
+def test_axolotl_bf16_auto_says_what_it_is_on_a_gpu_without_bf16(tmp_path):
+    """axolotl's bf16: auto is bf16 only where the GPU has it; the catalog's T4 does not (axolotl then turns fp16 on),
+    so the note says how to plan that, and the override it names plans fp16 compute."""
+    from lora_kit.plan.gpus import get_gpu
+    assert get_gpu("T4")["compute_capability"] < 8.0  # the premise: a catalog GPU without bf16
+    ax = tmp_path / "ax.yml"
+    ax.write_text("base_model: meta-llama/Llama-3.1-8B\nadapter: lora\nsequence_len: 2048\nbf16: auto\n")
+    step, rep = settings_from_config(ax)
+    assert (step.dtype, step.autocast) == ("bfloat16", True)
+    note = next(n for n in rep.notes if n.startswith("bf16: auto"))
+    assert "T4" in note and "dtype float16" in note and "every GPU" not in note, note
+    step, rep = settings_from_config(ax, dtype="float16")
+    assert (step.dtype, step.autocast) == ("float16", True) and rep.mapped["dtype"] == "'float16' (given)"

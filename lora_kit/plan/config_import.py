@@ -757,7 +757,8 @@ def _read_axolotl(r: _Reader, model_override) -> str | None:
     bf16 = r.get("bf16", False)
     fp16 = r.get("fp16", False)
     if bf16 == "auto":
-        r.notes.append("bf16: auto -> bf16 on every GPU the catalog plans for (Ampere and newer)")
+        r.notes.append("bf16: auto -> bf16, what axolotl picks on a GPU with bf16 (Ampere and newer); on one without "
+                       "(the catalog's T4) it trains in fp16: plan that with dtype float16 (--dtype float16)")
     bf16 = bool(bf16)
     pure = "bfloat16" if r.get("bfloat16") else "float16" if r.get("float16") else None  # 16-bit weights, no AMP
     # axolotl loads the weights in the AMP dtype (bf16 / fp16), in the pure dtype, else in fp32
