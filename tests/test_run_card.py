@@ -272,3 +272,16 @@ def test_the_request_says_which_cpu_defaults_the_plan_replaced():
     plan = {"assumptions": Settings(run_dir="x", dtype="bfloat16", seq_len=512).plan_step().to_dict()}
     assert "dtype" not in " ".join(planned_apart_lines(mine, plan)) and "seq_len" not in " ".join(
         planned_apart_lines(mine, plan))
+
+
+def test_smoke_tokens_per_s_says_what_it_counts():
+    """The smoke run's tokens/s counts the rows' own tokens, the request's table every row slot (micro-batch x
+    seq_len): the card says which is which and gives the padded figure too, so the two are compared like for like."""
+    from lora_kit.ui.run_card import smoke_lines
+    steps = [{"seconds": 1.0, "tokens": 50, "padded_tokens_per_s": 64.0},  # step 0, warm-up: not counted
+             {"seconds": 0.5, "tokens": 40, "padded_tokens_per_s": 128.0},
+             {"seconds": 0.5, "tokens": 60, "padded_tokens_per_s": 128.0}]
+    line = next(x for x in smoke_lines({"status": "complete", "steps": steps, "throughput": {
+        "mean_step_seconds": 0.5, "mean_tokens_per_s": 100.0}}) if x.startswith("- mean step"))
+    assert line == ("- mean step 0.500 s, 100 tokens/s (the rows' own tokens, padding excluded; 128 counting "
+                    "padding, as the request's tokens/s counts them)"), line

@@ -578,8 +578,13 @@ def smoke_lines(smoke: dict) -> list[str]:
                      f"loss {steps[0].get('loss', float('nan')):.3f} → {steps[-1].get('loss', float('nan')):.3f}")
     tp = smoke.get("throughput") or {}
     if tp.get("mean_step_seconds") is not None:
-        lines.append(f"- mean step {tp['mean_step_seconds']:.3f} s, {tp.get('mean_tokens_per_s', 0):,.0f} tokens/s"
-                     + (f" ({tp['note']})" if tp.get("note") else ""))
+        timed = [x for x in (steps[1:] or steps) if x.get("padded_tokens_per_s") and x.get("seconds")]
+        padded = (sum(x["padded_tokens_per_s"] * x["seconds"] for x in timed) / sum(x["seconds"] for x in timed)
+                  if timed else None)  # the plan's tokens/s counts every row slot: micro-batch x seq_len per step
+        lines.append(f"- mean step {tp['mean_step_seconds']:.3f} s, {tp.get('mean_tokens_per_s', 0):,.0f} tokens/s "
+                     "(the rows' own tokens, padding excluded"
+                     + (f"; {padded:,.0f} counting padding, as the request's tokens/s counts them" if padded else "")
+                     + ")" + (f" ({tp['note']})" if tp.get("note") else ""))
     ck = smoke.get("checkpoint") or {}
     if ck:
         lines.append(f"- adapter on disk: {ck.get('bytes', 0) / 2**20:.2f} MiB ({', '.join(sorted(ck.get('files', {})))})")
