@@ -538,8 +538,8 @@ def placeholder_epoch(num_examples: int, seq_len: int) -> dict:
     """The epoch a plan assumes before the smoke run has read the user's data: ``num_examples`` padded to
     ``seq_len``, labelled as such (no ``source``: the run card recomputes it from the data)."""
     return {"examples": int(num_examples), "tokens": int(num_examples) * int(seq_len),
-            "note": f"a placeholder, not your data: {int(num_examples):,} examples (num_examples), each padded to "
-                    "seq_len; the run card recomputes the epoch from your dataset once the smoke run has read it"}
+            "note": f"a placeholder, not your data: {int(num_examples):,} examples (num_examples) of seq_len tokens "
+                    "each; the run card recomputes the epoch from your dataset once the smoke run has read it"}
 
 
 def steps_per_epoch(epoch: dict, batch_size: int, seq_len: int, num_gpus: int, grad_accum: int) -> int:

@@ -117,7 +117,7 @@ class TimeModel:
                 f"dequantisation {self.dequant_factor:.3g}x its bandwidth bound, L2-resident traffic at "
                 f"{self.l2_speedup:.3g}x DRAM bandwidth, non-reentrant checkpointing's "
                 f"recompute waits for {recompute_host_calls('lora'):.3g} host dispatches per kernel (LoRA){cal}{fixed}; measured error within "
-                f"x{self.error_factor:.2g} ({self.source})")
+                f"x{self.error_factor:.2f} ({self.source})")  # as the card and the table print it
 
     def to_dict(self) -> dict:
         d = asdict(self)
