@@ -63,12 +63,14 @@ NCCL_RANK_BYTES = {2: 544 * MIB, 3: 688 * MIB}
 # so a layer's cached blocks cost nothing: 0.95-1.11 x, median 1.00 (least squares: 0.33 x largest + 0.011 x peak)
 FRAGMENTATION = {"default": {"largest": (2, 5), "peak": (3, 100), "layer": (4, 1)},
                  "expandable": {"largest": (7, 20), "peak": (1, 40), "layer": (0, 1)}}
-# LoRA under PyTorch's default setting, its own fractions: the shared ones sat at 0.953-1.020 x LoRA's 20 replays
-# (median 0.974; Mistral-7B all-linear, 4,096 x 4 with checkpointing: 0.957), because an all-linear adapter's fp32
-# copy of the down projection's input (``layer`` for LoRA, :func:`device_kwargs`) is a layer's largest block. Least
-# squares on those 20 replays, rounded: 0.960-1.022 x, median 1.00 (Mistral's row 0.997). QLoRA and full keep the
-# shared fractions (QLoRA's replays include the load; its closed form was checked on the measured H200 row).
-FRAGMENTATION_LORA = {"default": {"largest": (3, 5), "peak": (1, 100), "layer": (17, 5)}}
+# LoRA, its own fractions: under PyTorch's default the shared ones sat at 0.953-1.020 x LoRA's 20 replays (median
+# 0.974; Mistral-7B all-linear, 4,096 x 4 with checkpointing: 0.957), because an all-linear adapter's fp32 copy of
+# the down projection's input (``layer`` for LoRA, :func:`device_kwargs`) is a layer's largest block. Least squares
+# on those 20 replays, rounded: 0.960-1.022 x, median 1.00 (Mistral's row 0.997); with expandable segments
+# 0.954-1.011 x (median 0.981) became 0.973-1.016 x (median 1.00). QLoRA and full keep the shared fractions
+# (QLoRA's replays include the load; its closed form was checked on the measured H200 row).
+FRAGMENTATION_LORA = {"default": {"largest": (3, 5), "peak": (1, 100), "layer": (17, 5)},
+                      "expandable": {"largest": (9, 20), "peak": (3, 100), "layer": (0, 1)}}
 ALLOCATORS = tuple(FRAGMENTATION)
 SEGMENT = 2 * MIB  # kRoundLarge: a large segment is a multiple of 2 MiB
 # DeepSpeed ZeRO-2 / ZeRO-3 allocate one gradient bucket of ``reduce_bucket_size`` elements (default 5e8, which the
