@@ -730,6 +730,16 @@ def _read_trainer(r: _Reader, model_override) -> str | None:
 AXOLOTL_OPTIM_EXTRA = {"adamw_bnb_8bit": "adamw_8bit"}  # axolotl's spellings beyond transformers'
 
 
+def bf16_auto_note() -> str:
+    """What axolotl's ``bf16: auto`` is, by the kit's one rule of which GPU has bf16
+    (:func:`lora_kit.plan.gpus.has_bf16`, the one ``gpu_problems`` applies): bf16 where the GPU has it, else fp16."""
+    from lora_kit.plan.gpus import BF16_FROM, has_bf16, known_gpus
+    without = [g for g in known_gpus() if not has_bf16(g)]
+    named = f" (the catalog's {', '.join(without)})" if without else ""
+    return (f"bf16: auto -> bf16, what axolotl picks on a GPU with bf16 (compute capability {BF16_FROM:.1f}, Ampere, "
+            f"and newer); on one without{named} it trains in fp16: plan that with dtype float16 (--dtype float16)")
+
+
 def _read_axolotl(r: _Reader, model_override) -> str | None:
     c = r.cfg
     adapter = r.get("adapter")
@@ -757,8 +767,7 @@ def _read_axolotl(r: _Reader, model_override) -> str | None:
     bf16 = r.get("bf16", False)
     fp16 = r.get("fp16", False)
     if bf16 == "auto":
-        r.notes.append("bf16: auto -> bf16, what axolotl picks on a GPU with bf16 (Ampere and newer); on one without "
-                       "(the catalog's T4) it trains in fp16: plan that with dtype float16 (--dtype float16)")
+        r.notes.append(bf16_auto_note())
     bf16 = bool(bf16)
     pure = "bfloat16" if r.get("bfloat16") else "float16" if r.get("float16") else None  # 16-bit weights, no AMP
     # axolotl loads the weights in the AMP dtype (bf16 / fp16), in the pure dtype, else in fp32

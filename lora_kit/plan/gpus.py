@@ -181,6 +181,59 @@ def compute_capability(gpu, unknown: float | None = None) -> float | None:
     return v if v is not None and v == v and v > 0 else unknown
 
 
+BF16_FROM = 8.0  # bf16 tensor cores, and torch.cuda.is_bf16_supported(including_emulation=False): Ampere (sm80) on
+FLASH_ATTENTION_2_FROM = 8.0  # flash-attn 2's kernels: Ampere (sm80) and newer (Turing had flash-attn 1 only)
+
+
+def has_bf16(gpu) -> bool:
+    """Whether ``gpu`` (a catalog name or row) computes in bf16: compute capability >= :data:`BF16_FROM`. Below it
+    (the catalog's T4, a V100) torch says bf16 is unsupported without emulation and HF Trainer refuses
+    ``bf16=True``; a card without a compute capability in its row is taken to have it."""
+    return compute_capability(gpu, unknown=BF16_FROM) >= BF16_FROM
+
+
+def gpu_problems(gpu, step=None, **overrides) -> list[str]:
+    """What ``step`` (a ``lora_kit.settings.Step``, default ``PLANNING``, with ``overrides``) asks of ``gpu`` (a
+    catalog name or row) that the card cannot run, one sentence each with the fix; [] when it runs (or the row has no
+    compute capability). The kit's one rule for it: a step that computes in bf16 (``dtype='bfloat16'``, autocast over
+    fp32 weights, QLoRA's bf16 adapters under ``qlora_prepare='none'``) needs :func:`has_bf16`;
+    ``attn_implementation='flash_attention_2'`` needs :data:`FLASH_ATTENTION_2_FROM`. Memory is judged apart (the
+    fit verdict): bf16 and fp16 are both 2 bytes, so the estimate of a bf16 step holds for the fp16 one."""
+    from lora_kit.plan.timing import _dtypes  # the dtype each part of the step runs in (one definition)
+    from lora_kit.settings import as_step
+    row = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    cc, name = compute_capability(row), row.get("name", "this GPU")
+    st = as_step(step, **overrides)
+    if cc is None:
+        return []
+    out = []
+
+    def in_bf16(s) -> list[str]:
+        d = _dtypes(s)
+        return [k for k in ("base", "head", "activations", "adapters") if d[k] == "bfloat16"]
+
+    parts = in_bf16(st)
+    if cc < BF16_FROM and parts:
+        what, fix = [], []
+        if parts != ["adapters"]:
+            what.append("dtype='bfloat16'" if st.dtype == "bfloat16" else "autocast over float32 weights, in bf16")
+            fix.append("plan dtype='float16'" + (" (the memory estimate stays: bf16 and fp16 are both 2 bytes)"
+                                                 if st.dtype == "bfloat16" else " (16-bit weights: estimate again)"))
+        if in_bf16(st.replace(dtype="float16")):  # QLoRA without peft's up-casts keeps bf16 adapters
+            what.append("qlora_prepare='none' (bf16 LoRA adapters)")
+            fix.append("qlora_prepare='peft' (fp32 adapters)")
+        out.append(f"{name} has no bf16 (compute capability {cc:.1f}; bf16 needs {BF16_FROM:.1f}, Ampere, or newer, "
+                   f"and HF Trainer refuses bf16=True below it) and this step runs {' and '.join(what)}: "
+                   + " and ".join(fix))
+    if cc < FLASH_ATTENTION_2_FROM and st.attn_implementation == "flash_attention_2":
+        fix = "use attn_implementation='sdpa'"
+        if st.padding == "packed":
+            fix += " and padding='max_length' (padding-free packed rows need flash_attention_2)"
+        out.append(f"flash_attention_2 needs compute capability {FLASH_ATTENTION_2_FROM:.1f} (Ampere) or newer; the "
+                   f"{name} is {cc:.1f}: {fix}")
+    return out
+
+
 def resolve_prices(names, prices: dict | None = None, extra_csv=None) -> dict[str, float]:
     """Price per hour for each GPU: the user's ``prices`` where given, else the catalog's example (NaN if none).
 

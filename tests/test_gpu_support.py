@@ -1,0 +1,66 @@
+"""What a card cannot run of a step (bf16, FlashAttention-2 before Ampere): one rule (lora_kit.plan.gpus.gpu_problems),
+said beside the verdict by `lora-kit estimate` and check_plan, marked in the method x GPU table and its
+recommendation, refused by `lora-kit run` before notebook 00, and named by the axolotl `bf16: auto` note."""
+import json
+import math
+
+import pytest
+
+from lora_kit.memory.estimate import estimate
+from lora_kit.plan.config_import import bf16_auto_note, settings_from_config
+from lora_kit.plan.gpus import add_gpu, gpu_problems, has_bf16, known_gpus, remove_user_gpus
+from lora_kit.plan.planner import check_plan, compare_methods, verdict_text
+from lora_kit.ui.cli import main
+from lora_kit.ui.tables import method_rows
+
+MODEL = "llama-3.2-1b"
+NO_BF16 = "T4 has no bf16 (compute capability 7.5; bf16 needs 8.0, Ampere, or newer"
+FA2 = "flash_attention_2 needs compute capability 8.0 (Ampere) or newer; the T4 is 7.5: use attn_implementation='sdpa'"
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())  # the CLI wraps its lines at 110 characters
+
+
+def test_the_rule_t4_against_ampere_and_newer():
+    (bf16,) = gpu_problems("T4")  # the planning default: bf16
+    assert bf16.startswith(NO_BF16) and bf16.endswith("plan dtype='float16' (the memory estimate stays: bf16 and fp16 "
+                                                      "are both 2 bytes)"), bf16
+    assert gpu_problems("T4", dtype="float16") == []
+    for gpu in ("L4", "A10G", "A100-80GB", "H100-SXM"):
+        assert gpu_problems(gpu) == [] and gpu_problems(gpu, attn_implementation="flash_attention_2") == []
+    assert gpu_problems("T4", dtype="float16", attn_implementation="flash_attention_2") == [FA2]
+    packed = gpu_problems("T4", dtype="float16", attn_implementation="flash_attention_2", padding="packed")
+    assert packed == [FA2 + " and padding='max_length' (padding-free packed rows need flash_attention_2)"]
+    (auto,) = gpu_problems("T4", dtype="float32", autocast=True)  # fp32 weights under autocast compute in bf16
+    assert "autocast over float32 weights, in bf16: plan dtype='float16' (16-bit weights: estimate again)" in auto
+    (adapters,) = gpu_problems("T4", method="qlora", dtype="float16", qlora_prepare="none")
+    assert adapters.endswith("qlora_prepare='none' (bf16 LoRA adapters): qlora_prepare='peft' (fp32 adapters)")
+    # the claim the bf16 sentence makes: the memory estimate is the same in fp16
+    for method in ("lora", "qlora"):
+        a, b = estimate(MODEL, method=method), estimate(MODEL, method=method, dtype="float16")
+        assert (a.device_total_bytes, a.peak_allocated_bytes) == (b.device_total_bytes, b.peak_allocated_bytes)
+
+
+def test_a_pre_ampere_card_of_the_users_own_and_one_without_compute_capability():
+    try:
+        add_gpu("V100-mine", memory_gb=32, memory_bandwidth_gbs=900, bf16_tflops=None, fp16_tflops=125,
+                compute_capability=7.0)
+        add_gpu("Unknown-cc", memory_gb=24, memory_bandwidth_gbs=600, bf16_tflops=100)
+        assert not has_bf16("V100-mine") and has_bf16("Unknown-cc") and has_bf16("L4") and not has_bf16("T4")
+        (p,) = gpu_problems("V100-mine")
+        assert p.startswith("V100-mine has no bf16 (compute capability 7.0;"), p
+        assert gpu_problems("Unknown-cc", attn_implementation="flash_attention_2") == []  # unknown: not judged
+        assert "V100-mine" in bf16_auto_note()  # the axolotl note follows the same rule
+    finally:
+        remove_user_gpus()
+
+
+def test_axolotl_bf16_auto_note_names_exactly_the_gpus_the_rule_refuses_bf16(tmp_path):
+    without = [g for g in known_gpus() if gpu_problems(g, dtype="bfloat16")]
+    assert without == [g for g in known_gpus() if not has_bf16(g)] == ["T4"]
+    ax = tmp_path / "ax.yml"
+    ax.write_text("base_model: meta-llama/Llama-3.1-8B\nadapter: lora\nsequence_len: 2048\nbf16: auto\n")
+    _, rep = settings_from_config(ax)
+    note = next(n for n in rep.notes if n.startswith("bf16: auto"))
+    assert note == bf16_auto_note() and "(the catalog's T4)" in note and "compute capability 8.0" in note
