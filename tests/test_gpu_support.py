@@ -64,3 +64,35 @@ def test_axolotl_bf16_auto_note_names_exactly_the_gpus_the_rule_refuses_bf16(tmp
     _, rep = settings_from_config(ax)
     note = next(n for n in rep.notes if n.startswith("bf16: auto"))
     assert note == bf16_auto_note() and "(the catalog's T4)" in note and "compute capability 8.0" in note
+
+
+def test_estimate_cli_says_what_the_t4_cannot_run_beside_its_verdict(capsys):
+    assert main(["estimate", "--model", MODEL, "--gpu", "T4"]) == 0
+    out = _flat(capsys.readouterr().out)
+    verdict = "T4: fits with a 10% margin"
+    assert verdict in out and f"T4 CANNOT RUN this step as planned: {NO_BF16}" in out
+    assert out.index(verdict) < out.index("CANNOT RUN")
+    for args in (["--gpu", "L4"], ["--gpu", "A100-80GB"], ["--gpu", "T4", "--dtype", "float16"]):
+        assert main(["estimate", "--model", MODEL, *args]) == 0
+        assert "CANNOT RUN" not in capsys.readouterr().out, args
+    assert main(["estimate", "--model", MODEL, "--gpu", "T4", "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert js["runs_on_gpu"] is False and js["gpu_problems"][0].startswith(NO_BF16) and js["fit"]["fits"] is True
+
+
+def test_estimate_from_an_axolotl_config_on_the_t4_names_bf16_and_flash_attention(capsys):
+    cfg = "tests/configs/axolotl_qlora_llama-3.1-8b.yml"  # bf16: auto, flash_attention: true, sample_packing: true
+    assert main(["estimate", "--from-config", cfg, "--gpu", "T4"]) == 0
+    out = _flat(capsys.readouterr().out)
+    assert out.count("T4 CANNOT RUN this step as planned") == 2 and NO_BF16 in out
+    assert FA2 + " and padding='max_length'" in out and "(the catalog's T4) it trains in fp16" in out
+    assert main(["estimate", "--from-config", cfg, "--gpu", "A100-80GB"]) == 0
+    assert "CANNOT RUN" not in capsys.readouterr().out
+
+
+def test_check_plan_and_its_verdict_text():
+    t4 = check_plan(MODEL, "T4")
+    assert t4["fits"] and not t4["runs_on_gpu"] and t4["gpu_problems"][0].startswith(NO_BF16)
+    assert f"T4 cannot run this step as planned: {NO_BF16}" in verdict_text(t4)
+    l4 = check_plan(MODEL, "L4")
+    assert l4["runs_on_gpu"] and l4["gpu_problems"] == [] and "cannot run" not in verdict_text(l4)

@@ -40,7 +40,7 @@ from lora_kit.memory.estimate import estimate, estimate_arrays
 from lora_kit.memory.mla import mla_note
 from lora_kit.memory.moe import moe_note
 from lora_kit.memory.specs import model_spec
-from lora_kit.plan.gpus import compute_capability, get_gpu, gpu_table, resolve_prices
+from lora_kit.plan.gpus import compute_capability, get_gpu, gpu_problems, gpu_table, resolve_prices
 from lora_kit.plan.timing import TimeModel, step_time
 from lora_kit.settings import (AXIS_FIELDS, LORA_FIELDS, METHODS, STEP_FIELDS, Settings, Step, as_step, check_names,
                                default_of, method_label)
@@ -452,16 +452,20 @@ def expandable_sentence(plan: dict) -> str:
 
 def check_plan(model, gpu: str, margin: float = 0.10, step: Step | None = None, **overrides) -> dict:
     """One plan: its estimate, the fit verdict on ``gpu`` (PyTorch's default allocator setting; ``expandable``:
-    the same with expandable segments) and, when it does not fit, the cheapest fix."""
+    the same with expandable segments) and, when it does not fit, the cheapest fix. ``gpu_problems``: what the card
+    cannot run of this step, each with its fix (:func:`lora_kit.plan.gpus.gpu_problems`; ``runs_on_gpu`` when there
+    is none): "fits" is memory only."""
     st = as_step(step, **overrides)
     est = estimate(model, st)
     v = fit_verdict(est.device_total_bytes, gpu, margin)
     fits = bool(v["fits"])
     fix = None if fits else next(iter(fixes(gpu, margin, model=model, first_only=True, step=st)), None)
     note = plan_note(model, st, gpu, est.peak_allocated_bytes)
+    problems = gpu_problems(gpu, st) if isinstance(gpu, str) else []
     return {**v, "fits": fits, "headroom_bytes": float(v["headroom_bytes"]),
             "headroom_pct": float(v["headroom_pct"]), "margin": margin, "estimate": est, "fix": fix, "note": note,
-            "expandable": expandable_fit(model, st, est, gpu, margin)}
+            "expandable": expandable_fit(model, st, est, gpu, margin), "gpu_problems": problems,
+            "runs_on_gpu": not problems}
 
 
 def _capacity_label(v: dict) -> str:
@@ -472,14 +476,22 @@ def _capacity_label(v: dict) -> str:
     return "CUDA-visible" if basis != GIVEN_CAPACITY else "of the device"
 
 
+def cannot_run_sentence(gpu: str, problems: list[str]) -> str:
+    """One sentence, or "": the card cannot run the step as planned (:func:`lora_kit.plan.gpus.gpu_problems`)."""
+    return f"{gpu} cannot run this step as planned: {'; '.join(problems)}." if problems else ""
+
+
 def verdict_text(plan: dict) -> str:
-    """Plain-language verdict of :func:`check_plan`: fits or not, headroom in GiB and %, the fix."""
+    """Plain-language verdict of :func:`check_plan`: fits or not, headroom in GiB and %, the fix; what the card cannot
+    run of the step."""
     est = plan["estimate"]
     head = f"{abs(plan['headroom_bytes']) / GIB:.2f} GiB ({abs(plan['headroom_pct']):.1f} % of the GPU)"
     need = (f"needs {est.device_total_bytes / GIB:.2f} GiB per GPU of {plan['usable_bytes'] / GIB:.2f} GiB "
             f"usable ({plan['cuda_capacity_bytes'] / GIB:.1f} GiB {_capacity_label(plan)} minus the "
             f"{plan['margin']:.0%} margin)")
     note = f" {plan['note']}" if plan.get("note") else ""
+    runs = cannot_run_sentence(plan["gpu"], plan.get("gpu_problems") or [])
+    note = f" {runs}{note}" if runs else note
     if plan["fits"]:
         return f"Fits on {plan['gpu']}: {need}; headroom {head}.{note}"
     fix = plan["fix"]

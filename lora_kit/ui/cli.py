@@ -23,7 +23,7 @@ from pathlib import Path
 from lora_kit.memory.estimate import estimate
 from lora_kit.memory.specs import allow_model_code, model_is_local, model_spec
 from lora_kit.noise import quiet
-from lora_kit.plan.gpus import compute_capability
+from lora_kit.plan.gpus import compute_capability, get_gpu, gpu_problems
 from lora_kit.plan.planner import (expandable_fit, expandable_sentence, fit_verdict, math_kernel_fit,
                                    math_kernel_sentence, plan_note)
 from lora_kit.results import check_run_name, signal_name
@@ -218,6 +218,7 @@ def cmd_estimate(args) -> int:
         expandable = expandable_fit(plan["model"], plan["step"], est, fit["gpu"], plan["margin"])
         math_fit = math_kernel_fit(plan["model"], plan["step"], est, fit["gpu"], plan["margin"])
         note = plan_note(plan["model"], plan["step"], fit["gpu"], est.peak_allocated_bytes)
+        problems = gpu_problems(fit["gpu"], plan["step"])  # what the card cannot run of the step: beside the verdict
     except ValueError as exc:
         print(f"lora-kit estimate: {exc}", file=sys.stderr)
         return 2
@@ -228,7 +229,7 @@ def cmd_estimate(args) -> int:
                "allocator": "default", "device_total_expandable_bytes": expandable["device_total_bytes"],
                "fit_expandable": expandable, "fit_math_kernel": math_fit,
                "cuda_allocated_bytes": torch_reports, "breakdown": est.breakdown, "phase": est.phase, "memory_model": est.memory_model, "fit": fit,
-               "note": note}
+               "note": note, "runs_on_gpu": not problems, "gpu_problems": problems}
         if report is not None:  # what the config set that the plan does not model, or that does not matter
             out.update({"model": plan["model"], "not_modelled": report.not_modelled, "ignored": report.ignored,
                         "from_config": report.to_dict()})
@@ -268,6 +269,9 @@ def cmd_estimate(args) -> int:
     basis = "from the vendor's GB" if fit["capacity_basis"].startswith("fallback") else "CUDA-visible"  # judged on
     print(f"  {fit['gpu']}: {verdict} with a {plan['margin']:.0%} margin "
           f"(headroom {fit['headroom_bytes'] / GiB:+.2f} GiB of {fit['cuda_capacity_bytes'] / GiB:.1f} GiB {basis})")
+    for p in problems:  # fits is memory only: what the card cannot run is said apart, one line each
+        print(textwrap.fill(f"{fit['gpu']} CANNOT RUN this step as planned: {p}.", width=110, initial_indent="  ",
+                            subsequent_indent="    "))
     for ex in (math_kernel_sentence(fit, math_fit), expandable_sentence({"fits": fit["fits"], "expandable": expandable})):
         if ex:
             print(textwrap.fill(ex, width=110, initial_indent="  ", subsequent_indent="    "))
