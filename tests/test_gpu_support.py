@@ -96,3 +96,34 @@ def test_check_plan_and_its_verdict_text():
     assert f"T4 cannot run this step as planned: {NO_BF16}" in verdict_text(t4)
     l4 = check_plan(MODEL, "L4")
     assert l4["runs_on_gpu"] and l4["gpu_problems"] == [] and "cannot run" not in verdict_text(l4)
+
+
+def test_method_table_keeps_the_t4_row_visible_but_never_recommends_it():
+    gpus = ["T4", "L4", "A100-80GB"]
+    df = compare_methods(MODEL, gpus=gpus, methods=("lora",), prices={"T4": 0.01, "L4": 0.8, "A100-80GB": 1.8})
+    t4 = df[df["gpu"] == "T4"].iloc[0]
+    assert t4["fits"] and not t4["runs_on_gpu"] and t4["gpu_problem"].startswith(NO_BF16)  # fits: memory only
+    assert math.isnan(t4["epoch_cost"]) and math.isnan(t4["step_seconds"]) and t4["device_total_gib"] > 0
+    assert df[df["gpu"] != "T4"]["runs_on_gpu"].all() and (df[df["gpu"] != "T4"]["gpu_problem"] == "").all()
+    rec = df.attrs["recommendation"]
+    assert "Cheapest per epoch: LoRA on T4" not in rec and "Fastest: LoRA on T4" not in rec
+    assert ("Not recommended (memory shown, no time or cost): LoRA on T4, which cannot run this step as planned: "
+            + NO_BF16) in rec and "LoRA fits on L4, A100-80GB." in rec
+    rows = method_rows(df, currency="USD")
+    row = rows[rows["GPU"] == "T4"].iloc[0]
+    assert (row["fits"], row["runs on GPU"], row["step (s)"], row["cost per epoch (USD)"]) == ("✓", "✗", "—", "—")
+    assert rows.iloc[rows.attrs["recommended"]]["GPU"] != "T4"
+    assert list(rows[rows["GPU"] != "T4"]["runs on GPU"]) == ["✓", "✓"]
+    assert "✗ in 'runs on GPU' = the GPU cannot run this step as planned" in rows.attrs["caption"]
+    assert NO_BF16 in rows.attrs["caption"]
+    # planned in fp16 the T4 runs it: no column, a time and a cost, and at a cent an hour it is the cheapest
+    fp16 = compare_methods(MODEL, gpus=gpus, methods=("lora",), dtype="float16",
+                           prices={"T4": 0.01, "L4": 0.8, "A100-80GB": 1.8})
+    assert fp16["runs_on_gpu"].all() and fp16["epoch_cost"].notna().all()
+    assert "runs on GPU" not in method_rows(fp16, currency="USD").columns
+    assert fp16.attrs["recommendation"].startswith("Cheapest per epoch: LoRA on T4")
+
+
+def test_nothing_that_fits_runs():
+    df = compare_methods(MODEL, gpus=["T4"], methods=("lora",))
+    assert df.attrs["recommendation"].startswith("Nothing that fits can run on its GPU as planned. Not recommended")

@@ -582,6 +582,9 @@ def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_0
     fix, as ``estimate``'s verdict does; ``math_kernel_gib`` is what the math kernel adds at most, and
     ``fits_as_configured`` whether the row fits without the fix (its step time is the math kernel's, as
     ``attention_kernel`` names it). The recommendation says so for the rows it names.
+    ``fits`` is memory only; ``runs_on_gpu`` says whether the card can run the step at all and ``gpu_problem`` why
+    not, with the fix (:func:`lora_kit.plan.gpus.gpu_problems`: bf16 or FlashAttention-2 on a pre-Ampere card such as
+    the T4): such a row keeps its memory but has no time or cost, and is never recommended.
     ``prices`` maps GPU -> your price per GPU-hour; missing GPUs use the catalog's *example* price and
     ``price_source`` says so. Time uses :mod:`lora_kit.plan.timing` (``time_model``: a calibrated one from a
     smoke run, else the fitted model); ``*_low`` / ``*_high`` columns are the interval from the model's measured
@@ -617,6 +620,8 @@ def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_0
             math_fit = math_kernel_fit(model, st, e, gname, margin)  # {} unless CUDA runs the math kernel
             row.update(attention_kernel=t["attention_kernel"], math_kernel_gib=math_fit.get("extra_bytes", 0) / GIB,
                        fits_as_configured=row["fits"] and math_fit.get("fits", True))
+            problems = gpu_problems(gname, st)  # what this card cannot run of the step (bf16, flash-attn 2)
+            row.update(runs_on_gpu=not problems, gpu_problem="; ".join(problems))
             row.update(step_seconds=t["step_seconds"], tokens_per_second=t["tokens_per_second"],
                        price_per_hour=price[gname], price_source="yours" if gname in user_priced else "example")
             row.update(epoch_columns(row, ep, epochs, st.seq_len, num_gpus, st.grad_accum, tm.error_factor))
@@ -633,9 +638,9 @@ def compare_methods(model, gpus=None, batch_size="max", num_examples: int = 10_0
 def epoch_columns(row: dict, ep: dict, epochs: float, seq_len: int, num_gpus: int, grad_accum: int,
                    factor: float) -> dict:
     """A row's steps, time and cost per epoch (and for ``epochs``) from its step time and price, with the interval
-    from the time model's measured error ``factor``; NaN where the row does not fit."""
+    from the time model's measured error ``factor``; NaN where the row does not fit or its GPU cannot run the step."""
     steps = steps_per_epoch(ep, row["batch_size"], seq_len, num_gpus, grad_accum)
-    if not row["fits"]:
+    if not row["fits"] or not runs_on_gpu(row):
         return {"steps_per_epoch": steps, **{k: float("nan") for k in TIME_COLUMNS}}
     hours = steps * epochs * row["step_seconds"] / 3600
     p = row["price_per_hour"] if row.get("price_per_hour") is not None else float("nan")  # plan.json: null
@@ -718,10 +723,35 @@ def _within_error(priced: pd.DataFrame, cheapest, factor) -> list[str]:
             f"on {cheapest['gpu']}."]
 
 
+def runs_on_gpu(row) -> bool:
+    """A :func:`compare_methods` row (dict or Series) whose GPU can run its step; a table from before the column
+    (an older plan.json) runs."""
+    v = row.get("runs_on_gpu", True)
+    return True if v is None or v != v else bool(v)
+
+
+def usable(df: pd.DataFrame) -> pd.Series:
+    """The rows of a :func:`compare_methods` table that may be recommended: they fit, and their GPU runs the step."""
+    runs = df["runs_on_gpu"].fillna(True).astype(bool) if "runs_on_gpu" in df else True
+    return df["fits"].fillna(False).astype(bool) & runs
+
+
+def cannot_run_rows(df: pd.DataFrame) -> list[str]:
+    """A sentence per GPU of a :func:`compare_methods` table that fits a row but cannot run its step: left out."""
+    if "runs_on_gpu" not in df:
+        return []
+    out: dict = {}
+    for _, r in df[df["fits"].fillna(False).astype(bool) & ~usable(df)].iterrows():
+        out.setdefault((r["gpu"], r["gpu_problem"]), []).append(_method_words(r["method"]))
+    return [f"Not recommended (memory shown, no time or cost): {', '.join(ms)} on {g}, which cannot run this step "
+            f"as planned: {p}." for (g, p), ms in out.items()]
+
+
 def fastest_index(df: pd.DataFrame):
-    """Row label of the fastest fitting row per epoch; among rows the time model times the same (a host-bound
-    step runs as fast on every GPU), the cheapest, then the first. None when no fitting row has a time."""
-    ok = df[df["fits"].fillna(False).astype(bool)]
+    """Row label of the fastest fitting row per epoch whose GPU runs its step; among rows the time model times the
+    same (a host-bound step runs as fast on every GPU), the cheapest, then the first. None when no such row has a
+    time."""
+    ok = df[usable(df)]
     hours = pd.to_numeric(ok["epoch_hours"], errors="coerce")
     if not hours.notna().any():
         return None
@@ -731,8 +761,11 @@ def fastest_index(df: pd.DataFrame):
 
 
 def recommend(df: pd.DataFrame) -> str:
-    """Plain-language recommendation from a :func:`compare_methods` table."""
-    ok = df[df["fits"]]
+    """Plain-language recommendation from a :func:`compare_methods` table: among the rows that fit and whose GPU
+    runs the step (:func:`usable`); each GPU that cannot run it is named with the fix."""
+    ok, blocked = df[usable(df)], cannot_run_rows(df)
+    if ok.empty and blocked:
+        return "Nothing that fits can run on its GPU as planned. " + " ".join(blocked)
     if ok.empty:
         worst = df.loc[df["headroom_gib"].idxmax()]
         return (f"Nothing fits: the closest is {_method_words(worst['method'])} on {worst['gpu']}, short by "
@@ -758,6 +791,7 @@ def recommend(df: pd.DataFrame) -> str:
                             else "."))
     named = [c] if len(priced) else []
     parts += _math_kernel_warning(named + [f])
+    parts += blocked
     if example:
         parts.append("Costs use the catalog's EXAMPLE prices: pass prices={gpu: your price per hour}.")
     return " ".join(parts)

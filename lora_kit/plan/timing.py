@@ -197,7 +197,9 @@ def fp32_flops(gpu: dict) -> tuple[float, str]:
 
 def peak_flops(gpu: dict, dtype: str, autocast: bool) -> float:
     """Dense FLOP/s of ``gpu`` (a catalog row) for matmuls in ``dtype``: the tensor-core figure for bf16 / fp16
-    (fp16's where bf16 is missing) and under autocast; CUDA cores (:func:`fp32_flops`) for fp32."""
+    (fp16's where bf16 is missing) and under autocast; CUDA cores (:func:`fp32_flops`) for fp32. A card without bf16
+    (the T4) is thus timed at its fp16 figure for a bf16 step it cannot run: :func:`lora_kit.plan.gpus.gpu_problems`
+    says so, and ``compare_methods`` gives such a row no time."""
     bf16, fp16 = gpu.get("bf16_tflops"), gpu.get("fp16_tflops")
     bf16 = bf16 if bf16 == bf16 and bf16 else fp16  # NaN / missing -> fp16 figure
     fp16 = fp16 if fp16 == fp16 and fp16 else bf16

@@ -23,7 +23,7 @@ import math
 
 import pandas as pd
 
-from lora_kit.plan.planner import fastest_index
+from lora_kit.plan.planner import fastest_index, runs_on_gpu, usable
 from lora_kit.settings import method_label
 
 GIB = 2 ** 30
@@ -86,14 +86,10 @@ def _frame(table) -> pd.DataFrame:
     raise ValueError(f"expected a compare_methods DataFrame or plan.json rows, got {type(table).__name__}.")
 
 
-def _fits(df: pd.DataFrame) -> pd.Series:
-    return df["fits"].fillna(False).astype(bool)
-
-
 def recommended_index(df: pd.DataFrame):
-    """Row label of the recommendation: the cheapest fitting row per epoch (what
-    ``compare_methods``' recommendation names first), else the fastest fitting one; None if none fits."""
-    ok = df[_fits(df)]
+    """Row label of the recommendation: the cheapest fitting row per epoch whose GPU runs its step (what
+    ``compare_methods``' recommendation names first), else the fastest such one; None if there is none."""
+    ok = df[usable(df)]
     cost = pd.to_numeric(ok["epoch_cost"], errors="coerce")
     if cost.notna().any():
         return cost.idxmin()
@@ -127,6 +123,8 @@ def method_rows(table, currency: str = EXAMPLE_CURRENCY, fits_only: bool = False
     else:
         money, note = currency, ""
     best, fastest = recommended_index(df), _fastest_index(df)
+    blocked = "runs_on_gpu" in df and not all(runs_on_gpu(r) for _, r in df.iterrows())
+    reasons: dict = {}  # GPU -> why it cannot run the step (compare_methods' gpu_problem)
     many_epochs = ("total_hours" in df and not pd.to_numeric(df["total_hours"], errors="coerce").fillna(0).equals(
         pd.to_numeric(df["epoch_hours"], errors="coerce").fillna(0)))
     rows = []
@@ -138,7 +136,11 @@ def method_rows(table, currency: str = EXAMPLE_CURRENCY, fits_only: bool = False
         if len(sources) > 1 and r["price_source"] == "example" and price != NONE:
             price += " (example)"
         fixed = fits and not _missing(r.get("fits_as_configured", True)) and not bool(r.get("fits_as_configured", True))
+        runs = runs_on_gpu(r)
+        if not runs:
+            reasons.setdefault(r["gpu"], r.get("gpu_problem") or "")
         row = {"method": method_label(r["method"]), "GPU": r["gpu"], "fits": ("✓*" if fixed else "✓") if fits else "✗",
+               **({"runs on GPU": "✓" if runs else "✗"} if blocked else {}),
                "micro-batch": f"{int(r['batch_size'])}",
                "memory / GPU (GiB)": f"{_num(r['device_total_gib'], 1)} / {_num(cap, 1)}",
                "headroom (GiB)": _headroom(head),
@@ -151,7 +153,9 @@ def method_rows(table, currency: str = EXAMPLE_CURRENCY, fits_only: bool = False
             row["total time (h)"] = _amount(r["total_hours"]) if fits else NONE
             row[f"total cost ({money}{note})"] = _amount(r.get("total_cost")) if fits else NONE
         row["note"] = RECOMMENDED if i == best else FASTEST if i == fastest else ""
-        rows.append((i, fits, row))
+        if not runs:  # memory shown, no time or cost: the card cannot run the step (a ✓ fit reads as memory only)
+            row.update({k: NONE for k in row if k.startswith(("step", "tokens", "time", "cost", "total"))})
+        rows.append((i, fits and runs, row))
     if fits_only:
         rows = [x for x in rows if x[1]]
     if cheapest_first:
@@ -170,7 +174,10 @@ def method_rows(table, currency: str = EXAMPLE_CURRENCY, fits_only: bool = False
                             "★ = the recommendation."
                             + (" ✓* = fits only with the attention fix in the plan's note: as configured, CUDA runs "
                                "the attention in its math kernel (time shown: the math kernel's)."
-                               if any(r["fits"] == "✓*" for _, _, r in rows) else ""))
+                               if any(r["fits"] == "✓*" for _, _, r in rows) else "")
+                            + (" ✓ fits is memory only; ✗ in 'runs on GPU' = the GPU cannot run this step as planned "
+                               "(no time or cost): " + "; ".join(dict.fromkeys(reasons.values())) + "."
+                               if reasons else ""))
     return out
 
 
