@@ -127,3 +127,23 @@ def test_method_table_keeps_the_t4_row_visible_but_never_recommends_it():
 def test_nothing_that_fits_runs():
     df = compare_methods(MODEL, gpus=["T4"], methods=("lora",))
     assert df.attrs["recommendation"].startswith("Nothing that fits can run on its GPU as planned. Not recommended")
+
+
+@pytest.mark.parametrize("args, said", [
+    (["-p", "dtype", "bfloat16"], NO_BF16),
+    (["-p", "dtype", "float16", "-p", "attn_implementation", "flash_attention_2"], FA2)])
+def test_run_refuses_a_step_the_named_gpu_cannot_run(tmp_path, capsys, args, said):
+    runs = tmp_path / "runs"
+    assert main(["run", "-p", "gpu", "T4", *args, "--runs-dir", str(runs), "--name", "x"]) == 2
+    err = _flat(capsys.readouterr().err)
+    assert err.startswith("lora-kit run: invalid settings: gpu='T4', the GPU this run plans for, cannot run its step: ")
+    assert said in err and "change it with -p KEY VALUE or in the params file. Nothing ran" in err
+    assert not runs.exists()
+
+
+def test_run_lets_the_same_step_through_on_an_ampere_gpu(tmp_path, capsys):
+    # an unknown --only is refused after the GPU check: the message is that one, not the GPU's
+    assert main(["run", "-p", "gpu", "L4", "-p", "dtype", "bfloat16", "--only", "zz", "--runs-dir",
+                 str(tmp_path / "runs"), "--name", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid settings" in err and "cannot run its step" not in err

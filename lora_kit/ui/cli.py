@@ -67,10 +67,13 @@ def cmd_run(args) -> int:
         settings = load_settings(args.params, overrides)
         if settings.trust_remote_code:
             allow_model_code(settings.model)
-        from lora_kit.plan.gpus import get_gpu
         for g in dict.fromkeys([settings.gpu, *(settings.gpus or [])]):  # notebook 01 would refuse it after 00
             if isinstance(g, str):
                 get_gpu(g)
+        problems = gpu_problems(settings.gpu, settings.step) if isinstance(settings.gpu, str) else []
+        if problems:  # the step this run trains, on the GPU it plans for: bf16 / flash-attn 2 on a pre-Ampere card
+            raise ValueError(f"gpu={settings.gpu!r}, the GPU this run plans for, cannot run its step: "
+                             f"{'; '.join(problems)}; change it with -p KEY VALUE or in the params file. Nothing ran")
         from lora_kit.ui.pipeline import select_notebooks
         chosen = select_notebooks(args.only)
         if model_is_local(settings.model):  # a missing folder or a malformed config.json: said before anything runs
