@@ -8,7 +8,7 @@ import pytest
 from lora_kit.memory.estimate import estimate
 from lora_kit.plan import figures as F
 from lora_kit.plan.figures import breakdown_bar, cost_time_scatter, fits_heatmap, length_histogram, memory_vs_seq_len
-from lora_kit.plan.planner import compare_methods, sweep
+from lora_kit.plan.planner import compare_methods, sweep, usable
 
 M = "llama-3.2-1b"
 GPUS7 = ["T4", "L4", "A10G", "RTX-4090", "L40S", "A100-80GB", "H100-SXM"]
@@ -243,5 +243,6 @@ def test_cost_time_scatter_crowded_labels_get_leader_lines():
     cmp = compare_methods("llama-3.2-1b", gpus=GPUS7, seq_len=512, gradient_checkpointing=True)
     fig = cost_time_scatter(cmp)
     texts = assert_readable(fig, markers=True)
-    assert set(texts) == set(cmp[cmp["fits"]]["gpu"])
+    assert set(texts) == set(cmp[usable(cmp)]["gpu"])  # the T4 fits but has no bf16: no time, no cost, no marker
+    assert cmp[cmp["gpu"] == "T4"]["fits"].any() and "T4" not in texts
     assert any(a.showarrow for a in fig.layout.annotations)

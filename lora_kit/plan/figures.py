@@ -337,7 +337,8 @@ def _recommended(df: pd.DataFrame):
 
 
 def cost_time_scatter(compare_df: pd.DataFrame, title: str | None = None, currency: str | None = None) -> go.Figure:
-    """Time per epoch (h) vs cost per epoch, one marker per fitting method x GPU (from compare_methods).
+    """Time per epoch (h) vs cost per epoch, one marker per fitting method x GPU (from compare_methods) with a cost
+    (a row whose GPU cannot run the step, ``runs_on_gpu`` False, has none).
 
     Markers differ by method in shape as well as colour (LoRA an open ring, QLoRA a diamond inside
     it), the cheapest option carries a star, and each GPU is labelled once per spot, placed where it
