@@ -410,3 +410,15 @@ def test_axolotl_bf16_auto_says_what_it_is_on_a_gpu_without_bf16(tmp_path):
     assert "T4" in note and "dtype float16" in note and "every GPU" not in note, note
     step, rep = settings_from_config(ax, dtype="float16")
     assert (step.dtype, step.autocast) == ("float16", True) and rep.mapped["dtype"] == "'float16' (given)"
+
+
+@pytest.mark.parametrize("name", ["llamafactory_lora_llama-3.1-8b.yaml", "axolotl_lora_mistral-7b.yml",
+                                  "trl_lora_qwen2.5-7b.yaml", "torchtune_lora_llama3_1_8b.yaml"])
+def test_a_model_override_still_shows_the_configs_own_model(name):
+    """--model replaces the config's model in the plan; the report keeps naming the model the config trains, so a
+    user sees that another one was planned."""
+    _, own = settings_from_config(CONFIGS / name)
+    step, rep = settings_from_config(CONFIGS / name, model="llama-3.2-1b")
+    assert rep.model == "llama-3.2-1b" and own.model != "llama-3.2-1b"
+    assert rep.model_in_config == own.model_in_config and rep.model_in_config
+    assert rep.text().splitlines()[0].endswith(f"model llama-3.2-1b (config: {own.model_in_config})")

@@ -614,7 +614,7 @@ def _read_trl(r: _Reader, model_override) -> str | None:
     if apart.get("deepspeed"):
         _deepspeed(r, "deepspeed", apart["deepspeed"])
     r.used |= {"model_name_or_path"}
-    return model_override or m.model_name_or_path
+    return m.model_name_or_path  # the config's own model: the report shows it beside a --model override
 
 
 def _trl_rows(r: _Reader, args) -> None:
@@ -721,7 +721,7 @@ def _read_trainer(r: _Reader, model_override) -> str | None:
     _tf32(r, "tf32", apart.get("tf32"), r.vals.get("dtype", dtype), r.vals["autocast"])
     if apart.get("deepspeed"):
         _deepspeed(r, "deepspeed", apart["deepspeed"])
-    return model_override
+    return None  # TrainingArguments name no model: model= (--model) gives it
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -856,7 +856,7 @@ def _read_axolotl(r: _Reader, model_override) -> str | None:
         if fc.get("fsdp_offload_params") or fc.get("offload_params"):
             r.put("cpu_offload", True, "fsdp_config.fsdp_offload_params", raw=True)
     r.used |= {"base_model"}
-    return model_override or c.get("base_model")
+    return c.get("base_model")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -961,7 +961,7 @@ def _read_llamafactory(r: _Reader, model_override) -> str | None:
         _fsdp(r, "fsdp", c["fsdp"])
         r.used.add("fsdp_config")
     r.used |= {"model_name_or_path", "quantization_method", "quantization_type", "upcast_layernorm"}
-    return model_override or c.get("model_name_or_path")
+    return c.get("model_name_or_path")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1053,15 +1053,14 @@ def _read_torchtune(r: _Reader, model_override) -> str | None:
         r.put("sharding", "fsdp", "fsdp_cpu_offload", raw="a distributed recipe shards with FSDP2")
     r.used |= {"model", "tokenizer", "batch_size", "gradient_accumulation_steps", "enable_activation_checkpointing",
                "optimizer", "dtype", "loss", "fsdp_sharding_strategy"}
-    if model_override:
-        return model_override
     found = _torchtune_model(comp)
     if found:
         return found
     ckpt = (c.get("checkpointer") or {}).get("checkpoint_dir")
     r.used.add("checkpointer")
     if ckpt:
-        r.notes.append(f"model builder {comp} is not in the catalog; planned from checkpointer.checkpoint_dir")
+        if not model_override:
+            r.notes.append(f"model builder {comp} is not in the catalog; planned from checkpointer.checkpoint_dir")
         return str(Path(ckpt).name) if not Path(ckpt).is_dir() else ckpt
     return None
 
