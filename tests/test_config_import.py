@@ -422,3 +422,23 @@ def test_a_model_override_still_shows_the_configs_own_model(name):
     assert rep.model == "llama-3.2-1b" and own.model != "llama-3.2-1b"
     assert rep.model_in_config == own.model_in_config and rep.model_in_config
     assert rep.text().splitlines()[0].endswith(f"model llama-3.2-1b (config: {own.model_in_config})")
+
+
+def test_true_false_written_as_strings_read_as_the_tools_read_them(tmp_path):
+    """axolotl (pydantic) and LLaMA-Factory (HfArgumentParser) read "false" as False: so does the kit (Python's
+    bool("false") is True); a value that is no boolean is refused naming its key."""
+    src = (CONFIGS / "axolotl_lora_mistral-7b.yml").read_text()
+    for word, want in (("'false'", False), ("'true'", True), ("no", False)):
+        p = tmp_path / f"ax_{want}.yml"
+        p.write_text(src.replace("gradient_checkpointing: true", f"gradient_checkpointing: {word}"))
+        step, _ = settings_from_config(p)
+        assert step.gradient_checkpointing is want
+    p = tmp_path / "ax_bad.yml"
+    p.write_text(src.replace("gradient_checkpointing: true", "gradient_checkpointing: maybe"))
+    with pytest.raises(ValueError, match="gradient_checkpointing='maybe' is not true or false"):
+        settings_from_config(p)
+    lf = tmp_path / "lf.yaml"
+    lf.write_text((CONFIGS / "llamafactory_lora_llama-3.1-8b.yaml").read_text().replace("bf16: true",
+                                                                                       "bf16: 'false'\nfp16: 'true'"))
+    step, _ = settings_from_config(lf)
+    assert step.dtype == "float16"

@@ -139,6 +139,23 @@ class _Reader:
         self.used.add(key.split(".")[0])
         return self.cfg.get(key, default) if self.cfg.get(key) is not None else default
 
+    def flag(self, key: str, default: bool = False, allow: tuple = ()):
+        """A true/false setting as the tools read it (YAML booleans, 0 / 1, or "true" / "false" / "yes" / "no"
+        written as strings, which pydantic and HfArgumentParser take as booleans), or one of ``allow`` (e.g.
+        axolotl's "auto"); anything else is refused naming the key (Python's ``bool("false")`` is True)."""
+        v = self.get(key, default)
+        if isinstance(v, bool) or v in allow:
+            return v
+        if isinstance(v, int) and v in (0, 1):
+            return bool(v)
+        word = v.strip().lower() if isinstance(v, str) else None
+        if word in ("true", "yes", "on", "1"):
+            return True
+        if word in ("false", "no", "off", "0"):
+            return False
+        extra = "".join(f", {a!r}" for a in allow)
+        raise ValueError(f"{self.path}: {key}={v!r} is not true or false{extra}; write {key}: true or {key}: false.")
+
     def put(self, name: str, value, key: str, raw=_SAME, default: bool = False) -> None:
         self.vals[name] = value
         shown = value if raw is _SAME else raw
@@ -764,12 +781,12 @@ def _read_axolotl(r: _Reader, model_override) -> str | None:
         r.notes.append("adapter: lora with load_in_4bit: a 4-bit base, planned as QLoRA")
     if c.get("load_in_8bit"):
         r.not_modelled("load_in_8bit", True, "8-bit base weights are not modelled; planned as a 16-bit LoRA base")
-    bf16 = r.get("bf16", False)
-    fp16 = r.get("fp16", False)
+    bf16 = r.flag("bf16", False, allow=("auto",))
+    fp16 = r.flag("fp16")
     if bf16 == "auto":
         r.notes.append(bf16_auto_note())
     bf16 = bool(bf16)
-    pure = "bfloat16" if r.get("bfloat16") else "float16" if r.get("float16") else None  # 16-bit weights, no AMP
+    pure = "bfloat16" if r.flag("bfloat16") else "float16" if r.flag("float16") else None  # 16-bit weights, no AMP
     # axolotl loads the weights in the AMP dtype (bf16 / fp16), in the pure dtype, else in fp32
     dtype = "bfloat16" if bf16 else "float16" if fp16 else pure or "float32"
     r.put("dtype", dtype, "bf16/fp16/bfloat16/float16", raw=f"bf16={c.get('bf16')}, fp16={c.get('fp16')}, "
@@ -800,7 +817,7 @@ def _read_axolotl(r: _Reader, model_override) -> str | None:
     r.put("batch_size", int(r.get("micro_batch_size", 1)), "micro_batch_size", default=not r.has("micro_batch_size"))
     r.put("grad_accum", int(r.get("gradient_accumulation_steps", 1)), "gradient_accumulation_steps",
           default=not r.has("gradient_accumulation_steps"))
-    gc = r.get("gradient_checkpointing", False)
+    gc = r.flag("gradient_checkpointing", False, allow=("unsloth", "offload", "offload_disk"))
     if gc in ("unsloth", "offload", "offload_disk"):
         r.put("gradient_checkpointing", True, "gradient_checkpointing", raw=gc)
         r.not_modelled("gradient_checkpointing", gc, "checkpoints offloaded to the CPU are not modelled; planned "
@@ -827,7 +844,7 @@ def _read_axolotl(r: _Reader, model_override) -> str | None:
         else:
             r.not_modelled(k, True, "this attention kernel is not modelled; planned with SDPA")
     r.fa2_how = "flash_attention: true"
-    pad = bool(r.get("pad_to_sequence_len"))
+    pad = r.flag("pad_to_sequence_len")
     if r.get("sample_packing"):
         # axolotl's multipack: with flash_attention one row of micro_batch_size x sequence_len tokens, each example
         # marked in the mask for flash_attn_varlen_func; without it micro_batch_size rows (multipack_real_batches)
@@ -887,7 +904,7 @@ def _read_llamafactory(r: _Reader, model_override) -> str | None:
     if qbit is not None and method != "qlora":
         r.not_modelled("quantization_bit", qbit, f"{qbit}-bit ({qmethod}) base weights are not modelled; planned as "
                        "a 16-bit LoRA base")
-    bf16, fp16, pure = bool(r.get("bf16", False)), bool(r.get("fp16", False)), bool(r.get("pure_bf16", False))
+    bf16, fp16, pure = r.flag("bf16"), r.flag("fp16"), r.flag("pure_bf16")
     if bf16 and fp16:
         raise ValueError(f"{r.path}: bf16 and fp16 are both true; LLaMA-Factory takes one.")
     # LLaMA-Factory loads the weights in the compute dtype (bf16 / fp16; inferred, bf16 on Ampere+, if neither)
@@ -909,7 +926,7 @@ def _read_llamafactory(r: _Reader, model_override) -> str | None:
         r.put("lora_targets", "all-linear" if t in ("all", ["all"]) else _targets_list(t), "lora_target", raw=t,
               default=not r.has("lora_target"))
         if method == "qlora":
-            r.put("double_quant", bool(r.get("double_quantization", True)), "double_quantization",
+            r.put("double_quant", r.flag("double_quantization", True), "double_quantization",
                   default=not r.has("double_quantization"))
         for key, why in (("use_dora", "DoRA keeps a magnitude vector and a weight-norm per layer"),
                          ("additional_target", "modules trained in full beside the adapters"),
@@ -921,7 +938,7 @@ def _read_llamafactory(r: _Reader, model_override) -> str | None:
           default=not r.has("per_device_train_batch_size"))
     r.put("grad_accum", int(r.get("gradient_accumulation_steps", 1)), "gradient_accumulation_steps",
           default=not r.has("gradient_accumulation_steps"))
-    off = bool(r.get("disable_gradient_checkpointing", False))
+    off = r.flag("disable_gradient_checkpointing")
     r.put("gradient_checkpointing", not off, "disable_gradient_checkpointing", raw=off,
           default=not r.has("disable_gradient_checkpointing"))
     if not off and r.get("use_reentrant_gc", True):
