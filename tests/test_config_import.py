@@ -442,3 +442,16 @@ def test_true_false_written_as_strings_read_as_the_tools_read_them(tmp_path):
                                                                                        "bf16: 'false'\nfp16: 'true'"))
     step, _ = settings_from_config(lf)
     assert step.dtype == "float16"
+
+
+def test_a_spelled_out_key_is_named_with_the_key_the_tool_reads(tmp_path):
+    """sequence_length / cutoff_length are not axolotl's / LLaMA-Factory's keys: the tool falls back to its default
+    length silently; the kit's report names the key it meant."""
+    ax = tmp_path / "ax.yml"
+    ax.write_text((CONFIGS / "axolotl_lora_mistral-7b.yml").read_text().replace("sequence_len:", "sequence_length:"))
+    _, rep = settings_from_config(ax)
+    assert any("'sequence_length' is not a key the kit reads (did you mean 'sequence_len'?)" in n for n in rep.notes)
+    lf = tmp_path / "lf.yaml"
+    lf.write_text((CONFIGS / "llamafactory_lora_llama-3.1-8b.yaml").read_text().replace("cutoff_len:", "cutoff_length:"))
+    _, rep = settings_from_config(lf)
+    assert any("(did you mean 'cutoff_len'?)" in n for n in rep.notes)

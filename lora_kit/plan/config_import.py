@@ -536,11 +536,17 @@ def _one_edit(a: str, b: str) -> bool:
     return any(long_[:i] + long_[i + 1:] == short for i in range(len(long_)))
 
 
+def _spelled_out(key: str, known: str) -> bool:
+    """``key`` writes out a known key's abbreviated last word: ``sequence_length`` for ``sequence_len``,
+    ``cutoff_length`` for ``cutoff_len`` (the known key a prefix, at most 3 letters added to its last word)."""
+    return key.startswith(known) and 0 < len(key) - len(known) <= 3 and "_" in known and "_" not in key[len(known):]
+
+
 def typo_hint(key: str, known) -> str:
-    """" (did you mean 'x'?)" when ``key`` is one slip from exactly one of ``known`` keys, else "". Stricter than
-    the settings' hint: a tool's config holds many real keys the kit does not read (``use_rslora`` is not a typo
-    of ``use_dora``)."""
-    close = sorted({k for k in known if _one_edit(key, k)})
+    """" (did you mean 'x'?)" when ``key`` is one slip from exactly one of ``known`` keys, or writes out its
+    abbreviated last word (:func:`_spelled_out`), else "". Stricter than the settings' hint: a tool's config holds
+    many real keys the kit does not read (``use_rslora`` is not a typo of ``use_dora``)."""
+    close = sorted({k for k in known if _one_edit(key, k) or _spelled_out(key, k)})
     return f" (did you mean {close[0]!r}?)" if len(close) == 1 else ""
 
 
