@@ -289,6 +289,27 @@ class Step:
             return "float32"
         return self.half_dtype
 
+    @property
+    def part_dtypes(self) -> dict:
+        """The dtype each part runs in. QLoRA's usual recipe (prepare_model_for_kbit_training) up-casts every
+        non-quantised tensor to fp32: activations, norms, lm_head; its 4-bit matmuls compute in ``dtype``, the
+        compute dtype the kit gives bitsandbytes (``Linear4bit`` casts its input to it; its matmul is a custom operator
+        autocast leaves alone, so fp32 weights compute in fp32 under autocast too). Without it
+        (``qlora_prepare="none"``) everything but the 4-bit weights runs in ``dtype``, the adapters in bf16."""
+        half, act = self.half_dtype, self.activation_dtype
+        if self.method == "qlora" and not self.kbit_prepared:
+            return {"base": self.dtype, "activations": act, "stream": self.dtype, "head": self.dtype,
+                    "adapters": "bfloat16", "adapter_weights": "bfloat16", "weights": half}
+        if self.method == "qlora":
+            return {"base": self.dtype, "activations": act, "stream": "float32",
+                    "head": half if self.autocast else "float32", "adapters": half if self.autocast else "float32",
+                    "adapter_weights": "float32", "weights": half}
+        base = half if self.autocast else self.dtype
+        weights = "float32" if self.method == "full" and self.autocast else self.dtype  # autocast: fp32 master weights
+        # the residual stream (embeddings, norms, residual adds) stays in the weights' dtype under autocast
+        return {"base": base, "activations": act, "stream": weights, "head": base,
+                "adapters": base if self.autocast else "float32", "adapter_weights": "float32", "weights": weights}
+
     def one_gpu(self) -> "Step":
         """This step on one GPU (what sharding is composed from), QLoRA still readied as it is here."""
         prepare = self.qlora_recipe if self.method == "qlora" else self.qlora_prepare

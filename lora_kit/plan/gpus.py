@@ -199,7 +199,6 @@ def gpu_problems(gpu, step=None, **overrides) -> list[str]:
     fp32 weights, QLoRA's bf16 adapters under ``qlora_prepare='none'``) needs :func:`has_bf16`;
     ``attn_implementation='flash_attention_2'`` needs :data:`FLASH_ATTENTION_2_FROM`. Memory is judged apart (the
     fit verdict): bf16 and fp16 are both 2 bytes, so the estimate of a bf16 step holds for the fp16 one."""
-    from lora_kit.plan.timing import _dtypes  # the dtype each part of the step runs in (one definition)
     from lora_kit.settings import as_step
     row = get_gpu(gpu) if isinstance(gpu, str) else gpu
     cc, name = compute_capability(row), row.get("name", "this GPU")
@@ -209,7 +208,7 @@ def gpu_problems(gpu, step=None, **overrides) -> list[str]:
     out = []
 
     def in_bf16(s) -> list[str]:
-        d = _dtypes(s)
+        d = s.part_dtypes  # the dtype each part of the step runs in (one definition)
         return [k for k in ("base", "head", "activations", "adapters") if d[k] == "bfloat16"]
 
     parts = in_bf16(st)

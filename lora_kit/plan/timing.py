@@ -231,26 +231,6 @@ def attention_kernel(spec, step: Step, gpu: dict, torch_version: tuple | None = 
     return KERNEL_OF_BACKEND[sdpa_backend(call, tv, compute_capability(gpu, unknown=8.0)).backend]
 
 
-def _dtypes(st: Step) -> dict:
-    """The dtype each part runs in. QLoRA's usual recipe (prepare_model_for_kbit_training) up-casts every
-    non-quantised tensor to fp32: activations, norms, lm_head; its 4-bit matmuls compute in ``dtype``, the
-    compute dtype the kit gives bitsandbytes (``Linear4bit`` casts its input to it; its matmul is a custom operator
-    autocast leaves alone, so fp32 weights compute in fp32 under autocast too). Without it
-    (``qlora_prepare="none"``) everything but the 4-bit weights runs in ``dtype``, the adapters in bf16."""
-    half, act = st.half_dtype, st.activation_dtype
-    if st.method == "qlora" and not st.kbit_prepared:
-        return {"base": st.dtype, "activations": act, "stream": st.dtype, "head": st.dtype, "adapters": "bfloat16",
-                "adapter_weights": "bfloat16", "weights": half}
-    if st.method == "qlora":
-        return {"base": st.dtype, "activations": act, "stream": "float32", "head": half if st.autocast else "float32",
-                "adapters": half if st.autocast else "float32", "adapter_weights": "float32", "weights": half}
-    base = half if st.autocast else st.dtype
-    weights = "float32" if st.method == "full" and st.autocast else st.dtype  # autocast: fp32 master weights
-    # the residual stream (embeddings, norms, residual adds) stays in the weights' dtype under autocast
-    return {"base": base, "activations": act, "stream": weights, "head": base,
-            "adapters": base if st.autocast else "float32", "adapter_weights": "float32", "weights": weights}
-
-
 class _Clock:
     """Sums kernels by part. A kernel's device time is its roofline (at least ``C.KERNEL_MIN_SECONDS``); the host
     dispatches a pass's kernels while the device runs the ones already queued, so a pass takes
@@ -372,7 +352,7 @@ def _block_pass(c: _Clock, spec, st: Step, gpu: dict, kind: str, T: int, times: 
                 recompute: bool = False):
     """One pass over the decoder blocks: ``kind`` = "forward" or "backward"; ``recompute``: checkpointing's
     forward again, inside backward (it stops at :func:`_last_saving_linear`)."""
-    dt = _dtypes(st)
+    dt = st.part_dtypes
     a = DTYPE_BYTES[dt["activations"]]
     a_s = DTYPE_BYTES[dt["stream"]]
     mm_b = DTYPE_BYTES[dt["base"]]
@@ -473,7 +453,7 @@ def _experts(c: _Clock, spec, st: Step, gpu: dict, bwd: bool, T: int, times: flo
     m = spec.moe
     E, k, i, n = m["experts"], m["experts_per_token"], m["expert_intermediate_size"], times * len(m["moe_layers"])
     h, S = spec.hidden_size, T * k
-    dt = _dtypes(st)
+    dt = st.part_dtypes
     a = DTYPE_BYTES[dt["activations"]]
     xp = "float32" if st.method == "qlora" and st.kbit_prepared and not st.autocast else dt["base"]
     xb, peak = DTYPE_BYTES[xp], peak_flops(gpu, xp, False)
@@ -519,7 +499,7 @@ def _attention_dtypes(spec, st: Step, kernel: str) -> tuple[str, str]:
     if st.attn_implementation == "flash_attention_2":
         return st.activation_dtype, flash_attention_dtype(st)
     if kernel == "eager":
-        dt = _dtypes(st)
+        dt = st.part_dtypes
         return dt["activations"], (dt["base"] if st.autocast else dt["activations"])
     act = sdpa_call(spec, st).dtype
     return act, act
@@ -565,7 +545,7 @@ def device_parts(spec, gpu: dict, step: Step | None = None, time_model: TimeMode
     T = int(st.batch_size) * int(st.seq_len)
     adapted = set() if st.method == "full" else {lin.name for lin in _targets(spec, st)}
     kernel = attention_kernel(spec, st, gpu)
-    dt = _dtypes(st)
+    dt = st.part_dtypes
     hb = DTYPE_BYTES[dt["head"]]
     hp = peak_flops(gpu, dt["head"], False)
     H, V = spec.hidden_size, spec.vocab_size
@@ -697,7 +677,7 @@ def step_time(spec, gpu: dict, step: Step | None = None, time_model: TimeModel |
     f = flops_per_step(spec, st)
     tokens = f["tokens"] * st.grad_accum
     flops = f["total"] * st.grad_accum
-    peak = peak_flops(gpu, _dtypes(st)["base"], False)
+    peak = peak_flops(gpu, st.part_dtypes["base"], False)
     return {"step_seconds": total, "interval_seconds": (total / tm.error_factor, total * tm.error_factor),
             "compute_seconds": tm.scale * (p["matmul"] + p["adapters"] + p["attention"] + p["lm_head_loss"]),
             "dequant_seconds": tm.scale * p["dequant"], "optimizer_seconds": tm.scale * p["optimizer"],
