@@ -71,6 +71,11 @@ FRAGMENTATION = {"default": {"largest": (2, 5), "peak": (3, 100), "layer": (4, 1
 # (QLoRA's replays include the load; its closed form was checked on the measured H200 row).
 FRAGMENTATION_LORA = {"default": {"largest": (3, 5), "peak": (1, 100), "layer": (17, 5)},
                       "expandable": {"largest": (9, 20), "peak": (3, 100), "layer": (0, 1)}}
+# Not in the closed form: the QLoRA paper's step on LLaMA-65B / Llama-2-70B (512 tokens, 80 layers) replays at 0.89 /
+# 0.91 x (two rows added to cuda_reserved_fit.json): bitsandbytes dequantises each weight into a 336-448 MiB block
+# and the layers' checkpoints split the cached ones, layer after layer. Left out until a GPU decides: the paper
+# trained 65B on one 48 GB card, while the replay at the L40S's capacity runs out of memory even with free-and-retry
+# (a 344 MiB request, 43.5 of 43.8 GiB reserved); a run capped with torch.cuda.set_per_process_memory_fraction tells.
 ALLOCATORS = tuple(FRAGMENTATION)
 SEGMENT = 2 * MIB  # kRoundLarge: a large segment is a multiple of 2 MiB
 # DeepSpeed ZeRO-2 / ZeRO-3 allocate one gradient bucket of ``reduce_bucket_size`` elements (default 5e8, which the
@@ -136,7 +141,9 @@ def reserved_bytes(peak, *, largest=0, layer=0, method: str | None = None, embed
     if allocator not in FRAGMENTATION:
         raise ValueError(f"allocator={allocator!r}: give one of {', '.join(ALLOCATORS)}.")
     (p, big, lay, emb), scalar = _exact(peak, largest, layer, embedding_bytes)
-    c = FRAGMENTATION_LORA.get(allocator, FRAGMENTATION[allocator]) if method == "lora" else FRAGMENTATION[allocator]
+    c = FRAGMENTATION[allocator]
+    if method == "lora":
+        c = FRAGMENTATION_LORA.get(allocator, c)
     frag = sum(-(-(n * x) // d) for x, (n, d) in ((big, c["largest"]), (p, c["peak"]), (lay, c["layer"])))
     if method == "qlora":
         frag = frag + emb
@@ -152,9 +159,9 @@ def device_kwargs(spec, step, tokens=None, num_gpus=None) -> dict:
     instead); ``layer`` = one layer's MLP activation, ``tokens x intermediate_size`` in the step's
     ``activation_dtype``, or for LoRA without autocast whose targets hold the MLP's down projection, the fp32 copy
     of that projection's input peft makes for its fp32 adapter (``tokens x intermediate_size x 4``, saved for
-    backward: the layer's largest block); ``embedding_bytes`` for QLoRA = one 16-bit ``vocab x hidden`` block when the embedding
-    and ``lm_head`` are untied (two blocks cached after load, the step reuses one), else 0; ``method``;
-    ``num_gpus``."""
+    backward: the layer's largest block); ``embedding_bytes`` for QLoRA = one 16-bit ``vocab x hidden`` block when
+    the embedding and ``lm_head`` are untied (two blocks cached after load, the step reuses one), else 0;
+    ``method``; ``num_gpus``."""
     method = step.method
     (T,), _ = _exact(step.seq_len * step.batch_size if tokens is None else tokens)
     V, h, inter = int(spec.vocab_size), int(spec.hidden_size), int(spec.intermediate_size)
