@@ -44,7 +44,7 @@ def check_data(s, tokenizer=None, dataset_split: str | None = None, train_on: st
     that cannot load skips the tokenising part and says so). Returns ``{"files": [{"role", "source", "rows",
     "format", "conversational"}], "prompt_format", "notes", "lines"}``.
     """
-    from lora_kit.prompting import PromptFormat, resolve_prompt_format
+    from lora_kit.prompting import PromptFormat, cut_at_seq_len, no_usable_example, resolve_prompt_format
     train_on = train_on or s.train_on
     files, notes = [], []
     loaded = []
@@ -73,7 +73,7 @@ def check_data(s, tokenizer=None, dataset_split: str | None = None, train_on: st
         fmt = PromptFormat(tokenizer, kind, train_on=train_on)
         notes += fmt.notes
         for role, source, rows in loaded:
-            usable, shortest = 0, None  # training rows that keep a trained token within seq_len (the smoke run's cut)
+            cut, shortest = dict.fromkeys(("kept", "dropped", "cut_away"), 0), None  # the smoke run's cut, per row
             for i, ex in enumerate(rows, 1):
                 try:
                     enc = fmt.encode(ex)
@@ -84,13 +84,11 @@ def check_data(s, tokenizer=None, dataset_split: str | None = None, train_on: st
                                      f"(train_on={train_on!r}); check the row's answer.")
                 if role == "dataset":
                     shortest = min(enc["length"], shortest or enc["length"])
-                    usable += enc["length"] <= s.seq_len or (s.long_examples == "truncate" and any(
-                        t != -100 for t in enc["labels"][:s.seq_len]))
-            if role == "dataset" and rows and not usable and s.long_examples != "error":  # error: refused below
-                why = ("are longer than seq_len={} and long_examples='drop'" if s.long_examples == "drop"
-                       else "lose their whole response at seq_len={}").format(s.seq_len)
-                raise ValueError(f"{role} ({source}): no usable example: all {len(rows)} {why} (the shortest is "
-                                 f"{shortest} tokens; the smoke run would refuse them); raise seq_len.")
+                    cut[cut_at_seq_len(enc, s.seq_len, s.long_examples)] += 1
+            if role == "dataset" and rows and not cut["kept"] and s.long_examples != "error":  # error: refused below
+                why = no_usable_example(cut["dropped"], cut["cut_away"], s.seq_len)
+                raise ValueError(f"{role} ({source}): {why} (the shortest is {shortest} tokens; the smoke run would "
+                                 "refuse them); raise seq_len.")
         check_long_examples(s, tokenizer, dataset_split, train_on)
     lines = [f"{f['role']}: {f['source']}{':' + f['split'] if f['split'] else ''} -- {f['rows']} rows, "
              f"format {f['format']}" for f in files]

@@ -57,6 +57,23 @@ _GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE = "x"  # stands for an answer's first character when the generation prompt's tokens are fixed
 
 
+def cut_at_seq_len(encoded: dict, seq_len: int, long_examples: str) -> str:
+    """How the smoke run takes one row (:meth:`PromptFormat.encode`'s ``length`` and ``labels``) at ``seq_len``:
+    "dropped" (longer, under ``long_examples='drop'``), "cut_away" (no trained token left within ``seq_len``) or
+    "kept" (cut to ``seq_len`` when longer). The one rule :func:`lora_kit.run.batches.verified_slice` trains by and
+    :func:`lora_kit.data_check.check_data` checks before the run."""
+    if encoded["length"] > seq_len and long_examples == "drop":
+        return "dropped"
+    return "kept" if any(t != IGNORE_INDEX for t in encoded["labels"][:seq_len]) else "cut_away"
+
+
+def no_usable_example(dropped: int, cut_away: int, seq_len: int) -> str:
+    """Why no row is left (:func:`cut_at_seq_len` dropped ``dropped`` and cut away ``cut_away`` of them)."""
+    why = (f"all {dropped} are longer than seq_len={seq_len} and long_examples='drop'" if dropped and not cut_away
+           else f"all {dropped + cut_away} lose their whole response at seq_len={seq_len}")
+    return f"no usable example: {why}"
+
+
 def render_prompt(prompt: str) -> str:
     return PROMPT_TEMPLATE.format(prompt=prompt)
 

@@ -28,7 +28,7 @@ import random
 import torch
 
 from lora_kit.data import refuse_long_examples, row_refs
-from lora_kit.prompting import IGNORE_INDEX, PromptFormat
+from lora_kit.prompting import IGNORE_INDEX, PromptFormat, cut_at_seq_len, no_usable_example
 
 
 def _empty(v) -> bool:
@@ -81,14 +81,15 @@ def verified_slice(tokenizer, examples, seq_len: int, n_examples: int, seed: int
         e["row"] = i
         e["full_length"] = e["length"]
         all_lengths.append(e["length"])
+        how = cut_at_seq_len(e, seq_len, long_examples)
         if e["length"] > seq_len:
             long_rows.append(i)
-            if long_examples == "drop":
+            if how == "dropped":
                 dropped.append(i)
                 continue
             e["input_ids"], e["labels"] = e["input_ids"][:seq_len], e["labels"][:seq_len]
             e["length"], e["truncated"] = seq_len, True
-        if all(t == IGNORE_INDEX for t in e["labels"]):
+        if how == "cut_away":
             cut_away.append(i)
             continue
         encoded.append(e)
@@ -101,9 +102,7 @@ def verified_slice(tokenizer, examples, seq_len: int, n_examples: int, seed: int
     if long_examples == "error":
         refuse_long_examples(examples, all_lengths, seq_len)
     if not encoded:
-        why = (f"all {len(dropped)} are longer than seq_len={seq_len} and long_examples='drop'" if dropped and
-               not cut_away else f"all {len(cut_away) + len(dropped)} lose their whole response at seq_len={seq_len}")
-        raise ValueError(f"no usable example: {why}; raise seq_len.")
+        raise ValueError(f"{no_usable_example(len(dropped), len(cut_away), seq_len)}; raise seq_len.")
     by_len = sorted(encoded, key=lambda e: -e["full_length"])
     n_first = min(n_first, len(by_len), n_examples)
     lead, rest = by_len[:n_first], by_len[n_first:]
