@@ -107,6 +107,21 @@ def train_steps(model, optimizer, micro_batches, max_steps: int, grad_accum: int
     return steps
 
 
+def throughput(steps: list) -> dict:
+    """Mean step seconds and tokens/s of :func:`_record`'s ``steps``, step 0 (warm-up) left out when more ran: the
+    rows' own tokens (``mean_tokens_per_s``) and every row slot, padding included (``mean_padded_tokens_per_s``,
+    what a plan's micro-batch x seq_len per step counts; None for records without it)."""
+    timed = steps[1:] or steps
+    seconds = sum(x["seconds"] for x in timed)
+    padded = [x for x in timed if x.get("padded_tokens_per_s") and x.get("seconds")]
+    return {"mean_step_seconds": seconds / len(timed),
+            "mean_tokens_per_s": sum(x.get("tokens", 0) for x in timed) / seconds,
+            "mean_padded_tokens_per_s": (sum(x["padded_tokens_per_s"] * x["seconds"] for x in padded)
+                                         / sum(x["seconds"] for x in padded)) if padded else None,
+            "note": "excludes step 0 (warm-up) when more than one step ran; measured steps run under the tracker and "
+                    "are slower on CPU"}
+
+
 def _record(steps: list, step: int, seconds: float, loss: float, tokens: int, padded: int, tracker, cuda: bool, bar,
             max_steps: int, on_step) -> None:
     """A step's metrics (``tracker``: the step was measured by it), appended to ``steps``, shown, handed on."""

@@ -78,7 +78,7 @@ from lora_kit.run import batches as smoke_data
 from lora_kit.run import distributed as dist_util
 from lora_kit.run.alloc_conf import apply_default as default_allocator
 from lora_kit.run.accelerate_config import write_accelerate_config
-from lora_kit.run.loop import train_steps, trainer_steps
+from lora_kit.run.loop import throughput, train_steps, trainer_steps
 from lora_kit.run.oom import fit_suggestions, free_memory, is_oom, memory_now
 from lora_kit.settings import STEP_FIELDS, Settings, coerce_value, from_dict, load_settings, read_params
 from lora_kit.training import attach_adapter, autocast_context, build_optimizer
@@ -659,11 +659,7 @@ def _phases(s, run, state, tracker, always_on, examples, control_prompts, measur
     rec["peaks"] = {**mine_peaks, "per_rank": dist_util.gather(mine_peaks),
                     "breakdown_at_design_step": steps[design].get("peak_breakdown") if len(steps) > design else None,
                     "phase_at_design_step": steps[design].get("peak_phase") if len(steps) > design else None}
-    timed = steps[1:] or steps
-    rec["throughput"] = {"mean_step_seconds": sum(x["seconds"] for x in timed) / len(timed),
-                         "mean_tokens_per_s": sum(x["tokens"] for x in timed) / sum(x["seconds"] for x in timed),
-                         "note": "excludes step 0 (warm-up) when more than one step ran; measured steps run "
-                                 "under the tracker and are slower on CPU"}
+    rec["throughput"] = throughput(steps)
     if rank == 0:
         rec["memory_model"] = _memory_model(s, path, measured, world, simulate,
                                             steps[design].get("seq_len") if len(steps) > design else None)

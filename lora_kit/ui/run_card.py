@@ -22,6 +22,7 @@ from lora_kit.plan.timing import calibrate
 from lora_kit.results import (portable, portable_text, read_record, same_run, settled, write_json_atomic,
                               write_text_atomic)
 from lora_kit.run.batches import ran_seq_len
+from lora_kit.run.loop import throughput
 from lora_kit.settings import as_step, method_label
 from lora_kit.ui.notebook import RUNNING_SUFFIX
 from lora_kit.ui.tables import method_markdown
@@ -578,9 +579,9 @@ def smoke_lines(smoke: dict) -> list[str]:
                      f"loss {steps[0].get('loss', float('nan')):.3f} → {steps[-1].get('loss', float('nan')):.3f}")
     tp = smoke.get("throughput") or {}
     if tp.get("mean_step_seconds") is not None:
-        timed = [x for x in (steps[1:] or steps) if x.get("padded_tokens_per_s") and x.get("seconds")]
-        padded = (sum(x["padded_tokens_per_s"] * x["seconds"] for x in timed) / sum(x["seconds"] for x in timed)
-                  if timed else None)  # the plan's tokens/s counts every row slot: micro-batch x seq_len per step
+        # the plan's tokens/s counts every row slot (micro-batch x seq_len per step); older smoke.json: from its steps
+        padded = tp.get("mean_padded_tokens_per_s") or (throughput(steps)["mean_padded_tokens_per_s"] if steps
+                                                        else None)
         lines.append(f"- mean step {tp['mean_step_seconds']:.3f} s, {tp.get('mean_tokens_per_s', 0):,.0f} tokens/s "
                      "(the rows' own tokens, padding excluded"
                      + (f"; {padded:,.0f} counting padding, as the request's tokens/s counts them" if padded else "")
