@@ -5,7 +5,7 @@ import math
 import pandas as pd
 import pytest
 
-from lora_kit.plan.planner import compare_methods, hours_text, money_text, sweep
+from lora_kit.plan.planner import compare_methods, fastest_index, hours_text, money_text, sweep
 from lora_kit.ui import tables as T
 
 GPUS = ["T4", "L4", "A10G", "RTX-4090", "L40S", "A100-80GB", "H100-SXM"]
@@ -235,7 +235,7 @@ def test_fastest_among_equal_times_is_the_cheapest():
     hours = df["epoch_hours"]
     assert (hours - hours.min()).abs().max() <= hours.min() * 1e-9  # the premise: equal times
     cheapest = df.loc[df["epoch_cost"].idxmin(), "gpu"]
-    assert cheapest == "RTX-4090" and df.loc[T._fastest_index(df), "gpu"] == cheapest
+    assert cheapest == "RTX-4090" and df.loc[fastest_index(df), "gpu"] == cheapest
     assert f"Fastest: LoRA on {cheapest} (" in df.attrs["recommendation"], df.attrs["recommendation"]
     rows = T.method_rows(df)
     assert T.FASTEST not in set(rows["note"])  # the fastest is the recommended row: one note, the recommendation

@@ -730,6 +730,14 @@ def runs_on_gpu(row) -> bool:
     return True if v is None or v != v else bool(v)
 
 
+def needs_attention_fix(row) -> bool:
+    """A :func:`compare_methods` row (dict or Series) that fits only with the attention fix: CUDA runs its attention
+    in the math kernel as configured (``fits_as_configured``); a table from before the column (an older plan.json)
+    does not say so."""
+    v = row.get("fits_as_configured", True)
+    return bool(row["fits"]) and not (True if v is None or v != v else bool(v))
+
+
 def usable(df: pd.DataFrame) -> pd.Series:
     """The rows of a :func:`compare_methods` table that may be recommended: they fit, and their GPU runs the step."""
     runs = df["runs_on_gpu"].fillna(True).astype(bool) if "runs_on_gpu" in df else True
@@ -785,7 +793,7 @@ def recommend(df: pd.DataFrame) -> str:
     for m in ("lora", "qlora"):
         if m in set(ok["method"]):
             rows = ok[ok["method"] == m]
-            fixed = list(rows[~rows["fits_as_configured"].astype(bool)]["gpu"]) if "fits_as_configured" in rows else []
+            fixed = [r["gpu"] for _, r in rows.iterrows() if needs_attention_fix(r)]
             parts.append(f"{method_label(m)} fits on {', '.join(rows['gpu'])}"
                          + (f" (on {', '.join(fixed)} only with the attention fix in the plan's note)." if fixed
                             else "."))
@@ -803,10 +811,10 @@ def _math_kernel_warning(rows) -> list[str]:
     out, seen = [], set()
     for r in rows:
         key = (r["method"], r["gpu"])
-        if key in seen or "fits_as_configured" not in r or bool(r["fits_as_configured"]):
+        if key in seen or not needs_attention_fix(r):
             continue
         seen.add(key)
         out.append(f"{_method_words(r['method'])} on {r['gpu']} fits only with the attention fix in the plan's note: "
-                   f"as configured, CUDA runs its attention in the math kernel (up to +{r['math_kernel_gib']:.1f} GiB at "
-                   f"micro-batch {r['batch_size']}), which does not fit; its time counts the math kernel.")
+                   f"as configured, CUDA runs its attention in the math kernel (up to +{r['math_kernel_gib']:.1f} GiB "
+                   f"at micro-batch {r['batch_size']}), which does not fit; its time counts the math kernel.")
     return out

@@ -23,7 +23,7 @@ import math
 
 import pandas as pd
 
-from lora_kit.plan.planner import fastest_index, runs_on_gpu, usable
+from lora_kit.plan.planner import fastest_index, needs_attention_fix, runs_on_gpu, usable
 from lora_kit.settings import method_label
 
 GIB = 2 ** 30
@@ -97,10 +97,6 @@ def recommended_index(df: pd.DataFrame):
     return hours.idxmin() if hours.notna().any() else None
 
 
-def _fastest_index(df: pd.DataFrame):
-    return fastest_index(df)  # the fastest fitting row, the cheapest among equal times (the recommendation's)
-
-
 def method_rows(table, currency: str = EXAMPLE_CURRENCY, fits_only: bool = False,
                 cheapest_first: bool = False) -> pd.DataFrame:
     """Display strings of a compare_methods table (see the module docstring); ``attrs`` carry
@@ -122,7 +118,7 @@ def method_rows(table, currency: str = EXAMPLE_CURRENCY, fits_only: bool = False
                          "pass prices= for every GPU to compare_methods, or currency='USD'.")
     else:
         money, note = currency, ""
-    best, fastest = recommended_index(df), _fastest_index(df)
+    best, fastest = recommended_index(df), fastest_index(df)
     blocked = "runs_on_gpu" in df and not all(runs_on_gpu(r) for _, r in df.iterrows())
     reasons: dict = {}  # GPU -> why it cannot run the step (compare_methods' gpu_problem)
     many_epochs = ("total_hours" in df and not pd.to_numeric(df["total_hours"], errors="coerce").fillna(0).equals(
@@ -135,11 +131,12 @@ def method_rows(table, currency: str = EXAMPLE_CURRENCY, fits_only: bool = False
         price = _num(r["price_per_hour"])
         if len(sources) > 1 and r["price_source"] == "example" and price != NONE:
             price += " (example)"
-        fixed = fits and not _missing(r.get("fits_as_configured", True)) and not bool(r.get("fits_as_configured", True))
+        fixed = fits and needs_attention_fix(r)
         runs = runs_on_gpu(r)
         if not runs:
             reasons.setdefault(r["gpu"], r.get("gpu_problem") or "")
-        row = {"method": method_label(r["method"]), "GPU": r["gpu"], "fits": ("✓*" if fixed else "✓") if fits else "✗",
+        row = {"method": method_label(r["method"]), "GPU": r["gpu"],
+               "fits": ("✓*" if fixed else "✓") if fits else "✗",
                **({"runs on GPU": "✓" if runs else "✗"} if blocked else {}),
                "micro-batch": f"{int(r['batch_size'])}",
                "memory / GPU (GiB)": f"{_num(r['device_total_gib'], 1)} / {_num(cap, 1)}",
