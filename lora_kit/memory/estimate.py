@@ -90,10 +90,8 @@ def estimate_arrays(spec, step: Step | None = None, **fields) -> dict:
     ax = check_axes(s, **axes)
     seq_len, batch_size, lora_rank, num_gpus = (ax.get(k, getattr(s, k)) for k in ("seq_len", "batch_size", "lora_rank",
                                                                                     "num_gpus"))
-    targets = check_targets(spec, s.method, lora_rank, s.lora_targets, s.attn_implementation)
+    targets, experts = _trained_targets(spec, s, lora_rank)
     check_attention(s)
-    experts = expert_lora(spec, targets)  # MoE: what peft trains on the experts; linears it drops from targets
-    targets = tuple(t for t in targets if t not in experts["dropped"])
     S, B, r, N = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (seq_len, batch_size, lora_rank,
                                                                                num_gpus)))
     gpus = np.unique(N)
@@ -235,6 +233,14 @@ _SIMULATED: dict = {}  # (model and step, row) -> simulate's result, for steps w
 _REFITTED: set = set()  # (model, step) whose stored fit did not describe the asked lengths: refitted in this process
 
 
+def _trained_targets(spec: ModelSpec, s: Step, lora_rank) -> tuple[tuple, dict]:
+    """The LoRA targets peft trains (checked) and :func:`lora_kit.memory.moe.expert_lora` of them: on MoE experts,
+    what peft trains there; the linears it drops are taken out of the targets."""
+    targets = check_targets(spec, s.method, lora_rank, s.lora_targets, s.attn_implementation)
+    experts = expert_lora(spec, targets)
+    return tuple(t for t in targets if t not in experts["dropped"]), experts
+
+
 def _fsdp_groups(spec: ModelSpec, s: Step) -> bool:
     """Whether FSDP2's per-rank figure is FSDP2's own step (fitted per GPU count: ``simulate`` runs it, and a
     one-GPU fit composed with sharded gradients missed its validation rows by up to 1.9 %), not composed."""
@@ -328,9 +334,7 @@ def paged_resident(model="tiny", step: Step | None = None, **overrides) -> int:
     if not s.optimizer.startswith("paged_"):
         return 0
     spec = model_spec(model)
-    targets = check_targets(spec, s.method, s.lora_rank, s.lora_targets, s.attn_implementation)
-    experts = expert_lora(spec, targets)
-    targets = tuple(t for t in targets if t not in experts["dropped"])
+    targets, experts = _trained_targets(spec, s, s.lora_rank)
     tensors, _ = _trainable_tensors(spec, s, targets, experts, np.asarray([s.lora_rank], dtype=np.int64))
     total = int(np.asarray(paged_resident_bytes(s.optimizer, tensors)).sum())
     return -(-total // s.num_gpus) if s.sharding in STATES_SHARDED and s.num_gpus > 1 else total
