@@ -19,6 +19,11 @@ setting run it again in a fresh process, e.g. ``PYTORCH_CUDA_ALLOC_CONF=expandab
 another ``--out``; configs run one after another in one process (``empty_cache`` between them), the replay starts
 empty for each.
 
+Where a peak misses, two figures per config say where: ``measured_before`` (``memory_allocated`` as the measured step
+starts) beside ``simulate_before`` (what simulate holds then), and ``peak_live``: the allocator's history of the
+measured step (``torch.cuda.memory._record_memory_history``, Python stacks; ``--no-snapshot`` turns it off), summed
+at its peak by the library line that allocated each block.
+
 Prints one table and writes JSON (atomically) to ``--out``. Designed to finish in < 8 minutes on
 one H200. CI never needs it. Without CUDA it says so and exits 0, unless ``--cpu-dry-run``: then
 two tiny configurations run on the CPU (tracked real step) so the script itself is tested.
@@ -33,6 +38,7 @@ import argparse
 import gc
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -198,7 +204,7 @@ def context_bytes():
     return total - free
 
 
-def run_one(label, model, kw, device, ctx_bytes):
+def run_one(label, model, kw, device, ctx_bytes, snapshot_dir=None):
     import torch
 
     from lora_kit.memory.measure import measure_config
@@ -213,6 +219,14 @@ def run_one(label, model, kw, device, ctx_bytes):
     t0, sim = time.perf_counter(), None
     try:
         sim, events = simulate_with_events(model, trace=device == "cuda", **kw)
+        from cuda_h200 import EventTracker
+        n_pre, live = EventTracker.last.device_events()[1], {}
+        for e in events[:n_pre]:  # what simulate holds as the step starts (beside measured_before on the GPU)
+            if e[0] == "alloc":
+                live[e[1]] = e[2]
+            else:
+                live.pop(e[1], None)
+        row["simulate_before"] = sum(live.values())
         row.update(simulate_peak=sim.peak_allocated_bytes, simulate_total=sim.device_total_bytes,
                    simulate_phase=sim.phase, simulate_seconds=round(time.perf_counter() - t0, 2),
                    replay=replayed(events))  # reserved of PyTorch's caching allocator over simulate's sequence
@@ -221,7 +235,14 @@ def run_one(label, model, kw, device, ctx_bytes):
         row["notes"].append(f"simulate failed: {type(e).__name__}: {e}")
     t0 = time.perf_counter()
     try:
-        real = measure_config(model, device=device, **kw)
+        snap = None if snapshot_dir is None else Path(snapshot_dir) / "snapshot.pickle"
+        real = measure_config(model, device=device, snapshot=snap, **kw)
+        row["measured_before"] = real.allocated_before_bytes
+        if snap is not None:  # the step's own blocks live at its peak, by where they were allocated
+            import pickle
+            with open(snap, "rb") as f:
+                row["peak_live"] = peak_live(pickle.load(f), before=real.allocated_before_bytes or 0)
+            snap.unlink()
         row.update(measured_peak=real.peak_allocated_bytes, measured_reserved=real.reserved_bytes,
                    measured_total=(ctx_bytes + real.reserved_bytes) if real.reserved_bytes is not None else None,
                    measure_seconds=round(time.perf_counter() - t0, 2), losses=real.losses)
@@ -253,6 +274,45 @@ def run_one(label, model, kw, device, ctx_bytes):
         setting = "expandable" if in_effect()["expandable_segments"] else "default"
         row["replay_reserved_err_pct"] = _pct(row["replay"][setting]["max_reserved"], row["measured_reserved"])
     return row
+
+
+LIBRARIES = ("bitsandbytes", "peft", "transformers", "lora_kit", "torch/nn/functional", "torch/utils/checkpoint")
+
+
+def _where(frames: list) -> str:
+    """The innermost frame of an allocation in one of :data:`LIBRARIES` (else the innermost frame), as path:line name."""
+    frames = frames or []
+    f = next((f for f in frames if any(lib in f.get("filename", "") for lib in LIBRARIES)), frames[0] if frames else {})
+    name = f.get("filename", "?")
+    name = name[name.rfind("site-packages/") + 14:] if "site-packages/" in name else name
+    return f"{name}:{f.get('line', '?')} {f.get('name', '')}".strip()
+
+
+def peak_live(snapshot: dict, before: int = 0, top: int = 20) -> dict:
+    """What is live when a recorded step's allocated bytes peak, from ``torch.cuda.memory._snapshot()``'s trace
+    (``device_traces``: ``alloc`` adds a block, ``free_requested`` takes it away, as the allocated counter does).
+    ``before``: bytes allocated before recording began (in no trace entry). Returns the peak, the step's own bytes
+    live then grouped by where they were allocated (largest first, ``top`` of them) and its largest blocks."""
+    live, total, best, at = {}, 0, -1, {}
+    for trace in snapshot.get("device_traces", []):
+        for e in trace:
+            if e.get("action") == "alloc":
+                live[e["addr"]] = e
+                total += e["size"]
+                if total > best:
+                    best, at = total, dict(live)
+            elif e.get("action") == "free_requested" and e.get("addr") in live:
+                total -= live.pop(e["addr"])["size"]
+    groups: dict = {}
+    for e in at.values():
+        g = groups.setdefault(_where(e.get("frames")), [0, 0])
+        g[0] += e["size"]
+        g[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return {"peak_allocated": before + max(best, 0), "before": before, "step_live_at_peak": max(best, 0),
+            "by_site": [{"where": w, "bytes": b, "blocks": n} for w, (b, n) in ranked[:top]],
+            "largest": [{"bytes": e["size"], "where": _where(e.get("frames"))}
+                        for e in sorted(at.values(), key=lambda e: -e["size"])[:10]]}
 
 
 UNIT = ["GiB", 2**30]  # the CPU runs switch to MiB (tiny models)
@@ -292,6 +352,8 @@ def main(argv=None):
                     help="no GPU: 18 tiny configs on the CPU (simulate vs a real tracked CPU step)")
     ap.add_argument("--only", default="", help="run configs whose label contains this text")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new configs after this many seconds")
+    ap.add_argument("--no-snapshot", action="store_true",
+                    help="CUDA: do not record the allocator's history of each measured step (peak_live per row)")
     args = ap.parse_args(argv)
     import torch
 
@@ -324,7 +386,9 @@ def main(argv=None):
             rows.append({"label": label, "skipped": f"time budget {args.budget_s:.0f} s spent"})
             print(f"skip {label}: time budget spent", flush=True)
             continue
-        row = run_one(label, model, kw, device, ctx)
+        with tempfile.TemporaryDirectory() as tmp:
+            row = run_one(label, model, kw, device, ctx,
+                          snapshot_dir=tmp if device == "cuda" and not args.no_snapshot else None)
         if device == "cuda" and "(MLA)" in label:
             row["sdpa_backend"] = sdpa_backend(192, 128)
         rows.append(row)

@@ -56,6 +56,35 @@ def test_measure_step_rejects_zero_steps():
         measure_step(model, batch, opt, steps=0)
 
 
+def test_measure_step_snapshot_is_cuda_only():
+    model, opt, batch = _prepared()
+    with pytest.raises(ValueError, match="snapshot records CUDA's caching allocator"):
+        measure_step(model, batch, opt, snapshot="x.pickle")
+
+
+def test_gpu_validate_sums_what_is_live_at_the_recorded_peak():
+    """peak_live reads torch.cuda.memory._snapshot()'s trace as the allocated counter moves: an ``alloc`` adds its
+    block, a ``free_requested`` takes it away; blocks are grouped by the innermost library frame."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_validate
+    finally:
+        sys.path.pop(0)
+    bnb = [{"filename": "/x/site-packages/bitsandbytes/functional.py", "line": 10, "name": "dequantize_4bit"},
+           {"filename": "/x/train.py", "line": 1, "name": "main"}]
+    user = [{"filename": "/x/train.py", "line": 5, "name": "main"}]
+    trace = [{"action": "alloc", "addr": 1, "size": 300, "frames": bnb},
+             {"action": "alloc", "addr": 2, "size": 100, "frames": user},
+             {"action": "free_requested", "addr": 1, "size": 300, "frames": bnb},
+             {"action": "free_completed", "addr": 1, "size": 300, "frames": bnb},
+             {"action": "alloc", "addr": 3, "size": 250, "frames": bnb},  # 350 live: below the 400 before
+             {"action": "segment_alloc", "addr": 9, "size": 4096, "frames": []}]
+    got = gpu_validate.peak_live({"device_traces": [trace]}, before=1000)
+    assert got["peak_allocated"] == 1400 and got["step_live_at_peak"] == 400
+    assert got["by_site"][0] == {"where": "bitsandbytes/functional.py:10 dequantize_4bit", "bytes": 300, "blocks": 1}
+    assert got["by_site"][1]["where"] == "/x/train.py:5 main" and [b["bytes"] for b in got["largest"]] == [300, 100]
+
+
 def test_gpu_validate_skips_cleanly_without_cuda_and_dry_runs_on_cpu(tmp_path, capsys, monkeypatch):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -72,6 +101,7 @@ def test_gpu_validate_skips_cleanly_without_cuda_and_dry_runs_on_cpu(tmp_path, c
     for r in rows:
         assert r["measured_peak"] > 0
         assert r["simulate_err_pct"] == 0.0, r  # tiny CPU configs: simulate == real step
+        assert r["measured_before"] == r["simulate_before"] > 0, r  # and what both hold as the step starts
     printed = capsys.readouterr().out
     assert "simulate_err_pct" in printed and "tiny-qwen2 qlora ckpt" in printed
 

@@ -43,6 +43,9 @@ class MeasureResult:
     trace: list | None = None  # trace=True (CPU): per operator of the step, (phase, operator, live bytes)
     allocations: list | None = None  # trace=True (CPU): (phase, operator, bytes) per new storage (tracker.allocations)
     temporaries: dict | None = None  # trace=True (CPU): operator index -> bytes held inside it (SimResult's twin)
+    allocated_before_bytes: int | None = None  # live as the measured step starts (weights, adapters, optimizer
+    # states, the batch; CUDA: memory_allocated(); CPU: tracked, paged states left out); the rest of the peak is the
+    # step's own
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -50,7 +53,7 @@ class MeasureResult:
 
 # -- measuring --------------------------------------------------------------------------------
 def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, autocast_ctx=None,
-                 paged: bool = False, trace: bool = False) -> MeasureResult:
+                 paged: bool = False, trace: bool = False, snapshot: str | None = None) -> MeasureResult:
     """Peak memory of the last of ``steps`` real training steps of a prepared model/optimizer/batch.
 
     ``device``: where the model lives (default: its first parameter's device). On CUDA the peak
@@ -59,26 +62,43 @@ def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, aut
     buffers are left out of the peak, as ``max_memory_allocated`` leaves managed memory out.
     ``trace=True`` (CPU): keep the tracker's per-operator trace and allocations, to set beside ``simulate``'s
     (``benchmarks/trace_diff.py`` names the first operator where a real step and ``simulate`` part).
+    ``snapshot`` (CUDA): a file to write the caching allocator's history of the measured step to
+    (``torch.cuda.memory._record_memory_history`` with Python stacks, then ``_dump_snapshot``: a pickle that
+    https://pytorch.org/memory_viz opens; ``benchmarks/gpu_validate.py`` sums what is live at the peak).
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1 (2 measures a steady-state step), got {steps!r}.")
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    if snapshot is not None and device.type != "cuda":
+        raise ValueError(f"snapshot records CUDA's caching allocator; this step runs on {device.type!r} "
+                         "(on the CPU, trace=True keeps the tracked step's operators and allocations).")
     losses = []
     for _ in range(steps - 1):
         losses.append(float(train_step(model, batch, optimizer, autocast_ctx=autocast_ctx).loss))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        losses.append(float(train_step(model, batch, optimizer, autocast_ctx=autocast_ctx).loss))
-        torch.cuda.synchronize(device)
-        wall = time.perf_counter() - t0
+        before = int(torch.cuda.memory_allocated(device))
+        if snapshot is not None:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+        try:
+            t0 = time.perf_counter()
+            losses.append(float(train_step(model, batch, optimizer, autocast_ctx=autocast_ctx).loss))
+            torch.cuda.synchronize(device)
+            wall = time.perf_counter() - t0
+            if snapshot is not None:
+                torch.cuda.memory._dump_snapshot(str(snapshot))
+        finally:
+            if snapshot is not None:
+                torch.cuda.memory._record_memory_history(enabled=None)
         return MeasureResult(int(torch.cuda.max_memory_allocated(device)),
-                             int(torch.cuda.max_memory_reserved(device)), {}, "", str(device), wall, losses)
+                             int(torch.cuda.max_memory_reserved(device)), {}, "", str(device), wall, losses,
+                             allocated_before_bytes=before)
     tracker = LiveBytesTracker(trace=trace)
     label_training_state(tracker, model, optimizer, paged=paged)
     tracker.track(v for v in batch.values() if isinstance(v, torch.Tensor))
     tracker.reset_peak()
+    before = tracker.current_bytes - tracker.current_breakdown().get("paged_optimizer_states", 0)
     t0 = time.perf_counter()
     with tracker:
         losses.append(float(train_step(model, batch, optimizer, tracker=tracker, autocast_ctx=autocast_ctx,
@@ -86,28 +106,30 @@ def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, aut
     wall = time.perf_counter() - t0
     peak, breakdown = tracked_peak(tracker)
     return MeasureResult(peak, None, breakdown, tracker.peak_phase, str(device), wall, losses, tracker.trace,
-                         tracker.allocations() if trace else None, dict(tracker.temporaries) if trace else None)
+                         tracker.allocations() if trace else None, dict(tracker.temporaries) if trace else None,
+                         before)
 
 
 def measure_config(model, step: Step | None = None, *, device: str = "cpu", seed: int = 0, steps: int = 2,
-                   trace: bool = False, **overrides) -> MeasureResult:
+                   trace: bool = False, snapshot: str | None = None, **overrides) -> MeasureResult:
     """Build a random-init real model from ``model``'s config (same ``model``, ``step`` and overrides as
     ``estimate``) and measure one real step on ``device``. QLoRA quantizes with bitsandbytes (saved to a
     temporary folder and loaded as users load it). Only small models make sense on a CPU. ``loop="trainer"`` /
     ``"sft"`` runs the real ``Trainer`` / ``SFTTrainer`` (CPU only; ``lora_kit.memory.loops.measure_real_loop``).
-    ``trace``: as :func:`measure_step` (loop "kit" only)."""
+    ``trace``, ``snapshot``: as :func:`measure_step` (loop "kit" only)."""
     s = as_step(step, **overrides)
     check_model_step(model, s)
     if s.liger_kernel:
         check_liger(load_config(model), s)
     net, opt, batch = build_real_model(load_config(model), s, device=device, seed=seed)
     if s.loop != "kit":
-        if trace:
-            raise ValueError(f"trace=True records loop='kit' steps; loop={s.loop!r} is measured untraced.")
+        if trace or snapshot:
+            raise ValueError(f"trace / snapshot record loop='kit' steps; loop={s.loop!r} is measured untraced.")
         return _measure_loop(net, batch, s, steps, device)
     ctx = autocast_context(s.autocast, s.dtype, torch.device(device).type)
     return measure_step(net, batch, opt, steps=steps, device=device, autocast_ctx=ctx,
-                        paged=s.optimizer.startswith("paged_") and torch.device(device).type != "cuda", trace=trace)
+                        paged=s.optimizer.startswith("paged_") and torch.device(device).type != "cuda", trace=trace,
+                        snapshot=snapshot)
 
 
 def _measure_loop(net, batch, s, steps: int, device: str) -> MeasureResult:
