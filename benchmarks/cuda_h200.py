@@ -69,6 +69,14 @@ class EventTracker(LiveBytesTracker):
         self.mark = len(self.events)
         super().reset_peak()
 
+    def device_events(self) -> tuple[list, int]:
+        """(events, how many of them come before the step) of what torch's CUDA allocator sees: without the paged
+        optimizer states, which bitsandbytes keeps in CUDA managed memory, outside the allocator (``simulate`` leaves
+        them out of its peak for the same reason)."""
+        paged = {s for s, c in self._labels.items() if c == "paged_optimizer_states"}
+        keep = [e[1] not in paged for e in self.events]
+        return [e for e, k in zip(self.events, keep) if k], sum(keep[:self.mark])
+
     def _free(self, serial, cdata):
         if self._live.get(serial):
             self.events.append(("free", serial))
@@ -110,8 +118,7 @@ def simulate_with_events(model, trace: bool = False, **kw):
         sim = lk.simulate(model, trace=trace, **kw)
     finally:
         sim_mod.LiveBytesTracker = orig
-    tr = EventTracker.last
-    return sim, steady_state(tr.events, tr.mark)
+    return sim, steady_state(*EventTracker.last.device_events())
 
 
 def replayed(events: list) -> dict:

@@ -119,8 +119,7 @@ def simulate_events(model, plan: dict):
         sim = lk.simulate(model, **plan)
     finally:
         sim_mod.LiveBytesTracker, sharded_mod.LiveBytesTracker = saved
-    tr = ResizeEventTracker.last
-    return sim, steady_state(tr.events, tr.mark)
+    return sim, steady_state(*ResizeEventTracker.last.device_events())
 
 
 def _loss_with_shifted_copy(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, **kw):

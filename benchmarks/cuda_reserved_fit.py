@@ -96,7 +96,8 @@ def one(case) -> dict:
     t0 = time.perf_counter()
     sim, events = simulate_with_events(model, **kw)
     pre, post = load_prefix(model, method)
-    n_live = EventTracker.last.mark  # the allocations live before the step (weights, adapters, optimizer states)
+    n_live = EventTracker.last.device_events()[1]  # the allocations live before the step (weights, adapters,
+    # optimizer states; paged ones are outside the allocator)
     seq = pre + events[:n_live] + post + events[n_live:]
     largest = max(e[2] for e in events[n_live:] if e[0] == "alloc")
     rep = {name: replay(seq, expandable_segments=exp).max_reserved for name, exp in (("default", False),

@@ -59,7 +59,7 @@ NCCL_RANK_BYTES = {2: 544 * MIB, 3: 688 * MIB}
 # rounded up to the 2 MiB of a large segment (+ QLoRA's cached 16-bit embedding block), per allocator setting; exact
 # fractions chosen on the 49 replays of benchmarks/results/cuda_reserved_fit.json for the smallest spread with no
 # replay more than 5 % above the closed form. PyTorch's default: 0.95-1.11 x the replays, median 1.00 (least squares
-# without the bound: 0.49 x largest + 4.2 x layer). expandable_segments:True maps pages where a request needs them,
+# without the bound: 0.49 x largest + 4.2 x layer; on the 51 replays now: 0.96-1.11 x, median 1.01). expandable_segments:True maps pages where a request needs them,
 # so a layer's cached blocks cost nothing: 0.95-1.11 x, median 1.00 (least squares: 0.33 x largest + 0.011 x peak)
 FRAGMENTATION = {"default": {"largest": (2, 5), "peak": (3, 100), "layer": (4, 1)},
                  "expandable": {"largest": (7, 20), "peak": (1, 40), "layer": (0, 1)}}
@@ -71,11 +71,11 @@ FRAGMENTATION = {"default": {"largest": (2, 5), "peak": (3, 100), "layer": (4, 1
 # (QLoRA's replays include the load; its closed form was checked on the measured H200 row).
 FRAGMENTATION_LORA = {"default": {"largest": (3, 5), "peak": (1, 100), "layer": (17, 5)},
                       "expandable": {"largest": (9, 20), "peak": (3, 100), "layer": (0, 1)}}
-# Not in the closed form: the QLoRA paper's step on LLaMA-65B / Llama-2-70B (512 tokens, 80 layers) replays at 0.89 /
-# 0.91 x (two rows added to cuda_reserved_fit.json): bitsandbytes dequantises each weight into a 336-448 MiB block
-# and the layers' checkpoints split the cached ones, layer after layer. Left out until a GPU decides: the paper
-# trained 65B on one 48 GB card, while the replay at the L40S's capacity runs out of memory even with free-and-retry
-# (a 344 MiB request, 43.5 of 43.8 GiB reserved); a run capped with torch.cuda.set_per_process_memory_fraction tells.
+# The QLoRA paper's step on LLaMA-65B / Llama-2-70B (512 tokens, 80 layers, paged 32-bit AdamW): the closed form is
+# 1.03 / 1.04 x its replay. (Until 2026-12-07 the replay counted the paged states, which bitsandbytes keeps in CUDA
+# managed memory outside torch's allocator, as reserved: 6.3 GiB more, 0.89 / 0.91 x, and out of memory at the
+# L40S's capacity. Replayed at that capacity now: 40.3 / 42.2 GiB reserved of 43.8, no free-and-retry, as the paper
+# trained 65B on one 48 GB card.)
 ALLOCATORS = tuple(FRAGMENTATION)
 SEGMENT = 2 * MIB  # kRoundLarge: a large segment is a multiple of 2 MiB
 # DeepSpeed ZeRO-2 / ZeRO-3 allocate one gradient bucket of ``reduce_bucket_size`` elements (default 5e8, which the
