@@ -145,3 +145,20 @@ def test_first_divergence_names_the_kernel_two_steps_part_at(tmp_path):
     assert "forward _softmax.default" in d["only_b"] and d["only_b"]["forward _softmax.default"] > 0
     assert first_divergence(sdpa, sdpa[:-1]) == {"index": len(sdpa) - 1, "a": sdpa[-1], "b": None,
                                                  "only_a": {f"{sdpa[-1][0]} {sdpa[-1][1]}": sdpa[-1][2]}, "only_b": {}}
+
+
+def test_gpu_matmul_probe_runs_on_cpu_and_times_each_shape_in_the_model(tmp_path):
+    """The probe the next GPU session runs (the time model's matmul against CUDA's), exercised on tiny CPU shapes;
+    it finds the catalog row of the GPU torch names."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_matmul_probe as probe
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "probe.json"
+    assert probe.main(["--cpu", "--repeat", "3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["shape"] for r in rows] == [s[0] for s in probe.cpu_shapes()]
+    assert all(r["measured_seconds"] > 0 and r["model_seconds"] > 0 for r in rows)
+    assert probe.catalog_gpu("NVIDIA H100 80GB HBM3")["name"] == "H100-SXM"
+    assert probe.catalog_gpu("NVIDIA H200")["name"] == "H200"
