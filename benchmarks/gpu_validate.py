@@ -31,6 +31,7 @@ two tiny configurations run on the CPU (tracked real step) so the script itself 
     python benchmarks/gpu_validate.py --out benchmarks/results/gpu_validate.json
     python benchmarks/gpu_validate.py --cpu-dry-run --out /tmp/gpu_validate_dry.json
     python benchmarks/gpu_validate.py --cpu-matrix --out /tmp/sim_vs_cpu.json   # 18 tiny CPU configs
+    python benchmarks/gpu_validate.py --only "4L,qlora" --out /tmp/q.json   # the 65B step first, then every QLoRA row
 """
 from __future__ import annotations
 
@@ -315,6 +316,20 @@ def peak_live(snapshot: dict, before: int = 0, top: int = 20) -> dict:
                         for e in sorted(at.values(), key=lambda e: -e["size"])[:10]]}
 
 
+def select_configs(configs: list, only: str) -> list:
+    """The configs whose label contains ``only``; for a comma-separated ``only``, those matching any part, ordered by
+    the first part each matches (then as listed), so a list is also the order in which ``--budget-s`` spends its time.
+    An empty ``only`` keeps every config in its order; empty parts of a list are ignored."""
+    parts = [p.strip() for p in only.split(",") if p.strip()] if "," in only else [only]
+    out, taken = [], set()
+    for part in parts:
+        for c in configs:
+            if part in c[0] and c[0] not in taken:
+                out.append(c)
+                taken.add(c[0])
+    return out
+
+
 UNIT = ["GiB", 2**30]  # the CPU runs switch to MiB (tiny models)
 
 
@@ -350,7 +365,9 @@ def main(argv=None):
     ap.add_argument("--cpu-dry-run", action="store_true", help="no GPU: two tiny configs on the CPU (tests the script)")
     ap.add_argument("--cpu-matrix", action="store_true",
                     help="no GPU: 18 tiny configs on the CPU (simulate vs a real tracked CPU step)")
-    ap.add_argument("--only", default="", help="run configs whose label contains this text")
+    ap.add_argument("--only", default="",
+                    help="run configs whose label contains this text; a comma-separated list runs those matching any, "
+                         "in the list's order (under --budget-s the first ones run first)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new configs after this many seconds")
     ap.add_argument("--no-snapshot", action="store_true",
                     help="CUDA: do not record the allocator's history of each measured step (peak_live per row)")
@@ -368,7 +385,7 @@ def main(argv=None):
         return 0
     else:
         device, configs, ctx = "cuda", GPU_CONFIGS + cut_gpu_configs(), context_bytes()
-    configs = [c for c in configs if args.only in c[0]]
+    configs = select_configs(configs, args.only)
     t_start = time.perf_counter()
     rows = []
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",

@@ -62,14 +62,19 @@ def test_measure_step_snapshot_is_cuda_only():
         measure_step(model, batch, opt, snapshot="x.pickle")
 
 
-def test_gpu_validate_sums_what_is_live_at_the_recorded_peak():
-    """peak_live reads torch.cuda.memory._snapshot()'s trace as the allocated counter moves: an ``alloc`` adds its
-    block, a ``free_requested`` takes it away; blocks are grouped by the innermost library frame."""
+def _gpu_validate():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import gpu_validate
     finally:
         sys.path.pop(0)
+    return gpu_validate
+
+
+def test_gpu_validate_sums_what_is_live_at_the_recorded_peak():
+    """peak_live reads torch.cuda.memory._snapshot()'s trace as the allocated counter moves: an ``alloc`` adds its
+    block, a ``free_requested`` takes it away; blocks are grouped by the innermost library frame."""
+    gpu_validate = _gpu_validate()
     bnb = [{"filename": "/x/site-packages/bitsandbytes/functional.py", "line": 10, "name": "dequantize_4bit"},
            {"filename": "/x/train.py", "line": 1, "name": "main"}]
     user = [{"filename": "/x/train.py", "line": 5, "name": "main"}]
@@ -85,12 +90,19 @@ def test_gpu_validate_sums_what_is_live_at_the_recorded_peak():
     assert got["by_site"][1]["where"] == "/x/train.py:5 main" and [b["bytes"] for b in got["largest"]] == [300, 100]
 
 
+def test_gpu_validate_only_takes_a_comma_list_in_its_order():
+    """--only "a,b": the configs matching any part, those matching a first (the order --budget-s spends in)."""
+    gpu_validate = _gpu_validate()
+    configs = [(label, None, {}) for label in ("x lora", "x qlora", "y full", "z lora 4L")]
+    labels = lambda only: [c[0] for c in gpu_validate.select_configs(configs, only)]  # noqa: E731
+    assert labels("") == ["x lora", "x qlora", "y full", "z lora 4L"]
+    assert labels("qlora") == ["x qlora"]
+    assert labels("4L,qlora,lora") == ["z lora 4L", "x qlora", "x lora"]  # each once, at its first match
+    assert labels("full, 4L,") == ["y full", "z lora 4L"] and labels("nothing,else") == []
+
+
 def test_gpu_validate_skips_cleanly_without_cuda_and_dry_runs_on_cpu(tmp_path, capsys, monkeypatch):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_validate
-    finally:
-        sys.path.pop(0)
+    gpu_validate = _gpu_validate()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "gpu.json"
     assert gpu_validate.main(["--out", str(out)]) == 0
