@@ -32,6 +32,7 @@ two tiny configurations run on the CPU (tracked real step) so the script itself 
     python benchmarks/gpu_validate.py --cpu-dry-run --out /tmp/gpu_validate_dry.json
     python benchmarks/gpu_validate.py --cpu-matrix --out /tmp/sim_vs_cpu.json   # 18 tiny CPU configs
     python benchmarks/gpu_validate.py --only "4L,qlora" --out /tmp/q.json   # the 65B step first, then every QLoRA row
+    python benchmarks/gpu_validate.py --plan-only 9.0 --out /tmp/plan.json   # no GPU: the GPU configs but their steps
 """
 from __future__ import annotations
 
@@ -205,10 +206,10 @@ def context_bytes():
     return total - free
 
 
-def run_one(label, model, kw, device, ctx_bytes, snapshot_dir=None):
+def run_one(label, model, kw, device, ctx_bytes, snapshot_dir=None, plan_cc=None):
+    """One config's row. ``plan_cc`` (``--plan-only``): no real step; simulate traced as on CUDA and the CUDA extras
+    for a device of that compute capability, so everything but the measurement runs on a CPU."""
     import torch
-
-    from lora_kit.memory.measure import measure_config
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cuda_h200 import replayed, simulate_with_events
     row = {"label": label, "model": model if isinstance(model, str) else type(model).__name__, "settings": kw}
@@ -219,7 +220,7 @@ def run_one(label, model, kw, device, ctx_bytes, snapshot_dir=None):
     row["notes"] = [why] if why else []
     t0, sim = time.perf_counter(), None
     try:
-        sim, events = simulate_with_events(model, trace=device == "cuda", **kw)
+        sim, events = simulate_with_events(model, trace=device == "cuda" or plan_cc is not None, **kw)
         from cuda_h200 import EventTracker
         n_pre, live = EventTracker.last.device_events()[1], {}
         for e in events[:n_pre]:  # what simulate holds as the step starts (beside measured_before on the GPU)
@@ -234,6 +235,32 @@ def run_one(label, model, kw, device, ctx_bytes, snapshot_dir=None):
     except Exception as e:  # noqa: BLE001
         row.update(simulate_peak=None, simulate_total=None)
         row["notes"].append(f"simulate failed: {type(e).__name__}: {e}")
+    if plan_cc is None:
+        _measure(row, model, kw, device, ctx_bytes, snapshot_dir)
+    else:
+        row.update(measured_peak=None, measured_reserved=None, measured_total=None)
+    row["estimate_err_pct"] = _pct(row["estimate_peak"], row["measured_peak"])
+    if (device == "cuda" or plan_cc is not None) and est:
+        major, minor = torch.cuda.get_device_capability() if plan_cc is None else (0, 0)
+        try:
+            cuda_extras(row, model, kw, est, sim, plan_cc or major + minor / 10)
+        except Exception as e:  # noqa: BLE001 - recorded: the measured row and the configs after it still count
+            row["notes"].append(f"CUDA extras failed: {type(e).__name__}: {str(e)[:300]}")
+    row["simulate_err_pct"] = _pct(row.get("simulate_peak"), row["measured_peak"])
+    row["estimate_total_err_pct"] = _pct(row["estimate_total"], row.get("measured_total"))
+    row["closed_form_reserved_err_pct"] = _pct(row.get("closed_form_reserved"), row.get("measured_reserved"))
+    row["simulate_total_err_pct"] = _pct(row.get("simulate_total"), row.get("measured_total"))
+    if row.get("replay") and row.get("measured_reserved") is not None:  # on the setting this process runs with
+        setting = "expandable" if in_effect()["expandable_segments"] else "default"
+        row["replay_reserved_err_pct"] = _pct(row["replay"][setting]["max_reserved"], row["measured_reserved"])
+    return row
+
+
+def _measure(row, model, kw, device, ctx_bytes, snapshot_dir):
+    """The real step's figures into ``row`` (two steps; with ``snapshot_dir``, what is live at its peak)."""
+    import torch
+
+    from lora_kit.memory.measure import measure_config
     t0 = time.perf_counter()
     try:
         snap = None if snapshot_dir is None else Path(snapshot_dir) / "snapshot.pickle"
@@ -254,27 +281,22 @@ def run_one(label, model, kw, device, ctx_bytes, snapshot_dir=None):
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-    row["estimate_err_pct"] = _pct(row["estimate_peak"], row["measured_peak"])
-    if device == "cuda" and est:  # what max_memory_allocated shows: the step's tensors + two cuBLAS workspaces
-        from lora_kit.memory.device import cuda_allocated_bytes
-        major, minor = torch.cuda.get_device_capability()
-        cc = major + minor / 10
-        row["estimate_cuda_allocated"] = cuda_allocated_bytes(est.peak_allocated_bytes, cc, torch.__version__,
-                                                              os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
-        row["estimate_cuda_allocated_err_pct"] = _pct(row["estimate_cuda_allocated"], row["measured_peak"])
-        if sim is not None:  # CUDA's math-kernel fallback (fp32 q/k/v with grouped K/V), placed on the step, and
-            # with it the weights bitsandbytes' 4-bit matmul dequantises inside itself
-            from lora_kit.memory.cuda_kernels import kernel_extra, math_kernel_extra
-            row["math_kernel_extra"] = math_kernel_extra(model, sim=sim, compute_capability=cc, **kw)
-            row["kernel_extra"] = kernel_extra(model, sim=sim, compute_capability=cc, **kw)
-    row["simulate_err_pct"] = _pct(row.get("simulate_peak"), row["measured_peak"])
-    row["estimate_total_err_pct"] = _pct(row["estimate_total"], row.get("measured_total"))
-    row["closed_form_reserved_err_pct"] = _pct(row.get("closed_form_reserved"), row.get("measured_reserved"))
-    row["simulate_total_err_pct"] = _pct(row.get("simulate_total"), row.get("measured_total"))
-    if row.get("replay") and row.get("measured_reserved") is not None:  # on the setting this process runs with
-        setting = "expandable" if in_effect()["expandable_segments"] else "default"
-        row["replay_reserved_err_pct"] = _pct(row["replay"][setting]["max_reserved"], row["measured_reserved"])
-    return row
+
+
+def cuda_extras(row: dict, model, kw: dict, est, sim, cc: float) -> None:
+    """What ``max_memory_allocated`` shows beside the estimate (the step's tensors + two cuBLAS workspaces), and, on
+    the simulated step, CUDA's math-kernel fallback (fp32 q/k/v with grouped K/V) and the weights bitsandbytes' 4-bit
+    matmul dequantises inside itself, for a device of compute capability ``cc``."""
+    import torch
+
+    from lora_kit.memory.device import cuda_allocated_bytes
+    row["estimate_cuda_allocated"] = cuda_allocated_bytes(est.peak_allocated_bytes, cc, torch.__version__,
+                                                          os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    row["estimate_cuda_allocated_err_pct"] = _pct(row["estimate_cuda_allocated"], row["measured_peak"])
+    if sim is not None:
+        from lora_kit.memory.cuda_kernels import kernel_extra, math_kernel_extra
+        row["math_kernel_extra"] = math_kernel_extra(model, sim=sim, compute_capability=cc, **kw)
+        row["kernel_extra"] = kernel_extra(model, sim=sim, compute_capability=cc, **kw)
 
 
 LIBRARIES = ("bitsandbytes", "peft", "transformers", "lora_kit", "torch/nn/functional", "torch/utils/checkpoint")
@@ -365,6 +387,9 @@ def main(argv=None):
     ap.add_argument("--cpu-dry-run", action="store_true", help="no GPU: two tiny configs on the CPU (tests the script)")
     ap.add_argument("--cpu-matrix", action="store_true",
                     help="no GPU: 18 tiny configs on the CPU (simulate vs a real tracked CPU step)")
+    ap.add_argument("--plan-only", type=float, default=None, metavar="CC",
+                    help="no GPU: the GPU configs without their real step (simulate traced, replay, estimate, the "
+                         "CUDA extras for compute capability CC, e.g. 9.0), to check the script before a GPU session")
     ap.add_argument("--only", default="",
                     help="run configs whose label contains this text; a comma-separated list runs those matching any, "
                          "in the list's order (under --budget-s the first ones run first)")
@@ -376,7 +401,9 @@ def main(argv=None):
 
     from lora_kit.check.stack import cuda_memory
     from lora_kit.results import write_json_atomic
-    if args.cpu_dry_run or args.cpu_matrix:
+    if args.plan_only is not None:
+        device, configs, ctx = "cpu", GPU_CONFIGS + cut_gpu_configs(), 0
+    elif args.cpu_dry_run or args.cpu_matrix:
         device, configs, ctx = "cpu", tiny_configs(matrix=args.cpu_matrix), 0
         UNIT[:] = ["MiB", 2**20]
     elif not torch.cuda.is_available():
@@ -405,7 +432,8 @@ def main(argv=None):
             continue
         with tempfile.TemporaryDirectory() as tmp:
             row = run_one(label, model, kw, device, ctx,
-                          snapshot_dir=tmp if device == "cuda" and not args.no_snapshot else None)
+                          snapshot_dir=tmp if device == "cuda" and not args.no_snapshot else None,
+                          plan_cc=args.plan_only)
         if device == "cuda" and "(MLA)" in label:
             row["sdpa_backend"] = sdpa_backend(192, 128)
         rows.append(row)

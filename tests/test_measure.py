@@ -101,6 +101,18 @@ def test_gpu_validate_only_takes_a_comma_list_in_its_order():
     assert labels("full, 4L,") == ["y full", "z lora 4L"] and labels("nothing,else") == []
 
 
+def test_gpu_validate_plan_only_runs_a_gpu_config_but_its_step(tmp_path):
+    """--plan-only: a GPU config's simulate (traced as on CUDA), replay, estimate and CUDA extras run on the CPU;
+    nothing is measured, nothing fails."""
+    gpu_validate = _gpu_validate()
+    out = tmp_path / "plan.json"
+    assert gpu_validate.main(["--plan-only", "9.0", "--only", "deepseek-v2-lite 2L lora s2048", "--out", str(out)]) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["notes"] == [] and row["measured_peak"] is None and row["simulate_peak"] > 0, row
+    assert row["replay"]["default"]["max_reserved"] > 0 and row["estimate_cuda_allocated"] > row["estimate_peak"]
+    assert {"kernel_extra", "math_kernel_extra"} <= set(row)
+
+
 def test_gpu_validate_skips_cleanly_without_cuda_and_dry_runs_on_cpu(tmp_path, capsys, monkeypatch):
     gpu_validate = _gpu_validate()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
