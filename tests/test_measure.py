@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -111,6 +112,19 @@ def test_gpu_validate_plan_only_runs_a_gpu_config_but_its_step(tmp_path):
     assert row["notes"] == [] and row["measured_peak"] is None and row["simulate_peak"] > 0, row
     assert row["replay"]["default"]["max_reserved"] > 0 and row["estimate_cuda_allocated"] > row["estimate_peak"]
     assert {"kernel_extra", "math_kernel_extra"} <= set(row)
+
+
+def test_gpu_session_runs_every_gpu_config():
+    """scripts/gpu_session.sh: its priority order (VALIDATE_ORDER) leaves no GPU config out, and each part of its
+    expandable-segments list names one config."""
+    gpu_validate = _gpu_validate()
+    text = (ROOT / "scripts" / "gpu_session.sh").read_text()
+    order = re.search(r'^VALIDATE_ORDER="([^"]+)"', text, flags=re.M).group(1)
+    expandable = re.search(r'^EXPANDABLE_ONLY="([^"]+)"', text, flags=re.M).group(1)
+    configs = gpu_validate.GPU_CONFIGS + gpu_validate.cut_gpu_configs()
+    assert sorted(c[0] for c in gpu_validate.select_configs(configs, order)) == sorted(c[0] for c in configs)
+    for part in expandable.split(","):
+        assert len(gpu_validate.select_configs(configs, part)) == 1, part
 
 
 def test_gpu_validate_skips_cleanly_without_cuda_and_dry_runs_on_cpu(tmp_path, capsys, monkeypatch):
