@@ -83,6 +83,10 @@ EOF
 
 "$PY" scripts/gpu_session.py wheels-check .whl
 
+if [ "$FITS" = 1 ] && ! [ -x "$KIT_PY" ]; then
+  echo "no fits: $KIT_PY is not there (set KIT_PYTHON to the kit's python); the session will fit on the spot"
+  FITS=0
+fi
 if [ "$FITS" = 1 ]; then
   have=$("$KIT_PY" -c "import transformers; print(transformers.__version__)")
   if [ "$WITH_TRANSFORMERS" = 1 ] && [ "$have" != 5.24.0 ]; then
