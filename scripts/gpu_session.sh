@@ -11,10 +11,12 @@
 #  1. install .whl/*.whl into /tmp/site (pip --no-index --no-deps --target)
 #  2. env.json: nvidia-smi, versions, torch.cuda.mem_get_info, bitsandbytes' library, the carried wheels' needs
 #  3. smoke_run.tar.gz: `lora-kit run` (00, 03, 04) of QLoRA on qwen2.5-0.5b's shapes with random weights, on CUDA
-#  4. gpu_validate_expandable.json: a few configs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-#  5. gpu_validate.json: benchmarks/gpu_validate.py under PyTorch's default allocator, every config in priority order
+#  4. gpu_matmul_probe.json: the time model's matmuls (LoRA's narrow fp32 ones at few tokens) against CUDA's, with
+#     the kernels cuBLAS picks (split-K or not: benchmarks/gpu_matmul_probe.py)
+#  5. gpu_validate_expandable.json: a few configs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+#  6. gpu_validate.json: benchmarks/gpu_validate.py under PyTorch's default allocator, every config in priority order
 #     (VALIDATE_ORDER) until the time left is spent
-#  6. session.log (everything printed) and extras.tar.gz (nvidia-smi -q, pip list, the fits used and made)
+#  7. session.log (everything printed) and extras.tar.gz (nvidia-smi -q, pip list, the fits used and made)
 # Everything lands in $OUT (at most 8 files come back); nothing is written outside $WORK, $SITE, $OUT and /tmp.
 set -u
 cd "$(dirname "$0")/.."
@@ -76,10 +78,12 @@ if [ $CPU = 1 ]; then
   VALIDATE=(--cpu-dry-run)
   EXPANDABLE=(--cpu-dry-run --only tiny-llama)
   SMOKE=(--cpu)
+  PROBE=(--cpu --repeat 3)
 else
   VALIDATE=(--only "$VALIDATE_ORDER")
   EXPANDABLE=(--only "$EXPANDABLE_ONLY")
   SMOKE=()
+  PROBE=()
 fi
 # bounded steps first, then gpu_validate under the default allocator until the deadline: its --budget-s leaves 45 s
 # of its share for the process's start and the last config, which may start just before the budget ends
@@ -87,6 +91,7 @@ t=$(($(left) - 250))
 [ "$t" -gt 150 ] && t=150
 step smoke "$t" 250 "$PY" scripts/gpu_session.py smoke --runs-dir "$WORK/runs" --out "$OUT" --timeout $((t - 40)) \
   "${SMOKE[@]}"
+step matmul_probe 60 200 "$PY" benchmarks/gpu_matmul_probe.py --out "$OUT/gpu_matmul_probe.json" "${PROBE[@]}"
 t=$(($(left) - 160))
 [ "$t" -gt 100 ] && t=100
 step gpu_validate_expandable "$t" 160 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$PY" \
