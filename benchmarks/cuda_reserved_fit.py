@@ -15,6 +15,7 @@ on (largest allocation, peak, one layer's MLP activation as ``device_kwargs`` gi
 printed and saved (``--score`` re-scores the saved replays without simulating again).
 
     python benchmarks/cuda_reserved_fit.py [--quick] [--score] [--out benchmarks/results/cuda_reserved_fit.json]
+    python benchmarks/cuda_reserved_fit.py --at-capacity L40S   # the QLoRA paper step replayed within a card
 """
 from __future__ import annotations
 
@@ -35,9 +36,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from calibrate_accuracy import machine  # noqa: E402
 from cuda_h200 import EventTracker, simulate_with_events  # noqa: E402
-from lora_kit.memory.allocator import replay  # noqa: E402
+from lora_kit.memory.allocator import OutOfMemory, replay  # noqa: E402
+from lora_kit.memory.device import OUTSIDE_BYTES  # noqa: E402
 from lora_kit.memory.fits import versions  # noqa: E402
 from lora_kit.memory.specs import model_spec  # noqa: E402
+from lora_kit.plan.gpus import get_gpu  # noqa: E402
 from lora_kit.results import write_json_atomic  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "cuda_reserved_fit.json"
@@ -85,7 +88,8 @@ def load_prefix(model: str, method: str) -> tuple[list, list]:
     return [("alloc", ("load", i), size) for i in range(n)], [("free", ("load", i)) for i in range(n)]
 
 
-def one(case) -> dict:
+def sequence(case) -> tuple:
+    """(settings, simulate's result, the allocation sequence replayed, the largest allocation of the step)."""
     model, method, S, B, ck, *extra = case
     kw = dict(method=method, seq_len=S, batch_size=B, gradient_checkpointing=ck, dtype="bfloat16", optimizer="adamw")
     if method != "full":
@@ -93,13 +97,35 @@ def one(case) -> dict:
     kw.update({k: v for k, v in (extra[0] if extra else {}).items() if method != "full" or not k.startswith("lora")})
     if model_spec(model).model_type == "gemma2":
         kw["attn_implementation"] = "eager"  # transformers runs Gemma-2 with eager attention only
-    t0 = time.perf_counter()
     sim, events = simulate_with_events(model, **kw)
     pre, post = load_prefix(model, method)
     n_live = EventTracker.last.device_events()[1]  # the allocations live before the step (weights, adapters,
     # optimizer states; paged ones are outside the allocator)
     seq = pre + events[:n_live] + post + events[n_live:]
-    largest = max(e[2] for e in events[n_live:] if e[0] == "alloc")
+    return kw, sim, seq, max(e[2] for e in events[n_live:] if e[0] == "alloc")
+
+
+def at_capacity(gpu: str) -> None:
+    """The QLoRA paper's step on LLaMA-65B / Llama-2-70B replayed with only ``gpu``'s CUDA capacity less the context
+    and QLoRA's memory outside the allocator to reserve from (free-and-retry as torch does at an OOM)."""
+    g = get_gpu(gpu)
+    cap = int(g["cuda_capacity_bytes"]) - int(g["context_bytes"]) - OUTSIDE_BYTES["qlora"]
+    for case in CASES[-2:]:
+        _, sim, seq, _ = sequence(case)
+        for name, exp in (("default", False), ("expandable", True)):
+            try:
+                st = replay(seq, capacity=cap, expandable_segments=exp)
+                got = f"reserved {st.max_reserved / GIB:.2f} GiB, {st.num_alloc_retries} free-and-retry"
+            except OutOfMemory as e:
+                got = f"out of memory: {e}"
+            print(f"{case[0]:<12} {name:<10} peak allocated {sim.peak_allocated_bytes / GIB:.2f} GiB; capacity "
+                  f"{cap / GIB:.2f} GiB on the {gpu}: {got}", flush=True)
+
+
+def one(case) -> dict:
+    t0 = time.perf_counter()
+    kw, sim, seq, largest = sequence(case)
+    model = case[0]
     rep = {name: replay(seq, expandable_segments=exp).max_reserved for name, exp in (("default", False),
                                                                                        ("expandable", True))}
     bd = sim.breakdown
@@ -140,7 +166,12 @@ def main(argv=None) -> int:
     p.add_argument("--score", action="store_true", help="score the closed form on the saved replays (--out) only")
     p.add_argument("--missing", action="store_true", help="replay only the cases the saved results (--out) lack")
     p.add_argument("--out", default=str(OUT))
+    p.add_argument("--at-capacity", metavar="GPU", default="",
+                   help="only replay the QLoRA paper's 65B / 70B step within GPU's capacity (e.g. L40S); writes nothing")
     a = p.parse_args(argv)
+    if a.at_capacity:
+        at_capacity(a.at_capacity)
+        return 0
     t0 = time.perf_counter()
     rows, saved = [], {}
     if a.score or a.missing:

@@ -75,7 +75,7 @@ FRAGMENTATION_LORA = {"default": {"largest": (3, 5), "peak": (1, 100), "layer": 
 # 1.03 / 1.04 x its replay. (Until 2026-12-07 the replay counted the paged states, which bitsandbytes keeps in CUDA
 # managed memory outside torch's allocator, as reserved: 6.3 GiB more, 0.89 / 0.91 x, and out of memory at the
 # L40S's capacity. Replayed at that capacity now: 40.3 / 42.2 GiB reserved of 43.8, no free-and-retry, as the paper
-# trained 65B on one 48 GB card.)
+# trained 65B on one 48 GB card: ``python benchmarks/cuda_reserved_fit.py --at-capacity L40S``.)
 ALLOCATORS = tuple(FRAGMENTATION)
 SEGMENT = 2 * MIB  # kRoundLarge: a large segment is a multiple of 2 MiB
 # DeepSpeed ZeRO-2 / ZeRO-3 allocate one gradient bucket of ``reduce_bucket_size`` elements (default 5e8, which the
