@@ -297,6 +297,13 @@ def cuda_extras(row: dict, model, kw: dict, est, sim, cc: float) -> None:
         from lora_kit.memory.cuda_kernels import kernel_extra, math_kernel_extra
         row["math_kernel_extra"] = math_kernel_extra(model, sim=sim, compute_capability=cc, **kw)
         row["kernel_extra"] = kernel_extra(model, sim=sim, compute_capability=cc, **kw)
+    if kw.get("attn_implementation", "sdpa") == "sdpa":  # the SDPA backend the kit names for this step's call, and
+        # on a GPU the one this torch picks for the same shapes, dtype and flags (torch._fused_sdp_choice)
+        from lora_kit.memory.cuda_kernels import observed_backend, sdpa_backend, sdpa_call
+        call = sdpa_call(model, **kw)
+        row["sdpa_predicted"] = sdpa_backend(call, torch.__version__, cc).backend
+        if torch.cuda.is_available():
+            row["sdpa_observed"] = observed_backend(call)
 
 
 LIBRARIES = ("bitsandbytes", "peft", "transformers", "lora_kit", "torch/nn/functional", "torch/utils/checkpoint")

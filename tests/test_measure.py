@@ -112,6 +112,9 @@ def test_gpu_validate_plan_only_runs_a_gpu_config_but_its_step(tmp_path):
     assert row["notes"] == [] and row["measured_peak"] is None and row["simulate_peak"] > 0, row
     assert row["replay"]["default"]["max_reserved"] > 0 and row["estimate_cuda_allocated"] > row["estimate_peak"]
     assert {"kernel_extra", "math_kernel_extra"} <= set(row)
+    # multi-head latent attention: q/k heads of 192 and v of 128 rule flash out (equal head sizes); the
+    # memory-efficient kernel takes them. The GPU session sets beside it the backend torch picks there.
+    assert row["sdpa_predicted"] == "efficient" and "sdpa_observed" not in row
 
 
 def test_gpu_session_runs_every_gpu_config():
