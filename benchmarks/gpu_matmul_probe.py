@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lora_kit.plan import time_constants as C  # noqa: E402
-from lora_kit.plan.gpus import get_gpu  # noqa: E402
+from lora_kit.plan.gpus import catalog_name, get_gpu  # noqa: E402
 from lora_kit.plan.timing import TimeModel, _Clock, fp32_flops, peak_flops  # noqa: E402
 from lora_kit.results import write_json_atomic  # noqa: E402
 
@@ -62,16 +62,8 @@ def predicted_seconds(gpu: dict, T: int, k: int, n: int, dtype: str) -> float:
 
 
 def catalog_gpu(device_name: str) -> dict:
-    """The catalog row of the GPU torch names (H200, H100 ...), else the H200's (said in the output)."""
-    name = device_name.upper()
-    for key in ("H200", "H100", "A100", "L40S", "L4", "A10G", "4090"):
-        if key in name:
-            guess = {"H100": "H100-SXM", "A100": "A100-80GB", "4090": "RTX-4090"}.get(key, key)
-            try:
-                return get_gpu(guess)
-            except (KeyError, ValueError):
-                break
-    return get_gpu("H200")
+    """The catalog row of the GPU torch names (H200, H100 ...), else the H200's (the output names the row used)."""
+    return get_gpu(catalog_name(device_name) or "H200")
 
 
 def time_one(torch, T, k, n, dtype, device, repeat: int) -> tuple[float, list]:

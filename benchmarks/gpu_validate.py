@@ -22,7 +22,10 @@ empty for each.
 Where a peak misses, two figures per config say where: ``measured_before`` (``memory_allocated`` as the measured step
 starts) beside ``simulate_before`` (what simulate holds then), and ``peak_live``: the allocator's history of the
 measured step (``torch.cuda.memory._record_memory_history``, Python stacks; ``--no-snapshot`` turns it off), summed
-at its peak by the library line that allocated each block.
+at its peak by the library line that allocated each block (with it a third step runs: the second, untraced, is
+timed). Per config on a GPU also: ``measured_step_seconds`` beside the time model's ``model_step_seconds`` for that
+card (:func:`lora_kit.plan.timing.step_time`, issue 35's figure), and ``sdpa_predicted`` / ``sdpa_observed``: the
+attention kernel the kit names and the one this torch picks for the same call.
 
 Prints one table and writes JSON (atomically) to ``--out``. Designed to finish in < 8 minutes on
 one H200. CI never needs it. Without CUDA it says so and exits 0, unless ``--cpu-dry-run``: then
@@ -264,8 +267,12 @@ def _measure(row, model, kw, device, ctx_bytes, snapshot_dir):
     t0 = time.perf_counter()
     try:
         snap = None if snapshot_dir is None else Path(snapshot_dir) / "snapshot.pickle"
-        real = measure_config(model, device=device, snapshot=snap, **kw)
+        # with a snapshot, a third step: the second, untraced, is the one timed
+        real = measure_config(model, device=device, snapshot=snap, steps=3 if snap else 2, **kw)
         row["measured_before"] = real.allocated_before_bytes
+        if device == "cuda":  # seconds of a steady-state step beside the time model's for this GPU
+            row["measured_step_seconds"] = real.earlier_step_seconds[-1] if snap else real.wall_seconds
+            row.update(modelled_time(model, kw, torch.cuda.get_device_name()))
         if snap is not None:  # the step's own blocks live at its peak, by where they were allocated
             import pickle
             with open(snap, "rb") as f:
@@ -281,6 +288,22 @@ def _measure(row, model, kw, device, ctx_bytes, snapshot_dir):
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
+
+
+def modelled_time(model, kw: dict, device_name: str) -> dict:
+    """The time model's step (lora_kit.plan.timing.step_time) on the catalog row of the GPU torch calls
+    ``device_name``, or why not."""
+    from lora_kit.plan.gpus import catalog_name, get_gpu
+    from lora_kit.plan.timing import step_time
+    name = catalog_name(device_name)
+    if name is None:
+        return {"model_step_note": f"{device_name} is not in the GPU catalog"}
+    try:
+        t = step_time(model, get_gpu(name), **kw)
+    except Exception as e:  # noqa: BLE001 - recorded: the memory figures of the row still count
+        return {"model_step_note": f"step_time failed: {type(e).__name__}: {str(e)[:200]}"}
+    return {"model_step_seconds": t["step_seconds"], "model_gpu": name, "model_attention_kernel": t["attention_kernel"],
+            "model_step_parts": t["parts_seconds"]}
 
 
 def cuda_extras(row: dict, model, kw: dict, est, sim, cc: float) -> None:

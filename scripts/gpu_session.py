@@ -43,9 +43,6 @@ SMOKE = {"gpu": dict(notebooks=["00", "03", "04"], dtype="bfloat16", seq_len=102
          "cpu": dict(notebooks=["00", "03"], dtype="float32", seq_len=64, batch_size=2,
                      gradient_checkpointing=False, max_steps=2, eval_examples=8, control_examples=8)}
 SMOKE_COMMON = dict(method="qlora", compare_base_mix=0)
-# the plan's GPU from nvidia-smi's name (lora_kit/catalog/gpus.csv); others plan for an A100-80GB
-GPU_NAMES = (("H200", "H200"), ("H100 PCIe", "H100-PCIe"), ("H100", "H100-SXM"), ("A100-SXM4-40GB", "A100-40GB"),
-             ("A100", "A100-80GB"), ("L40S", "L40S"), ("L4", "L4"))
 KEEP_OUT_OF_PACK = ("plotly.min.js", ".safetensors", ".bin", ".pt")  # large, and not results
 
 
@@ -290,7 +287,10 @@ def build_model(folder: str | Path, kind: str, config_only: bool = False) -> Non
 
 
 def plan_gpu(smi_name: str) -> str:
-    return next((gpu for key, gpu in GPU_NAMES if key in smi_name), "A100-80GB")
+    """The plan's GPU from nvidia-smi's name (lora_kit.plan.gpus.catalog_name); a card not in the catalog plans for
+    an A100-80GB."""
+    from lora_kit.plan.gpus import catalog_name
+    return catalog_name(smi_name) or "A100-80GB"
 
 
 def _gpu_name() -> str:

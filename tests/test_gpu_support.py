@@ -147,3 +147,14 @@ def test_run_lets_the_same_step_through_on_an_ampere_gpu(tmp_path, capsys):
                  str(tmp_path / "runs"), "--name", "x"]) == 2
     err = capsys.readouterr().err
     assert "invalid settings" in err and "cannot run its step" not in err
+
+
+def test_catalog_name_of_the_names_cuda_reports():
+    """torch.cuda.get_device_name() / nvidia-smi names to catalog rows (the GPU session and gpu_validate use it)."""
+    from lora_kit.plan.gpus import catalog_name, known_gpus
+    cases = {"NVIDIA H200": "H200", "NVIDIA H100 80GB HBM3": "H100-SXM", "NVIDIA H100 PCIe": "H100-PCIe",
+             "NVIDIA A100-SXM4-40GB": "A100-40GB", "NVIDIA A100-SXM4-80GB": "A100-80GB", "NVIDIA L40S": "L40S",
+             "NVIDIA L4": "L4", "NVIDIA A10G": "A10G", "NVIDIA GeForce RTX 4090": "RTX-4090", "Tesla T4": "T4",
+             "NVIDIA RTX 6000 Ada Generation": "RTX-6000-Ada", "Quadro P400": None}
+    assert {k: catalog_name(k) for k in cases} == cases
+    assert {v for v in cases.values() if v} <= set(known_gpus())

@@ -203,3 +203,12 @@ def test_gpu_matmul_probe_runs_on_cpu_and_times_each_shape_in_the_model(tmp_path
     assert all(r["measured_seconds"] > 0 and r["model_seconds"] > 0 for r in rows)
     assert probe.catalog_gpu("NVIDIA H100 80GB HBM3")["name"] == "H100-SXM"
     assert probe.catalog_gpu("NVIDIA H200")["name"] == "H200"
+
+
+def test_gpu_validate_sets_the_time_model_beside_the_timed_step():
+    """On a GPU each row gets the time model's step for that card, found by the name torch gives it."""
+    gpu_validate = _gpu_validate()
+    kw = dict(method="qlora", seq_len=512, lora_rank=64, lora_alpha=16, gradient_checkpointing=True)
+    got = gpu_validate.modelled_time("llama-3.2-1b", kw, "NVIDIA H100 80GB HBM3")
+    assert got["model_gpu"] == "H100-SXM" and got["model_step_seconds"] > 0 and "matmul" in got["model_step_parts"]
+    assert "not in the GPU catalog" in gpu_validate.modelled_time("llama-3.2-1b", kw, "Quadro P400")["model_step_note"]

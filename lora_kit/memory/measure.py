@@ -46,6 +46,8 @@ class MeasureResult:
     allocated_before_bytes: int | None = None  # live as the measured step starts (weights, adapters, optimizer
     # states, the batch; CUDA: memory_allocated(); CPU: tracked, paged states left out); the rest of the peak is the
     # step's own
+    earlier_step_seconds: list | None = None  # CUDA: the wall seconds of each step before the measured one (the
+    # loss read back each step, so the device has finished; the last is a steady-state step that no snapshot slowed)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,9 +74,11 @@ def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, aut
     if snapshot is not None and device.type != "cuda":
         raise ValueError(f"snapshot records CUDA's caching allocator; this step runs on {device.type!r} "
                          "(on the CPU, trace=True keeps the tracked step's operators and allocations).")
-    losses = []
+    losses, walls = [], []
     for _ in range(steps - 1):
-        losses.append(float(train_step(model, batch, optimizer, autocast_ctx=autocast_ctx).loss))
+        t0 = time.perf_counter()
+        losses.append(float(train_step(model, batch, optimizer, autocast_ctx=autocast_ctx).loss))  # float(): waits
+        walls.append(time.perf_counter() - t0)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -93,7 +97,7 @@ def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, aut
                 torch.cuda.memory._record_memory_history(enabled=None)
         return MeasureResult(int(torch.cuda.max_memory_allocated(device)),
                              int(torch.cuda.max_memory_reserved(device)), {}, "", str(device), wall, losses,
-                             allocated_before_bytes=before)
+                             allocated_before_bytes=before, earlier_step_seconds=walls)
     tracker = LiveBytesTracker(trace=trace)
     label_training_state(tracker, model, optimizer, paged=paged)
     tracker.track(v for v in batch.values() if isinstance(v, torch.Tensor))
