@@ -84,7 +84,7 @@ def measure_step(model, batch: dict, optimizer, steps: int = 2, device=None, aut
         torch.cuda.reset_peak_memory_stats(device)
         before = int(torch.cuda.memory_allocated(device))
         if snapshot is not None:
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc", stacks="python")
         try:
             t0 = time.perf_counter()
             losses.append(float(train_step(model, batch, optimizer, autocast_ctx=autocast_ctx).loss))
