@@ -167,7 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--missing", action="store_true", help="replay only the cases the saved results (--out) lack")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--at-capacity", metavar="GPU", default="",
-                   help="only replay the QLoRA paper's 65B / 70B step within GPU's capacity (e.g. L40S); writes nothing")
+                   help="only replay the QLoRA paper's 65B / 70B step within GPU's capacity (e.g. L40S); "
+                        "writes nothing")
     a = p.parse_args(argv)
     if a.at_capacity:
         at_capacity(a.at_capacity)

@@ -333,7 +333,8 @@ LIBRARIES = ("bitsandbytes", "peft", "transformers", "lora_kit", "torch/nn/funct
 
 
 def _where(frames: list) -> str:
-    """The innermost frame of an allocation in one of :data:`LIBRARIES` (else the innermost frame), as path:line name."""
+    """The innermost frame of an allocation in one of :data:`LIBRARIES` (else the innermost frame), as
+    path:line name."""
     frames = frames or []
     f = next((f for f in frames if any(lib in f.get("filename", "") for lib in LIBRARIES)), frames[0] if frames else {})
     name = f.get("filename", "?")

@@ -59,8 +59,9 @@ NCCL_RANK_BYTES = {2: 544 * MIB, 3: 688 * MIB}
 # rounded up to the 2 MiB of a large segment (+ QLoRA's cached 16-bit embedding block), per allocator setting; exact
 # fractions chosen on the 49 replays of benchmarks/results/cuda_reserved_fit.json for the smallest spread with no
 # replay more than 5 % above the closed form. PyTorch's default: 0.95-1.11 x the replays, median 1.00 (least squares
-# without the bound: 0.49 x largest + 4.2 x layer; on the 51 replays now: 0.96-1.11 x, median 1.01). expandable_segments:True maps pages where a request needs them,
-# so a layer's cached blocks cost nothing: 0.95-1.11 x, median 1.00 (least squares: 0.33 x largest + 0.011 x peak)
+# without the bound: 0.49 x largest + 4.2 x layer; on the 51 replays now: 0.96-1.11 x, median 1.01).
+# expandable_segments:True maps pages where a request needs them, so a layer's cached blocks cost nothing:
+# 0.95-1.11 x, median 1.00 (least squares: 0.33 x largest + 0.011 x peak)
 FRAGMENTATION = {"default": {"largest": (2, 5), "peak": (3, 100), "layer": (4, 1)},
                  "expandable": {"largest": (7, 20), "peak": (1, 40), "layer": (0, 1)}}
 # LoRA, its own fractions: under PyTorch's default the shared ones sat at 0.953-1.020 x LoRA's 20 replays (median

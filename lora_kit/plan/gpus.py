@@ -171,9 +171,9 @@ def get_gpu(name: str, extra_csv=None) -> dict:
 # what torch.cuda.get_device_name() / nvidia-smi call a catalog GPU: (text in the device's name, catalog name), the
 # first match wins (the more specific first)
 DEVICE_NAMES = (("H200", "H200"), ("H100 PCIE", "H100-PCIe"), ("H100", "H100-SXM"), ("A100-SXM4-40GB", "A100-40GB"),
-                ("A100-PCIE-40GB", "A100-40GB"), ("A100", "A100-80GB"), ("L40S", "L40S"), ("RTX 6000 ADA", "RTX-6000-Ada"),
-                ("RTX 4090", "RTX-4090"), ("A10G", "A10G"), ("L4", "L4"), ("T4", "T4"), ("B200", "B200"),
-                ("GB10", "GB10"))
+                ("A100-PCIE-40GB", "A100-40GB"), ("A100", "A100-80GB"), ("L40S", "L40S"),
+                ("RTX 6000 ADA", "RTX-6000-Ada"), ("RTX 4090", "RTX-4090"), ("A10G", "A10G"), ("L4", "L4"),
+                ("T4", "T4"), ("B200", "B200"), ("GB10", "GB10"))
 
 
 def catalog_name(device_name: str) -> str | None:
