@@ -88,7 +88,7 @@ def cut_gpu_configs():
     """Catalog entries cut to a few layers (every block at its real widths). Mixture-of-experts, 2 layers: Mixtral's
     grouped_mm experts and DeepSeek-V2-Lite's multi-head latent attention, whose q/k heads (192) differ from v's
     (128): the CPU runs SDPA's math path (what estimate / simulate count); the row records the kernel CUDA picks
-    (``sdpa_backend``). And the QLoRA paper's step on the LLaMA-65B config cut to 4 layers (512 tokens, r 64, paged
+    (``sdpa_observed``, beside the kit's ``sdpa_predicted``: :func:`cuda_extras`). And the QLoRA paper's step on the LLaMA-65B config cut to 4 layers (512 tokens, r 64, paged
     32-bit AdamW): large 4-bit weights against few tokens, where the bf16 weight bitsandbytes' matmul dequantises
     inside itself can top the step (``kernel_extra``)."""
     from transformers import AutoConfig
@@ -111,17 +111,6 @@ def cut_gpu_configs():
         cfg.name_or_path = f"{name}[{layers} layers]"
         out.append((label, cfg, kw))
     return out
-
-
-def sdpa_backend(dq: int, dv: int, heads: int = 16, seq: int = 2048) -> str:
-    """The SDPA kernel PyTorch picks on this CUDA device for bf16 q/k heads ``dq`` wide and v heads ``dv`` wide."""
-    import torch
-    q = torch.empty(1, heads, seq, dq, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.empty(1, heads, seq, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    try:
-        return str(torch.nn.attention.SDPBackend(torch._fused_sdp_choice(q, q, v, is_causal=True)))
-    except Exception as e:  # noqa: BLE001 - private API: record why
-        return f"unknown ({type(e).__name__}: {e})"
 
 
 def tiny_configs(matrix: bool = False):
@@ -465,8 +454,6 @@ def main(argv=None):
             row = run_one(label, model, kw, device, ctx,
                           snapshot_dir=tmp if device == "cuda" and not args.no_snapshot else None,
                           plan_cc=args.plan_only)
-        if device == "cuda" and "(MLA)" in label:
-            row["sdpa_backend"] = sdpa_backend(192, 128)
         rows.append(row)
         print(f"{label}: measured {_fmt(row['measured_peak'])} {UNIT[0]} simulate {_fp(row['simulate_err_pct'])} "
               f"estimate {_fp(row['estimate_err_pct'])} ({time.perf_counter() - t_start:.0f} s)", flush=True)
